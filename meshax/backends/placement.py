@@ -1,0 +1,144 @@
+"""`PlacementMeshImpl`: one array per device, every collective an explicit transfer.
+
+Slow and transparent: each op runs eagerly on each device's slice, and allreduce, allgather,
+alltoall, reduce-scatter and permutes are written out as device-to-device copies in Python.
+It shares no collective code with the SIMD backend, so it is an independent check of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.layout import slice_begin, slice_shape
+from meshax.lower.mesh_impl import MeshImpl
+
+_REDUCE = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
+
+
+class PlacementMeshImpl(MeshImpl):
+    """A slice list holds `size` arrays, the one at index pnum on device pnum."""
+
+    _abstract = False
+
+    def _put(self, x, pnum: int):
+        if self._abstract or isinstance(x, jax.core.Tracer):
+            return x
+        return jax.device_put(x, self.devices[pnum])
+
+    def _groups(self, axes) -> list[list[int]]:
+        """Processors that differ only in `axes`, each group ordered by its coordinates there."""
+        groups: dict[tuple, list[int]] = {}
+        for p in range(self.size):
+            c = self.pnum_to_processor_coordinates(p)
+            key = tuple(v for m, v in enumerate(c) if m not in axes)
+            groups.setdefault(key, []).append(p)
+        return list(groups.values())
+
+    # ---- primitives ------------------------------------------------------------------------
+    def slicewise(self, fn: Callable, *args):
+        outs = [fn(*[a[p] if isinstance(a, list) else a for a in args]) for p in range(self.size)]
+        if isinstance(outs[0], tuple):
+            return tuple([self._put(o[k], p) for p, o in enumerate(outs)] for k in range(len(outs[0])))
+        return [self._put(o, p) for p, o in enumerate(outs)]
+
+    def pcoord(self, axis: int) -> list:
+        return [self._put(jnp.int32(self.pnum_to_processor_coordinates(p)[axis]), p) for p in range(self.size)]
+
+    def allreduce(self, xs, axes, op):
+        out = [None] * self.size
+        for group in self._groups(set(axes)):
+            total = self._put(xs[group[0]], group[0])
+            for p in group[1:]:
+                total = _REDUCE[op](total, self._put(xs[p], group[0]))
+            for p in group:
+                out[p] = self._put(total, p)
+        return out
+
+    def allgather(self, xs, axis, dim):
+        out = [None] * self.size
+        for group in self._groups({axis}):
+            full = jnp.concatenate([self._put(xs[p], group[0]) for p in group], axis=dim)
+            for p in group:
+                out[p] = self._put(full, p)
+        return out
+
+    def alltoall(self, xs, axis, split_dim, concat_dim):
+        out = [None] * self.size
+        for group in self._groups({axis}):
+            pieces = {p: jnp.split(xs[p], len(group), axis=split_dim) for p in group}
+            for k, receiver in enumerate(group):
+                out[receiver] = jnp.concatenate([self._put(pieces[s][k], receiver) for s in group], axis=concat_dim)
+        return out
+
+    def reduce_scatter(self, xs, axis, dim):
+        summed = self.allreduce(xs, [axis], "sum")
+        out = [None] * self.size
+        for group in self._groups({axis}):
+            for k, p in enumerate(group):
+                out[p] = jnp.split(summed[p], len(group), axis=dim)[k]
+        return out
+
+    def shift(self, xs, axis, offset, wrap):
+        n = self.shape[axis].size
+        out = [None] * self.size
+        for group in self._groups({axis}):
+            for k, p in enumerate(group):
+                src = k - offset
+                if wrap:
+                    src %= n
+                out[p] = self._put(xs[group[src]], p) if 0 <= src < n else self._put(jnp.zeros_like(xs[p]), p)
+        return out
+
+    # ---- execution -------------------------------------------------------------------------
+    def _split(self, array, shape, layout) -> list:
+        size = slice_shape(shape, layout, self.shape)
+        out = []
+        for p in range(self.size):
+            begin = slice_begin(shape, layout, self.shape, self.pnum_to_processor_coordinates(p))
+            out.append(self._put(array[tuple(slice(b, b + s) for b, s in zip(begin, size))], p))
+        return out
+
+    def _assemble(self, slices, shape, dtype, layout) -> np.ndarray:
+        full = np.empty(shape.to_integer_list, dtype=dtype)
+        size = slice_shape(shape, layout, self.shape)
+        for p in range(self.size):
+            begin = slice_begin(shape, layout, self.shape, self.pnum_to_processor_coordinates(p))
+            full[tuple(slice(b, b + s) for b, s in zip(begin, size))] = np.asarray(slices[p])
+        return full
+
+    def trace(self, body, in_specs):
+        def run(seed, *flat):
+            it = iter(flat)
+            inputs = [[next(it) for _ in range(self.size)] for _ in in_specs]
+            body(inputs, [seed] * self.size)
+
+        flat = [jax.ShapeDtypeStruct(tuple(slice_shape(s, l, self.shape)), d)
+                for s, d, l in in_specs for _ in range(self.size)]
+        jax.eval_shape(run, jax.ShapeDtypeStruct((), jnp.uint32), *flat)
+
+    def compile(self, body, in_specs, out_specs):
+        def run(args, seed):
+            inputs = [self._split(np.asarray(a), s, l) for a, (s, _, l) in zip(args, in_specs)]
+            seeds = [self._put(jnp.uint32(seed), p) for p in range(self.size)]
+            outs = body(inputs, seeds)
+            return [self._assemble(o, s, d, l) for o, (s, d, l) in zip(outs, out_specs)]
+
+        return _PlacementRunner(run)
+
+
+class _PlacementRunner:
+    def __init__(self, run):
+        self._run = run
+
+    def __call__(self, args, seed):
+        return self._run(args, seed)
+
+    def compiled_text(self, args, seed) -> str:
+        raise TypeError(
+            "PlacementMeshImpl runs op by op on each device and has no single compiled program; "
+            "use SimdMeshImpl to inspect the compiled HLO"
+        )

@@ -1,0 +1,123 @@
+"""`SimdMeshImpl`: the whole graph traced once inside `jax.shard_map`, jitted.
+
+A slice list holds one array: the slice of whichever device runs the program. Collectives are
+`jax.lax` collectives over the mesh's named axes, so the program's size does not grow with
+the number of devices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AbstractMesh, NamedSharding
+from jax.sharding import Mesh as JaxMesh
+from jax.sharding import PartitionSpec as P
+
+from meshax.layout import TensorLayout
+from meshax.lower.mesh_impl import MeshImpl
+
+_REDUCERS = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
+
+
+class SimdMeshImpl(MeshImpl):
+    """One SPMD program for all devices, partitioned by `jax.shard_map`."""
+
+    _jax_mesh = None
+
+    @property
+    def jax_mesh(self) -> JaxMesh:
+        if self._jax_mesh is None:
+            devices = np.array(self.devices, dtype=object).reshape(self.shape.to_integer_list)
+            self._jax_mesh = JaxMesh(devices, self.axis_names)
+        return self._jax_mesh
+
+    @property
+    def abstract_mesh(self) -> AbstractMesh:
+        return AbstractMesh(tuple(self.shape.to_integer_list), self.axis_names)
+
+    def partition_spec(self, layout: TensorLayout) -> P:
+        names = self.axis_names
+        return P(*[None if not a else names[a[0]] if len(a) == 1 else tuple(names[m] for m in a)
+                   for a in layout.axes])
+
+    def named_sharding(self, layout: TensorLayout) -> NamedSharding:
+        return NamedSharding(self.jax_mesh, self.partition_spec(layout))
+
+    # ---- primitives ------------------------------------------------------------------------
+    def slicewise(self, fn: Callable, *args):
+        out = fn(*[a[0] if isinstance(a, list) else a for a in args])
+        if isinstance(out, tuple):
+            return tuple([o] for o in out)
+        return [out]
+
+    def pcoord(self, axis: int) -> list:
+        return [jax.lax.axis_index(self.axis_names[axis])]
+
+    def _names(self, axes) -> tuple[str, ...]:
+        return tuple(self.axis_names[m] for m in axes)
+
+    def allreduce(self, xs, axes, op):
+        return [_REDUCERS[op](xs[0], self._names(axes))]
+
+    def allgather(self, xs, axis, dim):
+        return [jax.lax.all_gather(xs[0], self.axis_names[axis], axis=dim, tiled=True)]
+
+    def alltoall(self, xs, axis, split_dim, concat_dim):
+        return [jax.lax.all_to_all(xs[0], self.axis_names[axis], split_dim, concat_dim, tiled=True)]
+
+    def reduce_scatter(self, xs, axis, dim):
+        return [jax.lax.psum_scatter(xs[0], self.axis_names[axis], scatter_dimension=dim, tiled=True)]
+
+    def shift(self, xs, axis, offset, wrap):
+        n = self.shape[axis].size
+        if wrap:
+            perm = [(i, (i + offset) % n) for i in range(n)]
+        else:
+            perm = [(i, i + offset) for i in range(n) if 0 <= i + offset < n]
+        if not perm:
+            return [jnp.zeros_like(xs[0])]
+        return [jax.lax.ppermute(xs[0], self.axis_names[axis], perm)]
+
+    # ---- execution -------------------------------------------------------------------------
+    def _local(self, body: Callable) -> Callable:
+        def local(seed, *args):
+            return tuple(o[0] for o in body([[a] for a in args], [seed]))
+        return local
+
+    def trace(self, body, in_specs):
+        fn = jax.shard_map(self._local(body), mesh=self.abstract_mesh,
+                           in_specs=(P(),) + tuple(self.partition_spec(l) for _, _, l in in_specs),
+                           out_specs=P(), check_vma=False)
+        # Outputs are only needed for their side effect on the counters: return none of them.
+        jax.eval_shape(lambda seed, *a: (fn(seed, *a), None)[1],
+                       jax.ShapeDtypeStruct((), jnp.uint32),
+                       *[jax.ShapeDtypeStruct(tuple(s.to_integer_list), d) for s, d, _ in in_specs])
+
+    def compile(self, body, in_specs, out_specs):
+        in_sh = [self.named_sharding(l) for _, _, l in in_specs]
+        fn = jax.jit(jax.shard_map(
+            self._local(body), mesh=self.jax_mesh,
+            in_specs=(P(),) + tuple(s.spec for s in in_sh),
+            out_specs=tuple(self.partition_spec(l) for _, _, l in out_specs),
+            check_vma=False))
+        replicated = NamedSharding(self.jax_mesh, P())
+
+        def arguments(args, seed):
+            return [jax.device_put(np.uint32(seed), replicated)] + [jax.device_put(a, s) for a, s in zip(args, in_sh)]
+
+        return _SimdRunner(fn, arguments)
+
+
+class _SimdRunner:
+    def __init__(self, fn, arguments):
+        self._fn = fn
+        self._arguments = arguments
+
+    def __call__(self, args, seed):
+        return self._fn(*self._arguments(args, seed))
+
+    def compiled_text(self, args, seed) -> str:
+        return self._fn.lower(*self._arguments(args, seed)).compile().as_text()

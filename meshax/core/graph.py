@@ -1,0 +1,208 @@
+"""The graph IR: `Graph`, `Mesh`, `Tensor` and the `Operation` base class.
+
+A `Graph` keeps operations in creation order, which is a topological order: an op's inputs
+exist before it does. Nothing here knows about JAX; lowering lives in `meshax.lower`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.shape import Shape, convert_to_shape
+
+try:  # bfloat16 and friends as NumPy dtypes (ml_dtypes ships with jax)
+    import ml_dtypes  # noqa: F401
+except ImportError:  # pragma: no cover
+    pass
+
+if TYPE_CHECKING:
+    from meshax.lower.context import LoweringContext
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def as_dtype(dtype) -> np.dtype:
+    """A NumPy dtype from a string ('float32', 'bfloat16', 'bool'), a type or a dtype."""
+    try:
+        return np.dtype(dtype)
+    except TypeError as e:
+        raise TypeError(f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'int32', 'bool'") from e
+
+
+def _user_source() -> str:
+    """'file:line' of the first stack frame outside the meshax package: where the user built it."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not filename.startswith(_PACKAGE_DIR + os.sep):
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+class Graph:
+    """A container of operations, in creation (= topological) order."""
+
+    def __init__(self):
+        self.operations: list[Operation] = []
+        self._names: dict[str, int] = {}
+        self.trainable_variables: list = []
+        self.all_variables: list = []
+
+    def unique_name(self, name: str) -> str:
+        n = self._names.get(name, 0)
+        self._names[name] = n + 1
+        return name if n == 0 else f"{name}_{n}"
+
+    def __repr__(self) -> str:
+        return f"Graph({len(self.operations)} operations)"
+
+
+class Mesh:
+    """A named mesh in a graph. Its shape and layout are given later, by a mesh implementation."""
+
+    def __init__(self, graph: Graph, name: str):
+        self.graph = graph
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.name!r})"
+
+
+class Tensor:
+    """A named-dimension tensor: the output of an operation."""
+
+    def __init__(self, operation: Operation, shape, dtype, index: int, name: str | None = None):
+        self.operation = operation
+        self.shape: Shape = convert_to_shape(shape)
+        self.dtype: np.dtype = as_dtype(dtype)
+        self.index = index
+        self.name = name or (operation.name if index == 0 else f"{operation.name}:{index}")
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.operation.mesh
+
+    @property
+    def graph(self) -> Graph:
+        return self.operation.graph
+
+    @property
+    def size(self) -> int:
+        return self.shape.size
+
+    def __repr__(self) -> str:
+        return f"Tensor({self.name!r}, {self.shape}, {self.dtype})"
+
+    # Operators build graph operations; the import is late because ops sit above core.
+    def __add__(self, other):
+        from meshax.ops import elementwise as e
+        return e.add(self, other)
+
+    def __radd__(self, other):
+        from meshax.ops import elementwise as e
+        return e.add(other, self)
+
+    def __sub__(self, other):
+        from meshax.ops import elementwise as e
+        return e.subtract(self, other)
+
+    def __rsub__(self, other):
+        from meshax.ops import elementwise as e
+        return e.subtract(other, self)
+
+    def __mul__(self, other):
+        from meshax.ops import elementwise as e
+        return e.multiply(self, other)
+
+    def __rmul__(self, other):
+        from meshax.ops import elementwise as e
+        return e.multiply(other, self)
+
+    def __truediv__(self, other):
+        from meshax.ops import elementwise as e
+        return e.divide(self, other)
+
+    def __rtruediv__(self, other):
+        from meshax.ops import elementwise as e
+        return e.divide(other, self)
+
+    def __pow__(self, other):
+        from meshax.ops import elementwise as e
+        return e.pow(self, other)
+
+    def __rpow__(self, other):
+        from meshax.ops import elementwise as e
+        return e.pow(other, self)
+
+    def __neg__(self):
+        from meshax.ops import elementwise as e
+        return e.negative(self)
+
+    __hash__ = object.__hash__
+
+
+class Operation:
+    """Base class of all operations.
+
+    A subclass keeps three things together: shape inference and validation (in `__init__`),
+    `lower(ctx)` (this device's output slices from its input slices, through the mesh
+    implementation) and `gradient(grad_outputs)` (the gradient as new graph operations).
+    """
+
+    #: Whether gradients flow through this op (placeholders and integer ops say no).
+    differentiable = True
+
+    def __init__(self, inputs: list[Tensor], mesh: Mesh | None = None, name: str | None = None):
+        inputs = list(inputs)
+        for t in inputs:
+            if not isinstance(t, Tensor):
+                raise GraphError(f"{type(self).__name__}: input {t!r} is not a meshax Tensor")
+        if mesh is None:
+            if not inputs:
+                raise GraphError(f"{type(self).__name__} needs a mesh or at least one input")
+            mesh = inputs[0].mesh
+        for t in inputs:
+            if t.mesh is not mesh:
+                raise GraphError(
+                    f"{type(self).__name__}: input {t.name} is on mesh {t.mesh.name!r}, not {mesh.name!r}; "
+                    "move it with an explicit mesh-to-mesh op"
+                )
+        self.mesh = mesh
+        self.graph = mesh.graph
+        self.inputs = inputs
+        self.outputs: list[Tensor] = []
+        self.name = self.graph.unique_name(name or type(self).__name__.removesuffix("Operation").lower())
+        self.source = _user_source()
+        self.graph.operations.append(self)
+
+    def _add_output(self, shape, dtype, name: str | None = None) -> Tensor:
+        t = Tensor(self, shape, dtype, len(self.outputs), name)
+        self.outputs.append(t)
+        return t
+
+    @property
+    def outputs_tensor(self) -> Tensor:
+        return self.outputs[0]
+
+    def lower(self, ctx: LoweringContext) -> None:
+        """Compute this device's output slices and hand them to `ctx.set_output`."""
+        raise NotImplementedError(f"{type(self).__name__} has no lowering")
+
+    def gradient(self, grad_outputs: list[Tensor | None]) -> list[Tensor | None]:
+        """Gradients with respect to each input, built as new graph operations."""
+        raise NotImplementedError(
+            f"{type(self).__name__} ({self.name}, created at {self.source}) has no gradient; "
+            "wrap the path in mx.stop_gradient if no gradient is needed through it"
+        )
+
+    def flops_per_device(self, slice_sizes: dict[str, Any]) -> int:
+        return 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"

@@ -1,0 +1,171 @@
+"""Named dimensions and shapes: the vocabulary every other layer speaks.
+
+A `Dimension` is a (name, size) pair; a `Shape` is an ordered tuple of dimensions with unique
+names. Names, not positions, are what layouts and ops refer to, so the user never tracks axis
+numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import NamedTuple
+
+
+class Dimension(NamedTuple):
+    """A named tensor (or mesh) dimension. Equal by name and size, hashable."""
+
+    name: str
+    size: int
+
+    def __repr__(self) -> str:
+        return f"Dimension({self.name!r}, {self.size})"
+
+
+def _as_dimension(x) -> Dimension:
+    if isinstance(x, Dimension):
+        return x
+    if isinstance(x, tuple | list) and len(x) == 2 and isinstance(x[0], str):
+        name, size = x
+        try:
+            size = int(size)
+        except (TypeError, ValueError):
+            raise ValueError(f"dimension {name!r}: size {size!r} is not an integer") from None
+        if size < 0:
+            raise ValueError(f"dimension {name!r}: size {size} is negative")
+        return Dimension(name, size)
+    raise TypeError(f"cannot make a Dimension from {x!r}: give Dimension(name, size) or (name, size)")
+
+
+class Shape:
+    """An ordered collection of `Dimension`s with unique names."""
+
+    __slots__ = ("_dims",)
+
+    def __init__(self, dims: Iterable = ()):
+        dims = tuple(_as_dimension(d) for d in dims)
+        names = [d.name for d in dims]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"shape {_fmt(dims)} repeats the dimension name(s) {repeated}: "
+                "each dimension of a tensor needs its own name (rename one, e.g. 'length' -> 'memory_length')"
+            )
+        self._dims = dims
+
+    @property
+    def dims(self) -> list[Dimension]:
+        return list(self._dims)
+
+    @property
+    def dimension_names(self) -> list[str]:
+        return [d.name for d in self._dims]
+
+    @property
+    def to_integer_list(self) -> list[int]:
+        return [d.size for d in self._dims]
+
+    @property
+    def size(self) -> int:
+        n = 1
+        for d in self._dims:
+            n *= d.size
+        return n
+
+    @property
+    def rank(self) -> int:
+        return len(self._dims)
+
+    def get_dim_by_name(self, name: str) -> Dimension:
+        for d in self._dims:
+            if d.name == name:
+                return d
+        raise KeyError(f"shape {self} has no dimension named {name!r}")
+
+    def index(self, dim: Dimension | str) -> int:
+        """Position of `dim` (a Dimension or a name) in this shape."""
+        name = dim if isinstance(dim, str) else dim.name
+        for i, d in enumerate(self._dims):
+            if d.name == name:
+                if not isinstance(dim, str) and d != dim:
+                    raise ValueError(f"shape {self} has {d}, not {dim}")
+                return i
+        raise ValueError(f"shape {self} has no dimension {name!r}")
+
+    def __contains__(self, x) -> bool:
+        if isinstance(x, str):
+            return x in self.dimension_names
+        return x in self._dims
+
+    def __len__(self) -> int:
+        return len(self._dims)
+
+    def __iter__(self) -> Iterator[Dimension]:
+        return iter(self._dims)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return Shape(self._dims[i])
+        return self._dims[i]
+
+    def __eq__(self, other) -> bool:
+        if isinstance(other, Shape):
+            return self._dims == other._dims
+        if isinstance(other, list | tuple):
+            try:
+                return self._dims == Shape(other)._dims
+            except (TypeError, ValueError):
+                return False
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._dims)
+
+    def __add__(self, other) -> Shape:
+        return Shape(self._dims + tuple(convert_to_shape(other)))
+
+    def __repr__(self) -> str:
+        return f"Shape({_fmt(self._dims)})"
+
+    __str__ = __repr__
+
+
+def _fmt(dims) -> str:
+    return "[" + ", ".join(f"{d.name}={d.size}" for d in dims) + "]"
+
+
+_SEPARATORS = re.compile(r"[;,.\s]+")
+
+
+def convert_to_shape(x) -> Shape:
+    """A Shape from a Shape, a list of Dimensions or (name, size) pairs, or "a:2;b:4".
+
+    Strings may separate dims with ';', ',', '.' or whitespace; each token is `name:size`.
+    """
+    if x is None:
+        raise ValueError("a shape is required, got None")
+    if isinstance(x, Shape):
+        return x
+    if isinstance(x, Dimension):
+        return Shape([x])
+    if isinstance(x, str):
+        return Shape(_parse_pairs(x, what="shape", integer_values=True))
+    return Shape(x)
+
+
+def _parse_pairs(text: str, what: str, integer_values: bool) -> list[tuple]:
+    """Parse "k:v;k:v" (any of ; , . or spaces between) into pairs, naming a bad token."""
+    pairs = []
+    for token in _SEPARATORS.split(text.strip()):
+        if not token:
+            continue
+        parts = token.split(":")
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise ValueError(f"bad {what} token {token!r} in {text!r}: expected name:value, e.g. 'batch:8'")
+        key, value = parts
+        if integer_values:
+            if not value.isdigit():
+                raise ValueError(f"bad {what} token {token!r} in {text!r}: size {value!r} is not a non-negative integer")
+            value = int(value)
+        pairs.append((key, value))
+    return pairs

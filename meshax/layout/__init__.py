@@ -1,0 +1,24 @@
+"""Mesh shapes, layout rules and per-tensor layouts."""
+
+from meshax.layout.mesh_shape import (
+    convert_to_mesh_shape,
+    pnum_to_processor_coordinates,
+    processor_coordinates_to_pnum,
+)
+from meshax.layout.rules import (
+    LayoutRules,
+    TensorLayout,
+    convert_to_layout_rules,
+    slice_begin,
+    slice_index,
+    slice_shape,
+    split_factor,
+    tensor_layout,
+    validate_layout,
+)
+
+__all__ = [
+    "LayoutRules", "TensorLayout", "convert_to_layout_rules", "convert_to_mesh_shape",
+    "pnum_to_processor_coordinates", "processor_coordinates_to_pnum", "slice_begin", "slice_index",
+    "slice_shape", "split_factor", "tensor_layout", "validate_layout",
+]

@@ -1,0 +1,173 @@
+"""`LoweringContext`: what an op's `lower(ctx)` sees while the graph is being lowered.
+
+It holds each tensor's laid-out value, hands inputs to ops in the layout they ask for
+(resharding and settling lazy sums as needed), and is the only place collectives are emitted,
+so that every one of them is recorded in the counters with the op and source line behind it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.graph import Operation, Tensor
+from meshax.layout import TensorLayout, slice_shape
+from meshax.lower.counters import Counters, Site
+from meshax.lower.laid_out import LaidOutTensor
+from meshax.lower.mesh_impl import MeshImpl
+
+
+class LoweringContext:
+    def __init__(self, impl: MeshImpl, plan: dict[Tensor, TensorLayout], counters: Counters, rng_seed: list):
+        self.impl = impl
+        self.plan = plan
+        self.counters = counters
+        self.rng_seed = rng_seed  # slice list of a uint32 scalar: the per-run seed
+        self.values: dict[Tensor, LaidOutTensor] = {}
+        self._cache: dict[tuple, LaidOutTensor] = {}
+        self.op: Operation | None = None  # the op being lowered
+        self.blamed: Operation | None = None  # overrides `op` as the cause of collectives
+
+    @property
+    def mesh_shape(self):
+        return self.impl.shape
+
+    # ---- values ---------------------------------------------------------------------------
+    def layout(self, t: Tensor) -> TensorLayout:
+        return self.plan[t]
+
+    def get(self, t: Tensor, layout: TensorLayout | None = None, allow_partial: bool = False) -> LaidOutTensor:
+        """t's value in `layout` (default: its planned layout); sums settled unless allow_partial."""
+        layout = layout or self.plan[t]
+        key = (t, layout, allow_partial)
+        if key not in self._cache:
+            from meshax.lower.reshard import reshard
+            self._cache[key] = reshard(self, self.values[t], layout, keep_partial=allow_partial,
+                                       producer=t.operation)
+        return self._cache[key]
+
+    def set_output(self, t: Tensor, slices: list, layout: TensorLayout | None = None, pending=()) -> None:
+        self.values[t] = LaidOutTensor(list(slices), layout or self.plan[t], frozenset(pending))
+
+    def slicewise(self, fn: Callable, *args) -> list:
+        """fn applied to each instance's slices; LaidOutTensor args become their slices."""
+        args = [a.slices if isinstance(a, LaidOutTensor) else a for a in args]
+        return self.impl.slicewise(fn, *args)
+
+    def pcoord(self, axis: int) -> list:
+        return self.impl.pcoord(axis)
+
+    def slice_begins(self, shape, layout: TensorLayout) -> list[list | int]:
+        """Per tensor dim, each instance's global offset of its slice (0 where not split)."""
+        sizes = slice_shape(shape, layout, self.mesh_shape)
+        begins = []
+        for size, axes in zip(sizes, layout.axes):
+            if not axes:
+                begins.append(0)
+                continue
+            index = None
+            for m in axes:
+                c = self.pcoord(m)
+                index = c if index is None else self.slicewise(
+                    lambda i, c, n=self.mesh_shape[m].size: i * n + c, index, c)
+            begins.append(self.slicewise(lambda i, s=size: i * s, index))
+        return begins
+
+    def local_size(self, t: Tensor, layout: TensorLayout | None = None) -> int:
+        """Elements of t's slice on one device, in `layout` (default: its planned layout)."""
+        return int(np.prod(slice_shape(t.shape, layout or self.plan[t], self.mesh_shape), dtype=np.int64))
+
+    def add_flops(self, n: int) -> None:
+        if self.op is not None:
+            self.counters.add_flops(self.op.name, n)
+
+    # ---- collectives: recorded here, run by the backend ---------------------------------------
+    @contextlib.contextmanager
+    def blame(self, op: Operation):
+        """Attribute the collectives emitted inside to `op` (e.g. the einsum whose sum they settle)."""
+        saved, self.blamed = self.blamed, op
+        try:
+            yield
+        finally:
+            self.blamed = saved
+
+    def _record(self, kind: str, axes: Sequence[int], values: int, dtype) -> None:
+        op = self.blamed or self.op
+        self.counters.add(Site(
+            kind=kind,
+            mesh_axes=tuple(self.mesh_shape[m].name for m in axes),
+            values=int(values),
+            bytes=int(values) * np.dtype(dtype).itemsize,
+            op_name=op.name if op else "<input>",
+            op_type=type(op).__name__ if op else "",
+            source=op.source if op else "",
+        ))
+
+    def _live(self, axes: Sequence[int]) -> list[int]:
+        """Mesh axes of size > 1: a collective over a size-1 axis moves nothing and is not run."""
+        return [m for m in axes if self.mesh_shape[m].size > 1]
+
+    @staticmethod
+    def _slice_size_and_dtype(xs: list) -> tuple[int, object]:
+        x = xs[0]
+        return int(np.prod(x.shape, dtype=np.int64)), x.dtype
+
+    def allreduce(self, xs: list, axes: Sequence[int], op: str = "sum") -> list:
+        axes = self._live(axes)
+        if not axes:
+            return xs
+        n, dtype = self._slice_size_and_dtype(xs)
+        self._record("allreduce", axes, n, dtype)
+        return self.impl.allreduce(xs, sorted(axes), op)
+
+    def allgather(self, xs: list, axis: int, dim: int) -> list:
+        if not self._live([axis]):
+            return xs
+        n, dtype = self._slice_size_and_dtype(xs)
+        self._record("allgather", [axis], n, dtype)
+        return self.impl.allgather(xs, axis, dim)
+
+    def alltoall(self, xs: list, axis: int, split_dim: int, concat_dim: int) -> list:
+        if not self._live([axis]):
+            return xs
+        n, dtype = self._slice_size_and_dtype(xs)
+        self._record("alltoall", [axis], n, dtype)
+        return self.impl.alltoall(xs, axis, split_dim, concat_dim)
+
+    def reduce_scatter(self, xs: list, axis: int, dim: int) -> list:
+        if not self._live([axis]):
+            return xs
+        n, dtype = self._slice_size_and_dtype(xs)
+        self._record("reduce_scatter", [axis], n, dtype)
+        return self.impl.reduce_scatter(xs, axis, dim)
+
+    def shift(self, xs: list, axis: int, offset: int, wrap: bool) -> list:
+        """Receive the slice of the instance `offset` places back along `axis` (a permute)."""
+        if not self._live([axis]):
+            if wrap or offset == 0:
+                return xs
+            return self.slicewise(jnp.zeros_like, xs)
+        n, dtype = self._slice_size_and_dtype(xs)
+        self._record("permute", [axis], n, dtype)
+        return self.impl.shift(xs, axis, offset, wrap)
+
+    def allsplit(self, xs: list, axis: int, dim: int) -> list:
+        """Keep this instance's stripe of `dim` along mesh `axis`: no communication."""
+        parts = self.mesh_shape[axis].size
+        if parts == 1:
+            return xs
+
+        def take(x, c):
+            piece = x.shape[dim] // parts
+            start = [0] * x.ndim
+            start[dim] = c * piece
+            sizes = list(x.shape)
+            sizes[dim] = piece
+            return jax.lax.dynamic_slice(x, [jnp.asarray(s, jnp.int32) for s in start], sizes)
+
+        return self.slicewise(take, xs, self.pcoord(axis))
+

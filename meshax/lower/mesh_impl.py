@@ -1,0 +1,126 @@
+"""The one interface ops and the lowering talk to: `MeshImpl`.
+
+A mesh implementation knows the mesh's shape and layout rules, gives each tensor its layout and
+slice geometry, and provides the primitive collectives on *slice lists*: a slice list holds one
+array per program instance (one for the SIMD backend, whose single program runs on every device;
+one per device for the placement backend). Ops never import a backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+
+from meshax.core.shape import Shape, convert_to_shape
+from meshax.layout import (
+    TensorLayout,
+    convert_to_layout_rules,
+    convert_to_mesh_shape,
+    pnum_to_processor_coordinates,
+    processor_coordinates_to_pnum,
+    slice_begin,
+    slice_shape,
+    tensor_layout,
+)
+
+
+class MeshImpl:
+    """Base class of `SimdMeshImpl` and `PlacementMeshImpl`."""
+
+    def __init__(self, shape, layout=None, devices: Sequence | None = None):
+        self.shape: Shape = convert_to_mesh_shape(shape)
+        self.layout_rules = convert_to_layout_rules(layout)
+        self._devices = list(devices) if devices is not None else None
+        if self._devices is not None and len(self._devices) != self.size:
+            raise ValueError(
+                f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given"
+            )
+
+    # ---- geometry -------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return self.shape.size
+
+    @property
+    def ndims(self) -> int:
+        return self.shape.rank
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        return tuple(self.shape.dimension_names)
+
+    @property
+    def devices(self) -> list:
+        """The devices, in pnum order; the first `size` of `jax.devices()` unless given."""
+        if self._devices is None:
+            available = jax.devices()
+            if len(available) < self.size:
+                raise RuntimeError(
+                    f"mesh {self.shape} needs {self.size} devices but JAX sees {len(available)} "
+                    f"({available[0].platform}). On the CPU, set JAX_NUM_CPU_DEVICES={self.size} (or call "
+                    "meshax.use_cpu_devices(n) before JAX starts)"
+                )
+            self._devices = available[: self.size]
+        return self._devices
+
+    def tensor_layout(self, x, name: str | None = None) -> TensorLayout:
+        """The layout the rules give a tensor (or a shape); raises LayoutError if illegal."""
+        shape = x.shape if hasattr(x, "operation") else convert_to_shape(x)
+        name = name or getattr(x, "name", None)
+        return tensor_layout(shape, self.layout_rules, self.shape, name)
+
+    def slice_shape(self, x, layout: TensorLayout | None = None) -> list[int]:
+        shape = x.shape if hasattr(x, "operation") else convert_to_shape(x)
+        return slice_shape(shape, layout or self.tensor_layout(x), self.shape)
+
+    def slice_begin(self, x, pnum: int, layout: TensorLayout | None = None) -> list[int]:
+        shape = x.shape if hasattr(x, "operation") else convert_to_shape(x)
+        coords = self.pnum_to_processor_coordinates(pnum)
+        return slice_begin(shape, layout or self.tensor_layout(x), self.shape, coords)
+
+    def pnum_to_processor_coordinates(self, pnum: int) -> list[int]:
+        return pnum_to_processor_coordinates(self.shape, pnum)
+
+    def processor_coordinates_to_pnum(self, coords) -> int:
+        return processor_coordinates_to_pnum(self.shape, coords)
+
+    # ---- primitives on slice lists, provided by each backend ----------------------------------
+    def slicewise(self, fn: Callable, *args):
+        """Apply fn to each program instance's slices. Non-list args are passed as they are."""
+        raise NotImplementedError
+
+    def pcoord(self, axis: int) -> list:
+        """Each program instance's coordinate along mesh axis `axis`, as an int32 scalar."""
+        raise NotImplementedError
+
+    def allreduce(self, xs: list, axes: Sequence[int], op: str) -> list:
+        raise NotImplementedError
+
+    def allgather(self, xs: list, axis: int, dim: int) -> list:
+        raise NotImplementedError
+
+    def alltoall(self, xs: list, axis: int, split_dim: int, concat_dim: int) -> list:
+        raise NotImplementedError
+
+    def reduce_scatter(self, xs: list, axis: int, dim: int) -> list:
+        raise NotImplementedError
+
+    def shift(self, xs: list, axis: int, offset: int, wrap: bool) -> list:
+        """Instance at coordinate c receives the slice of c - offset (zeros where none, unless wrap)."""
+        raise NotImplementedError
+
+    # ---- execution, provided by each backend -------------------------------------------------
+    def compile(self, body: Callable, in_specs: list, out_specs: list) -> Callable:
+        """A callable: full input arrays -> full output arrays, running `body` on the slices.
+
+        `body(list of input slice lists) -> list of output slice lists`; specs are
+        (Shape, dtype, TensorLayout) triples."""
+        raise NotImplementedError
+
+    def trace(self, body: Callable, in_specs: list) -> None:
+        """Run `body` abstractly (no devices, no data), for its side effects on the counters."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({';'.join(f'{d.name}:{d.size}' for d in self.shape)!r}, {str(self.layout_rules)!r})"

@@ -1,0 +1,87 @@
+"""Helpers shared by op families: scalar conversion, layout restriction, slice alignment."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Mesh, Tensor
+from meshax.core.shape import Dimension, Shape, convert_to_shape
+from meshax.layout import TensorLayout
+
+
+def restrict(layout: TensorLayout, from_shape: Shape, to_shape: Shape, unsplit=()) -> TensorLayout:
+    """A layout for `to_shape` that splits each dim as `layout` splits it in `from_shape`.
+
+    Dims missing from `from_shape`, and dims named in `unsplit`, are not split."""
+    names = from_shape.dimension_names
+    unsplit = {d.name if isinstance(d, Dimension) else d for d in unsplit}
+    return TensorLayout(
+        layout.axes[names.index(d.name)] if d.name in names and d.name not in unsplit else ()
+        for d in to_shape
+    )
+
+
+def unsplit_dims(layout: TensorLayout, shape: Shape, dims) -> TensorLayout:
+    names = {d.name if isinstance(d, Dimension) else d for d in dims}
+    return TensorLayout(() if d.name in names else a for d, a in zip(shape, layout.axes))
+
+
+def align(x, from_shape: Shape, to_shape: Shape):
+    """Reorder a slice's axes from `from_shape` order to `to_shape` order, with size-1 axes for
+    dims it lacks, so that NumPy broadcasting lines it up with a `to_shape` slice."""
+    import jax.numpy as jnp
+    names = from_shape.dimension_names
+    present = [d.name for d in to_shape if d.name in names]
+    perm = [names.index(n) for n in present]
+    if perm != list(range(len(perm))):
+        x = jnp.transpose(x, perm)
+    new_shape, k = [], 0
+    for d in to_shape:
+        if d.name in names:
+            new_shape.append(x.shape[k])
+            k += 1
+        else:
+            new_shape.append(1)
+    return jnp.reshape(x, new_shape) if len(new_shape) != x.ndim else x
+
+
+def scalar_dtype(value, like: np.dtype) -> np.dtype:
+    """The dtype a Python scalar takes next to a tensor of dtype `like` (the tensor's, as a rule)."""
+    if isinstance(value, numbers.Integral | np.bool_):
+        return like
+    if np.issubdtype(like, np.floating) or np.issubdtype(like, np.complexfloating):
+        return like
+    return np.dtype("float32")
+
+
+def as_tensor(value, mesh: Mesh, like: np.dtype) -> Tensor:
+    """A tensor from a tensor or a Python/NumPy scalar (a rank-0 constant)."""
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, numbers.Number | np.number | np.bool_):
+        from meshax.ops.inputs import constant
+        return constant(mesh, value, [], scalar_dtype(value, like))
+    raise GraphError(f"expected a meshax Tensor or a scalar, got {type(value).__name__}: {value!r}")
+
+
+def as_dims(x) -> list[Dimension]:
+    """A list of Dimensions from a Dimension, a list of them, or a Shape."""
+    if x is None:
+        return []
+    if isinstance(x, Dimension):
+        return [x]
+    return list(convert_to_shape(x))
+
+
+def dim_of(x: Tensor, dim) -> Dimension:
+    """The Dimension of x named by `dim` (a Dimension or a name), with a clear error."""
+    name = dim if isinstance(dim, str) else dim.name
+    if name not in x.shape:
+        raise GraphError(f"tensor {x.name} {x.shape} has no dimension {name!r}")
+    d = x.shape.get_dim_by_name(name)
+    if not isinstance(dim, str) and d != dim:
+        raise GraphError(f"tensor {x.name} has {d}, not {dim}")
+    return d

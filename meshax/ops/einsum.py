@@ -1,0 +1,111 @@
+"""einsum over named dims: the paper's workhorse (matmul, broadcast, contraction, transpose).
+
+Lowering (paper section 5): every device runs einsum on its own slices; mesh dims that split a
+summed-out dim leave partial sums, owed as a lazy allreduce over exactly those mesh dims.
+When inputs disagree on how a dim is split, or two dims would share a mesh dim, an input is
+resharded first so that each mesh dim splits at most one dim of the iteration space.
+"""
+
+from __future__ import annotations
+
+import string
+
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Operation, Tensor
+from meshax.core.shape import Shape, convert_to_shape
+from meshax.layout import TensorLayout
+from meshax.ops.elementwise import union_shape
+from meshax.ops._util import as_dims
+
+
+def _subscripts(shapes: list[Shape], out: Shape) -> str:
+    letters = {}
+    for s in [*shapes, out]:
+        for d in s:
+            if d.name not in letters:
+                if len(letters) == 52:
+                    raise GraphError("einsum over more than 52 distinct dims is not supported")
+                letters[d.name] = string.ascii_letters[len(letters)]
+    spec = ",".join("".join(letters[d.name] for d in s) for s in shapes)
+    return spec + "->" + "".join(letters[d.name] for d in out)
+
+
+class EinsumOperation(Operation):
+    def __init__(self, inputs: list[Tensor], output_shape: Shape, name=None):
+        super().__init__(inputs, name=name or "einsum")
+        every = union_shape(*[t.shape for t in inputs])
+        missing = [d for d in output_shape if d not in every]
+        if missing:
+            raise GraphError(f"einsum output dims {missing} appear in no input ({[str(t.shape) for t in inputs]})")
+        self._add_output(output_shape, np.result_type(*[t.dtype for t in inputs]))
+        self._subscripts = _subscripts([t.shape for t in inputs], output_shape)
+
+    def lower(self, ctx):
+        from meshax.ops.reduce import iteration_layout
+        out = self.outputs[0]
+        assign = iteration_layout(ctx.layout(out), out.shape, [(t.shape, ctx.layout(t)) for t in self.inputs])
+        layouts = [TensorLayout(assign[d.name] for d in t.shape) for t in self.inputs]
+        used = {m for a in assign.values() for m in a}
+        vals = [ctx.get(t, l, allow_partial=True) for t, l in zip(self.inputs, layouts)]
+        # The einsum is linear in one partial input, if the others are whole and its owed axes
+        # split nothing here; otherwise settle the sums first.
+        partial = [i for i, v in enumerate(vals) if v.pending]
+        if len(partial) > 1 or (partial and vals[partial[0]].pending & used):
+            vals = [ctx.get(t, l) for t, l in zip(self.inputs, layouts)]
+        pending = set().union(*[v.pending for v in vals])
+        reduced = {d.name for t in self.inputs for d in t.shape} - set(out.shape.dimension_names)
+        pending |= {m for name in reduced for m in assign[name]}
+        local = {d.name: d.size for t in self.inputs for d in t.shape}
+        for name, axes in assign.items():
+            for m in axes:
+                local[name] //= ctx.mesh_shape[m].size
+        ctx.add_flops((2 if len(self.inputs) > 1 else 1) * int(np.prod(list(local.values()), dtype=np.int64)))
+        spec = self._subscripts
+        result = ctx.slicewise(lambda *xs: jnp.einsum(spec, *xs, preferred_element_type=out.dtype), *vals)
+        ctx.set_output(out, result, TensorLayout(assign[d.name] for d in out.shape), pending)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return [None] * len(self.inputs)
+        from meshax.ops.shape_ops import broadcast
+        grads = []
+        for i, x in enumerate(self.inputs):
+            others = [g] + [t for j, t in enumerate(self.inputs) if j != i]
+            available = union_shape(*[t.shape for t in others])
+            reachable = Shape([d for d in x.shape if d in available])
+            gx = einsum(others, output_shape=reachable)
+            grads.append(gx if reachable == x.shape else broadcast(gx, x.shape))
+        return grads
+
+
+def einsum(*xs, output_shape=None, reduced_dims=None, name=None) -> Tensor:
+    """Einstein summation by dimension name: `einsum(x, w, output_shape=...)` or `einsum([x, w], ...)`.
+
+    Without output_shape, the output has the dims that appear in exactly one input (in order of
+    first appearance), or, when reduced_dims is given, every dim except those."""
+    if len(xs) == 1 and isinstance(xs[0], list | tuple):
+        xs = tuple(xs[0])
+    if not xs:
+        raise GraphError("einsum needs at least one tensor")
+    for t in xs:
+        if not isinstance(t, Tensor):
+            raise GraphError(f"einsum inputs must be meshax Tensors, got {t!r}")
+    if output_shape is not None:
+        output_shape = convert_to_shape(output_shape)
+    else:
+        every = union_shape(*[t.shape for t in xs])
+        if reduced_dims is not None:
+            reduced = {d.name for d in as_dims(reduced_dims)}
+            output_shape = Shape([d for d in every if d.name not in reduced])
+        else:
+            counts = {d.name: sum(d in t.shape for t in xs) for d in every}
+            output_shape = Shape([d for d in every if counts[d.name] == 1])
+    return EinsumOperation(list(xs), output_shape, name).outputs[0]
+
+
+def matmul(a: Tensor, b: Tensor, output_shape=None, reduced_dims=None, name=None) -> Tensor:
+    return einsum([a, b], output_shape=output_shape, reduced_dims=reduced_dims, name=name)

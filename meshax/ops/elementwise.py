@@ -1,0 +1,290 @@
+"""Elementwise ops: unary, binary with broadcasting by name, where, cast, stop_gradient.
+
+Lowering is local: each input is fetched in the output's layout (restricted to its own dims),
+so no communication happens unless an input was laid out differently. add, subtract, negative
+and identity are linear, so they let partial sums (lazy allreduces) flow through.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Operation, Tensor, as_dtype
+from meshax.core.shape import Shape
+from meshax.ops._util import align, as_tensor, restrict
+
+# ---- unary ----------------------------------------------------------------------------------
+_UNARY = {
+    "negative": jnp.negative, "abs": jnp.abs, "exp": jnp.exp, "log": jnp.log, "sqrt": jnp.sqrt,
+    "rsqrt": jax.lax.rsqrt, "square": jnp.square, "reciprocal": jnp.reciprocal, "sin": jnp.sin,
+    "cos": jnp.cos, "tanh": jnp.tanh, "sigmoid": jax.nn.sigmoid, "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False), "softplus": jax.nn.softplus,
+    "sign": jnp.sign, "logical_not": jnp.logical_not, "identity": lambda x: x,
+    "erf": jax.scipy.special.erf, "stop_gradient": lambda x: x,
+}
+_LINEAR_UNARY = {"negative", "identity", "stop_gradient"}
+
+
+def _unary_grad(fn: str, x: Tensor, y: Tensor, g: Tensor):
+    e = globals()
+    if fn in ("negative",):
+        return -g
+    if fn == "identity":
+        return g
+    if fn == "abs":
+        return g * e["sign"](x)
+    if fn == "exp":
+        return g * y
+    if fn == "log":
+        return g / x
+    if fn == "sqrt":
+        return g * 0.5 / y
+    if fn == "rsqrt":
+        return g * -0.5 * y * y * y
+    if fn == "square":
+        return g * 2.0 * x
+    if fn == "reciprocal":
+        return -g * y * y
+    if fn == "sin":
+        return g * e["cos"](x)
+    if fn == "cos":
+        return -g * e["sin"](x)
+    if fn == "tanh":
+        return g * (1.0 - y * y)
+    if fn == "sigmoid":
+        return g * y * (1.0 - y)
+    if fn == "relu":
+        return g * cast(greater(x, 0.0), g.dtype)
+    if fn == "gelu":
+        cdf = 0.5 * (1.0 + e["erf"](x * (1.0 / math.sqrt(2.0))))
+        pdf = e["exp"](x * x * -0.5) * (1.0 / math.sqrt(2.0 * math.pi))
+        return g * (cdf + x * pdf)
+    if fn == "softplus":
+        return g * e["sigmoid"](x)
+    if fn == "erf":
+        return g * e["exp"](-e["square"](x)) * (2.0 / math.sqrt(math.pi))
+    return None  # sign, logical_not, stop_gradient: no gradient flows
+
+
+class UnaryOperation(Operation):
+    def __init__(self, x: Tensor, fn: str, name=None):
+        super().__init__([x], name=name or fn)
+        self.fn = fn
+        dtype = np.dtype(bool) if fn == "logical_not" else x.dtype
+        if fn == "logical_not" and x.dtype != np.bool_:
+            raise GraphError(f"logical_not needs a bool tensor, {x.name} is {x.dtype}")
+        self.differentiable = fn not in ("sign", "logical_not", "stop_gradient")
+        self._add_output(x.shape, dtype)
+
+    def lower(self, ctx):
+        (x,), (out,) = self.inputs, self.outputs
+        v = ctx.get(x, ctx.layout(out), allow_partial=self.fn in _LINEAR_UNARY)
+        ctx.add_flops(ctx.local_size(out))
+        ctx.set_output(out, ctx.slicewise(_UNARY[self.fn], v), v.layout, v.pending)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None or not self.differentiable:
+            return [None]
+        return [_unary_grad(self.fn, self.inputs[0], self.outputs[0], g)]
+
+
+def _unary(fn):
+    def op(x: Tensor, name=None) -> Tensor:
+        return UnaryOperation(x, fn, name).outputs[0]
+    op.__name__ = fn
+    op.__doc__ = f"Elementwise {fn}."
+    return op
+
+
+negative = _unary("negative")
+abs = _unary("abs")  # noqa: A001
+exp = _unary("exp")
+log = _unary("log")
+sqrt = _unary("sqrt")
+rsqrt = _unary("rsqrt")
+square = _unary("square")
+reciprocal = _unary("reciprocal")
+sin = _unary("sin")
+cos = _unary("cos")
+tanh = _unary("tanh")
+sigmoid = _unary("sigmoid")
+relu = _unary("relu")
+gelu = _unary("gelu")
+softplus = _unary("softplus")
+sign = _unary("sign")
+logical_not = _unary("logical_not")
+identity = _unary("identity")
+erf = _unary("erf")
+stop_gradient = _unary("stop_gradient")
+
+
+class CastOperation(Operation):
+    def __init__(self, x: Tensor, dtype, name=None):
+        super().__init__([x], name=name or "cast")
+        dtype = as_dtype(dtype)
+        self._add_output(x.shape, dtype)
+        self.differentiable = np.issubdtype(dtype, np.floating) and np.issubdtype(x.dtype, np.floating)
+
+    def lower(self, ctx):
+        (x,), (out,) = self.inputs, self.outputs
+        v = ctx.get(x, ctx.layout(out))
+        ctx.set_output(out, ctx.slicewise(lambda a: a.astype(out.dtype), v), v.layout)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None or not self.differentiable:
+            return [None]
+        return [cast(g, self.inputs[0].dtype)]
+
+
+def cast(x: Tensor, dtype, name=None) -> Tensor:
+    if as_dtype(dtype) == x.dtype:
+        return x
+    return CastOperation(x, dtype, name).outputs[0]
+
+
+# ---- binary (and where), broadcasting by dimension name -------------------------------------
+_BINARY = {
+    "add": jnp.add, "subtract": jnp.subtract, "multiply": jnp.multiply, "divide": jnp.divide,
+    "maximum": jnp.maximum, "minimum": jnp.minimum, "pow": jnp.power,
+    "equal": jnp.equal, "not_equal": jnp.not_equal, "less": jnp.less, "less_equal": jnp.less_equal,
+    "greater": jnp.greater, "greater_equal": jnp.greater_equal,
+    "logical_and": jnp.logical_and, "logical_or": jnp.logical_or,
+}
+_COMPARISONS = {"equal", "not_equal", "less", "less_equal", "greater", "greater_equal"}
+_LOGICAL = {"logical_and", "logical_or"}
+
+
+def union_shape(*shapes: Shape) -> Shape:
+    """Dims of the first shape in order, then each later shape's new dims in its order."""
+    dims: dict[str, object] = {}
+    for s in shapes:
+        for d in s:
+            if d.name in dims and dims[d.name] != d:
+                raise GraphError(f"dimension {d.name!r} has size {dims[d.name].size} in one input and {d.size} in another")
+            dims.setdefault(d.name, d)
+    return Shape(list(dims.values()))
+
+
+def _sum_to(g: Tensor, x: Tensor) -> Tensor:
+    """Reduce a broadcast gradient back to x's shape (summing the dims x lacks)."""
+    from meshax.ops.reduce import reduce_sum
+    from meshax.ops.shape_ops import transpose
+    extra = [d for d in g.shape if d not in x.shape]
+    if extra:
+        g = reduce_sum(g, reduced_dim=extra)
+    if g.shape != x.shape:
+        g = transpose(g, x.shape)
+    return g
+
+
+class ElementwiseOperation(Operation):
+    """An n-ary elementwise op whose output has the union of its inputs' dims."""
+
+    def __init__(self, inputs: list[Tensor], fn: str, fn_impl, dtype, linear: bool, name=None):
+        super().__init__(inputs, name=name or fn)
+        self.fn = fn
+        self._impl = fn_impl
+        self.linear = linear
+        self._add_output(union_shape(*[t.shape for t in inputs]), dtype)
+
+    def lower(self, ctx):
+        out = self.outputs[0]
+        layout = ctx.layout(out)
+        vals = [ctx.get(t, restrict(layout, out.shape, t.shape), allow_partial=self.linear) for t in self.inputs]
+        pending = {v.pending for v in vals}
+        if len(pending) > 1:  # sums owed over different axes cannot be combined before settling
+            vals = [ctx.get(t, restrict(layout, out.shape, t.shape)) for t in self.inputs]
+        shapes = [t.shape for t in self.inputs]
+        ctx.add_flops(ctx.local_size(out))
+        ctx.set_output(out, ctx.slicewise(
+            lambda *xs: self._impl(*[align(a, s, out.shape) for a, s in zip(xs, shapes)]), *vals),
+            layout, vals[0].pending)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None or self.fn in _COMPARISONS | _LOGICAL:
+            return [None] * len(self.inputs)
+        if self.fn == "where":
+            c, x, y = self.inputs
+            zero = 0.0
+            return [None, _sum_to(where(c, g, zero), x), _sum_to(where(c, zero, g), y)]
+        x, y = self.inputs
+        z = self.outputs[0]
+        f = self.fn
+        if f == "add":
+            gx, gy = g, g
+        elif f == "subtract":
+            gx, gy = g, -g
+        elif f == "multiply":
+            gx, gy = g * y, g * x
+        elif f == "divide":
+            gx, gy = g / y, -g * x / (y * y)
+        elif f == "maximum":
+            mask = cast(greater_equal(x, y), g.dtype)
+            gx, gy = g * mask, g * (1.0 - mask)
+        elif f == "minimum":
+            mask = cast(less_equal(x, y), g.dtype)
+            gx, gy = g * mask, g * (1.0 - mask)
+        elif f == "pow":
+            gx = g * y * pow(x, y - 1.0)
+            gy = g * z * log(where(greater(x, 0.0), x, 1.0))
+        else:  # pragma: no cover
+            raise NotImplementedError(f)
+        return [_sum_to(gx, x), _sum_to(gy, y)]
+
+
+def _binary_dtype(fn, x: Tensor, y: Tensor):
+    if fn in _COMPARISONS | _LOGICAL:
+        if fn in _LOGICAL and (x.dtype != np.bool_ or y.dtype != np.bool_):
+            raise GraphError(f"{fn} needs bool tensors, got {x.dtype} and {y.dtype}")
+        return np.dtype(bool)
+    return np.result_type(x.dtype, y.dtype)
+
+
+def _binary(fn):
+    def op(x, y, name=None) -> Tensor:
+        if not isinstance(x, Tensor) and not isinstance(y, Tensor):
+            raise GraphError(f"{fn} needs at least one meshax Tensor, got {x!r} and {y!r}")
+        t = x if isinstance(x, Tensor) else y
+        x = as_tensor(x, t.mesh, t.dtype)
+        y = as_tensor(y, t.mesh, t.dtype)
+        return ElementwiseOperation([x, y], fn, _BINARY[fn], _binary_dtype(fn, x, y),
+                                    linear=fn in ("add", "subtract"), name=name).outputs[0]
+    op.__name__ = fn
+    op.__doc__ = f"Elementwise {fn} with broadcasting by dimension name; the output has the union of dims."
+    return op
+
+
+add = _binary("add")
+subtract = _binary("subtract")
+multiply = _binary("multiply")
+divide = _binary("divide")
+maximum = _binary("maximum")
+minimum = _binary("minimum")
+pow = _binary("pow")  # noqa: A001
+equal = _binary("equal")
+not_equal = _binary("not_equal")
+less = _binary("less")
+less_equal = _binary("less_equal")
+greater = _binary("greater")
+greater_equal = _binary("greater_equal")
+logical_and = _binary("logical_and")
+logical_or = _binary("logical_or")
+
+
+def where(condition: Tensor, x, y, name=None) -> Tensor:
+    """x where condition holds, else y; broadcast by dimension name."""
+    if not isinstance(condition, Tensor) or condition.dtype != np.bool_:
+        raise GraphError("where: condition must be a bool meshax Tensor (build one with mx.less, mx.equal, ...)")
+    like = x.dtype if isinstance(x, Tensor) else y.dtype if isinstance(y, Tensor) else np.dtype("float32")
+    x = as_tensor(x, condition.mesh, like)
+    y = as_tensor(y, condition.mesh, like)
+    return ElementwiseOperation([condition, x, y], "where", jnp.where, np.result_type(x.dtype, y.dtype),
+                                linear=False, name=name).outputs[0]

@@ -1,0 +1,129 @@
+"""Index-based ops: one_hot, gather, top_k.
+
+gather keeps a split table split: each device looks up only the rows it holds, writes zeros
+for the rest, and owes a sum over the mesh dims that split the table's dim (the paper's
+model-parallel embedding lookup).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Operation, Tensor, as_dtype
+from meshax.core.shape import Dimension, Shape
+from meshax.layout import TensorLayout, slice_shape
+from meshax.ops import elementwise as ew
+from meshax.ops._util import dim_of, unsplit_dims
+
+
+def one_hot(indices: Tensor, output_dim: Dimension, on_value=1.0, off_value=0.0, dtype="float32", name=None) -> Tensor:
+    """indices' dims + [output_dim]: on_value where the position equals the index."""
+    from meshax.ops.inputs import constant
+    from meshax.ops.inputs import range as mrange
+    if not np.issubdtype(indices.dtype, np.integer):
+        raise GraphError(f"one_hot needs integer indices, {indices.name} is {indices.dtype}")
+    if output_dim in indices.shape:
+        raise GraphError(f"one_hot: {indices.name} already has a dimension {output_dim.name!r}")
+    hit = ew.equal(indices, mrange(indices.mesh, output_dim, indices.dtype))
+    dtype = as_dtype(dtype)
+    return ew.where(hit, constant(indices.mesh, on_value, [], dtype), constant(indices.mesh, off_value, [], dtype))
+
+
+class GatherOperation(Operation):
+    def __init__(self, weights: Tensor, indices: Tensor, dim: Dimension, name=None):
+        super().__init__([weights, indices], name=name or "gather")
+        if not np.issubdtype(indices.dtype, np.integer):
+            raise GraphError(f"gather needs integer indices, {indices.name} is {indices.dtype}")
+        rest = [d for d in weights.shape if d != dim]
+        clash = [d.name for d in rest if d.name in indices.shape]
+        if clash:
+            raise GraphError(f"gather: dims {clash} are in both {weights.name} and the indices {indices.name}")
+        self.dim = dim
+        self._add_output(Shape(indices.shape.dims + rest), weights.dtype)
+
+    def lower(self, ctx):
+        from meshax.ops.reduce import iteration_layout
+        (w, idx), (out,) = self.inputs, self.outputs
+        assign = iteration_layout(ctx.layout(out), out.shape, [(w.shape, ctx.layout(w))])
+        wl = TensorLayout(assign[d.name] for d in w.shape)
+        il = TensorLayout(assign[d.name] for d in idx.shape)
+        wv, iv = ctx.get(w, wl), ctx.get(idx, il)
+        axis = w.shape.index(self.dim)
+        split = assign[self.dim.name]
+        n_local = slice_shape(w.shape, wl, ctx.mesh_shape)[axis]
+        (begin,) = [b for d, b in zip(w.shape, ctx.slice_begins(w.shape, wl)) if d == self.dim]
+        k = idx.shape.rank
+
+        def f(table, ids, b):
+            local = ids - b
+            inside = (local >= 0) & (local < n_local)
+            got = jnp.take(table, jnp.clip(local, 0, n_local - 1), axis=axis)
+            # jnp.take puts the index dims at `axis`: move them to the front
+            perm = list(range(axis, axis + k)) + list(range(axis)) + list(range(axis + k, got.ndim))
+            got = jnp.transpose(got, perm)
+            mask = inside.reshape(inside.shape + (1,) * (got.ndim - k))
+            return jnp.where(mask, got, jnp.zeros((), got.dtype))
+
+        out_layout = TensorLayout(assign[d.name] for d in out.shape)
+        ctx.set_output(out, ctx.slicewise(f, wv, iv, begin), out_layout, split)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return [None, None]
+        from meshax.ops.einsum import einsum
+        w, idx = self.inputs
+        hot = one_hot(idx, self.dim, dtype=g.dtype)
+        return [einsum([hot, g], output_shape=w.shape), None]
+
+
+class TopKOperation(Operation):
+    def __init__(self, x: Tensor, dim: Dimension, k_dim: Dimension, name=None):
+        super().__init__([x], name=name or "top_k")
+        if k_dim.size > dim.size:
+            raise GraphError(f"top_k: k={k_dim.size} is larger than {dim}")
+        self.dim, self.k_dim = dim, k_dim
+        shape = Shape([k_dim if d == dim else d for d in x.shape])
+        self._add_output(shape, x.dtype)
+        self._add_output(shape, "int32")
+
+    def lower(self, ctx):
+        (x,), (values, indices) = self.inputs, self.outputs
+        layout = unsplit_dims(ctx.layout(values), values.shape, [self.k_dim])
+        v = ctx.get(x, TensorLayout(() if d == self.dim else a for d, a in zip(x.shape, layout.axes)))
+        axis = x.shape.index(self.dim)
+
+        def f(a):
+            vals, ids = jax.lax.top_k(jnp.moveaxis(a, axis, -1), self.k_dim.size)
+            return jnp.moveaxis(vals, -1, axis), jnp.moveaxis(ids, -1, axis).astype(jnp.int32)
+
+        vals, ids = ctx.slicewise(f, v)
+        ctx.set_output(values, vals, layout)
+        ctx.set_output(indices, ids, layout)
+
+    def gradient(self, grad_outputs):
+        g, _ = grad_outputs
+        if g is None:
+            return [None]
+        from meshax.ops.einsum import einsum
+        x = self.inputs[0]
+        hot = one_hot(self.outputs[1], self.dim, dtype=g.dtype)
+        return [einsum([hot, g], output_shape=x.shape)]
+
+
+def gather(weights: Tensor, indices: Tensor, dim, name=None) -> Tensor:
+    """weights looked up at `indices` along `dim`: indices' dims followed by weights' other dims."""
+    return GatherOperation(weights, indices, dim_of(weights, dim), name).outputs[0]
+
+
+def top_k(x: Tensor, reduced_dim, k, name=None) -> tuple[Tensor, Tensor]:
+    """The k largest values along reduced_dim, descending, and their int32 indices.
+
+    The new dim is `k` if it is a Dimension, else Dimension(reduced_dim.name + "_topk", k)."""
+    d = dim_of(x, reduced_dim)
+    k_dim = k if isinstance(k, Dimension) else Dimension(d.name + "_topk", int(k))
+    op = TopKOperation(x, d, k_dim, name)
+    return op.outputs[0], op.outputs[1]

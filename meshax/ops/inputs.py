@@ -1,0 +1,116 @@
+"""Where values enter the graph: placeholders, imported arrays, constants, ranges."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Mesh, Operation, Tensor, as_dtype
+from meshax.core.shape import Dimension, convert_to_shape
+from meshax.layout import slice_shape
+
+
+class PlaceholderOperation(Operation):
+    """A tensor fed when the lowered function is called."""
+
+    is_input = True
+    is_placeholder = True
+
+    def __init__(self, mesh: Mesh, name: str, shape, dtype="float32"):
+        super().__init__([], mesh=mesh, name=name)
+        if self.name != name:
+            raise GraphError(f"a placeholder named {name!r} already exists in this graph; names identify feeds")
+        self._add_output(convert_to_shape(shape), dtype, name=name)
+
+    def gradient(self, grad_outputs):
+        return []
+
+
+class ImportTensorOperation(Operation):
+    """A NumPy array baked into the graph; it is sliced onto the devices when the program runs."""
+
+    is_input = True
+
+    def __init__(self, mesh: Mesh, array, shape, name=None):
+        super().__init__([], mesh=mesh, name=name or "import_tensor")
+        shape = convert_to_shape(shape)
+        array = np.asarray(array)
+        if list(array.shape) != shape.to_integer_list:
+            raise GraphError(f"import_tensor: array of shape {list(array.shape)} does not match {shape}")
+        self.value = array
+        self._add_output(shape, array.dtype)
+
+    def gradient(self, grad_outputs):
+        return []
+
+
+class ConstantOperation(Operation):
+    """A tensor filled with one scalar."""
+
+    def __init__(self, mesh: Mesh, value, shape, dtype, name=None):
+        super().__init__([], mesh=mesh, name=name or "constant")
+        self.value = value
+        self._add_output(convert_to_shape(shape), dtype)
+
+    def lower(self, ctx):
+        out = self.outputs[0]
+        local = slice_shape(out.shape, ctx.layout(out), ctx.mesh_shape)
+        ctx.set_output(out, ctx.slicewise(lambda: jnp.full(local, self.value, out.dtype)))
+
+    def gradient(self, grad_outputs):
+        return []
+
+
+class RangeOperation(Operation):
+    """0, 1, ..., dim.size - 1 along `dim`; each device makes only its own stripe."""
+
+    def __init__(self, mesh: Mesh, dim: Dimension, dtype, name=None):
+        super().__init__([], mesh=mesh, name=name or "range")
+        self._add_output([dim], dtype)
+
+    def lower(self, ctx):
+        out = self.outputs[0]
+        layout = ctx.layout(out)
+        (n,) = slice_shape(out.shape, layout, ctx.mesh_shape)
+        (begin,) = ctx.slice_begins(out.shape, layout)
+        ctx.set_output(out, ctx.slicewise(lambda b: (jnp.arange(n) + b).astype(out.dtype), begin))
+
+    def gradient(self, grad_outputs):
+        return []
+
+
+def placeholder(mesh: Mesh, name: str, shape, dtype="float32") -> Tensor:
+    return PlaceholderOperation(mesh, name, shape, dtype).outputs[0]
+
+
+def import_tensor(mesh: Mesh, array, shape, name=None) -> Tensor:
+    return ImportTensorOperation(mesh, array, shape, name).outputs[0]
+
+
+def constant(mesh: Mesh, value, shape=(), dtype="float32", name=None) -> Tensor:
+    """A tensor of `shape` filled with the scalar `value`, or an imported array if it is one."""
+    shape = convert_to_shape(shape)
+    if np.ndim(value) > 0:
+        return import_tensor(mesh, np.asarray(value, dtype=as_dtype(dtype)), shape, name)
+    return ConstantOperation(mesh, value, shape, dtype, name).outputs[0]
+
+
+def zeros(mesh: Mesh, shape, dtype="float32") -> Tensor:
+    return constant(mesh, 0, shape, dtype, name="zeros")
+
+
+def ones(mesh: Mesh, shape, dtype="float32") -> Tensor:
+    return constant(mesh, 1, shape, dtype, name="ones")
+
+
+def zeros_like(x: Tensor) -> Tensor:
+    return zeros(x.mesh, x.shape, x.dtype)
+
+
+def ones_like(x: Tensor) -> Tensor:
+    return ones(x.mesh, x.shape, x.dtype)
+
+
+def range(mesh: Mesh, dim: Dimension, dtype="int32", name=None) -> Tensor:  # noqa: A001 (the paper's name)
+    return RangeOperation(mesh, dim, dtype, name).outputs[0]

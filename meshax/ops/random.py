@@ -1,0 +1,90 @@
+"""Random tensors that do not depend on the layout: each value is keyed by its global position.
+
+A value is drawn from a key folded from (the op's seed, the run's seed, the element's global
+row-major index), so every device makes exactly its own stripe, and a tensor has the same
+numbers whether it is split over 1 or 512 devices. The op's seed is fixed when the graph is
+built (the user's, or the op's place among the graph's random ops), so the same program gives
+the same numbers; the run's seed (`fn(feeds, seed=step)`) varies them between steps.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Mesh, Operation, Tensor, as_dtype
+from meshax.core.shape import convert_to_shape
+from meshax.layout import slice_shape
+
+
+def _next_seed(mesh: Mesh) -> int:
+    graph = mesh.graph
+    graph._random_ops = getattr(graph, "_random_ops", 0) + 1
+    return 0x5EED + 7919 * graph._random_ops
+
+
+class RandomOperation(Operation):
+    differentiable = False
+
+    def __init__(self, mesh: Mesh, shape, kind: str, a: float, b: float, dtype, seed, name=None):
+        super().__init__([], mesh=mesh, name=name or f"random_{kind}")
+        dtype = as_dtype(dtype)
+        if not np.issubdtype(dtype, np.floating):
+            raise GraphError(f"random_{kind} makes floats, not {dtype}")
+        self.kind, self.a, self.b = kind, float(a), float(b)
+        self.seed = _next_seed(mesh) if seed is None else int(seed)
+        self._add_output(convert_to_shape(shape), dtype)
+
+    def lower(self, ctx):
+        out = self.outputs[0]
+        layout = ctx.layout(out)
+        local = slice_shape(out.shape, layout, ctx.mesh_shape)
+        begins = ctx.slice_begins(out.shape, layout)
+        strides = [int(np.prod(out.shape.to_integer_list[i + 1:], dtype=np.int64)) for i in range(out.shape.rank)]
+        kind, a, b, seed = self.kind, self.a, self.b, self.seed
+
+        def draw(run_seed, *offsets):
+            index = jnp.zeros(local, jnp.uint32)
+            for i, (off, stride) in enumerate(zip(offsets, strides)):
+                pos = jax.lax.broadcasted_iota(jnp.uint32, local, i) + jnp.asarray(off, jnp.uint32)
+                index = index + pos * jnp.uint32(stride)
+            key = jax.random.fold_in(jax.random.key(seed), run_seed)
+            keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(index.reshape(-1))
+            if kind == "uniform":
+                x = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * (b - a) + a
+            else:
+                x = jax.vmap(lambda k: jax.random.normal(k, (), jnp.float32))(keys) * b + a
+            return x.reshape(local).astype(out.dtype)
+
+        ctx.add_flops(ctx.local_size(out))
+        ctx.set_output(out, ctx.slicewise(draw, ctx.rng_seed, *begins), layout)
+
+    def gradient(self, grad_outputs):
+        return []
+
+
+def random_uniform(mesh: Mesh, shape, minval=0.0, maxval=1.0, dtype="float32", seed=None, name=None) -> Tensor:
+    return RandomOperation(mesh, shape, "uniform", minval, maxval, dtype, seed, name).outputs[0]
+
+
+def random_normal(mesh: Mesh, shape, mean=0.0, stddev=1.0, dtype="float32", seed=None, name=None) -> Tensor:
+    return RandomOperation(mesh, shape, "normal", mean, stddev, dtype, seed, name).outputs[0]
+
+
+def dropout(x: Tensor, rate: float, noise_shape=None, seed=None, name=None) -> Tensor:
+    """Zero each value with probability `rate` and scale the rest by 1 / (1 - rate).
+
+    noise_shape (a subset of x's dims) shares one draw across the dims it leaves out."""
+    from meshax.ops import elementwise as ew
+    if not 0.0 <= rate < 1.0:
+        raise GraphError(f"dropout rate must be in [0, 1), got {rate}")
+    if rate == 0.0:
+        return x
+    noise_shape = x.shape if noise_shape is None else convert_to_shape(noise_shape)
+    extra = [d for d in noise_shape if d not in x.shape]
+    if extra:
+        raise GraphError(f"dropout noise_shape has dims {extra} that {x.name} {x.shape} lacks")
+    keep = ew.greater_equal(random_uniform(x.mesh, noise_shape, dtype=x.dtype, seed=seed), rate)
+    return x * ew.cast(keep, x.dtype) * (1.0 / (1.0 - rate))

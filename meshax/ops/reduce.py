@@ -1,0 +1,146 @@
+"""Reductions over named dims, and the ops built from them (softmax, argmax, logsumexp ...).
+
+A sum over a split dim leaves each device with a partial sum; the output stays *pending* over
+those mesh dims (a lazy allreduce) until a consumer needs it, so that sums can be added before
+communicating and an allreduce followed by a split becomes a reduce-scatter. max and min are
+settled at once with a max/min allreduce.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Operation, Tensor
+from meshax.core.shape import Dimension, Shape, convert_to_shape
+from meshax.layout import TensorLayout
+from meshax.ops import elementwise as ew
+from meshax.ops._util import as_dims, dim_of
+
+_LOCAL = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+
+
+def iteration_layout(plan_out: TensorLayout, out_shape: Shape, inputs: list[tuple[Shape, TensorLayout]]) -> dict:
+    """dim name -> mesh axes for every dim of an op's iteration space.
+
+    Output dims keep their planned split; other dims take the first input's split whose mesh
+    axes are still free. Each mesh axis ends up splitting at most one dim."""
+    assign = {d.name: a for d, a in zip(out_shape, plan_out.axes)}
+    used = {m for a in assign.values() for m in a}
+    for shape, layout in inputs:
+        for d, axes in zip(shape, layout.axes):
+            if d.name in assign:
+                continue
+            if axes and not used & set(axes):
+                assign[d.name] = axes
+                used |= set(axes)
+            else:
+                assign[d.name] = ()
+    return assign
+
+
+class ReduceOperation(Operation):
+    def __init__(self, x: Tensor, reduced: list[Dimension], kind: str, name=None):
+        super().__init__([x], name=name or f"reduce_{kind}")
+        self.kind = kind
+        self.reduced = reduced
+        if kind != "sum" and x.dtype == np.bool_:
+            raise GraphError(f"reduce_{kind} of bool tensor {x.name}: cast it first")
+        self._add_output([d for d in x.shape if d not in reduced], x.dtype)
+
+    def lower(self, ctx):
+        (x,), (out,) = self.inputs, self.outputs
+        assign = iteration_layout(ctx.layout(out), out.shape, [(x.shape, ctx.layout(x))])
+        in_layout = TensorLayout(assign[d.name] for d in x.shape)
+        v = ctx.get(x, in_layout, allow_partial=self.kind == "sum")
+        axes = [i for i, d in enumerate(x.shape) if d in self.reduced]
+        local = ctx.slicewise(lambda a: _LOCAL[self.kind](a, axis=tuple(axes)).astype(out.dtype), v)
+        ctx.add_flops(ctx.local_size(x, in_layout))
+        split = sorted({m for d in self.reduced for m in assign[d.name]})
+        out_layout = TensorLayout(assign[d.name] for d in out.shape)
+        if self.kind == "sum":
+            ctx.set_output(out, local, out_layout, set(split) | v.pending)
+        else:
+            ctx.set_output(out, ctx.allreduce(local, split, self.kind) if split else local, out_layout)
+
+    def gradient(self, grad_outputs):
+        (g,), (x,), (y,) = grad_outputs, self.inputs, self.outputs
+        if g is None:
+            return [None]
+        from meshax.ops.shape_ops import broadcast
+        gb = broadcast(g, x.shape)
+        if self.kind == "sum":
+            return [gb]
+        mask = ew.cast(ew.equal(x, broadcast(y, x.shape)), g.dtype)
+        return [gb * mask]
+
+
+def _reduced_dims(x: Tensor, reduced_dim, output_shape) -> list[Dimension]:
+    if reduced_dim is not None and output_shape is not None:
+        raise GraphError("give reduced_dim or output_shape, not both")
+    if output_shape is not None:
+        output_shape = convert_to_shape(output_shape)
+        extra = [d for d in output_shape if d not in x.shape]
+        if extra:
+            raise GraphError(f"output_shape {output_shape} has dims {extra} that {x.name} {x.shape} lacks")
+        return [d for d in x.shape if d not in output_shape]
+    if reduced_dim is None:
+        return list(x.shape)
+    return [dim_of(x, d) for d in as_dims(reduced_dim)]
+
+
+def _reduce(kind):
+    def op(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+        reduced = _reduced_dims(x, reduced_dim, output_shape)
+        y = ReduceOperation(x, reduced, kind, name).outputs[0] if reduced else x
+        if output_shape is not None and y.shape != convert_to_shape(output_shape):
+            from meshax.ops.shape_ops import transpose
+            y = transpose(y, output_shape)
+        return y
+    op.__name__ = f"reduce_{kind}"
+    op.__doc__ = f"reduce_{kind} over `reduced_dim` (a Dimension or list), or down to `output_shape`; neither: all dims."
+    return op
+
+
+reduce_sum = _reduce("sum")
+reduce_max = _reduce("max")
+reduce_min = _reduce("min")
+
+
+def reduce_mean(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    reduced = _reduced_dims(x, reduced_dim, output_shape)
+    count = int(np.prod([d.size for d in reduced], dtype=np.int64))
+    return reduce_sum(x, reduced_dim=reduced, name=name) * (1.0 / count) if reduced else x
+
+
+def reduce_logsumexp(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    reduced = _reduced_dims(x, reduced_dim, output_shape)
+    m = ew.stop_gradient(reduce_max(x, reduced_dim=reduced))
+    return ew.log(reduce_sum(ew.exp(x - m), reduced_dim=reduced)) + m
+
+
+def reduce_any(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    return ew.cast(reduce_max(ew.cast(x, "int32"), reduced_dim, output_shape), bool)
+
+
+def reduce_all(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    return ew.cast(reduce_min(ew.cast(x, "int32"), reduced_dim, output_shape), bool)
+
+
+def softmax(x: Tensor, dim, name=None) -> Tensor:
+    d = dim_of(x, dim)
+    e = ew.exp(x - ew.stop_gradient(reduce_max(x, reduced_dim=d)))
+    return e / reduce_sum(e, reduced_dim=d)
+
+
+def log_softmax(x: Tensor, dim, name=None) -> Tensor:
+    return x - reduce_logsumexp(x, reduced_dim=dim_of(x, dim))
+
+
+def argmax(x: Tensor, dim, name=None) -> Tensor:
+    """Index of the largest value along `dim` (the first one on ties), as int32."""
+    from meshax.ops.inputs import range as mrange
+    d = dim_of(x, dim)
+    is_max = ew.equal(x, reduce_max(x, reduced_dim=d))
+    return reduce_min(ew.where(is_max, mrange(x.mesh, d, "int32"), d.size), reduced_dim=d)

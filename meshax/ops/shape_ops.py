@@ -1,0 +1,144 @@
+"""Ops that rearrange dims: reshape (and rename/replace), transpose, broadcast.
+
+reshape keeps a dim's split through the reshape only where it is *aligned*: same size and the
+same product of dims before it in both shapes, so row-major order maps its stripes onto
+themselves; the other dims are gathered first and split again afterwards (allsplit is free).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Operation, Tensor
+from meshax.core.shape import Shape, convert_to_shape
+from meshax.layout import TensorLayout, slice_shape
+from meshax.ops._util import align, as_dims, restrict
+
+
+def _aligned(a: Shape, b: Shape) -> dict[int, int]:
+    """Positions i -> j of dims of `a` and `b` with equal size and equal prefix product."""
+    prefix_b = {}
+    p = 1
+    for j, d in enumerate(b):
+        prefix_b.setdefault((p, d.size), j)
+        p *= d.size
+    out, p = {}, 1
+    for i, d in enumerate(a):
+        if (p, d.size) in prefix_b:
+            out[i] = prefix_b[(p, d.size)]
+        p *= d.size
+    return out
+
+
+class ReshapeOperation(Operation):
+    def __init__(self, x: Tensor, new_shape: Shape, name=None):
+        super().__init__([x], name=name or "reshape")
+        if new_shape.size != x.shape.size:
+            raise GraphError(
+                f"reshape of {x.name} {x.shape} ({x.shape.size} elements) to {new_shape} "
+                f"({new_shape.size} elements): sizes differ"
+            )
+        self._add_output(new_shape, x.dtype)
+
+    def lower(self, ctx):
+        (x,), (out,) = self.inputs, self.outputs
+        want = ctx.layout(out)
+        pairs = _aligned(x.shape, out.shape)
+        # Aligned dims are split the way the output wants them; the rest are gathered.
+        in_layout = TensorLayout(want.axes[pairs[i]] if i in pairs else () for i in range(x.shape.rank))
+        out_axes = [()] * out.shape.rank
+        for i, j in pairs.items():
+            out_axes[j] = in_layout.axes[i]
+        out_layout = TensorLayout(out_axes)
+        v = ctx.get(x, in_layout, allow_partial=True)
+        local = slice_shape(out.shape, out_layout, ctx.mesh_shape)
+        ctx.set_output(out, ctx.slicewise(lambda a: jnp.reshape(a, local), v), out_layout, v.pending)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        return [None if g is None else reshape(g, self.inputs[0].shape)]
+
+
+def reshape(x: Tensor, new_shape, name=None) -> Tensor:
+    new_shape = convert_to_shape(new_shape)
+    if new_shape == x.shape:
+        return x
+    return ReshapeOperation(x, new_shape, name).outputs[0]
+
+
+def rename_dimension(x: Tensor, old_name: str, new_name: str, name=None) -> Tensor:
+    if old_name not in x.shape:
+        raise GraphError(f"rename_dimension: {x.name} {x.shape} has no dimension {old_name!r}")
+    dims = [d._replace(name=new_name) if d.name == old_name else d for d in x.shape]
+    return reshape(x, Shape(dims), name=name or "rename_dimension")
+
+
+def replace_dimensions(x: Tensor, old_dims, new_dims, name=None) -> Tensor:
+    """Replace dim(s) `old_dims` (contiguous in x) with `new_dims` of the same total size."""
+    old, new = as_dims(old_dims), as_dims(new_dims)
+    names = x.shape.dimension_names
+    for d in old:
+        if d not in x.shape:
+            raise GraphError(f"replace_dimensions: {x.name} {x.shape} has no {d}")
+    positions = sorted(names.index(d.name) for d in old)
+    if positions != list(range(positions[0], positions[0] + len(old))):
+        raise GraphError(f"replace_dimensions: {[d.name for d in old]} are not adjacent in {x.shape}; transpose first")
+    dims = x.shape.dims
+    return reshape(x, Shape(dims[: positions[0]] + new + dims[positions[-1] + 1:]), name=name or "replace_dimensions")
+
+
+class TransposeOperation(Operation):
+    def __init__(self, x: Tensor, new_shape: Shape, name=None):
+        super().__init__([x], name=name or "transpose")
+        if sorted(new_shape.dims) != sorted(x.shape.dims):
+            raise GraphError(f"transpose of {x.name} {x.shape} to {new_shape}: the dims must be the same")
+        self._add_output(new_shape, x.dtype)
+
+    def lower(self, ctx):
+        (x,), (out,) = self.inputs, self.outputs
+        layout = ctx.layout(out)
+        v = ctx.get(x, restrict(layout, out.shape, x.shape), allow_partial=True)
+        perm = [x.shape.index(d) for d in out.shape]
+        ctx.set_output(out, ctx.slicewise(lambda a: jnp.transpose(a, perm), v), layout, v.pending)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        return [None if g is None else transpose(g, self.inputs[0].shape)]
+
+
+def transpose(x: Tensor, new_shape, name=None) -> Tensor:
+    new_shape = convert_to_shape(new_shape)
+    if new_shape == x.shape:
+        return x
+    return TransposeOperation(x, new_shape, name).outputs[0]
+
+
+class BroadcastOperation(Operation):
+    def __init__(self, x: Tensor, new_shape: Shape, name=None):
+        super().__init__([x], name=name or "broadcast")
+        missing = [d for d in x.shape if d not in new_shape]
+        if missing:
+            raise GraphError(f"broadcast of {x.name} {x.shape} to {new_shape}: dims {missing} would be lost")
+        self._add_output(new_shape, x.dtype)
+
+    def lower(self, ctx):
+        (x,), (out,) = self.inputs, self.outputs
+        layout = ctx.layout(out)
+        v = ctx.get(x, restrict(layout, out.shape, x.shape))
+        local = slice_shape(out.shape, layout, ctx.mesh_shape)
+        ctx.set_output(out, ctx.slicewise(lambda a: jnp.broadcast_to(align(a, x.shape, out.shape), local), v), layout)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return [None]
+        from meshax.ops.elementwise import _sum_to
+        return [_sum_to(g, self.inputs[0])]
+
+
+def broadcast(x: Tensor, new_shape, name=None) -> Tensor:
+    new_shape = convert_to_shape(new_shape)
+    if new_shape == x.shape:
+        return x
+    return BroadcastOperation(x, new_shape, name).outputs[0]

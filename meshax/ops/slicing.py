@@ -1,0 +1,253 @@
+"""Ops along one dim: slice, pad, concat (and split, stack, unstack built on them), shift, cumsum.
+
+slice, pad, concat and cumsum cannot work on a split dim, so that dim is gathered first and
+split again afterwards. shift keeps its dim split when it can: each device sends the
+`offset` values at its edge to its neighbour with one collective permute (a halo exchange).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Operation, Tensor
+from meshax.core.shape import Dimension, Shape
+from meshax.layout import slice_shape
+from meshax.ops._util import dim_of, restrict, unsplit_dims
+
+
+def _replace_dim(shape: Shape, name: str, size: int) -> Shape:
+    return Shape([Dimension(name, size) if d.name == name else d for d in shape])
+
+
+class _OneDimOperation(Operation):
+    """Shared lowering: inputs fetched in the output's layout with `dim_name` not split."""
+
+    dim_name: str
+
+    def _inputs_unsplit(self, ctx, allow_partial=False):
+        out = self.outputs[0]
+        layout = unsplit_dims(ctx.layout(out), out.shape, [self.dim_name])
+        vals = [ctx.get(t, restrict(layout, out.shape, t.shape), allow_partial=allow_partial) for t in self.inputs]
+        return layout, vals
+
+
+class SliceOperation(_OneDimOperation):
+    def __init__(self, x: Tensor, begin: int, size: int, dim_name: str, name=None):
+        super().__init__([x], name=name or "slice")
+        d = dim_of(x, dim_name)
+        if not (0 <= begin and size >= 0 and begin + size <= d.size):
+            raise GraphError(f"slice [{begin}:{begin + size}] is outside dimension {d} of {x.name}")
+        self.begin, self.size, self.dim_name = begin, size, dim_name
+        self._add_output(_replace_dim(x.shape, dim_name, size), x.dtype)
+
+    def lower(self, ctx):
+        layout, (v,) = self._inputs_unsplit(ctx, allow_partial=True)
+        axis = self.inputs[0].shape.index(self.dim_name)
+        ctx.set_output(self.outputs[0], ctx.slicewise(
+            lambda a: jax.lax.slice_in_dim(a, self.begin, self.begin + self.size, axis=axis), v), layout, v.pending)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return [None]
+        full = self.inputs[0].shape.get_dim_by_name(self.dim_name).size
+        return [pad(g, [self.begin, full - self.begin - self.size], self.dim_name)]
+
+
+class PadOperation(_OneDimOperation):
+    def __init__(self, x: Tensor, paddings, dim_name: str, name=None):
+        super().__init__([x], name=name or "pad")
+        d = dim_of(x, dim_name)
+        before, after = (int(p) for p in paddings)
+        if before < 0 or after < 0:
+            raise GraphError(f"pad amounts must be >= 0, got {list(paddings)}")
+        self.before, self.after, self.dim_name = before, after, dim_name
+        self._add_output(_replace_dim(x.shape, dim_name, d.size + before + after), x.dtype)
+
+    def lower(self, ctx):
+        layout, (v,) = self._inputs_unsplit(ctx, allow_partial=True)
+        axis = self.inputs[0].shape.index(self.dim_name)
+        widths = [(0, 0)] * self.inputs[0].shape.rank
+        widths[axis] = (self.before, self.after)
+        ctx.set_output(self.outputs[0], ctx.slicewise(lambda a: jnp.pad(a, widths), v), layout, v.pending)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return [None]
+        size = self.inputs[0].shape.get_dim_by_name(self.dim_name).size
+        return [slice(g, self.before, size, self.dim_name)]
+
+
+class ConcatOperation(_OneDimOperation):
+    def __init__(self, xs: list[Tensor], dim_name: str, name=None):
+        super().__init__(xs, name=name or "concat")
+        first = xs[0].shape
+        for t in xs:
+            dim_of(t, dim_name)
+            if _replace_dim(t.shape, dim_name, 0) != _replace_dim(first, dim_name, 0):
+                raise GraphError(f"concat along {dim_name!r}: {t.name} {t.shape} does not match {first} elsewhere")
+        self.dim_name = dim_name
+        total = sum(t.shape.get_dim_by_name(dim_name).size for t in xs)
+        self._add_output(_replace_dim(first, dim_name, total), xs[0].dtype)
+
+    def lower(self, ctx):
+        layout, vals = self._inputs_unsplit(ctx)
+        axis = self.inputs[0].shape.index(self.dim_name)
+        ctx.set_output(self.outputs[0], ctx.slicewise(lambda *a: jnp.concatenate(a, axis=axis), *vals), layout)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return [None] * len(self.inputs)
+        grads, begin = [], 0
+        for t in self.inputs:
+            size = t.shape.get_dim_by_name(self.dim_name).size
+            grads.append(slice(g, begin, size, self.dim_name))
+            begin += size
+        return grads
+
+
+class CumsumOperation(_OneDimOperation):
+    def __init__(self, x: Tensor, dim: Dimension, exclusive: bool, name=None):
+        super().__init__([x], name=name or "cumsum")
+        self.dim_name = dim.name
+        self.exclusive = exclusive
+        self._add_output(x.shape, x.dtype)
+
+    def lower(self, ctx):
+        layout, (v,) = self._inputs_unsplit(ctx, allow_partial=True)
+        axis = self.inputs[0].shape.index(self.dim_name)
+
+        def f(a):
+            c = jnp.cumsum(a, axis=axis, dtype=a.dtype)
+            return c - a if self.exclusive else c
+
+        ctx.add_flops(ctx.local_size(self.outputs[0], layout))
+        ctx.set_output(self.outputs[0], ctx.slicewise(f, v), layout, v.pending)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return [None]
+        from meshax.ops.reduce import reduce_sum
+        from meshax.ops.shape_ops import broadcast
+        d = self.inputs[0].shape.get_dim_by_name(self.dim_name)
+        total = broadcast(reduce_sum(g, reduced_dim=d), g.shape)
+        # d/dx_i of sum_j y_j: the sum of g_j over j >= i (j > i when exclusive).
+        return [total - cumsum(g, d, exclusive=not self.exclusive)]
+
+
+class ShiftOperation(Operation):
+    def __init__(self, x: Tensor, offset: int, dim: Dimension, wrap: bool, name=None):
+        super().__init__([x], name=name or "shift")
+        self.offset, self.dim, self.wrap = int(offset), dim, bool(wrap)
+        self._add_output(x.shape, x.dtype)
+
+    @staticmethod
+    def _local_shift(a, offset, axis, wrap):
+        if wrap:
+            return jnp.roll(a, offset, axis=axis)
+        n = a.shape[axis]
+        k = min(abs(offset), n)
+        widths = [(0, 0)] * a.ndim
+        if offset >= 0:
+            widths[axis] = (k, 0)
+            return jax.lax.slice_in_dim(jnp.pad(a, widths), 0, n, axis=axis)
+        widths[axis] = (0, k)
+        return jax.lax.slice_in_dim(jnp.pad(a, widths), k, k + n, axis=axis)
+
+    def lower(self, ctx):
+        (x,), (out,) = self.inputs, self.outputs
+        layout = ctx.layout(out)
+        axis = x.shape.index(self.dim)
+        axes = layout.axes[axis]
+        local_n = slice_shape(out.shape, layout, ctx.mesh_shape)[axis]
+        k = abs(self.offset)
+        if axes and (len(axes) > 1 or k > local_n):
+            layout = unsplit_dims(layout, out.shape, [self.dim])  # gather, then shift locally
+            axes = ()
+        v = ctx.get(x, layout, allow_partial=True)
+        if not axes or k == 0:
+            ctx.set_output(out, ctx.slicewise(lambda a: self._local_shift(a, self.offset, axis, self.wrap), v),
+                           layout, v.pending)
+            return
+        (m,) = axes
+        n = local_n
+        if self.offset > 0:  # my last k values go to the next device; I take the previous one's
+            edge = ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, n - k, n, axis=axis), v)
+            halo = ctx.shift(edge, m, 1, self.wrap)
+            result = ctx.slicewise(
+                lambda a, h: jnp.concatenate([h, jax.lax.slice_in_dim(a, 0, n - k, axis=axis)], axis=axis), v, halo)
+        else:
+            edge = ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, 0, k, axis=axis), v)
+            halo = ctx.shift(edge, m, -1, self.wrap)
+            result = ctx.slicewise(
+                lambda a, h: jnp.concatenate([jax.lax.slice_in_dim(a, k, n, axis=axis), h], axis=axis), v, halo)
+        ctx.set_output(out, result, layout, v.pending)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        return [None if g is None else shift(g, -self.offset, self.dim, self.wrap)]
+
+
+def slice(x: Tensor, begin: int, size: int, dim_name: str, name=None) -> Tensor:  # noqa: A001
+    return SliceOperation(x, int(begin), int(size), dim_name, name).outputs[0]
+
+
+def pad(x: Tensor, paddings, dim_name: str, name=None) -> Tensor:
+    return PadOperation(x, paddings, dim_name, name).outputs[0]
+
+
+def concat(xs: list[Tensor], dim_name: str, name=None) -> Tensor:
+    xs = list(xs)
+    if not xs:
+        raise GraphError("concat needs at least one tensor")
+    return ConcatOperation(xs, dim_name, name).outputs[0] if len(xs) > 1 else xs[0]
+
+
+def split(x: Tensor, dim, sizes, name=None) -> list[Tensor]:
+    """Split x along `dim` into pieces of the given sizes (an int n: n equal pieces)."""
+    d = dim_of(x, dim)
+    if isinstance(sizes, int):
+        if d.size % sizes:
+            raise GraphError(f"cannot split {d} into {sizes} equal pieces")
+        sizes = [d.size // sizes] * sizes
+    if sum(sizes) != d.size:
+        raise GraphError(f"split sizes {list(sizes)} add up to {sum(sizes)}, not {d.size} ({d})")
+    out, begin = [], 0
+    for s in sizes:
+        out.append(slice(x, begin, s, d.name))
+        begin += s
+    return out
+
+
+def stack(xs: list[Tensor], dim_name: str, axis: int = 0, name=None) -> Tensor:
+    """Stack same-shaped tensors along a new dim of size len(xs), placed at position `axis`."""
+    from meshax.ops.shape_ops import reshape
+    xs = list(xs)
+    if not xs:
+        raise GraphError("stack needs at least one tensor")
+    dims = xs[0].shape.dims
+    if not 0 <= axis <= len(dims):
+        raise GraphError(f"stack axis {axis} is outside 0..{len(dims)}")
+    one = Shape(dims[:axis] + [Dimension(dim_name, 1)] + dims[axis:])
+    return concat([reshape(t, one) for t in xs], dim_name, name=name)
+
+
+def unstack(x: Tensor, dim, name=None) -> list[Tensor]:
+    from meshax.ops.shape_ops import reshape
+    d = dim_of(x, dim)
+    rest = Shape([e for e in x.shape if e != d])
+    return [reshape(s, rest) for s in split(x, d, d.size)]
+
+
+def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
+    """out[i] = x[i - offset] along dim; wrap=True rolls, wrap=False fills with zeros."""
+    return ShiftOperation(x, offset, dim_of(x, dim), wrap, name).outputs[0]
+
+
+def cumsum(x: Tensor, dim, exclusive: bool = False, name=None) -> Tensor:
+    return CumsumOperation(x, dim_of(x, dim), exclusive, name).outputs[0]

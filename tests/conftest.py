@@ -1,0 +1,101 @@
+"""Shared fixtures and helpers for the meshax test suite.
+
+The CPU backend is split into 8 virtual devices *before* anything touches a
+JAX backend, so that every test can use the 2x4 mesh "rows:2;cols:4".
+"""
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import meshax as mx  # noqa: E402
+
+IMPLS = [mx.SimdMeshImpl, mx.PlacementMeshImpl]
+IMPL_IDS = ["simd", "placement"]
+
+MESH_SHAPE = "rows:2;cols:4"
+
+# The four canonical layouts every op is checked under (dims b:8, h:4, d:8):
+#   nothing split / one dim split / two dims on both mesh dims /
+#   one dim split over two mesh dims.
+LAYOUTS = ["", "b:cols", "b:rows;d:cols", "b:rows;b:cols"]
+
+B = mx.Dimension("b", 8)
+H = mx.Dimension("h", 4)
+D = mx.Dimension("d", 8)
+
+ATOL = 1e-5
+RTOL = 1e-5
+
+
+@pytest.fixture(params=IMPLS, ids=IMPL_IDS)
+def impl_cls(request):
+    return request.param
+
+
+@pytest.fixture(params=LAYOUTS, ids=lambda s: s or "replicated")
+def layout(request):
+    return request.param
+
+
+def new_mesh():
+    """A fresh (graph, mesh) pair."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    return graph, mesh
+
+
+def make_impl(impl_cls, mesh_shape=MESH_SHAPE, layout=""):
+    return impl_cls(mesh_shape, layout)
+
+
+def lower(outputs, impl_cls, mesh_shape=MESH_SHAPE, layout="", graph=None):
+    """Build a Lowering for the graph of `outputs`; returns (lowering, fn)."""
+    first = outputs[0] if isinstance(outputs, (list, tuple)) else outputs
+    mesh = first.mesh
+    if graph is None:
+        graph = mesh.graph
+    lowering = mx.Lowering(graph, {mesh: impl_cls(mesh_shape, layout)})
+    fn = lowering.function(list(outputs) if isinstance(outputs, tuple) else outputs)
+    return lowering, fn
+
+
+def run(outputs, impl_cls, mesh_shape=MESH_SHAPE, layout="", feeds=None):
+    """Lower the graph of `outputs` on `impl_cls(mesh_shape, layout)` and run it."""
+    _, fn = lower(outputs, impl_cls, mesh_shape, layout)
+    return fn(feeds or {})
+
+
+def rand(shape, seed=0, low=-1.0, high=1.0, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    shape = tuple(shape.to_integer_list) if isinstance(shape, mx.Shape) else tuple(shape)
+    return rng.uniform(low, high, size=shape).astype(dtype)
+
+
+def randint(shape, high, seed=0, dtype=np.int32):
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, high, size=tuple(shape)).astype(dtype)
+
+
+def assert_close(actual, expected, rtol=RTOL, atol=ATOL):
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+
+
+def assert_equal(actual, expected):
+    actual = np.asarray(actual)
+    expected = np.asarray(expected)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    np.testing.assert_array_equal(actual, expected)
+
+
+def names(t):
+    return list(t.shape.dimension_names)

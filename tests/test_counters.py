@@ -1,0 +1,301 @@
+"""Communication counters, and (SIMD) their agreement with XLA's compiled HLO."""
+import inspect
+import os
+
+import numpy as np
+import pytest
+
+import meshax as mx
+from tests.conftest import (B, D, H, IMPLS, IMPL_IDS, LAYOUTS, assert_close, lower, new_mesh,
+                            rand)
+from tests.hlo import KINDS, count_collectives, counter_counts
+
+impls = pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
+
+XV = rand([8, 4], seed=100)   # x[b, h]
+WV = rand([4, 8], seed=101)   # w[h, d]
+PV = rand([8, 8], seed=102)   # p[b, d]
+QV = rand([8, 8], seed=103)   # q[b, d]
+
+
+def _counts(counters):
+    return counter_counts(counters)
+
+
+def _values(counters):
+    return {k: int(counters[k].values) for k in KINDS}
+
+
+def _nonzero(counters):
+    return {k: c for k, c in _counts(counters).items() if c}
+
+
+def _check_hlo(fn, feeds, impl_cls):
+    """For the SIMD impl, the counters must equal the collectives XLA compiled."""
+    if impl_cls is not mx.SimdMeshImpl:
+        return
+    hlo = fn.compiled_text(feeds)
+    assert isinstance(hlo, str) and "ENTRY" in hlo
+    assert count_collectives(hlo) == _counts(fn.counters), hlo
+
+
+def _source_line(source):
+    path, _, line = source.rpartition(":")
+    return os.path.basename(path), int(line)
+
+
+# ---------------------------------------------- (1) einsum over a split dim
+
+def _einsum_graph():
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B, H])
+    w = mx.placeholder(mesh, "w", [H, D])
+    line = inspect.currentframe().f_lineno + 1
+    y = mx.einsum(x, w, output_shape=[B, D])
+    return x, w, y, line
+
+
+@impls
+def test_einsum_contracting_split_dim_allreduces_once(impl_cls):
+    x, w, y, line = _einsum_graph()
+    lowering, fn = lower(y, impl_cls, layout="h:cols")
+    feeds = {x: XV, w: WV}
+    assert_close(fn(feeds), XV.astype(np.float64) @ WV)
+    c = fn.counters
+    assert _nonzero(c) == {"allreduce": 1}
+    assert c["allreduce"].values == 8 * 8  # [b, d] is not split: b*d per device
+    sites = c["allreduce"].sites
+    assert len(sites) == 1
+    site = sites[0]
+    assert tuple(site.mesh_axes) == ("cols",)
+    assert site.values == 64
+    assert isinstance(site.op_name, str) and isinstance(site.op_type, str)
+    assert _source_line(site.source) == ("test_counters.py", line), site.source
+    for k in KINDS:
+        if k != "allreduce":
+            assert c[k].count == 0 and c[k].values == 0, k
+            assert len(c[k].sites) == 0, k
+    _check_hlo(fn, feeds, impl_cls)
+
+
+def test_einsum_counters_same_on_both_impls():
+    results = []
+    for impl_cls in IMPLS:
+        x, w, y, _ = _einsum_graph()
+        _, fn = lower(y, impl_cls, layout="h:cols")
+        fn({x: XV, w: WV})
+        results.append((_counts(fn.counters), _values(fn.counters)))
+    assert results[0] == results[1]
+
+
+@impls
+def test_einsum_output_split_changes_values(impl_cls):
+    """Contracting h over cols with b split over rows: the allreduce moves b/2*d."""
+    x, w, y, _ = _einsum_graph()
+    _, fn = lower(y, impl_cls, layout="h:cols;b:rows")
+    feeds = {x: XV, w: WV}
+    assert_close(fn(feeds), XV.astype(np.float64) @ WV)
+    c = fn.counters
+    assert _nonzero(c) == {"allreduce": 1}
+    assert c["allreduce"].values == 4 * 8
+    assert tuple(c["allreduce"].sites[0].mesh_axes) == ("cols",)
+    _check_hlo(fn, feeds, impl_cls)
+
+
+@impls
+def test_einsum_no_split_contraction_no_collectives(impl_cls):
+    x, w, y, _ = _einsum_graph()
+    _, fn = lower(y, impl_cls, layout="b:rows;d:cols")
+    feeds = {x: XV, w: WV}
+    assert_close(fn(feeds), XV.astype(np.float64) @ WV)
+    assert _nonzero(fn.counters) == {}
+    _check_hlo(fn, feeds, impl_cls)
+
+
+@impls
+def test_lowering_counters_and_report(impl_cls):
+    x, w, y, _ = _einsum_graph()
+    lowering, fn = lower(y, impl_cls, layout="h:cols")
+    fn({x: XV, w: WV})
+    assert lowering.counters["allreduce"].count == 1
+    assert lowering.counters["allreduce"].values == 64
+    report = lowering.report()
+    assert isinstance(report, str)
+    assert "allreduce" in report
+
+
+# ----------------------------------------- (2) shard of partial sums -> reduce_scatter
+
+@impls
+def test_shard_partial_einsum_reduce_scatters(impl_cls):
+    x, w, y, _ = _einsum_graph()
+    ys = mx.shard(y, "d:cols")
+    _, fn = lower(ys, impl_cls, layout="h:cols")
+    feeds = {x: XV, w: WV}
+    assert_close(fn(feeds), XV.astype(np.float64) @ WV)
+    c = fn.counters
+    assert c["reduce_scatter"].count == 1
+    assert c["allreduce"].count == 0
+    assert c["reduce_scatter"].values == 64  # each device puts in its whole partial [b, d]
+    assert tuple(c["reduce_scatter"].sites[0].mesh_axes) == ("cols",)
+    _check_hlo(fn, feeds, impl_cls)
+
+
+# --------------------------------------------------------------- (3) reshard
+
+@impls
+def test_reshard_rows_to_cols_moves_data(impl_cls):
+    _, mesh = new_mesh()
+    p = mx.placeholder(mesh, "p", [B, D])
+    y = mx.shard(p, "b:cols")
+    _, fn = lower(y, impl_cls, layout="b:rows")
+    feeds = {p: PV}
+    assert_close(fn(feeds), PV)
+    c = fn.counters
+    assert c["allgather"].count + c["alltoall"].count >= 1, _counts(c)
+    assert c["allreduce"].count == 0
+    assert c["reduce_scatter"].count == 0
+    moved = c["allgather"].values + c["alltoall"].values
+    assert moved > 0
+    _check_hlo(fn, feeds, impl_cls)
+
+
+@impls
+@pytest.mark.parametrize("rules,target", [
+    ("b:rows", "b:rows;b:cols"),
+    ("b:rows", "b:rows;d:cols"),
+    ("", "b:cols"),
+    ("", "b:rows;b:cols"),
+    ("b:cols", "b:cols;d:rows"),
+])
+def test_reshard_to_finer_split_is_free(rules, target, impl_cls):
+    _, mesh = new_mesh()
+    p = mx.placeholder(mesh, "p", [B, D])
+    y = mx.shard(p, target)
+    _, fn = lower(y, impl_cls, layout=rules)
+    feeds = {p: PV}
+    assert_close(fn(feeds), PV)
+    assert _nonzero(fn.counters) == {}
+    _check_hlo(fn, feeds, impl_cls)
+
+
+# --------------------------------------------------------- (4) elementwise
+
+@impls
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
+def test_elementwise_graph_has_no_collectives(layout, impl_cls):
+    _, mesh = new_mesh()
+    p = mx.placeholder(mesh, "p", [B, D])
+    q = mx.placeholder(mesh, "q", [B, D])
+    v = mx.placeholder(mesh, "v", [D])
+    z = mx.exp(p) * q + v - 1.0
+    z = mx.where(z > 0.0, z, -z) / (mx.abs(q) + 1.0)
+    _, fn = lower(z, impl_cls, layout=layout)
+    vv = rand([8], seed=104)
+    feeds = {p: PV, q: QV, v: vv}
+    want = np.exp(PV) * QV + vv - 1.0
+    want = np.abs(want) / (np.abs(QV) + 1.0)
+    assert_close(fn(feeds), want)
+    assert _nonzero(fn.counters) == {}
+    _check_hlo(fn, feeds, impl_cls)
+
+
+# ------------------------------------------------------------ (5) reductions
+
+@impls
+@pytest.mark.parametrize("layout,axes,values", [
+    ("b:rows", ("rows",), 8),
+    ("b:cols", ("cols",), 8),
+    ("b:rows;d:cols", ("rows",), 2),
+    ("b:rows;b:cols", ("rows", "cols"), 8),
+])
+def test_reduce_sum_over_split_dim(layout, axes, values, impl_cls):
+    _, mesh = new_mesh()
+    p = mx.placeholder(mesh, "p", [B, D])
+    s = mx.reduce_sum(p, reduced_dim=B)
+    _, fn = lower(s, impl_cls, layout=layout)
+    feeds = {p: PV}
+    assert_close(fn(feeds), PV.sum(axis=0))
+    c = fn.counters
+    assert _nonzero(c) == {"allreduce": 1}
+    assert tuple(c["allreduce"].sites[0].mesh_axes) == axes
+    assert c["allreduce"].values == values
+    _check_hlo(fn, feeds, impl_cls)
+
+
+@impls
+def test_reduce_sum_over_unsplit_dim_is_local(impl_cls):
+    _, mesh = new_mesh()
+    p = mx.placeholder(mesh, "p", [B, D])
+    s = mx.reduce_sum(p, reduced_dim=D)
+    _, fn = lower(s, impl_cls, layout="b:rows")
+    feeds = {p: PV}
+    assert_close(fn(feeds), PV.sum(axis=1))
+    assert _nonzero(fn.counters) == {}
+    _check_hlo(fn, feeds, impl_cls)
+
+
+@impls
+def test_partial_sums_add_before_one_allreduce(impl_cls):
+    _, mesh = new_mesh()
+    p = mx.placeholder(mesh, "p", [B, D])
+    q = mx.placeholder(mesh, "q", [B, D])
+    s = mx.reduce_sum(p, reduced_dim=B) + mx.reduce_sum(q, reduced_dim=B)
+    _, fn = lower(s, impl_cls, layout="b:rows")
+    feeds = {p: PV, q: QV}
+    assert_close(fn(feeds), PV.sum(axis=0) + QV.sum(axis=0))
+    c = fn.counters
+    assert _nonzero(c) == {"allreduce": 1}
+    assert c["allreduce"].values == 8
+    assert tuple(c["allreduce"].sites[0].mesh_axes) == ("rows",)
+    _check_hlo(fn, feeds, impl_cls)
+
+
+@impls
+def test_two_einsums_partial_sums_add_lazily(impl_cls):
+    """x@w + x2@w2, both contracting h split over cols: one allreduce."""
+    x, w, y, _ = _einsum_graph()
+    mesh = x.mesh
+    x2 = mx.placeholder(mesh, "x2", [B, H])
+    w2 = mx.placeholder(mesh, "w2", [H, D])
+    z = y + mx.einsum(x2, w2, output_shape=[B, D])
+    _, fn = lower(z, impl_cls, layout="h:cols")
+    x2v, w2v = rand([8, 4], seed=105), rand([4, 8], seed=106)
+    feeds = {x: XV, w: WV, x2: x2v, w2: w2v}
+    assert_close(fn(feeds), XV.astype(np.float64) @ WV + x2v.astype(np.float64) @ w2v)
+    assert _nonzero(fn.counters) == {"allreduce": 1}
+    _check_hlo(fn, feeds, impl_cls)
+
+
+def test_counters_same_on_both_impls_for_reductions():
+    results = []
+    for impl_cls in IMPLS:
+        _, mesh = new_mesh()
+        p = mx.placeholder(mesh, "p", [B, D])
+        q = mx.placeholder(mesh, "q", [B, D])
+        s = mx.reduce_sum(p, reduced_dim=B) + mx.reduce_sum(q, reduced_dim=B)
+        _, fn = lower(s, impl_cls, layout="b:rows;d:cols")
+        fn({p: PV, q: QV})
+        results.append((_counts(fn.counters), _values(fn.counters)))
+    assert results[0] == results[1]
+
+
+# ---------------------------------------------------- a mixed graph (HLO check)
+
+@impls
+@pytest.mark.parametrize("layout", ["h:cols;b:rows", "b:rows;b:cols", "d:cols", "b:cols;h:rows"])
+def test_mixed_graph_counters_match_hlo(layout, impl_cls):
+    x, w, y, _ = _einsum_graph()
+    z = mx.softmax(mx.relu(y), D)
+    m = mx.reduce_max(z, reduced_dim=B)
+    t = mx.reduce_sum(mx.shard(z, "d:cols") * 2.0, reduced_dim=D)
+    _, fn = lower([m, t], impl_cls, layout=layout)
+    feeds = {x: XV, w: WV}
+    gm, gt = fn(feeds)
+    yv = np.maximum(XV.astype(np.float64) @ WV, 0.0)
+    sm = np.exp(yv - yv.max(axis=1, keepdims=True))
+    sm /= sm.sum(axis=1, keepdims=True)
+    assert_close(gm, sm.max(axis=0).astype(np.float32))
+    assert_close(gt, (2 * sm).sum(axis=1).astype(np.float32))
+    assert sum(_counts(fn.counters).values()) >= 1
+    _check_hlo(fn, feeds, impl_cls)

@@ -1,0 +1,222 @@
+"""Layout rules, tensor layouts, slices and processor numbering."""
+import itertools
+import re
+
+import pytest
+
+import meshax as mx
+from tests.conftest import IMPLS, IMPL_IDS
+
+IMAGE = [("batch", 100), ("rows", 28), ("cols", 28), ("channels", 3)]
+README_MESH = "processor_rows:2;processor_cols:4"
+
+impls = pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
+
+
+def _axes(tl):
+    return [tuple(a) if isinstance(a, (list, tuple)) else a
+            for a in tl.tensor_axis_to_mesh_axis]
+
+
+# --------------------------------------------------------------- layout rules
+
+def test_convert_to_layout_rules_forms():
+    r1 = mx.convert_to_layout_rules("batch:rows;hidden:cols")
+    r2 = mx.convert_to_layout_rules([("batch", "rows"), ("hidden", "cols")])
+    assert isinstance(r1, mx.LayoutRules)
+    assert isinstance(r2, mx.LayoutRules)
+    assert isinstance(mx.convert_to_layout_rules(r1), mx.LayoutRules)
+
+
+@impls
+def test_layout_rules_string_and_pairs_agree(impl_cls):
+    shape = mx.convert_to_shape("batch:8;hidden:4;other:2")
+    a = impl_cls("rows:2;cols:4", "batch:rows;hidden:cols")
+    b = impl_cls([("rows", 2), ("cols", 4)], [("batch", "rows"), ("hidden", "cols")])
+    c = impl_cls("rows:2;cols:4", mx.convert_to_layout_rules("batch:rows;hidden:cols"))
+    for impl in (a, b, c):
+        assert _axes(impl.tensor_layout(shape)) == [0, 1, None]
+        assert list(impl.slice_shape(shape)) == [4, 1, 2]
+
+
+def test_layout_error_is_value_error():
+    assert issubclass(mx.LayoutError, ValueError)
+
+
+def test_malformed_layout_rules_raise():
+    with pytest.raises(ValueError):
+        mx.convert_to_layout_rules("batch")
+
+
+# ------------------------------------------------------------ mesh impl basics
+
+@impls
+def test_mesh_impl_shape_and_size(impl_cls):
+    impl = impl_cls(README_MESH, "")
+    assert isinstance(impl.shape, mx.Shape)
+    assert list(impl.shape.dimension_names) == ["processor_rows", "processor_cols"]
+    assert list(impl.shape.to_integer_list) == [2, 4]
+    assert impl.size == 8
+
+
+# ------------------------------------------------------------- README examples
+
+@impls
+def test_readme_empty_layout(impl_cls):
+    impl = impl_cls(README_MESH, "")
+    shape = mx.convert_to_shape(IMAGE)
+    assert _axes(impl.tensor_layout(shape)) == [None, None, None, None]
+    assert list(impl.slice_shape(shape)) == [100, 28, 28, 3]
+    for pnum in range(8):
+        assert list(impl.slice_begin(shape, pnum)) == [0, 0, 0, 0]
+
+
+@impls
+def test_readme_batch_over_cols(impl_cls):
+    impl = impl_cls(README_MESH, "batch:processor_cols")
+    shape = mx.convert_to_shape(IMAGE)
+    assert _axes(impl.tensor_layout(shape)) == [1, None, None, None]
+    assert list(impl.slice_shape(shape)) == [25, 28, 28, 3]
+    # processors (0, 3) and (1, 3) hold image_batch[75:100, :, :, :]
+    assert impl.processor_coordinates_to_pnum([0, 3]) == 3
+    assert impl.processor_coordinates_to_pnum([1, 3]) == 7
+    assert list(impl.slice_begin(shape, 3)) == [75, 0, 0, 0]
+    assert list(impl.slice_begin(shape, 7)) == [75, 0, 0, 0]
+    for pnum in range(8):
+        col = pnum % 4
+        assert list(impl.slice_begin(shape, pnum)) == [25 * col, 0, 0, 0]
+
+
+@impls
+def test_readme_rows_and_cols(impl_cls):
+    impl = impl_cls(README_MESH, "rows:processor_rows;cols:processor_cols")
+    shape = mx.convert_to_shape(IMAGE)
+    assert _axes(impl.tensor_layout(shape)) == [None, 0, 1, None]
+    assert list(impl.slice_shape(shape)) == [100, 14, 7, 3]
+    # processor (0, 1) holds image_batch[:, 0:14, 7:14, :]
+    pnum = impl.processor_coordinates_to_pnum([0, 1])
+    assert pnum == 1
+    assert list(impl.slice_begin(shape, pnum)) == [0, 0, 7, 0]
+    for r, c in itertools.product(range(2), range(4)):
+        p = impl.processor_coordinates_to_pnum([r, c])
+        assert list(impl.slice_begin(shape, p)) == [0, 14 * r, 7 * c, 0]
+
+
+@impls
+def test_readme_two_dims_same_mesh_dim_is_illegal(impl_cls):
+    impl = impl_cls(README_MESH, "batch:processor_rows;rows:processor_rows")
+    shape = mx.convert_to_shape(IMAGE)
+    with pytest.raises(mx.LayoutError) as info:
+        impl.tensor_layout(shape)
+    msg = str(info.value)
+    assert "batch" in msg
+    assert re.search(r"\brows\b", msg), msg  # the tensor dim, not just the mesh dim
+    assert "processor_rows" in msg
+
+
+@impls
+def test_readme_non_divisible_is_illegal(impl_cls):
+    impl = impl_cls(README_MESH, "channels:processor_rows")
+    shape = mx.convert_to_shape(IMAGE)
+    with pytest.raises(mx.LayoutError) as info:
+        impl.tensor_layout(shape)
+    msg = str(info.value)
+    assert "channels" in msg
+    assert "3" in msg
+    assert "2" in msg
+
+
+@impls
+def test_layout_error_on_slice_shape_too(impl_cls):
+    impl = impl_cls(README_MESH, "channels:processor_rows")
+    with pytest.raises(mx.LayoutError):
+        impl.slice_shape(mx.convert_to_shape(IMAGE))
+
+
+@impls
+def test_rules_for_absent_dims_are_ignored(impl_cls):
+    impl = impl_cls(README_MESH, "channels:processor_rows;batch:processor_cols")
+    shape = mx.convert_to_shape("batch:100;hidden:6")
+    assert _axes(impl.tensor_layout(shape)) == [1, None]
+    assert list(impl.slice_shape(shape)) == [25, 6]
+
+
+# ----------------------------------------------------- multi-mesh-dim splits
+
+@impls
+def test_split_over_two_mesh_dims(impl_cls):
+    impl = impl_cls("rows:2;cols:4", "batch:rows;batch:cols")
+    shape = mx.convert_to_shape("batch:16;x:3")
+    assert _axes(impl.tensor_layout(shape)) == [(0, 1), None]
+    assert list(impl.slice_shape(shape)) == [2, 3]
+    for r, c in itertools.product(range(2), range(4)):
+        p = impl.processor_coordinates_to_pnum([r, c])
+        assert list(impl.slice_begin(shape, p)) == [2 * (r * 4 + c), 0]
+
+
+@impls
+def test_split_over_two_of_three_mesh_dims(impl_cls):
+    impl = impl_cls("a:2;b:3;c:2", "t:a;t:c;u:b")
+    shape = mx.convert_to_shape("u:6;t:8;v:5")
+    assert _axes(impl.tensor_layout(shape)) == [1, (0, 2), None]
+    assert list(impl.slice_shape(shape)) == [2, 2, 5]
+    for ca, cb, cc in itertools.product(range(2), range(3), range(2)):
+        p = impl.processor_coordinates_to_pnum([ca, cb, cc])
+        assert list(impl.slice_begin(shape, p)) == [2 * cb, 2 * (ca * 2 + cc), 0]
+
+
+@impls
+def test_split_over_two_mesh_dims_not_divisible(impl_cls):
+    # 12 is divisible by 2 and by 4, but not by 2*4.
+    impl = impl_cls("rows:2;cols:4", "batchy:rows;batchy:cols")
+    with pytest.raises(mx.LayoutError) as info:
+        impl.tensor_layout(mx.convert_to_shape("batchy:12"))
+    msg = str(info.value)
+    assert "batchy" in msg
+    assert "12" in msg
+    assert "8" in msg
+
+
+@impls
+def test_multi_split_conflicts_with_other_dim(impl_cls):
+    impl = impl_cls("rows:2;cols:4", "b:rows;b:cols;d:cols")
+    with pytest.raises(mx.LayoutError):
+        impl.tensor_layout(mx.convert_to_shape("b:8;d:8"))
+    # each dim alone is fine
+    assert _axes(impl.tensor_layout(mx.convert_to_shape("b:8"))) == [(0, 1)]
+    assert _axes(impl.tensor_layout(mx.convert_to_shape("d:8"))) == [1]
+
+
+@impls
+def test_scalar_layout(impl_cls):
+    impl = impl_cls("rows:2;cols:4", "b:rows")
+    shape = mx.Shape([])
+    assert _axes(impl.tensor_layout(shape)) == []
+    assert list(impl.slice_shape(shape)) == []
+    assert list(impl.slice_begin(shape, 5)) == []
+
+
+# --------------------------------------------------------- processor numbering
+
+@impls
+@pytest.mark.parametrize("mesh_shape,dims", [
+    ("rows:2;cols:4", [2, 4]),
+    ("a:2;b:3;c:4", [2, 3, 4]),
+    ("all:8", [8]),
+])
+def test_pnum_coordinates_row_major(impl_cls, mesh_shape, dims):
+    impl = impl_cls(mesh_shape, "")
+    coords = list(itertools.product(*[range(n) for n in dims]))  # last dim fastest
+    assert impl.size == len(coords)
+    for pnum, c in enumerate(coords):
+        assert list(impl.pnum_to_processor_coordinates(pnum)) == list(c)
+        assert impl.processor_coordinates_to_pnum(list(c)) == pnum
+
+
+@impls
+def test_pnum_examples(impl_cls):
+    impl = impl_cls("a:2;b:3;c:4", "")
+    assert list(impl.pnum_to_processor_coordinates(23)) == [1, 2, 3]
+    assert list(impl.pnum_to_processor_coordinates(7)) == [0, 1, 3]
+    assert list(impl.pnum_to_processor_coordinates(12)) == [1, 0, 0]
+    assert impl.processor_coordinates_to_pnum([1, 1, 1]) == 12 + 4 + 1

@@ -1,0 +1,76 @@
+"""einsum / matmul vs np.einsum."""
+import numpy as np
+import pytest
+
+import meshax as mx
+from tests.conftest import B, D, H, LAYOUTS, assert_close, names, new_mesh, rand, run
+
+K = mx.Dimension("k", 4)
+
+# the canonical layouts plus one that splits the contracted dim h
+EINSUM_LAYOUTS = LAYOUTS + ["d:rows;h:cols"]
+layouts = pytest.mark.parametrize("layout", EINSUM_LAYOUTS, ids=lambda s: s or "replicated")
+
+SIZES = {"b": 8, "h": 4, "d": 8, "k": 4}
+DIMS = {"b": B, "h": H, "d": D, "k": K}
+
+
+def _ph(mesh, name, dims):
+    return mx.placeholder(mesh, name, [DIMS[c] for c in dims])
+
+
+# name -> (input dim strings, builder(tensors) -> output, expected output dims)
+CASES = {
+    "matmul-default": (["bh", "hd"], lambda t: mx.einsum(t[0], t[1]), "bd"),
+    "matmul-list-arg": (["bh", "hd"], lambda t: mx.einsum([t[0], t[1]]), "bd"),
+    "transposed-out": (["bh", "hd"], lambda t: mx.einsum(t[0], t[1], output_shape=[D, B]), "db"),
+    "keep-contracted": (["bh", "hd"], lambda t: mx.einsum(t[0], t[1], output_shape=[B, H, D]), "bhd"),
+    "full-contraction": (["bh", "bh"], lambda t: mx.einsum(t[0], t[1]), ""),
+    "rowwise-dot": (["bh", "bh"], lambda t: mx.einsum(t[0], t[1], output_shape=[B]), "b"),
+    "reduced-dims": (["bh", "bh"], lambda t: mx.einsum(t[0], t[1], reduced_dims=[H]), "b"),
+    "reduced-dims-matmul": (["bh", "hd"], lambda t: mx.einsum(t[0], t[1], reduced_dims=[H]), "bd"),
+    "single-input": (["bhd"], lambda t: mx.einsum(t[0], output_shape=[D, B]), "db"),
+    "single-input-transpose": (["bhd"], lambda t: mx.einsum([t[0]], output_shape=[D, H, B]), "dhb"),
+    "three-inputs": (["bh", "hd", "d"], lambda t: mx.einsum(t[0], t[1], t[2]), "b"),
+    "three-inputs-out": (["bh", "hd", "d"], lambda t: mx.einsum([t[0], t[1], t[2]], output_shape=[B, D]), "bd"),
+    "outer": (["b", "d"], lambda t: mx.einsum(t[0], t[1]), "bd"),
+    "outer-out": (["b", "d"], lambda t: mx.einsum(t[0], t[1], output_shape=[D, B]), "db"),
+    "batched": (["bhd", "dk"], lambda t: mx.einsum(t[0], t[1], output_shape=[B, H, K]), "bhk"),
+    "batched-default": (["bhd", "bdk"], lambda t: mx.einsum(t[0], t[1]), "hk"),
+    "matmul": (["bh", "hd"], lambda t: mx.matmul(t[0], t[1]), "bd"),
+    "matmul-out": (["bh", "hd"], lambda t: mx.matmul(t[0], t[1], output_shape=[D, B]), "db"),
+    "matmul-reduced": (["bhd", "hd"], lambda t: mx.matmul(t[0], t[1], reduced_dims=[H, D]), "b"),
+}
+
+
+@layouts
+@pytest.mark.parametrize("case", list(CASES))
+def test_einsum(case, layout, impl_cls):
+    in_dims, build, out_dims = CASES[case]
+    _, mesh = new_mesh()
+    tensors = [_ph(mesh, f"x{i}", dims) for i, dims in enumerate(in_dims)]
+    y = build(tensors)
+    assert names(y) == list(out_dims)
+    values = [rand([SIZES[c] for c in dims], seed=30 + i) for i, dims in enumerate(in_dims)]
+    out = run(y, impl_cls, layout=layout, feeds=dict(zip(tensors, values)))
+    spec = ",".join(in_dims) + "->" + out_dims
+    want = np.einsum(spec, *[v.astype(np.float64) for v in values])
+    assert_close(out, want.astype(np.float32))
+
+
+@layouts
+def test_einsum_chain(layout, impl_cls):
+    """Two layers: relu(x @ w1) @ w2, with a reduction at the end."""
+    _, mesh = new_mesh()
+    x = _ph(mesh, "x", "bh")
+    w1 = _ph(mesh, "w1", "hd")
+    w2 = _ph(mesh, "w2", "dk")
+    hidden = mx.relu(mx.einsum(x, w1, output_shape=[B, D]))
+    logits = mx.einsum(hidden, w2, output_shape=[B, K])
+    loss = mx.reduce_sum(logits * logits)
+    xv, w1v, w2v = rand([8, 4], 41), rand([4, 8], 42), rand([8, 4], 43)
+    got_logits, got_loss = run([logits, loss], impl_cls, layout=layout,
+                               feeds={x: xv, w1: w1v, w2: w2v})
+    want = np.maximum(xv.astype(np.float64) @ w1v, 0.0) @ w2v
+    assert_close(got_logits, want.astype(np.float32))
+    assert_close(got_loss, np.float32((want ** 2).sum()), rtol=1e-5, atol=1e-4)

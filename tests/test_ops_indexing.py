@@ -1,0 +1,123 @@
+"""one_hot, gather and top_k vs NumPy."""
+import numpy as np
+import pytest
+
+import meshax as mx
+from tests.conftest import (B, D, H, LAYOUTS, assert_close, assert_equal, names, new_mesh,
+                            rand, randint, run)
+
+K = mx.Dimension("k", 4)
+# the canonical layouts plus one that splits h (the gathered-from dim below)
+INDEX_LAYOUTS = LAYOUTS + ["h:cols;b:rows"]
+layouts = pytest.mark.parametrize("layout", INDEX_LAYOUTS, ids=lambda s: s or "replicated")
+
+
+def np_one_hot(idx, n, on=1.0, off=0.0, dtype=np.float32):
+    return np.where(idx[..., None] == np.arange(n), on, off).astype(dtype)
+
+
+# ------------------------------------------------------------------- one_hot
+
+@layouts
+def test_one_hot(layout, impl_cls):
+    _, mesh = new_mesh()
+    i1 = mx.placeholder(mesh, "i1", [B], dtype="int32")
+    i2 = mx.placeholder(mesh, "i2", [B, H], dtype="int32")
+    o1 = mx.one_hot(i1, D)
+    o2 = mx.one_hot(i2, D, on_value=2.0, off_value=-1.0)
+    i3 = mx.placeholder(mesh, "i3", [B], dtype="int32")
+    o3 = mx.one_hot(i3, H, dtype="int32")
+    assert names(o1) == ["b", "d"]
+    assert names(o2) == ["b", "h", "d"]
+    assert names(o3) == ["b", "h"]
+    assert o1.dtype == np.float32
+    assert o3.dtype == np.int32
+    v1 = randint([8], 8, seed=70)
+    v2 = randint([8, 4], 8, seed=71)
+    v3 = randint([8], 4, seed=72)
+    g1, g2, g3 = run([o1, o2, o3], impl_cls, layout=layout,
+                     feeds={i1: v1, i2: v2, i3: v3})
+    assert_equal(g1, np_one_hot(v1, 8))
+    assert_equal(g2, np_one_hot(v2, 8, 2.0, -1.0))
+    assert g3.dtype == np.int32
+    assert_equal(g3, np_one_hot(v3, 4, dtype=np.int32))
+
+
+# -------------------------------------------------------------------- gather
+
+def np_gather(weights, w_names, indices, idx_names, dim_name):
+    """np.take, then transpose to indices dims followed by the other weight dims."""
+    axis = w_names.index(dim_name)
+    taken = np.take(weights, indices, axis=axis)
+    # np.take layout: w[:axis] + idx dims + w[axis+1:]
+    n_idx = len(idx_names)
+    lead = list(range(axis))
+    idx_axes = list(range(axis, axis + n_idx))
+    trail = list(range(axis + n_idx, taken.ndim))
+    return np.transpose(taken, idx_axes + lead + trail)
+
+
+GATHERS = {
+    # name: (weights dims, indices dims, gathered dim name)
+    "w[h,d]-i[b]-h": ([H, D], [B], "h"),
+    "w[d,h]-i[b]-d": ([D, H], [B], "d"),
+    "w[b,h]-i[d]-b": ([B, H], [D], "b"),
+    "w[h,d,k]-i[b]-d": ([H, D, K], [B], "d"),
+    "w[d,k]-i[b,h]-d": ([D, K], [B, H], "d"),
+}
+
+
+@layouts
+@pytest.mark.parametrize("case", list(GATHERS))
+def test_gather(case, layout, impl_cls):
+    w_dims, i_dims, dim_name = GATHERS[case]
+    _, mesh = new_mesh()
+    w = mx.placeholder(mesh, "w", w_dims)
+    i = mx.placeholder(mesh, "i", i_dims, dtype="int32")
+    dim = [d for d in w_dims if d.name == dim_name][0]
+    y = mx.gather(w, i, dim)
+    w_names = [d.name for d in w_dims]
+    i_names = [d.name for d in i_dims]
+    assert names(y) == i_names + [n for n in w_names if n != dim_name]
+    wv = rand([d.size for d in w_dims], seed=73)
+    iv = randint([d.size for d in i_dims], dim.size, seed=74)
+    out = run(y, impl_cls, layout=layout, feeds={w: wv, i: iv})
+    assert_close(out, np_gather(wv, w_names, iv, i_names, dim_name))
+
+
+def test_np_gather_reference():
+    w = np.arange(24).reshape(2, 3, 4)
+    idx = np.array([[2, 0]])
+    g = np_gather(w, ["a", "c", "e"], idx, ["i", "j"], "c")
+    assert g.shape == (1, 2, 2, 4)
+    np.testing.assert_array_equal(g[0, 0], w[:, 2, :])
+    np.testing.assert_array_equal(g[0, 1], w[:, 0, :])
+
+
+# --------------------------------------------------------------------- top_k
+
+def np_top_k(v, axis, k):
+    order = np.argsort(-v, axis=axis, kind="stable")
+    idx = np.take(order, np.arange(k), axis=axis)
+    return np.take_along_axis(v, idx, axis=axis), idx.astype(np.int32)
+
+
+@layouts
+@pytest.mark.parametrize("dim,axis,k", [(D, 2, 3), (B, 0, 2), (H, 1, 4), (D, 2, 1)],
+                         ids=["d-3", "b-2", "h-4", "d-1"])
+def test_top_k(dim, axis, k, layout, impl_cls):
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B, H, D])
+    values, indices = mx.top_k(x, dim, k)
+    expected_names = ["b", "h", "d"]
+    expected_names[axis] = dim.name + "_topk"
+    assert names(values) == expected_names
+    assert names(indices) == expected_names
+    assert values.shape.get_dim_by_name(dim.name + "_topk").size == k
+    assert indices.dtype == np.int32
+    xv = rand([8, 4, 8], seed=75)  # distinct values, no ties
+    gv, gi = run([values, indices], impl_cls, layout=layout, feeds={x: xv})
+    wv, wi = np_top_k(xv, axis, k)
+    assert_close(gv, wv)
+    assert gi.dtype == np.int32
+    assert_equal(gi, wi)

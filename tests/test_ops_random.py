@@ -1,0 +1,171 @@
+"""random_uniform, random_normal and dropout.
+
+There is no NumPy reference, so check: identical values under every layout
+and both implementations, determinism, sane statistics, and independence of
+two random ops in one graph."""
+import numpy as np
+import pytest
+
+import meshax as mx
+from tests.conftest import IMPLS, IMPL_IDS, LAYOUTS, lower, new_mesh, run
+
+BIG_B = mx.Dimension("b", 64)
+BIG_D = mx.Dimension("d", 64)
+SHAPE = [BIG_B, BIG_D]  # 4096 values
+ALL_CONFIGS = [(impl, lay) for impl in IMPLS for lay in LAYOUTS]
+
+impls = pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
+layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
+
+
+def _uniform(mesh, **kw):
+    return mx.random_uniform(mesh, SHAPE, minval=-2.0, maxval=3.0, seed=kw.pop("seed", 7), **kw)
+
+
+def _normal(mesh, **kw):
+    return mx.random_normal(mesh, SHAPE, mean=0.0, stddev=1.0, seed=kw.pop("seed", 7), **kw)
+
+
+def _dropout(mesh, **kw):
+    x = mx.constant(mesh, 1.0, SHAPE) + mx.cast(mx.range(mesh, BIG_D), "float32")
+    return mx.dropout(x, 0.25, seed=kw.pop("seed", 7), **kw)
+
+
+BUILDERS = {"uniform": _uniform, "normal": _normal, "dropout": _dropout}
+
+
+# ------------------------------------------------ (a) layout independence
+
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_same_values_under_every_layout_and_impl(kind):
+    results = {}
+    for impl_cls, layout in ALL_CONFIGS:
+        _, mesh = new_mesh()
+        y = BUILDERS[kind](mesh)
+        results[(impl_cls.__name__, layout)] = run(y, impl_cls, layout=layout)
+    ref_key = (IMPLS[0].__name__, "")
+    ref = results[ref_key]
+    assert ref.shape == (64, 64)
+    for key, got in results.items():
+        np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6,
+                                   err_msg=f"{kind} differs for {key} vs {ref_key}")
+
+
+# ---------------------------------------------------------- (b) determinism
+
+@impls
+@pytest.mark.parametrize("kind", list(BUILDERS))
+def test_deterministic(kind, impl_cls):
+    _, mesh = new_mesh()
+    y = BUILDERS[kind](mesh)
+    lowering, fn = lower(y, impl_cls, layout="b:rows;d:cols")
+    first = fn({})
+    second = fn({})
+    np.testing.assert_array_equal(first, second)
+    # a new lowering of the same graph gives the same numbers too
+    _, fn2 = lower(y, impl_cls, layout="b:rows;d:cols")
+    np.testing.assert_array_equal(fn2({}), first)
+
+
+@impls
+def test_same_seed_same_values_across_graphs(impl_cls):
+    vals = []
+    for _ in range(2):
+        _, mesh = new_mesh()
+        vals.append(run(_uniform(mesh, seed=123), impl_cls, layout="b:cols"))
+    np.testing.assert_array_equal(vals[0], vals[1])
+
+
+# -------------------------------------------------------------- (c) statistics
+
+@impls
+@layouts
+def test_uniform_statistics(layout, impl_cls):
+    _, mesh = new_mesh()
+    u01 = mx.random_uniform(mesh, SHAPE, seed=1)
+    u = mx.random_uniform(mesh, SHAPE, minval=-2.0, maxval=3.0, seed=2)
+    g01, g = run([u01, u], impl_cls, layout=layout)
+    assert g01.dtype == np.float32
+    assert g01.shape == (64, 64)
+    assert g01.min() >= 0.0 and g01.max() < 1.0
+    assert abs(g01.mean() - 0.5) < 0.03
+    assert abs(g01.std() - np.sqrt(1 / 12)) < 0.02
+    assert len(np.unique(g01)) > 4000  # not a few repeated slices
+    assert g.min() >= -2.0 and g.max() < 3.0
+    assert abs(g.mean() - 0.5) < 0.15
+    # every device block differs from every other one
+    blocks = [g01[i * 8:(i + 1) * 8, j * 8:(j + 1) * 8] for i in range(8) for j in range(8)]
+    assert len({blk.tobytes() for blk in blocks}) == len(blocks)
+
+
+@impls
+@layouts
+def test_normal_statistics(layout, impl_cls):
+    _, mesh = new_mesh()
+    n01 = mx.random_normal(mesh, SHAPE, seed=3)
+    n = mx.random_normal(mesh, SHAPE, mean=3.0, stddev=2.0, seed=4)
+    g01, g = run([n01, n], impl_cls, layout=layout)
+    assert g01.dtype == np.float32
+    assert abs(g01.mean()) < 0.06
+    assert abs(g01.std() - 1.0) < 0.05
+    assert (g01 < 0).any() and (g01 > 2).any()
+    assert abs(g.mean() - 3.0) < 0.12
+    assert abs(g.std() - 2.0) < 0.1
+
+
+@impls
+@layouts
+def test_dropout_statistics(layout, impl_cls):
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", SHAPE)
+    rate = 0.25
+    y = mx.dropout(x, rate, seed=5)
+    xv = np.random.default_rng(80).uniform(1.0, 2.0, size=(64, 64)).astype(np.float32)
+    got = run(y, impl_cls, layout=layout, feeds={x: xv})
+    kept = got != 0
+    assert abs(kept.mean() - (1 - rate)) < 0.04
+    np.testing.assert_allclose(got[kept], xv[kept] / (1 - rate), rtol=1e-5, atol=1e-5)
+
+
+@impls
+@layouts
+def test_dropout_noise_shape(layout, impl_cls):
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", SHAPE)
+    y = mx.dropout(x, 0.5, noise_shape=[BIG_D], seed=6)
+    xv = np.ones((64, 64), np.float32)
+    got = run(y, impl_cls, layout=layout, feeds={x: xv})
+    # the mask depends on d only: each column is all 0 or all 2
+    for j in range(64):
+        col = got[:, j]
+        assert (col == 0).all() or np.allclose(col, 2.0), col
+    kept_cols = (got[0] != 0).mean()
+    assert 0.25 < kept_cols < 0.75
+
+
+# ------------------------------------------------------ (d) independence
+
+@impls
+def test_two_random_ops_differ(impl_cls):
+    _, mesh = new_mesh()
+    u1 = mx.random_uniform(mesh, SHAPE)
+    u2 = mx.random_uniform(mesh, SHAPE)
+    n1 = mx.random_normal(mesh, SHAPE)
+    n2 = mx.random_normal(mesh, SHAPE)
+    s1 = mx.random_uniform(mesh, SHAPE, seed=10)
+    s2 = mx.random_uniform(mesh, SHAPE, seed=11)
+    g = run([u1, u2, n1, n2, s1, s2], impl_cls, layout="b:rows;d:cols")
+    for a, b in [(0, 1), (2, 3), (4, 5)]:
+        assert not np.allclose(g[a], g[b])
+        # not merely shifted / correlated copies
+        assert abs(np.corrcoef(g[a].ravel(), g[b].ravel())[0, 1]) < 0.1
+
+
+@impls
+def test_two_dropouts_differ(impl_cls):
+    _, mesh = new_mesh()
+    x = mx.ones(mesh, SHAPE)
+    d1 = mx.dropout(x, 0.5)
+    d2 = mx.dropout(x, 0.5)
+    g1, g2 = run([d1, d2], impl_cls, layout="b:cols")
+    assert ((g1 != 0) != (g2 != 0)).any()

@@ -1,0 +1,185 @@
+"""reshape, rename_dimension, replace_dimensions, transpose, broadcast,
+tensor creation (import_tensor, constant, zeros, ones, range) and the
+Lowering/function interface, vs NumPy."""
+import numpy as np
+import pytest
+
+import meshax as mx
+from tests.conftest import (B, D, H, LAYOUTS, assert_close, assert_equal, lower, names,
+                            new_mesh, rand, run)
+
+layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
+
+XV = rand([8, 4, 8], seed=50)
+
+
+def Dim(name, size):
+    return mx.Dimension(name, size)
+
+
+# name -> (builder(x[b,h,d]) -> tensor, expected names, numpy fn of XV)
+CASES = {
+    "reshape-merge": (lambda x: mx.reshape(x, [B, Dim("hd", 32)]), ["b", "hd"],
+                      lambda v: v.reshape(8, 32)),
+    "reshape-split": (lambda x: mx.reshape(x, [Dim("b1", 2), Dim("b2", 4), H, D]),
+                      ["b1", "b2", "h", "d"], lambda v: v.reshape(2, 4, 4, 8)),
+    "reshape-flat": (lambda x: mx.reshape(x, [Dim("n", 256)]), ["n"], lambda v: v.reshape(256)),
+    "reshape-same-names-reordered": (lambda x: mx.reshape(x, [B, D, H]), ["b", "d", "h"],
+                                     lambda v: v.reshape(8, 8, 4)),
+    "reshape-leading-h": (lambda x: mx.reshape(x, [H, B, D]), ["h", "b", "d"],
+                          lambda v: v.reshape(4, 8, 8)),
+    "reshape-resize-split-dim": (lambda x: mx.reshape(x, [Dim("e", 16), Dim("d", 16)]),
+                                 ["e", "d"], lambda v: v.reshape(16, 16)),
+    "reshape-string-shape": (lambda x: mx.reshape(x, "b:8;m:2;n:16"), ["b", "m", "n"],
+                             lambda v: v.reshape(8, 2, 16)),
+    "rename": (lambda x: mx.rename_dimension(x, "h", "k"), ["b", "k", "d"], lambda v: v),
+    "rename-split-dim": (lambda x: mx.rename_dimension(x, "b", "bb"), ["bb", "h", "d"],
+                         lambda v: v),
+    "replace-one": (lambda x: mx.replace_dimensions(x, H, Dim("k", 4)), ["b", "k", "d"],
+                    lambda v: v),
+    "replace-two-by-one": (lambda x: mx.replace_dimensions(x, [H, D], [Dim("hd", 32)]),
+                           ["b", "hd"], lambda v: v.reshape(8, 32)),
+    "replace-one-by-two": (lambda x: mx.replace_dimensions(x, D, [Dim("d1", 2), Dim("d2", 4)]),
+                           ["b", "h", "d1", "d2"], lambda v: v.reshape(8, 4, 2, 4)),
+    "transpose-dbh": (lambda x: mx.transpose(x, [D, B, H]), ["d", "b", "h"],
+                      lambda v: v.transpose(2, 0, 1)),
+    "transpose-hdb": (lambda x: mx.transpose(x, [H, D, B]), ["h", "d", "b"],
+                      lambda v: v.transpose(1, 2, 0)),
+    "transpose-identity": (lambda x: mx.transpose(x, [B, H, D]), ["b", "h", "d"], lambda v: v),
+}
+
+
+@layouts
+@pytest.mark.parametrize("case", list(CASES))
+def test_shape_op(case, layout, impl_cls):
+    build, out_names, np_fn = CASES[case]
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B, H, D])
+    y = build(x)
+    assert names(y) == out_names
+    assert y.dtype == np.float32
+    out = run(y, impl_cls, layout=layout, feeds={x: XV})
+    assert_close(out, np_fn(XV))
+
+
+@layouts
+def test_reshape_then_compute(layout, impl_cls):
+    """A reshaped tensor feeds further ops that depend on the new layout."""
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B, H, D])
+    r = mx.reshape(x, [Dim("e", 16), Dim("d", 16)])
+    y = mx.reduce_sum(r * 2.0, reduced_dim=Dim("e", 16))
+    out = run(y, impl_cls, layout=layout, feeds={x: XV})
+    assert_close(out, (XV.reshape(16, 16).astype(np.float64) * 2.0).sum(axis=0).astype(np.float32))
+
+
+BCAST = {
+    "bd->bhd": ([B, D], [B, H, D], lambda v: np.broadcast_to(v[:, None, :], (8, 4, 8))),
+    "d->bd": ([D], [B, D], lambda v: np.broadcast_to(v[None, :], (8, 8))),
+    "bd->dhb": ([B, D], [D, H, B], lambda v: np.broadcast_to(v.T[:, None, :], (8, 4, 8))),
+    "h->hbd": ([H], [H, B, D], lambda v: np.broadcast_to(v[:, None, None], (4, 8, 8))),
+    "scalar->bd": ([], [B, D], lambda v: np.broadcast_to(v, (8, 8))),
+}
+
+
+@layouts
+@pytest.mark.parametrize("case", list(BCAST))
+def test_broadcast(case, layout, impl_cls):
+    in_dims, out_dims, np_fn = BCAST[case]
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", in_dims)
+    y = mx.broadcast(x, out_dims)
+    assert names(y) == [d.name for d in out_dims]
+    xv = rand([d.size for d in in_dims], seed=51)
+    out = run(y, impl_cls, layout=layout, feeds={x: xv})
+    assert_close(out, np_fn(xv))
+
+
+# ------------------------------------------------------------------ creation
+
+@layouts
+def test_import_tensor(layout, impl_cls):
+    _, mesh = new_mesh()
+    x = mx.import_tensor(mesh, XV, [B, H, D], name="imported")
+    assert names(x) == ["b", "h", "d"]
+    assert x.dtype == np.float32
+    y = x * 3.0
+    gx, gy = run([x, y], impl_cls, layout=layout)
+    assert_close(gx, XV)
+    assert_close(gy, XV * 3.0)
+
+
+@layouts
+def test_constant_zeros_ones(layout, impl_cls):
+    _, mesh = new_mesh()
+    c = mx.constant(mesh, 2.5, [B, D])
+    ci = mx.constant(mesh, 7, [B], dtype="int32")
+    ca = mx.constant(mesh, XV[:, 0, :], [B, D])
+    z = mx.zeros(mesh, [B, H])
+    zi = mx.zeros(mesh, [D], "int32")
+    o = mx.ones(mesh, [H, D], "float32")
+    assert ci.dtype == np.int32 and zi.dtype == np.int32 and o.dtype == np.float32
+    got = run([c, ci, ca, z, zi, o], impl_cls, layout=layout)
+    assert_close(got[0], np.full((8, 8), 2.5, np.float32))
+    assert_equal(got[1], np.full((8,), 7, np.int32))
+    assert_close(got[2], XV[:, 0, :])
+    assert_close(got[3], np.zeros((8, 4), np.float32))
+    assert_equal(got[4], np.zeros((8,), np.int32))
+    assert_close(got[5], np.ones((4, 8), np.float32))
+    assert got[1].dtype == np.int32 and got[4].dtype == np.int32
+
+
+@layouts
+def test_range(layout, impl_cls):
+    _, mesh = new_mesh()
+    r = mx.range(mesh, B)
+    rf = mx.range(mesh, D, dtype="float32")
+    assert names(r) == ["b"]
+    assert r.dtype == np.int32
+    outer = mx.cast(r, "float32") * 10.0 + rf  # [b, d]
+    got_r, got_rf, got_outer = run([r, rf, outer], impl_cls, layout=layout)
+    assert got_r.dtype == np.int32
+    assert_equal(got_r, np.arange(8, dtype=np.int32))
+    assert_close(got_rf, np.arange(8, dtype=np.float32))
+    assert_close(got_outer, np.arange(8)[:, None] * 10.0 + np.arange(8)[None, :])
+
+
+# ------------------------------------------------------ lowering / function API
+
+def test_tensor_attributes():
+    graph, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B, D])
+    assert x.shape == mx.Shape([B, D])
+    assert x.dtype == np.float32
+    assert x.mesh is mesh
+    assert isinstance(x.name, str)
+    assert mx.placeholder(mesh, "i", [B], dtype="int32").dtype == np.int32
+    assert mx.placeholder(mesh, "s", "b:8;d:8").shape == mx.Shape([B, D])
+
+
+def test_feeds_by_name_and_single_vs_list(impl_cls):
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "xin", [B, D])
+    y = x + 1.0
+    xv = rand([8, 8], seed=52)
+    _, fn = lower(y, impl_cls, layout="b:rows;d:cols")
+    out = fn({"xin": xv})
+    assert isinstance(out, np.ndarray)
+    assert_close(out, xv + 1.0)
+    _, fn2 = lower([y], impl_cls, layout="b:rows;d:cols")
+    out2 = fn2({x: xv})
+    assert isinstance(out2, list) and len(out2) == 1
+    assert_close(out2[0], xv + 1.0)
+    # a function can be called again with other feeds
+    assert_close(fn({x: 2 * xv}), 2 * xv + 1.0)
+
+
+def test_two_functions_share_a_lowering(impl_cls):
+    graph, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B, D])
+    y = mx.exp(x)
+    z = mx.reduce_sum(x, reduced_dim=B)
+    lowering = mx.Lowering(graph, {mesh: impl_cls("rows:2;cols:4", "b:rows")})
+    xv = rand([8, 8], seed=53)
+    assert_close(lowering.function(y)({x: xv}), np.exp(xv))
+    assert_close(lowering.function(z)({x: xv}), xv.sum(axis=0))
