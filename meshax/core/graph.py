@@ -144,6 +144,23 @@ class Tensor:
         from meshax.ops import elementwise as e
         return e.negative(self)
 
+    # Ordering comparisons build ops too; == and != stay identity so tensors can be dict keys.
+    def __lt__(self, other):
+        from meshax.ops import elementwise as e
+        return e.less(self, other)
+
+    def __le__(self, other):
+        from meshax.ops import elementwise as e
+        return e.less_equal(self, other)
+
+    def __gt__(self, other):
+        from meshax.ops import elementwise as e
+        return e.greater(self, other)
+
+    def __ge__(self, other):
+        from meshax.ops import elementwise as e
+        return e.greater_equal(self, other)
+
     __hash__ = object.__hash__
 
 

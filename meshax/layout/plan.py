@@ -1,7 +1,8 @@
 """The per-tensor layout plan the lowering works from.
 
 Rules give every tensor its default layout; an op that carries a `layout_override` (the `shard`
-annotation) fixes its output's layout instead. Later, sharding propagation fills in tensors
+annotation) fixes its output's layout instead; an op's `replicated_dims` keeps those dims of
+its outputs whole (for internal pieces of size 1). Later, sharding propagation fills in tensors
 that neither covers; this module is that seam.
 """
 
@@ -23,6 +24,9 @@ def layout_for(t: Tensor, rules: LayoutRules, mesh_shape: Shape) -> TensorLayout
                 f"(its dims: {t.shape.dimension_names})"
             )
         return tensor_layout(t.shape, override, mesh_shape, t.name)
+    whole = getattr(t.operation, "replicated_dims", ())
+    if whole:  # an op's internal size-1 pieces (stack, unstack) are never split
+        rules = LayoutRules([(d, m) for d, m in rules if d not in whole])
     return tensor_layout(t.shape, rules, mesh_shape, t.name)
 
 

@@ -193,6 +193,12 @@ class ShiftOperation(Operation):
         return [None if g is None else shift(g, -self.offset, self.dim, self.wrap)]
 
 
+def _whole(t: Tensor, dim_name: str) -> Tensor:
+    """Mark an internal size-1 piece so that the layout never splits its `dim_name`."""
+    t.operation.replicated_dims = {dim_name}
+    return t
+
+
 def slice(x: Tensor, begin: int, size: int, dim_name: str, name=None) -> Tensor:  # noqa: A001
     return SliceOperation(x, int(begin), int(size), dim_name, name).outputs[0]
 
@@ -234,14 +240,14 @@ def stack(xs: list[Tensor], dim_name: str, axis: int = 0, name=None) -> Tensor:
     if not 0 <= axis <= len(dims):
         raise GraphError(f"stack axis {axis} is outside 0..{len(dims)}")
     one = Shape(dims[:axis] + [Dimension(dim_name, 1)] + dims[axis:])
-    return concat([reshape(t, one) for t in xs], dim_name, name=name)
+    return concat([_whole(reshape(t, one), dim_name) for t in xs], dim_name, name=name)
 
 
 def unstack(x: Tensor, dim, name=None) -> list[Tensor]:
     from meshax.ops.shape_ops import reshape
     d = dim_of(x, dim)
     rest = Shape([e for e in x.shape if e != d])
-    return [reshape(s, rest) for s in split(x, d, d.size)]
+    return [reshape(_whole(slice(x, i, 1, d.name), d.name), rest) for i in range(d.size)]
 
 
 def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
