@@ -19,5 +19,7 @@ from meshax.layout import LayoutRules, TensorLayout, convert_to_layout_rules
 from meshax.lower import Counters, LaidOutTensor, Lowering, LoweredFunction, MeshImpl
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
 from meshax.runtime import use_cpu_devices
+from meshax.autodiff import gradients
+from meshax import initializers
 
 __version__ = "0.1.0"

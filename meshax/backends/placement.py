@@ -22,10 +22,8 @@ _REDUCE = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
 class PlacementMeshImpl(MeshImpl):
     """A slice list holds `size` arrays, the one at index pnum on device pnum."""
 
-    _abstract = False
-
     def _put(self, x, pnum: int):
-        if self._abstract or isinstance(x, jax.core.Tracer):
+        if isinstance(x, jax.core.Tracer):
             return x
         return jax.device_put(x, self.devices[pnum])
 
@@ -93,6 +91,18 @@ class PlacementMeshImpl(MeshImpl):
                 out[p] = self._put(xs[group[src]], p) if 0 <= src < n else self._put(jnp.zeros_like(xs[p]), p)
         return out
 
+    # ---- values: a list of per-device arrays, in pnum order ------------------------------------
+    def from_global(self, array, spec):
+        by_device = {s.device: s.data for s in array.addressable_shards}
+        return [by_device[d] for d in self.devices]
+
+    def put(self, array, spec):
+        shape, _, layout = spec
+        return self._split(np.asarray(array), shape, layout)
+
+    def fetch(self, value, spec):
+        return self._assemble(value, *spec)
+
     # ---- execution -------------------------------------------------------------------------
     def _split(self, array, shape, layout) -> list:
         size = slice_shape(shape, layout, self.shape)
@@ -120,12 +130,11 @@ class PlacementMeshImpl(MeshImpl):
                 for s, d, l in in_specs for _ in range(self.size)]
         jax.eval_shape(run, jax.ShapeDtypeStruct((), jnp.uint32), *flat)
 
-    def compile(self, body, in_specs, out_specs):
+    def compile(self, body, in_specs, out_specs, donate=()):
         def run(args, seed):
-            inputs = [self._split(np.asarray(a), s, l) for a, (s, _, l) in zip(args, in_specs)]
+            inputs = [a if isinstance(a, list) else self.put(a, spec) for a, spec in zip(args, in_specs)]
             seeds = [self._put(jnp.uint32(seed), p) for p in range(self.size)]
-            outs = body(inputs, seeds)
-            return [self._assemble(o, s, d, l) for o, (s, d, l) in zip(outs, out_specs)]
+            return body(inputs, seeds)
 
         return _PlacementRunner(run)
 

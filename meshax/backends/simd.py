@@ -2,7 +2,7 @@
 
 A slice list holds one array: the slice of whichever device runs the program. Collectives are
 `jax.lax` collectives over the mesh's named axes, so the program's size does not grow with
-the number of devices.
+the number of devices. Values are global `jax.Array`s with the layout's `NamedSharding`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding
-from jax.sharding import Mesh as JaxMesh
 from jax.sharding import PartitionSpec as P
 
-from meshax.layout import TensorLayout
 from meshax.lower.mesh_impl import MeshImpl
 
 _REDUCERS = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
@@ -25,26 +23,9 @@ _REDUCERS = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
 class SimdMeshImpl(MeshImpl):
     """One SPMD program for all devices, partitioned by `jax.shard_map`."""
 
-    _jax_mesh = None
-
-    @property
-    def jax_mesh(self) -> JaxMesh:
-        if self._jax_mesh is None:
-            devices = np.array(self.devices, dtype=object).reshape(self.shape.to_integer_list)
-            self._jax_mesh = JaxMesh(devices, self.axis_names)
-        return self._jax_mesh
-
     @property
     def abstract_mesh(self) -> AbstractMesh:
         return AbstractMesh(tuple(self.shape.to_integer_list), self.axis_names)
-
-    def partition_spec(self, layout: TensorLayout) -> P:
-        names = self.axis_names
-        return P(*[None if not a else names[a[0]] if len(a) == 1 else tuple(names[m] for m in a)
-                   for a in layout.axes])
-
-    def named_sharding(self, layout: TensorLayout) -> NamedSharding:
-        return NamedSharding(self.jax_mesh, self.partition_spec(layout))
 
     # ---- primitives ------------------------------------------------------------------------
     def slicewise(self, fn: Callable, *args):
@@ -56,11 +37,8 @@ class SimdMeshImpl(MeshImpl):
     def pcoord(self, axis: int) -> list:
         return [jax.lax.axis_index(self.axis_names[axis])]
 
-    def _names(self, axes) -> tuple[str, ...]:
-        return tuple(self.axis_names[m] for m in axes)
-
     def allreduce(self, xs, axes, op):
-        return [_REDUCERS[op](xs[0], self._names(axes))]
+        return [_REDUCERS[op](xs[0], tuple(self.axis_names[m] for m in axes))]
 
     def allgather(self, xs, axis, dim):
         return [jax.lax.all_gather(xs[0], self.axis_names[axis], axis=dim, tiled=True)]
@@ -81,6 +59,16 @@ class SimdMeshImpl(MeshImpl):
             return [jnp.zeros_like(xs[0])]
         return [jax.lax.ppermute(xs[0], self.axis_names[axis], perm)]
 
+    # ---- values ----------------------------------------------------------------------------
+    def from_global(self, array, spec):
+        return array
+
+    def put(self, array, spec):
+        return jax.device_put(array, self.named_sharding(spec[2]))
+
+    def fetch(self, value, spec):
+        return np.asarray(value)
+
     # ---- execution -------------------------------------------------------------------------
     def _local(self, body: Callable) -> Callable:
         def local(seed, *args):
@@ -91,18 +79,18 @@ class SimdMeshImpl(MeshImpl):
         fn = jax.shard_map(self._local(body), mesh=self.abstract_mesh,
                            in_specs=(P(),) + tuple(self.partition_spec(l) for _, _, l in in_specs),
                            out_specs=P(), check_vma=False)
-        # Outputs are only needed for their side effect on the counters: return none of them.
+        # The outputs matter only for what tracing records in the counters: return none of them.
         jax.eval_shape(lambda seed, *a: (fn(seed, *a), None)[1],
                        jax.ShapeDtypeStruct((), jnp.uint32),
                        *[jax.ShapeDtypeStruct(tuple(s.to_integer_list), d) for s, d, _ in in_specs])
 
-    def compile(self, body, in_specs, out_specs):
+    def compile(self, body, in_specs, out_specs, donate=()):
         in_sh = [self.named_sharding(l) for _, _, l in in_specs]
         fn = jax.jit(jax.shard_map(
             self._local(body), mesh=self.jax_mesh,
             in_specs=(P(),) + tuple(s.spec for s in in_sh),
             out_specs=tuple(self.partition_spec(l) for _, _, l in out_specs),
-            check_vma=False))
+            check_vma=False), donate_argnums=tuple(1 + i for i in donate))
         replicated = NamedSharding(self.jax_mesh, P())
 
         def arguments(args, seed):
@@ -117,7 +105,7 @@ class _SimdRunner:
         self._arguments = arguments
 
     def __call__(self, args, seed):
-        return self._fn(*self._arguments(args, seed))
+        return list(self._fn(*self._arguments(args, seed)))
 
     def compiled_text(self, args, seed) -> str:
         return self._fn.lower(*self._arguments(args, seed)).compile().as_text()

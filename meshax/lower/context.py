@@ -28,6 +28,7 @@ class LoweringContext:
         self.counters = counters
         self.rng_seed = rng_seed  # slice list of a uint32 scalar: the per-run seed
         self.values: dict[Tensor, LaidOutTensor] = {}
+        self.updates: dict[Operation, list] = {}  # variable op -> its new slices
         self._cache: dict[tuple, LaidOutTensor] = {}
         self.op: Operation | None = None  # the op being lowered
         self.blamed: Operation | None = None  # overrides `op` as the cause of collectives

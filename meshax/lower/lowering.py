@@ -1,16 +1,18 @@
-"""`Lowering`: a graph plus mesh implementations becomes runnable SPMD programs.
+"""`Lowering`: a graph plus its mesh implementation becomes runnable SPMD programs.
 
 `Lowering(graph, {mesh: impl})` fixes every tensor's layout (the plan). `lowering.function(
-outputs)` selects the ops the outputs need and compiles them into one program: under
-`jax.shard_map` for the SIMD backend, a loop over devices for the placement one. The program
-is traced once; its collectives are recorded while it is traced, so the counters are exactly
-what runs.
+outputs, updates=[...])` selects the ops those need and compiles them into one program: under
+`jax.shard_map` for the SIMD backend, a loop over devices for the placement one. Collectives
+are recorded while the program is traced, so the counters are exactly what runs. Variables
+live here, between runs, in the backend's own form (a sharded global jax.Array for SIMD).
 """
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 
+import jax
 import numpy as np
 
 from meshax.core.graph import Graph, Mesh, Operation, Tensor
@@ -20,10 +22,10 @@ from meshax.lower.counters import Counters
 from meshax.lower.mesh_impl import MeshImpl
 
 
-def _needed_ops(graph: Graph, outputs: Sequence[Tensor]) -> list[Operation]:
-    """The ops the outputs depend on, in graph (topological) order."""
+def _needed_ops(graph: Graph, roots: Sequence[Operation]) -> list[Operation]:
+    """The ops the roots depend on (and the roots), in graph (topological) order."""
     needed: set[Operation] = set()
-    stack = [t.operation for t in outputs]
+    stack = list(roots)
     while stack:
         op = stack.pop()
         if op in needed:
@@ -33,10 +35,17 @@ def _needed_ops(graph: Graph, outputs: Sequence[Tensor]) -> list[Operation]:
     return [op for op in graph.operations if op in needed]
 
 
-class Lowering:
-    """Lays out a graph on its mesh and builds SPMD programs from it."""
+def _variable(x):
+    op = x.operation if isinstance(x, Tensor) else x
+    if not getattr(op, "is_variable", False):
+        raise TypeError(f"{x!r} is not a variable (make one with mx.get_variable)")
+    return op
 
-    def __init__(self, graph: Graph, mesh_to_impl: Mapping[Mesh, MeshImpl]):
+
+class Lowering:
+    """Lays out a graph on its mesh, keeps its variables, and builds SPMD programs from it."""
+
+    def __init__(self, graph: Graph, mesh_to_impl: Mapping[Mesh, MeshImpl], seed: int = 0):
         if len(mesh_to_impl) != 1:
             raise ValueError(
                 f"Lowering takes exactly one mesh and its implementation, got {len(mesh_to_impl)}; "
@@ -50,14 +59,46 @@ class Lowering:
             if op.mesh is not self.mesh:
                 raise ValueError(f"op {op.name} is on mesh {op.mesh.name!r}, which has no implementation")
         self.plan = make_plan(graph.operations, self.impl.layout_rules, self.impl.shape)
+        self.seed = seed
+        self._variables: dict[Operation, object] = {}  # variable op -> backend value
         self._counters: Counters | None = None
 
-    # ---- building and running programs ------------------------------------------------------
-    def _inputs_of(self, ops: list[Operation]) -> list[Tensor]:
-        """Tensors the program takes as arguments: placeholders and imported constants."""
+    # ---- variables ---------------------------------------------------------------------------
+    def _spec(self, t: Tensor) -> tuple:
+        return (t.shape, t.dtype, self.plan[t])
+
+    def _variable_state(self, var: Operation):
+        """The variable's current value, initialized (sharded, on the devices) on first use."""
+        if var not in self._variables:
+            key = jax.random.fold_in(jax.random.key(self.seed), zlib.crc32(var.name.encode()))
+            self._variables[var] = self.impl.initialize(var.initializer, key, self._spec(var.outputs[0]))
+        return self._variables[var]
+
+    def variable_value(self, var) -> np.ndarray:
+        """The variable's full value, as a NumPy array."""
+        var = _variable(var)
+        return self.impl.fetch(self._variable_state(var), self._spec(var.outputs[0]))
+
+    def set_variable_value(self, var, value) -> None:
+        """Set the variable from a full array; it is split onto the devices by its layout."""
+        var = _variable(var)
+        t = var.outputs[0]
+        value = np.asarray(value)
+        if list(value.shape) != t.shape.to_integer_list:
+            raise ValueError(f"variable {var.name} has shape {t.shape.to_integer_list} ({t.shape}); got {list(value.shape)}")
+        self._variables[var] = self.impl.put(value.astype(t.dtype, copy=False), self._spec(t))
+
+    def variable_state(self, var):
+        """The backend's own value of the variable (a sharded jax.Array for SIMD), for checkpoints."""
+        return self._variable_state(_variable(var))
+
+    # ---- building programs -------------------------------------------------------------------
+    @staticmethod
+    def _inputs_of(ops: list[Operation]) -> list[Tensor]:
+        """Tensors a program takes as arguments: placeholders, imported arrays, variables."""
         return [t for op in ops if getattr(op, "is_input", False) for t in op.outputs]
 
-    def _body(self, ops: list[Operation], inputs: list[Tensor], outputs: list[Tensor], counters: Counters):
+    def _body(self, ops, inputs, outputs, updated, counters: Counters):
         """The program on slice lists; every collective it emits is recorded in `counters`."""
         impl, plan = self.impl, self.plan
 
@@ -71,30 +112,31 @@ class Lowering:
                 ctx.op = op
                 op.lower(ctx)
             ctx.op = None
-            return [ctx.get(t).slices for t in outputs]
+            return [ctx.get(t).slices for t in outputs] + [ctx.updates[v] for v in updated]
 
         return body
 
-    def _specs(self, tensors: list[Tensor]) -> list[tuple]:
-        return [(t.shape, t.dtype, self.plan[t]) for t in tensors]
-
-    def _trace(self, outputs: list[Tensor]) -> Counters:
-        ops = _needed_ops(self.graph, outputs)
+    def _program(self, outputs: list[Tensor], updates: list[Operation], counters: Counters):
+        ops = _needed_ops(self.graph, [t.operation for t in outputs] + updates)
         inputs = self._inputs_of(ops)
-        counters = Counters()
-        self.impl.trace(self._body(ops, inputs, outputs, counters), self._specs(inputs))
-        return counters
+        updated = [u.variable for u in updates]
+        return ops, inputs, updated, self._body(ops, inputs, outputs, updated, counters)
 
     @property
     def counters(self) -> Counters:
         """The collectives and FLOPs of the whole graph (every tensor computed once)."""
         if self._counters is None:
-            sinks = [t for op in self.graph.operations for t in op.outputs]
-            self._counters = self._trace(sinks)
+            counters = Counters()
+            outputs = [t for op in self.graph.operations for t in op.outputs]
+            updates = [op for op in self.graph.operations if hasattr(op, "variable")]
+            _, inputs, _, body = self._program(outputs, updates, counters)
+            self.impl.trace(body, [self._spec(t) for t in inputs])
+            self._counters = counters
         return self._counters
 
-    def function(self, outputs: Tensor | Sequence[Tensor]) -> LoweredFunction:
-        return LoweredFunction(self, outputs)
+    def function(self, outputs: Tensor | Sequence[Tensor] = (), updates: Sequence = ()) -> LoweredFunction:
+        """A compiled program computing `outputs` and applying `updates` (assign ops)."""
+        return LoweredFunction(self, outputs, updates)
 
     def report(self, counters: Counters | None = None) -> str:
         from meshax.lower.report import format_report
@@ -105,12 +147,10 @@ class Lowering:
 
 
 class LoweredFunction:
-    """A compiled SPMD program computing `outputs` from fed placeholders.
+    """A compiled SPMD program. Call it with `{placeholder or its name: array}` (and a `seed`
+    for random ops, e.g. the step); it returns full NumPy arrays and updates the variables."""
 
-    Call it with `{placeholder or its name: array}`; it returns full NumPy arrays.
-    """
-
-    def __init__(self, lowering: Lowering, outputs: Tensor | Sequence[Tensor]):
+    def __init__(self, lowering: Lowering, outputs, updates=()):
         self._single = isinstance(outputs, Tensor)
         outs = [outputs] if self._single else list(outputs)
         for t in outs:
@@ -118,55 +158,69 @@ class LoweredFunction:
                 raise TypeError(f"outputs must be meshax Tensors, got {t!r}")
             if t not in lowering.plan:
                 raise ValueError(f"tensor {t.name} is not in the lowered graph (was it built after the Lowering?)")
+        updates = list(updates)
+        for u in updates:
+            if not hasattr(u, "variable") or u not in lowering.graph.operations:
+                raise TypeError(f"updates must be assign operations of this graph (mx.assign ...), got {u!r}")
+        targets = [u.variable.name for u in updates]
+        twice = sorted({n for n in targets if targets.count(n) > 1})
+        if twice:
+            raise ValueError(f"variables {twice} are assigned more than once in one function; combine the updates")
         self.lowering = lowering
         self.outputs = outs
-        self.ops = _needed_ops(lowering.graph, outs)
-        self.inputs = lowering._inputs_of(self.ops)
-        impl, in_specs = lowering.impl, lowering._specs(self.inputs)
+        self.updates = updates
+        self.counters = Counters()
         # The counters come from an abstract trace, before anything runs; the compiled program is
         # traced again from the same code, so it emits exactly the collectives recorded here.
-        self.counters = Counters()
-        impl.trace(lowering._body(self.ops, self.inputs, outs, self.counters), in_specs)
-        self._run = impl.compile(lowering._body(self.ops, self.inputs, outs, Counters()), in_specs,
-                                 lowering._specs(outs))
+        self.ops, self.inputs, self._updated, body = lowering._program(outs, updates, self.counters)
+        specs = [lowering._spec(t) for t in self.inputs]
+        lowering.impl.trace(body, specs)
+        *_, body = lowering._program(outs, updates, Counters())
+        out_specs = [lowering._spec(t) for t in outs] + [lowering._spec(v.outputs[0]) for v in self._updated]
+        donate = [i for i, t in enumerate(self.inputs) if t.operation in self._updated]
+        self._run = lowering.impl.compile(body, specs, out_specs, donate)
 
     @property
     def placeholders(self) -> list[Tensor]:
         return [t for t in self.inputs if getattr(t.operation, "is_placeholder", False)]
 
     def _arguments(self, feeds: Mapping | None) -> list:
-        feeds = dict(feeds or {})
         by_name = {t.name: t for t in self.placeholders}
         resolved: dict[Tensor, object] = {}
-        for key, value in feeds.items():
-            t = by_name.get(key) if isinstance(key, str) else key
-            if t is None or t not in by_name.values():
-                if isinstance(key, str) or getattr(getattr(key, "operation", None), "is_placeholder", False):
-                    continue  # a placeholder this function does not need
-                raise ValueError(f"cannot feed {key!r}: only placeholders can be fed")
-            resolved[t] = value
+        for key, value in dict(feeds or {}).items():
+            if isinstance(key, str):
+                t = by_name.get(key)
+            elif isinstance(key, Tensor) and getattr(key.operation, "is_placeholder", False):
+                t = key if key in by_name.values() else None
+            else:
+                raise ValueError(f"cannot feed {key!r}: only placeholders (or their names) can be fed")
+            if t is not None:  # placeholders this function does not need are ignored
+                resolved[t] = value
         args = []
         for t in self.inputs:
-            if getattr(t.operation, "is_placeholder", False):
+            op = t.operation
+            if getattr(op, "is_placeholder", False):
                 if t not in resolved:
-                    raise ValueError(
-                        f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}"
-                    )
+                    raise ValueError(f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}")
                 value = np.asarray(resolved[t])
                 if list(value.shape) != t.shape.to_integer_list:
-                    raise ValueError(
-                        f"placeholder {t.name!r} expects shape {t.shape.to_integer_list} ({t.shape}), "
-                        f"got an array of shape {list(value.shape)}"
-                    )
+                    raise ValueError(f"placeholder {t.name!r} expects shape {t.shape.to_integer_list} ({t.shape}), "
+                                     f"got an array of shape {list(value.shape)}")
                 args.append(value.astype(t.dtype, copy=False))
+            elif getattr(op, "is_variable", False):
+                args.append(self.lowering._variable_state(op))
             else:
-                args.append(t.operation.value)
+                args.append(op.value)
         return args
 
     def __call__(self, feeds: Mapping | None = None, seed: int = 0):
         results = self._run(self._arguments(feeds), seed)
-        results = [np.asarray(r) for r in results]
-        return results[0] if self._single else results
+        n = len(self.outputs)
+        for var, value in zip(self._updated, results[n:]):
+            self.lowering._variables[var] = value
+        impl, spec = self.lowering.impl, self.lowering._spec
+        outs = [impl.fetch(r, spec(t)) for r, t in zip(results[:n], self.outputs)]
+        return outs[0] if self._single else outs
 
     def compiled_text(self, feeds: Mapping | None = None, seed: int = 0) -> str:
         """The compiled program's text (HLO for the SIMD backend), for checking what runs."""

@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import jax
+import numpy as np
+from jax.sharding import Mesh as JaxMesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from meshax.core.shape import Shape, convert_to_shape
 from meshax.layout import (
@@ -64,6 +68,24 @@ class MeshImpl:
             self._devices = available[: self.size]
         return self._devices
 
+    _jax_mesh = None
+
+    @property
+    def jax_mesh(self) -> JaxMesh:
+        """The devices as a `jax.sharding.Mesh` with the mesh's dim names."""
+        if self._jax_mesh is None:
+            devices = np.array(self.devices, dtype=object).reshape(self.shape.to_integer_list)
+            self._jax_mesh = JaxMesh(devices, self.axis_names)
+        return self._jax_mesh
+
+    def partition_spec(self, layout: TensorLayout) -> P:
+        names = self.axis_names
+        return P(*[None if not a else names[a[0]] if len(a) == 1 else tuple(names[m] for m in a)
+                   for a in layout.axes])
+
+    def named_sharding(self, layout: TensorLayout) -> NamedSharding:
+        return NamedSharding(self.jax_mesh, self.partition_spec(layout))
+
     def tensor_layout(self, x, name: str | None = None) -> TensorLayout:
         """The layout the rules give a tensor (or a shape); raises LayoutError if illegal."""
         shape = x.shape if hasattr(x, "operation") else convert_to_shape(x)
@@ -110,12 +132,34 @@ class MeshImpl:
         """Instance at coordinate c receives the slice of c - offset (zeros where none, unless wrap)."""
         raise NotImplementedError
 
-    # ---- execution, provided by each backend -------------------------------------------------
-    def compile(self, body: Callable, in_specs: list, out_specs: list) -> Callable:
-        """A callable: full input arrays -> full output arrays, running `body` on the slices.
+    # ---- values: a "value" is the backend's form of a whole tensor ---------------------------
+    def initialize(self, init: Callable, key, spec: tuple):
+        """A variable's first value: `init(key, shape, dtype)` run under jit with the layout's
+        sharding as output, so each device makes only its slice, whatever the layout."""
+        shape, dtype, layout = spec
+        array = jax.jit(lambda k: init(k, tuple(shape.to_integer_list), dtype),
+                        out_shardings=self.named_sharding(layout))(key)
+        return self.from_global(array, spec)
 
-        `body(list of input slice lists) -> list of output slice lists`; specs are
-        (Shape, dtype, TensorLayout) triples."""
+    def from_global(self, array: jax.Array, spec: tuple):
+        """The backend value of a global jax.Array laid out as spec says."""
+        raise NotImplementedError
+
+    def put(self, array: np.ndarray, spec: tuple):
+        """The backend value of a full host array, split onto the devices."""
+        raise NotImplementedError
+
+    def fetch(self, value, spec: tuple) -> np.ndarray:
+        """The full NumPy array of a backend value."""
+        raise NotImplementedError
+
+    # ---- execution, provided by each backend -------------------------------------------------
+    def compile(self, body: Callable, in_specs: list, out_specs: list, donate: Sequence[int] = ()) -> Callable:
+        """A runner: `runner(values, seed) -> values`, running `body` on the slices.
+
+        `body(list of input slice lists, seed slices) -> list of output slice lists`; specs are
+        (Shape, dtype, TensorLayout) triples; inputs are host arrays or backend values; inputs
+        listed in `donate` may be consumed."""
         raise NotImplementedError
 
     def trace(self, body: Callable, in_specs: list) -> None:

@@ -17,6 +17,7 @@ from meshax.ops.reduce import (
 )
 from meshax.ops.shape_ops import broadcast, rename_dimension, replace_dimensions, reshape, transpose
 from meshax.ops.slicing import concat, cumsum, pad, shift, slice, split, stack, unstack
+from meshax.ops.variables import assign, assign_add, assign_sub, get_variable
 
 __all__ = [n for n in dir() if not n.startswith("_") and n not in {
-    "einsum_module", "elementwise", "indexing", "inputs", "layout_ops", "random", "reduce", "shape_ops", "slicing"}]
+    "einsum_module", "elementwise", "indexing", "inputs", "layout_ops", "random", "reduce", "shape_ops", "slicing", "variables"}]

@@ -1,0 +1,91 @@
+"""Reverse-mode differentiation on the meshax graph.
+
+Gradients are built as ordinary graph operations by each op's `gradient`, so they are laid out
+and lowered like everything else: the data-parallel allreduce of a parameter gradient is just
+the einsum over a split `batch` dim in the backward pass, not a special case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Operation, Tensor
+
+
+def _between(ops: list[Operation], xs: Sequence[Tensor], ys: Sequence[Tensor]) -> set[Operation]:
+    """Ops on some path from an x to a y."""
+    from_x: set[Tensor] = set(xs)
+    forward: set[Operation] = set()
+    for op in ops:
+        if any(t in from_x for t in op.inputs):
+            forward.add(op)
+            from_x.update(op.outputs)
+    to_y: set[Tensor] = set(ys)
+    between: set[Operation] = set()
+    for op in reversed(ops):
+        if any(t in to_y for t in op.outputs):
+            if op in forward:
+                between.add(op)
+            to_y.update(op.inputs)
+    return between
+
+
+def _is_float(t: Tensor) -> bool:
+    return np.issubdtype(t.dtype, np.floating) or np.issubdtype(t.dtype, np.complexfloating)
+
+
+def gradients(ys, xs, grad_ys=None) -> list[Tensor | None]:
+    """d(sum of ys)/d(each x), as new graph tensors; None where no path connects them.
+
+    ys: a Tensor or a list; xs: a list of Tensors (variables' values, placeholders, any tensor);
+    grad_ys: upstream gradients for ys (default: ones, so a scalar loss gives its gradient)."""
+    from meshax.ops.inputs import ones_like
+    ys = [ys] if isinstance(ys, Tensor) else list(ys)
+    single = isinstance(xs, Tensor)
+    xs = [xs] if single else list(xs)
+    if not ys:
+        raise GraphError("gradients needs at least one y")
+    if grad_ys is None:
+        grad_ys = [None] * len(ys)
+    grad_ys = [grad_ys] if isinstance(grad_ys, Tensor) else list(grad_ys)
+    if len(grad_ys) != len(ys):
+        raise GraphError(f"gradients got {len(ys)} ys but {len(grad_ys)} grad_ys")
+    graph = ys[0].graph
+    ops = list(graph.operations)  # the gradient ops appended below are not walked
+    relevant = _between(ops, xs, ys)
+    pieces: dict[Tensor, list[Tensor]] = {}
+    for y, gy in zip(ys, grad_ys):
+        if not _is_float(y):
+            raise GraphError(f"cannot differentiate {y.name}: its dtype {y.dtype} is not floating point")
+        pieces.setdefault(y, []).append(ones_like(y) if gy is None else gy)
+
+    def total(t: Tensor) -> Tensor | None:
+        parts = pieces.get(t)
+        if not parts:
+            return None
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
+        pieces[t] = [out]
+        return out
+
+    for op in reversed(ops):
+        if op not in relevant or not op.differentiable:
+            continue
+        grad_outputs = [total(t) for t in op.outputs]
+        if all(g is None for g in grad_outputs):
+            continue
+        grad_inputs = op.gradient(grad_outputs)
+        if len(grad_inputs) != len(op.inputs):
+            raise GraphError(f"{type(op).__name__}.gradient returned {len(grad_inputs)} grads for {len(op.inputs)} inputs")
+        for t, g in zip(op.inputs, grad_inputs):
+            if g is None or not _is_float(t):
+                continue
+            if g.shape != t.shape:
+                raise GraphError(f"gradient of {t.name} from {op.name} has shape {g.shape}, expected {t.shape}")
+            pieces.setdefault(t, []).append(g)
+    grads = [total(x) for x in xs]
+    return grads[0] if single else grads
