@@ -20,6 +20,6 @@ from meshax.lower import Counters, LaidOutTensor, Lowering, LoweredFunction, Mes
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
 from meshax.runtime import use_cpu_devices
 from meshax.autodiff import gradients
-from meshax import initializers
+from meshax import initializers, layers, optimize
 
 __version__ = "0.1.0"

@@ -78,7 +78,10 @@ def gradients(ys, xs, grad_ys=None) -> list[Tensor | None]:
         grad_outputs = [total(t) for t in op.outputs]
         if all(g is None for g in grad_outputs):
             continue
+        first_new = len(graph.operations)
         grad_inputs = op.gradient(grad_outputs)
+        for new in graph.operations[first_new:]:  # the cost report names the forward op
+            new.grad_of, new.source = op, op.source
         if len(grad_inputs) != len(op.inputs):
             raise GraphError(f"{type(op).__name__}.gradient returned {len(grad_inputs)} grads for {len(op.inputs)} inputs")
         for t, g in zip(op.inputs, grad_inputs):

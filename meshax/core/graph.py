@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     from meshax.lower.context import LoweringContext
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The library's machinery; frames in models/, train/, examples and user code are "the user's".
+_INTERNAL = tuple(os.path.join(_PACKAGE_DIR, p) for p in (
+    "core", "layout", "lower", "ops", "backends", "autodiff.py", "layers.py", "optimize.py", "initializers.py"))
 
 
 def as_dtype(dtype) -> np.dtype:
@@ -35,11 +38,11 @@ def as_dtype(dtype) -> np.dtype:
 
 
 def _user_source() -> str:
-    """'file:line' of the first stack frame outside the meshax package: where the user built it."""
+    """'file:line' of the first stack frame outside meshax's machinery: where the user built it."""
     frame = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
-        if not filename.startswith(_PACKAGE_DIR + os.sep):
+        if not filename.startswith(_INTERNAL):
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"
@@ -196,6 +199,7 @@ class Operation:
         self.outputs: list[Tensor] = []
         self.name = self.graph.unique_name(name or type(self).__name__.removesuffix("Operation").lower())
         self.source = _user_source()
+        self.grad_of: Operation | None = None  # set on ops built by another op's gradient
         self.graph.operations.append(self)
 
     def _add_output(self, shape, dtype, name: str | None = None) -> Tensor:
@@ -217,9 +221,6 @@ class Operation:
             f"{type(self).__name__} ({self.name}, created at {self.source}) has no gradient; "
             "wrap the path in mx.stop_gradient if no gradient is needed through it"
         )
-
-    def flops_per_device(self, slice_sizes: dict[str, Any]) -> int:
-        return 0
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

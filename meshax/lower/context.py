@@ -106,6 +106,7 @@ class LoweringContext:
             op_name=op.name if op else "<input>",
             op_type=type(op).__name__ if op else "",
             source=op.source if op else "",
+            grad_of=op.grad_of.name if op is not None and op.grad_of is not None else "",
         ))
 
     def _live(self, axes: Sequence[int]) -> list[int]:

@@ -23,6 +23,7 @@ class Site:
     op_name: str
     op_type: str
     source: str  # the user's "file:line" where the op was built
+    grad_of: str = ""  # for an op of a backward pass: the forward op it differentiates
 
 
 @dataclasses.dataclass

@@ -126,13 +126,17 @@ class Lowering:
     def counters(self) -> Counters:
         """The collectives and FLOPs of the whole graph (every tensor computed once)."""
         if self._counters is None:
-            counters = Counters()
-            outputs = [t for op in self.graph.operations for t in op.outputs]
-            updates = [op for op in self.graph.operations if hasattr(op, "variable")]
-            _, inputs, _, body = self._program(outputs, updates, counters)
-            self.impl.trace(body, [self._spec(t) for t in inputs])
-            self._counters = counters
+            self._counters = self.trace_step([t for op in self.graph.operations for t in op.outputs],
+                                             [op for op in self.graph.operations if hasattr(op, "variable")])
         return self._counters
+
+    def trace_step(self, outputs: Sequence[Tensor] = (), updates: Sequence = ()) -> Counters:
+        """The counters of a program computing `outputs` and `updates`, by tracing alone: no
+        device, no memory, so it works for meshes far larger than this machine."""
+        counters = Counters()
+        _, inputs, _, body = self._program(list(outputs), list(updates), counters)
+        self.impl.trace(body, [self._spec(t) for t in inputs])
+        return counters
 
     def function(self, outputs: Tensor | Sequence[Tensor] = (), updates: Sequence = ()) -> LoweredFunction:
         """A compiled program computing `outputs` and applying `updates` (assign ops)."""

@@ -19,7 +19,12 @@ def _human(n: float) -> str:
     return f"{n:.3g}E"
 
 
-def format_report(lowering, counters: Counters, width: int = 120) -> str:
+def _who(site) -> str:
+    kind = site.op_type.removesuffix("Operation")
+    return f"grad of {site.grad_of} ({kind})" if site.grad_of else f"{site.op_name} ({kind})"
+
+
+def format_report(lowering, counters: Counters, width: int = 132) -> str:
     impl = lowering.impl
     mesh = ";".join(f"{d.name}:{d.size}" for d in impl.shape)
     table = Table(title=escape(f"meshax cost report: mesh {mesh!r}, layout {str(impl.layout_rules)!r}, "
@@ -30,7 +35,7 @@ def format_report(lowering, counters: Counters, width: int = 120) -> str:
     for site in counters.sites():
         flops = counters.flops.get(site.op_name, 0) if site.op_name not in shown else 0
         shown.add(site.op_name)
-        table.add_row(escape(f"{site.op_name} ({site.op_type.removesuffix('Operation')})"), _short(site.source), site.kind,
+        table.add_row(escape(_who(site)), _short(site.source), site.kind,
                       ",".join(site.mesh_axes), _human(site.values), _human(site.bytes), _human(flops) if flops else "")
     table.add_section()
     for kind in KINDS:

@@ -1,0 +1,75 @@
+"""Neural-network layers on named dims: dense, layer_norm, embedding, cross-entropy, dropout."""
+
+from __future__ import annotations
+
+import math
+
+from meshax import initializers
+from meshax.core.errors import GraphError
+from meshax.core.graph import Tensor
+from meshax.core.shape import Dimension, Shape
+from meshax.ops import elementwise as ew
+from meshax.ops._util import as_dims, dim_of
+from meshax.ops.einsum import einsum
+from meshax.ops.indexing import gather
+from meshax.ops.random import dropout
+from meshax.ops.reduce import log_softmax, reduce_mean, reduce_sum
+from meshax.ops.variables import get_variable
+
+
+def _name(x: Tensor, name: str | None, default: str) -> str:
+    return name if name is not None else x.graph.unique_name(default)
+
+
+def dense(x: Tensor, new_dims, reduced_dims=None, use_bias: bool = True, activation=None, name: str | None = None,
+          kernel_initializer=None, variable_dtype="float32") -> Tensor:
+    """x contracted with a kernel [reduced_dims + new_dims] (+ bias [new_dims]), then activation.
+
+    reduced_dims defaults to x's last dim. Variables are named `<name>/kernel`, `<name>/bias`."""
+    new = as_dims(new_dims)
+    reduced = [dim_of(x, d) for d in as_dims(reduced_dims)] if reduced_dims is not None else [x.shape[-1]]
+    clash = [d.name for d in new if d in x.shape and d not in reduced]
+    if clash:
+        raise GraphError(f"dense: new dims {clash} are already dims of {x.name}; give the output dims new names")
+    name = _name(x, name, "dense")
+    fan_in = math.prod(d.size for d in reduced)
+    fan_out = math.prod(d.size for d in new)
+    init = kernel_initializer or initializers.glorot_uniform(fan_in, fan_out)
+    w = get_variable(x.mesh, f"{name}/kernel", Shape(reduced + new), initializer=init, dtype=variable_dtype)
+    out_shape = Shape([d for d in x.shape if d not in reduced] + new)
+    y = einsum([x, ew.cast(w, x.dtype)], output_shape=out_shape, name=name)
+    if use_bias:
+        y = y + ew.cast(get_variable(x.mesh, f"{name}/bias", Shape(new), dtype=variable_dtype), x.dtype)
+    return activation(y) if activation is not None else y
+
+
+def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None) -> Tensor:
+    """Normalize over `dim` to zero mean and unit variance, then a learned scale and bias."""
+    d = dim_of(x, dim)
+    name = _name(x, name, "layer_norm")
+    scale = get_variable(x.mesh, f"{name}/scale", [d], initializer=initializers.ones())
+    bias = get_variable(x.mesh, f"{name}/bias", [d])
+    mean = reduce_mean(x, reduced_dim=d)
+    centered = x - mean
+    variance = reduce_mean(ew.square(centered), reduced_dim=d)
+    return centered * ew.rsqrt(variance + epsilon) * ew.cast(scale, x.dtype) + ew.cast(bias, x.dtype)
+
+
+def embedding(ids: Tensor, vocab_dim: Dimension, output_dim: Dimension, name: str | None = None,
+              initializer=None) -> tuple[Tensor, Tensor]:
+    """Look up ids in a [vocab_dim, output_dim] table; returns (embeddings, the table)."""
+    name = _name(ids, name, "embedding")
+    table = get_variable(ids.mesh, f"{name}/table", [vocab_dim, output_dim],
+                         initializer=initializer or initializers.normal(1.0 / math.sqrt(output_dim.size)))
+    return gather(table, ids, vocab_dim), table
+
+
+def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim) -> Tensor:
+    """-sum(targets * log_softmax(logits)) over vocab_dim; targets are probabilities (e.g. one-hot)."""
+    d = dim_of(logits, vocab_dim)
+    if d not in targets.shape:
+        raise GraphError(f"targets {targets.name} {targets.shape} lack the vocab dim {d}")
+    return -reduce_sum(targets * log_softmax(logits, d), reduced_dim=d)
+
+
+__all__ = ["dense", "dropout", "embedding", "layer_norm", "softmax_cross_entropy_with_logits"]

@@ -1,0 +1,220 @@
+"""Optimizers and learning-rate schedules, built as graph operations.
+
+`optimizer.apply_grads(grads, variables)` returns assign operations to pass to
+`lowering.function(..., updates=...)`. Optimizer state (slots) are variables with the same dims
+as their parameter, so they are laid out like it: a split parameter has split slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from meshax.core.graph import Tensor
+from meshax.ops import elementwise as ew
+from meshax.ops.reduce import reduce_mean, reduce_sum
+from meshax.ops.variables import VariableOperation, _variable_of, assign, assign_add, get_variable
+
+Schedule = Callable[[Tensor], "Tensor | float"]
+
+
+# ---- schedules: functions of the step (a float32 scalar tensor, 0 at the first step) ----------
+def constant_schedule(learning_rate: float) -> Schedule:
+    return lambda step: learning_rate
+
+
+def linear_warmup(learning_rate: float, warmup_steps: int) -> Schedule:
+    """Rises linearly to `learning_rate` over warmup_steps, then stays."""
+    return lambda step: ew.minimum((step + 1.0) * (1.0 / max(1, warmup_steps)), 1.0) * learning_rate
+
+
+def rsqrt_decay(learning_rate: float, warmup_steps: int) -> Schedule:
+    """Linear warmup to `learning_rate`, then decay as 1/sqrt(step) (the Transformer's schedule)."""
+    w = float(max(1, warmup_steps))
+    def schedule(step):
+        s = step + 1.0
+        return ew.minimum(s * (1.0 / w), ew.rsqrt(ew.maximum(s, w) * (1.0 / w))) * learning_rate
+    return schedule
+
+
+def linear_decay(learning_rate: float, warmup_steps: int, total_steps: int) -> Schedule:
+    """Linear warmup, then linear decay to zero at total_steps."""
+    w, t = float(max(1, warmup_steps)), float(max(total_steps, warmup_steps + 1))
+    def schedule(step):
+        s = step + 1.0
+        up = s * (1.0 / w)
+        down = (t - s) * (1.0 / (t - w))
+        return ew.maximum(ew.minimum(up, down), 0.0) * learning_rate
+    return schedule
+
+
+def _as_schedule(lr) -> Schedule:
+    return lr if callable(lr) else constant_schedule(float(lr))
+
+
+class Optimizer:
+    """Base class: keeps a step counter and slot variables next to each parameter."""
+
+    def __init__(self, learning_rate=None):
+        self._schedule = _as_schedule(learning_rate) if learning_rate is not None else None
+        self.step: Tensor | None = None
+
+    def _slot(self, var: VariableOperation, suffix: str, shape=None) -> Tensor:
+        from meshax import initializers
+        return get_variable(var.mesh, f"{var.name}/{suffix}", shape if shape is not None else var.shape,
+                            initializer=initializers.zeros(), dtype="float32", trainable=False)
+
+    def _step(self, mesh) -> Tensor:
+        if self.step is None:
+            self.step = get_variable(mesh, "global_step", [], dtype="float32", trainable=False)
+        return self.step
+
+    def learning_rate(self, step: Tensor):
+        return self._schedule(step)
+
+    def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
+        variables = [_variable_of(v) for v in variables]
+        if len(grads) != len(variables):
+            raise ValueError(f"apply_grads got {len(grads)} gradients for {len(variables)} variables")
+        if not variables:
+            return []
+        step = self._step(variables[0].mesh)
+        lr = self.learning_rate(step)
+        updates = []
+        for g, var in zip(grads, variables):
+            if g is None:
+                continue
+            updates.extend(self.apply_grad(g, var, lr, step))
+        updates.append(assign_add(step, 1.0))
+        return updates
+
+    def apply_grad(self, grad: Tensor, var: VariableOperation, lr, step: Tensor) -> list:
+        raise NotImplementedError(f"{type(self).__name__} must define apply_grad")
+
+
+class SgdOptimizer(Optimizer):
+    def __init__(self, learning_rate):
+        super().__init__(learning_rate)
+
+    def apply_grad(self, grad, var, lr, step):
+        return [assign(var, var.value - ew.cast(grad * lr, var.dtype))]
+
+
+class MomentumOptimizer(Optimizer):
+    """Heavy-ball momentum: m = momentum * m + g; w -= lr * m."""
+
+    def __init__(self, learning_rate, momentum: float = 0.9):
+        super().__init__(learning_rate)
+        self.momentum = momentum
+
+    def apply_grad(self, grad, var, lr, step):
+        m = self._slot(var, "momentum")
+        new_m = m * self.momentum + grad
+        return [assign(m, new_m), assign(var, var.value - ew.cast(new_m * lr, var.dtype))]
+
+
+class AdamWeightDecayOptimizer(Optimizer):
+    """Adam with decoupled weight decay (as in BERT and Mesh-TensorFlow), bias-corrected."""
+
+    def __init__(self, learning_rate, weight_decay_rate: float = 0.0, beta_1: float = 0.9, beta_2: float = 0.999,
+                 epsilon: float = 1e-8, exclude_from_weight_decay: Sequence[str] = ("bias", "norm")):
+        super().__init__(learning_rate)
+        self.weight_decay_rate = weight_decay_rate
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.exclude = tuple(exclude_from_weight_decay)
+
+    def apply_grad(self, grad, var, lr, step):
+        m, v = self._slot(var, "adam_m"), self._slot(var, "adam_v")
+        new_m = m * self.beta_1 + grad * (1.0 - self.beta_1)
+        new_v = v * self.beta_2 + ew.square(grad) * (1.0 - self.beta_2)
+        t = step + 1.0
+        m_hat = new_m / (1.0 - ew.pow(self.beta_1, t))
+        v_hat = new_v / (1.0 - ew.pow(self.beta_2, t))
+        update = m_hat / (ew.sqrt(v_hat) + self.epsilon)
+        if self.weight_decay_rate and not any(e in var.name for e in self.exclude):
+            update = update + var.value * self.weight_decay_rate
+        return [assign(m, new_m), assign(v, new_v), assign(var, var.value - ew.cast(update * lr, var.dtype))]
+
+
+class AdafactorOptimizer(Optimizer):
+    """Adafactor (Shazeer & Stern, 2018): second moments factored over a matrix's two largest dims.
+
+    Without a learning rate it uses min(0.01, 1/sqrt(step)), scaled by the parameter's RMS."""
+
+    def __init__(self, learning_rate=None, decay_rate_exponent: float = 0.8, beta1: float = 0.0,
+                 epsilon1: float = 1e-30, epsilon2: float = 1e-3, clipping_threshold: float | None = 1.0,
+                 factored: bool = True, multiply_by_parameter_scale: bool = True):
+        super().__init__(learning_rate)
+        self.decay_rate_exponent = decay_rate_exponent
+        self.beta1 = beta1
+        self.epsilon1, self.epsilon2 = epsilon1, epsilon2
+        self.clipping_threshold = clipping_threshold
+        self.factored = factored
+        self.multiply_by_parameter_scale = multiply_by_parameter_scale
+
+    def learning_rate(self, step):
+        if self._schedule is not None:
+            return self._schedule(step)
+        return ew.minimum(ew.rsqrt(step + 1.0), 0.01)
+
+    def _factored_dims(self, shape):
+        if not self.factored or shape.rank < 2:
+            return None
+        d0, d1 = sorted(shape.dims, key=lambda d: d.size)[-2:][::-1]
+        return d0, d1
+
+    def apply_grad(self, grad, var, lr, step):
+        from meshax.core.shape import Shape
+        t = step + 1.0
+        decay = 1.0 - ew.pow(t, -self.decay_rate_exponent)
+        gsq = ew.square(grad) + self.epsilon1
+        updates = []
+        dims = self._factored_dims(var.shape)
+        if dims:
+            d0, d1 = dims
+            vr = self._slot(var, "adafactor_vr", Shape([d for d in var.shape if d != d1]))
+            vc = self._slot(var, "adafactor_vc", Shape([d for d in var.shape if d != d0]))
+            new_vr = vr * decay + reduce_mean(gsq, reduced_dim=d1) * (1.0 - decay)
+            new_vc = vc * decay + reduce_mean(gsq, reduced_dim=d0) * (1.0 - decay)
+            updates += [assign(vr, new_vr), assign(vc, new_vc)]
+            row_mean = reduce_mean(new_vr, reduced_dim=d0)
+            x = grad * ew.rsqrt(new_vr / row_mean) * ew.rsqrt(new_vc)
+        else:
+            v = self._slot(var, "adafactor_v")
+            new_v = v * decay + gsq * (1.0 - decay)
+            updates.append(assign(v, new_v))
+            x = grad * ew.rsqrt(new_v)
+        if self.clipping_threshold is not None:
+            rms = ew.sqrt(reduce_mean(ew.square(x)))
+            x = x / ew.maximum(rms * (1.0 / self.clipping_threshold), 1.0)
+        if self.multiply_by_parameter_scale:
+            lr = lr * ew.maximum(ew.sqrt(reduce_mean(ew.square(ew.cast(var.value, "float32")))), self.epsilon2)
+        if self.beta1:
+            m = self._slot(var, "adafactor_m")
+            x = m * self.beta1 + x * (1.0 - self.beta1)
+            updates.append(assign(m, x))
+        updates.append(assign(var, var.value - ew.cast(x * lr, var.dtype)))
+        return updates
+
+
+def global_norm(grads: Sequence[Tensor | None]) -> Tensor:
+    """sqrt of the sum of squares of all gradients, for clipping and logging."""
+    total = None
+    for g in grads:
+        if g is None:
+            continue
+        s = reduce_sum(ew.square(g))
+        total = s if total is None else total + s
+    if total is None:
+        raise ValueError("global_norm of no gradients")
+    return ew.sqrt(total)
+
+
+def clip_by_global_norm(grads: Sequence[Tensor | None], max_norm: float) -> list[Tensor | None]:
+    scale = ew.minimum(max_norm / ew.maximum(global_norm(grads), 1e-12), 1.0)
+    return [None if g is None else g * scale for g in grads]
+
+
+__all__ = [
+    "AdafactorOptimizer", "AdamWeightDecayOptimizer", "MomentumOptimizer", "Optimizer", "SgdOptimizer",
+    "clip_by_global_norm", "constant_schedule", "global_norm", "linear_decay", "linear_warmup", "rsqrt_decay",
+]

@@ -1,0 +1,96 @@
+"""Data sources, all local: scikit-learn's handwritten digits, MNIST files, synthetic data."""
+
+from __future__ import annotations
+
+import gzip
+import os
+import struct
+
+import numpy as np
+
+
+class DataError(ValueError):
+    """Data that cannot be found or read; the message says what to install or where to point."""
+
+
+def load_digits(seed: int = 0, test_fraction: float = 0.2):
+    """scikit-learn's 8x8 handwritten digits (1797 images, shipped with the package), scaled to
+    [0, 1] and split into train and test. Returns (x_train, y_train, x_test, y_test)."""
+    try:
+        from sklearn.datasets import load_digits as sk_load_digits
+    except ImportError:
+        raise DataError(
+            "the default MNIST data set is scikit-learn's handwritten digits: install it with "
+            "`pip install 'meshax[digits]'` (or scikit-learn), or pass --data DIR with the MNIST files"
+        ) from None
+    d = sk_load_digits()
+    x = (d.images / 16.0).astype(np.float32)
+    y = d.target.astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(x))
+    n_test = int(round(len(x) * test_fraction))
+    test, train = order[:n_test], order[n_test:]
+    return x[train], y[train], x[test], y[test]
+
+
+_MNIST_FILES = {
+    "train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte",
+}
+
+
+def _read_idx(path: str) -> np.ndarray:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    if len(data) < 4 or data[0] != 0 or data[1] != 0:
+        raise DataError(f"{path} is not an IDX file (bad magic number)")
+    dtype_code, ndim = data[2], data[3]
+    if dtype_code != 0x08:
+        raise DataError(f"{path}: expected unsigned bytes (type 0x08), found type {dtype_code:#x}")
+    dims = struct.unpack(f">{ndim}I", data[4: 4 + 4 * ndim])
+    body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if body.size != int(np.prod(dims)):
+        raise DataError(f"{path}: header says {dims} but holds {body.size} bytes; the file is truncated")
+    return body.reshape(dims)
+
+
+def load_mnist(folder: str):
+    """Real MNIST from the four standard IDX files (optionally .gz) in `folder`.
+    Returns (x_train, y_train, x_test, y_test), images scaled to [0, 1]."""
+    arrays = {}
+    for key, stem in _MNIST_FILES.items():
+        for candidate in (stem, stem + ".gz", stem.replace("-idx", ".idx"), stem.replace("-idx", ".idx") + ".gz"):
+            path = os.path.join(folder, candidate)
+            if os.path.exists(path):
+                arrays[key] = _read_idx(path)
+                break
+        else:
+            raise DataError(f"MNIST file {stem}[.gz] not found in {folder!r}; it needs the four standard files "
+                            f"{sorted(_MNIST_FILES.values())}")
+    return (arrays["train_images"].astype(np.float32) / 255.0, arrays["train_labels"].astype(np.int32),
+            arrays["test_images"].astype(np.float32) / 255.0, arrays["test_labels"].astype(np.int32))
+
+
+def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int):
+    """Endless shuffled batches (a new permutation each epoch); yields (x, y)."""
+    if len(x) < batch_size:
+        raise DataError(f"the data set has {len(x)} examples, fewer than the batch size {batch_size}")
+    rng = np.random.default_rng(seed)
+    while True:
+        order = rng.permutation(len(x))
+        for i in range(0, len(x) - batch_size + 1, batch_size):
+            idx = order[i: i + batch_size]
+            yield x[idx], y[idx]
+
+
+def padded_batches(x: np.ndarray, y: np.ndarray, batch_size: int):
+    """One pass in order; the last batch is padded, with weights 0 on the padding."""
+    for i in range(0, len(x), batch_size):
+        xb, yb = x[i: i + batch_size], y[i: i + batch_size]
+        n = len(xb)
+        w = np.zeros(batch_size, np.float32)
+        w[:n] = 1.0
+        if n < batch_size:
+            xb = np.concatenate([xb, np.zeros((batch_size - n,) + xb.shape[1:], xb.dtype)])
+            yb = np.concatenate([yb, np.zeros((batch_size - n,) + yb.shape[1:], yb.dtype)])
+        yield xb, yb, w
