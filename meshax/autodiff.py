@@ -9,10 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
 from meshax.core.errors import GraphError
-from meshax.core.graph import Operation, Tensor
+from meshax.core.graph import Operation, Tensor, is_floating
 
 
 def _between(ops: list[Operation], xs: Sequence[Tensor], ys: Sequence[Tensor]) -> set[Operation]:
@@ -31,10 +29,6 @@ def _between(ops: list[Operation], xs: Sequence[Tensor], ys: Sequence[Tensor]) -
                 between.add(op)
             to_y.update(op.inputs)
     return between
-
-
-def _is_float(t: Tensor) -> bool:
-    return np.issubdtype(t.dtype, np.floating) or np.issubdtype(t.dtype, np.complexfloating)
 
 
 def gradients(ys, xs, grad_ys=None) -> list[Tensor | None]:
@@ -58,7 +52,7 @@ def gradients(ys, xs, grad_ys=None) -> list[Tensor | None]:
     relevant = _between(ops, xs, ys)
     pieces: dict[Tensor, list[Tensor]] = {}
     for y, gy in zip(ys, grad_ys):
-        if not _is_float(y):
+        if not is_floating(y.dtype):
             raise GraphError(f"cannot differentiate {y.name}: its dtype {y.dtype} is not floating point")
         pieces.setdefault(y, []).append(ones_like(y) if gy is None else gy)
 
@@ -85,10 +79,13 @@ def gradients(ys, xs, grad_ys=None) -> list[Tensor | None]:
         if len(grad_inputs) != len(op.inputs):
             raise GraphError(f"{type(op).__name__}.gradient returned {len(grad_inputs)} grads for {len(op.inputs)} inputs")
         for t, g in zip(op.inputs, grad_inputs):
-            if g is None or not _is_float(t):
+            if g is None or not is_floating(t.dtype):
                 continue
             if g.shape != t.shape:
                 raise GraphError(f"gradient of {t.name} from {op.name} has shape {g.shape}, expected {t.shape}")
+            whole = getattr(t.operation, "replicated_dims", None)
+            if whole and g.operation in graph.operations[first_new:]:
+                g.operation.replicated_dims = whole  # a gradient is laid out like its tensor
             pieces.setdefault(t, []).append(g)
     grads = [total(x) for x in xs]
     return grads[0] if single else grads

@@ -37,6 +37,12 @@ def as_dtype(dtype) -> np.dtype:
         raise TypeError(f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'int32', 'bool'") from e
 
 
+def is_floating(dtype) -> bool:
+    """True for float dtypes, bfloat16 and the other ml_dtypes floats included."""
+    dtype = np.dtype(dtype)
+    return np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating) or "float" in dtype.name
+
+
 def _user_source() -> str:
     """'file:line' of the first stack frame outside meshax's machinery: where the user built it."""
     frame = sys._getframe(1)

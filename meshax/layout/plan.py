@@ -30,5 +30,21 @@ def layout_for(t: Tensor, rules: LayoutRules, mesh_shape: Shape) -> TensorLayout
     return tensor_layout(t.shape, rules, mesh_shape, t.name)
 
 
-def make_plan(operations: list[Operation], rules: LayoutRules, mesh_shape: Shape) -> dict[Tensor, TensorLayout]:
-    return {t: layout_for(t, rules, mesh_shape) for op in operations for t in op.outputs}
+class Plan(dict):
+    """tensor -> TensorLayout; tensors built after the plan was made are laid out on first use."""
+
+    def __init__(self, operations: list[Operation], rules: LayoutRules, mesh_shape: Shape):
+        super().__init__()
+        self.rules, self.mesh_shape = rules, mesh_shape
+        for op in operations:
+            for t in op.outputs:
+                self[t] = layout_for(t, rules, mesh_shape)
+
+    def __missing__(self, t: Tensor) -> TensorLayout:
+        self[t] = layout = layout_for(t, self.rules, self.mesh_shape)
+        return layout
+
+
+def make_plan(operations: list[Operation], rules: LayoutRules, mesh_shape: Shape) -> Plan:
+    """Every tensor's layout, validated now, so an illegal layout fails before anything runs."""
+    return Plan(operations, rules, mesh_shape)

@@ -160,11 +160,11 @@ class LoweredFunction:
         for t in outs:
             if not isinstance(t, Tensor):
                 raise TypeError(f"outputs must be meshax Tensors, got {t!r}")
-            if t not in lowering.plan:
-                raise ValueError(f"tensor {t.name} is not in the lowered graph (was it built after the Lowering?)")
+            if t.graph is not lowering.graph:
+                raise ValueError(f"tensor {t.name} belongs to another graph than the one lowered")
         updates = list(updates)
         for u in updates:
-            if not hasattr(u, "variable") or u not in lowering.graph.operations:
+            if not hasattr(u, "variable") or u.graph is not lowering.graph:
                 raise TypeError(f"updates must be assign operations of this graph (mx.assign ...), got {u!r}")
         targets = [u.variable.name for u in updates]
         twice = sorted({n for n in targets if targets.count(n) > 1})

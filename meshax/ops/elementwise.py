@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshax.core.errors import GraphError
-from meshax.core.graph import Operation, Tensor, as_dtype
+from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Shape
 from meshax.ops._util import align, as_tensor, restrict
 
@@ -129,7 +129,7 @@ class CastOperation(Operation):
         super().__init__([x], name=name or "cast")
         dtype = as_dtype(dtype)
         self._add_output(x.shape, dtype)
-        self.differentiable = np.issubdtype(dtype, np.floating) and np.issubdtype(x.dtype, np.floating)
+        self.differentiable = is_floating(dtype) and is_floating(x.dtype)
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs

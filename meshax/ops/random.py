@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshax.core.errors import GraphError
-from meshax.core.graph import Mesh, Operation, Tensor, as_dtype
+from meshax.core.graph import Mesh, Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import convert_to_shape
 from meshax.layout import slice_shape
 
@@ -31,7 +31,7 @@ class RandomOperation(Operation):
     def __init__(self, mesh: Mesh, shape, kind: str, a: float, b: float, dtype, seed, name=None):
         super().__init__([], mesh=mesh, name=name or f"random_{kind}")
         dtype = as_dtype(dtype)
-        if not np.issubdtype(dtype, np.floating):
+        if not is_floating(dtype):
             raise GraphError(f"random_{kind} makes floats, not {dtype}")
         self.kind, self.a, self.b = kind, float(a), float(b)
         self.seed = _next_seed(mesh) if seed is None else int(seed)

@@ -1,0 +1,108 @@
+"""Optimizers against NumPy references, slots laid out like their variables, schedules (issue 3)."""
+
+import numpy as np
+import pytest
+
+import meshax as mx
+
+a, b = mx.Dimension("a", 8), mx.Dimension("b", 4)
+STEPS = 3
+
+
+def run(optimizer, layout="a:rows;b:cols"):
+    """Minimise sum(w * target) + 0.5 |w|^2 for STEPS steps; returns the w after each step."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", [a, b], initializer=mx.initializers.normal(1.0))
+    target = mx.placeholder(mesh, "target", [a, b])
+    loss = mx.reduce_sum(w * target) + 0.5 * mx.reduce_sum(mx.square(w))
+    (g,) = mx.gradients(loss, [w])
+    updates = optimizer.apply_grads([g], [w])
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)})
+    for var in graph.all_variables:  # every slot is laid out like its variable
+        if var.shape == w.shape:
+            assert lo.plan[var.value] == lo.plan[w]
+    fn = lo.function([], updates=updates)
+    t = np.linspace(-1, 1, 32, dtype=np.float32).reshape(8, 4)
+    w0 = lo.variable_value(w)
+    history = []
+    for _ in range(STEPS):
+        fn({"target": t})
+        history.append(lo.variable_value(w))
+    return w0, t, history
+
+
+def grad(w, t):
+    return t + w
+
+
+def test_sgd():
+    w, t, hist = run(mx.optimize.SgdOptimizer(0.1))
+    for got in hist:
+        w = w - 0.1 * grad(w, t)
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+
+
+def test_momentum():
+    w, t, hist = run(mx.optimize.MomentumOptimizer(0.1, momentum=0.9))
+    m = np.zeros_like(w)
+    for got in hist:
+        m = 0.9 * m + grad(w, t)
+        w = w - 0.1 * m
+        np.testing.assert_allclose(got, w, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_with_weight_decay():
+    w, t, hist = run(mx.optimize.AdamWeightDecayOptimizer(0.05, weight_decay_rate=0.01))
+    m = v = np.zeros_like(w)
+    for step, got in enumerate(hist, start=1):
+        g = grad(w, t)
+        m = 0.9 * m + 0.1 * g
+        v = 0.999 * v + 0.001 * g * g
+        update = (m / (1 - 0.9 ** step)) / (np.sqrt(v / (1 - 0.999 ** step)) + 1e-8) + 0.01 * w
+        w = w - 0.05 * update
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["", "a:rows;b:cols", "a:rows;a:cols"])
+def test_adafactor_factored(layout):
+    w, t, hist = run(mx.optimize.AdafactorOptimizer(), layout)
+    vr, vc = np.zeros(8), np.zeros(4)  # factored over a (8, the largest) and b (4): vr is [a], vc is [b]
+    for step, got in enumerate(hist, start=1):
+        g = grad(w, t)
+        decay = 1 - step ** -0.8
+        g2 = g * g + 1e-30
+        vr = decay * vr + (1 - decay) * g2.mean(1)   # shape minus d1 (b): over a
+        vc = decay * vc + (1 - decay) * g2.mean(0)   # shape minus d0 (a): over b
+        x = g / np.sqrt(vr[:, None] / vr.mean()) / np.sqrt(vc[None, :])
+        x = x / max(np.sqrt((x * x).mean()) / 1.0, 1.0)
+        lr = min(0.01, 1 / np.sqrt(step)) * max(np.sqrt((w * w).mean()), 1e-3)
+        w = w - lr * x
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6)
+
+
+def test_schedules():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    step = mx.placeholder(mesh, "step", [])
+    outs = [mx.optimize.linear_warmup(1.0, 10)(step), mx.optimize.rsqrt_decay(1.0, 10)(step),
+            mx.optimize.linear_decay(1.0, 10, 110)(step)]
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function(outs)
+    expect = {0: (0.1, 0.1, 0.1), 4: (0.5, 0.5, 0.5), 9: (1, 1, 1), 39: (1, 0.5, 0.7), 109: (1, 10 ** 0.5 / 110 ** 0.5, 0)}
+    for s, want in expect.items():
+        np.testing.assert_allclose(fn({"step": np.float32(s)}), want, rtol=1e-5, atol=1e-6)
+
+
+def test_step_counter_and_clipping():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", [a], initializer=mx.initializers.constant(3.0))
+    (g,) = mx.gradients(mx.reduce_sum(mx.square(w)), [w])  # 6 per element, norm 6 * sqrt(8)
+    (clipped,) = mx.optimize.clip_by_global_norm([g], 1.0)
+    opt = mx.optimize.SgdOptimizer(1.0)
+    updates = opt.apply_grads([clipped], [w])
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+    norm = lo.function(mx.optimize.global_norm([clipped]), updates=updates)()
+    np.testing.assert_allclose(norm, 1.0, rtol=1e-5)
+    np.testing.assert_allclose(lo.variable_value(w), 3.0 - 1 / np.sqrt(8), rtol=1e-5)
+    assert lo.variable_value(opt.step) == 1.0

@@ -1,0 +1,104 @@
+"""Variables: layout-independent initialization, sharded storage, get/set, assignments (issue 3)."""
+
+import numpy as np
+import pytest
+
+import meshax as mx
+from tests.conftest import IMPL_IDS, IMPLS
+
+io, hidden = mx.Dimension("io", 8), mx.Dimension("hidden", 16)
+INITS = {
+    "zeros": mx.initializers.zeros(), "ones": mx.initializers.ones(), "normal": mx.initializers.normal(0.5),
+    "truncated_normal": mx.initializers.truncated_normal(0.5), "uniform": mx.initializers.uniform(-2, 2),
+    "glorot_uniform": mx.initializers.glorot_uniform(), "glorot_normal": mx.initializers.glorot_normal(),
+}
+
+
+def one_var(init=None, dtype="float32"):
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", [io, hidden], initializer=init, dtype=dtype)
+    return graph, mesh, w
+
+
+@pytest.mark.parametrize("name", INITS)
+def test_initial_values_do_not_depend_on_the_layout(name):
+    values = []
+    for impl_cls in IMPLS:
+        for mesh_shape, layout in [("all:1", ""), ("all:8", "hidden:all"), ("rows:2;cols:4", "io:rows;hidden:cols"),
+                                   ("rows:2;cols:4", "hidden:rows;hidden:cols")]:
+            graph, mesh, w = one_var(INITS[name])
+            values.append(mx.Lowering(graph, {mesh: impl_cls(mesh_shape, layout)}).variable_value(w))
+    for v in values[1:]:
+        np.testing.assert_array_equal(v, values[0])
+    if name not in ("zeros", "ones"):
+        assert values[0].std() > 0.05
+    if name == "truncated_normal":
+        # cut at two standard deviations of the underlying normal (rescaled to keep stddev 0.5)
+        assert np.abs(values[0]).max() <= 2 * 0.5 / 0.87962566 + 1e-6
+
+
+def test_different_variables_and_seeds_get_different_values():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    a = mx.get_variable(mesh, "a", [io], initializer=mx.initializers.normal())
+    b = mx.get_variable(mesh, "b", [io], initializer=mx.initializers.normal())
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")})
+    assert not np.allclose(lo.variable_value(a), lo.variable_value(b))
+    lo2 = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")}, seed=1)
+    assert not np.allclose(lo.variable_value(a), lo2.variable_value(a))
+
+
+def test_split_variable_is_a_sharded_global_array_never_whole_on_a_device():
+    graph, mesh, w = one_var(mx.initializers.normal())
+    impl = mx.SimdMeshImpl("rows:2;cols:4", "io:rows;hidden:cols")
+    lo = mx.Lowering(graph, {mesh: impl})
+    state = lo.variable_state(w)
+    assert state.shape == (8, 16)
+    assert state.sharding.spec == impl.partition_spec(lo.plan[w])
+    assert {s.data.shape for s in state.addressable_shards} == {(4, 4)}
+    assert len(state.addressable_shards) == 8
+
+
+@pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
+def test_set_and_get_variable_value_reshards(impl_cls):
+    graph, mesh, w = one_var()
+    lo = mx.Lowering(graph, {mesh: impl_cls("rows:2;cols:4", "hidden:rows;io:cols")})
+    value = np.arange(8 * 16, dtype=np.float32).reshape(8, 16)
+    lo.set_variable_value(w, value)
+    np.testing.assert_array_equal(lo.variable_value(w), value)
+    np.testing.assert_array_equal(lo.function(w * 2.0)(), value * 2)
+    with pytest.raises(ValueError, match=r"shape \[8, 16\]"):
+        lo.set_variable_value(w, np.zeros((16, 8)))
+
+
+@pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
+def test_assignments_read_old_values_and_apply_after_the_step(impl_cls):
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    a = mx.get_variable(mesh, "a", [hidden], initializer=mx.initializers.constant(1.0))
+    b = mx.get_variable(mesh, "b", [hidden], initializer=mx.initializers.constant(10.0))
+    c = mx.get_variable(mesh, "c", [hidden], initializer=mx.initializers.constant(5.0), dtype="int32")
+    read = a + b
+    updates = [mx.assign(a, b * 2.0), mx.assign_add(b, a), mx.assign_sub(c, mx.ones(mesh, [hidden], "int32"))]
+    lo = mx.Lowering(graph, {mesh: impl_cls("all:8", "hidden:all")})
+    fn = lo.function(read, updates=updates)
+    np.testing.assert_allclose(fn(), 11.0)
+    np.testing.assert_allclose(lo.variable_value(a), 20.0)  # b * 2 with the old b
+    np.testing.assert_allclose(lo.variable_value(b), 11.0)  # old b + old a
+    np.testing.assert_array_equal(lo.variable_value(c), 4)
+    np.testing.assert_allclose(fn(), 31.0)
+    assert lo.variable_value(c).dtype == np.int32
+
+
+def test_variable_errors_are_clear():
+    graph, mesh, w = one_var()
+    with pytest.raises(mx.GraphError, match="already exists"):
+        mx.get_variable(mesh, "w", [io])
+    with pytest.raises(mx.GraphError, match="does not match"):
+        mx.assign(w, mx.zeros(mesh, [io]))
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")})
+    with pytest.raises(ValueError, match="more than once"):
+        lo.function([], updates=[mx.assign(w, w * 2.0), mx.assign(w, w * 3.0)])
+    with pytest.raises(TypeError, match="not a variable"):
+        lo.variable_value(w * 2.0)
