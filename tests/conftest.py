@@ -99,3 +99,93 @@ def assert_equal(actual, expected):
 
 def names(t):
     return list(t.shape.dimension_names)
+
+
+# --------------------------------------------------------------- batched cases
+#
+# Lowering and compiling dominates the run time, so a family of cases is run
+# as ONE program per (impl, layout).  Each case is a builder
+#     builder(mesh) -> (pairs, feeds)
+# where pairs is a list of (output tensor, expected numpy array) and feeds a
+# dict {placeholder: value}.  Builders may assert (e.g. on output names).
+# When the combined program fails to lower or run, every case is re-run on its
+# own, so that the failure report names the guilty case(s).
+
+def _compare(got, want):
+    want = np.asarray(want)
+    got = np.asarray(got)
+    if want.dtype == np.bool_ or np.issubdtype(want.dtype, np.integer):
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        assert_equal(got, want)
+    else:
+        assert_close(got, want.astype(np.float32))
+
+
+def _build(name, builder, mesh, errors):
+    # Placeholder names identify feeds and must be unique in a graph: while a
+    # case builds, its placeholders get the case name as a prefix.
+    original = mx.placeholder
+
+    def prefixed(mesh_, ph_name, *args, **kwargs):
+        return original(mesh_, f"{name}/{ph_name}", *args, **kwargs)
+
+    mx.placeholder = prefixed
+    try:
+        pairs, feeds = builder(mesh)
+    except Exception as err:  # noqa: BLE001 - reported below
+        errors.append(f"{name}: building the graph raised {type(err).__name__}: {err}")
+        return None
+    finally:
+        mx.placeholder = original
+    return pairs, feeds
+
+
+def _run_one(name, builder, impl_cls, layout, mesh_shape, errors):
+    _, mesh = new_mesh()
+    built = _build(name, builder, mesh, errors)
+    if built is None:
+        return
+    pairs, feeds = built
+    try:
+        results = run([t for t, _ in pairs], impl_cls, mesh_shape, layout, feeds)
+    except Exception as err:  # noqa: BLE001
+        errors.append(f"{name}: lowering/running raised {type(err).__name__}: {err}")
+        return
+    for i, (res, (_, want)) in enumerate(zip(results, pairs)):
+        try:
+            _compare(res, want)
+        except AssertionError as err:
+            errors.append(f"{name} (output {i}): {err}")
+
+
+def check_cases(cases, impl_cls, layout, mesh_shape=MESH_SHAPE):
+    """Run all `cases` ({name: builder}) as one program and compare with NumPy."""
+    errors = []
+    _, mesh = new_mesh()
+    outputs, expected, owners, feeds = [], [], [], {}
+    for name, builder in cases.items():
+        built = _build(name, builder, mesh, errors)
+        if built is None:
+            continue
+        pairs, case_feeds = built
+        feeds.update(case_feeds)
+        for t, want in pairs:
+            outputs.append(t)
+            expected.append(want)
+            owners.append(name)
+    try:
+        results = run(outputs, impl_cls, mesh_shape, layout, feeds)
+    except Exception:  # noqa: BLE001 - locate the guilty case(s)
+        for name, builder in cases.items():
+            if not any(e.startswith(name + ":") for e in errors):
+                _run_one(name, builder, impl_cls, layout, mesh_shape, errors)
+        if not errors:
+            raise  # only the combination fails: show the original error
+    else:
+        assert len(results) == len(outputs)
+        for name, res, want in zip(owners, results, expected):
+            try:
+                _compare(res, want)
+            except AssertionError as err:
+                errors.append(f"{name}: {err}")
+    assert not errors, "\n".join(errors)

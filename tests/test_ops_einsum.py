@@ -1,9 +1,9 @@
-"""einsum / matmul vs np.einsum."""
+"""einsum / matmul vs np.einsum (all cases run as one program per impl and layout)."""
 import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, assert_close, names, new_mesh, rand, run
+from tests.conftest import B, D, H, LAYOUTS, assert_close, check_cases, names, new_mesh, rand, run
 
 K = mx.Dimension("k", 4)
 
@@ -43,19 +43,23 @@ CASES = {
 }
 
 
+def _case(name, seed):
+    in_dims, build_fn, out_dims = CASES[name]
+
+    def build(mesh):
+        tensors = [_ph(mesh, f"x{i}", dims) for i, dims in enumerate(in_dims)]
+        y = build_fn(tensors)
+        assert names(y) == list(out_dims)
+        values = [rand([SIZES[c] for c in dims], seed=seed + i) for i, dims in enumerate(in_dims)]
+        spec = ",".join(in_dims) + "->" + out_dims
+        want = np.einsum(spec, *[v.astype(np.float64) for v in values])
+        return [(y, want)], dict(zip(tensors, values))
+    return build
+
+
 @layouts
-@pytest.mark.parametrize("case", list(CASES))
-def test_einsum(case, layout, impl_cls):
-    in_dims, build, out_dims = CASES[case]
-    _, mesh = new_mesh()
-    tensors = [_ph(mesh, f"x{i}", dims) for i, dims in enumerate(in_dims)]
-    y = build(tensors)
-    assert names(y) == list(out_dims)
-    values = [rand([SIZES[c] for c in dims], seed=30 + i) for i, dims in enumerate(in_dims)]
-    out = run(y, impl_cls, layout=layout, feeds=dict(zip(tensors, values)))
-    spec = ",".join(in_dims) + "->" + out_dims
-    want = np.einsum(spec, *[v.astype(np.float64) for v in values])
-    assert_close(out, want.astype(np.float32))
+def test_einsum(layout, impl_cls):
+    check_cases({name: _case(name, 10 * i) for i, name in enumerate(CASES)}, impl_cls, layout)
 
 
 @layouts

@@ -1,11 +1,14 @@
-"""Elementwise unary / binary ops, operators, where and cast, vs NumPy."""
+"""Elementwise unary / binary ops, operators, comparisons, where and cast, vs NumPy.
+
+Each test runs a whole family of cases as one program per (impl, layout), see
+`check_cases` in conftest.py; a failure message names the failing case(s)."""
 import math
 
 import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, assert_close, assert_equal, names, new_mesh, rand, run
+from tests.conftest import B, D, H, LAYOUTS, check_cases, names, new_mesh, rand
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 
@@ -20,6 +23,14 @@ def np_gelu(x):
 def np_sigmoid(x):
     return 1.0 / (1.0 + np.exp(-x.astype(np.float64)))
 
+
+def _input(domain, shape, seed):
+    if domain == "pos":
+        return rand(shape, seed, 0.1, 3.0)
+    return rand(shape, seed, -3.0, 3.0)
+
+
+# ---------------------------------------------------------------- unary ops
 
 # name -> (meshax fn, numpy fn, input domain)
 UNARY = {
@@ -43,63 +54,56 @@ UNARY = {
 }
 
 
-def _input(domain, shape, seed):
-    if domain == "pos":
-        return rand(shape, seed, 0.1, 3.0)
-    return rand(shape, seed, -3.0, 3.0)
-
-
-@layouts
-@pytest.mark.parametrize("op", sorted(UNARY))
-def test_unary(op, layout, impl_cls):
+def _unary_case(op, seed):
     mx_fn, np_fn, domain = UNARY[op]
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, H, D])
-    y = mx_fn(x)
-    assert names(y) == ["b", "h", "d"]
-    assert y.dtype == np.float32
-    xv = _input(domain, [8, 4, 8], seed=1)
-    out = run(y, impl_cls, layout=layout, feeds={x: xv})
-    assert out.dtype == np.float32
-    assert_close(out, np_fn(xv).astype(np.float32))
+
+    def build(mesh):
+        x = mx.placeholder(mesh, "x_" + op, [B, H, D])
+        y = mx_fn(x)
+        assert names(y) == ["b", "h", "d"]
+        assert y.dtype == np.float32
+        xv = _input(domain, [8, 4, 8], seed)
+        return [(y, np_fn(xv).astype(np.float32))], {x: xv}
+    return build
 
 
-@layouts
-def test_logical_not(layout, impl_cls):
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, D])
+def _logical_not(mesh):
+    x = mx.placeholder(mesh, "x_not", [B, D])
     y = mx.logical_not(x > 0.0)
     assert y.dtype == np.bool_
     xv = rand([8, 8], seed=2)
-    assert_equal(run(y, impl_cls, layout=layout, feeds={x: xv}), ~(xv > 0.0))
+    return [(y, ~(xv > 0.0))], {x: xv}
 
 
-@layouts
-def test_cast_float_to_int(layout, impl_cls):
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, D])
+def _cast_float_to_int(mesh):
+    x = mx.placeholder(mesh, "x_cast1", [B, D])
     y = mx.cast(x, "int32")
     assert y.dtype == np.int32
     xv = rand([8, 8], seed=3, low=-5.0, high=5.0)
-    out = run(y, impl_cls, layout=layout, feeds={x: xv})
-    assert out.dtype == np.int32
-    assert_equal(out, xv.astype(np.int32))
+    return [(y, xv.astype(np.int32))], {x: xv}
+
+
+def _cast_bool_to_float(mesh):
+    x = mx.placeholder(mesh, "x_cast2", [B, D])
+    y = mx.cast(x > 0.25, "float32") * x
+    assert y.dtype == np.float32
+    xv = rand([8, 8], seed=4)
+    return [(y, (xv > 0.25).astype(np.float32) * xv)], {x: xv}
+
+
+UNARY_CASES = {op: _unary_case(op, seed) for seed, op in enumerate(sorted(UNARY))}
+UNARY_CASES.update({"logical_not": _logical_not, "cast-float-int32": _cast_float_to_int,
+                    "cast-bool-float32": _cast_bool_to_float})
 
 
 @layouts
-def test_cast_bool_to_float(layout, impl_cls):
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, D])
-    y = mx.cast(x > 0.25, "float32") * x
-    xv = rand([8, 8], seed=4)
-    out = run(y, impl_cls, layout=layout, feeds={x: xv})
-    assert out.dtype == np.float32
-    assert_close(out, (xv > 0.25).astype(np.float32) * xv)
+def test_unary(layout, impl_cls):
+    check_cases(UNARY_CASES, impl_cls, layout)
 
 
 # ---------------------------------------------------------------- binary ops
 
-# name -> (meshax fn, numpy fn, domain of x, domain of y, result is bool)
+# name -> (meshax fn, numpy fn, domain of x, domain of y)
 BINARY = {
     "add": (mx.add, np.add, "any", "any"),
     "subtract": (mx.subtract, np.subtract, "any", "any"),
@@ -109,6 +113,35 @@ BINARY = {
     "minimum": (mx.minimum, np.minimum, "any", "any"),
     "pow": (mx.pow, np.power, "pos", "any"),
 }
+
+
+def _binary_case(op, seed):
+    """x[b,h] op y[h,d] -> [b,h,d];  p[b,d] op q[b,d];  v[d] op q[b,d] -> [d,b]."""
+    mx_fn, np_fn, dx, dy = BINARY[op]
+
+    def build(mesh):
+        x = mx.placeholder(mesh, "x", [B, H])
+        y = mx.placeholder(mesh, "y", [H, D])
+        p = mx.placeholder(mesh, "p", [B, D])
+        q = mx.placeholder(mesh, "q", [B, D])
+        v = mx.placeholder(mesh, "v", [D])
+        z0 = mx_fn(x, y)
+        z1 = mx_fn(p, q)
+        z2 = mx_fn(v, q)  # v's dims first, then q's remaining dims
+        assert names(z0) == ["b", "h", "d"]
+        assert names(z1) == ["b", "d"]
+        assert names(z2) == ["d", "b"]
+        xv = _input(dx, [8, 4], seed)
+        yv = _input(dy, [4, 8], seed + 100)
+        pv = _input(dx, [8, 8], seed + 200)
+        qv = _input(dy, [8, 8], seed + 300)
+        vv = _input(dx, [8], seed + 400)
+        pairs = [(z0, np_fn(xv[:, :, None], yv[None, :, :])),
+                 (z1, np_fn(pv, qv)),
+                 (z2, np_fn(vv[:, None], qv.T))]
+        return pairs, {x: xv, y: yv, p: pv, q: qv, v: vv}
+    return build
+
 
 COMPARE = {
     "equal": (mx.equal, np.equal),
@@ -120,73 +153,37 @@ COMPARE = {
 }
 
 
-@layouts
-@pytest.mark.parametrize("op", sorted(BINARY))
-def test_binary(op, layout, impl_cls):
-    """x[b,h] op y[h,d] -> [b,h,d];  x[b,d] op y[b,d];  v[d] op x[b,d] -> [d,b]."""
-    mx_fn, np_fn, dx, dy = BINARY[op]
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, H])
-    y = mx.placeholder(mesh, "y", [H, D])
-    p = mx.placeholder(mesh, "p", [B, D])
-    q = mx.placeholder(mesh, "q", [B, D])
-    v = mx.placeholder(mesh, "v", [D])
-    z0 = mx_fn(x, y)
-    z1 = mx_fn(p, q)
-    z2 = mx_fn(v, q)  # v's dims first, then q's remaining dims
-    assert names(z0) == ["b", "h", "d"]
-    assert names(z1) == ["b", "d"]
-    assert names(z2) == ["d", "b"]
-    xv = _input(dx, [8, 4], seed=5)
-    yv = _input(dy, [4, 8], seed=6)
-    pv = _input(dx, [8, 8], seed=7)
-    qv = _input(dy, [8, 8], seed=8)
-    vv = _input(dx, [8], seed=9)
-    o0, o1, o2 = run([z0, z1, z2], impl_cls, layout=layout,
-                     feeds={x: xv, y: yv, p: pv, q: qv, v: vv})
-    assert_close(o0, np_fn(xv[:, :, None], yv[None, :, :]).astype(np.float32))
-    assert_close(o1, np_fn(pv, qv).astype(np.float32))
-    assert_close(o2, np_fn(vv[:, None], qv.T).astype(np.float32))
-
-
-@layouts
-@pytest.mark.parametrize("op", sorted(COMPARE))
-def test_comparison(op, layout, impl_cls):
+def _compare_case(op, seed):
     mx_fn, np_fn = COMPARE[op]
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, H])
-    y = mx.placeholder(mesh, "y", [H, D])
-    z = mx_fn(x, y)
-    assert names(z) == ["b", "h", "d"]
-    assert z.dtype == np.bool_
-    # small integer-valued floats so that ties occur
-    xv = np.random.default_rng(11).integers(0, 3, size=(8, 4)).astype(np.float32)
-    yv = np.random.default_rng(12).integers(0, 3, size=(4, 8)).astype(np.float32)
-    out = run(z, impl_cls, layout=layout, feeds={x: xv, y: yv})
-    assert out.dtype == np.bool_
-    assert_equal(out, np_fn(xv[:, :, None], yv[None, :, :]))
+
+    def build(mesh):
+        x = mx.placeholder(mesh, "x", [B, H])
+        y = mx.placeholder(mesh, "y", [H, D])
+        z = mx_fn(x, y)
+        assert names(z) == ["b", "h", "d"]
+        assert z.dtype == np.bool_
+        # small integer-valued floats so that ties occur
+        xv = np.random.default_rng(seed).integers(0, 3, size=(8, 4)).astype(np.float32)
+        yv = np.random.default_rng(seed + 1).integers(0, 3, size=(4, 8)).astype(np.float32)
+        return [(z, np_fn(xv[:, :, None], yv[None, :, :]))], {x: xv, y: yv}
+    return build
 
 
-@layouts
-@pytest.mark.parametrize("op", ["logical_and", "logical_or"])
-def test_logical_binary(op, layout, impl_cls):
-    mx_fn = getattr(mx, op)
-    np_fn = getattr(np, op)
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, D])
-    y = mx.placeholder(mesh, "y", [D])
-    z = mx_fn(x > 0.0, y > 0.0)
-    assert z.dtype == np.bool_
-    assert names(z) == ["b", "d"]
-    xv = rand([8, 8], seed=13)
-    yv = rand([8], seed=14)
-    out = run(z, impl_cls, layout=layout, feeds={x: xv, y: yv})
-    assert_equal(out, np_fn(xv > 0.0, (yv > 0.0)[None, :]))
+def _logical_case(op, seed):
+    mx_fn, np_fn = getattr(mx, op), getattr(np, op)
+
+    def build(mesh):
+        x = mx.placeholder(mesh, "x", [B, D])
+        y = mx.placeholder(mesh, "y", [D])
+        z = mx_fn(x > 0.0, y > 0.0)
+        assert z.dtype == np.bool_
+        assert names(z) == ["b", "d"]
+        xv, yv = rand([8, 8], seed=seed), rand([8], seed=seed + 1)
+        return [(z, np_fn(xv > 0.0, (yv > 0.0)[None, :]))], {x: xv, y: yv}
+    return build
 
 
-@layouts
-def test_where(layout, impl_cls):
-    _, mesh = new_mesh()
+def _where(mesh):
     x = mx.placeholder(mesh, "x", [B, D])
     y = mx.placeholder(mesh, "y", [B, D])
     v = mx.placeholder(mesh, "v", [D])
@@ -195,9 +192,23 @@ def test_where(layout, impl_cls):
     assert names(z1) == ["b", "d"]
     assert names(z2) == ["b", "d"]
     xv, yv, vv = rand([8, 8], 15), rand([8, 8], 16), rand([8], 17)
-    o1, o2 = run([z1, z2], impl_cls, layout=layout, feeds={x: xv, y: yv, v: vv})
-    assert_close(o1, np.where(xv > 0.0, xv, yv))
-    assert_close(o2, np.where(xv > 0.0, xv, vv[None, :]))
+    pairs = [(z1, np.where(xv > 0.0, xv, yv)), (z2, np.where(xv > 0.0, xv, vv[None, :]))]
+    return pairs, {x: xv, y: yv, v: vv}
+
+
+BINARY_CASES = {}
+for _i, _op in enumerate(sorted(BINARY)):
+    BINARY_CASES[_op] = _binary_case(_op, 10 * _i + 5)
+for _i, _op in enumerate(sorted(COMPARE)):
+    BINARY_CASES[_op] = _compare_case(_op, 10 * _i + 7)
+for _i, _op in enumerate(["logical_and", "logical_or"]):
+    BINARY_CASES[_op] = _logical_case(_op, 10 * _i + 9)
+BINARY_CASES["where"] = _where
+
+
+@layouts
+def test_binary(layout, impl_cls):
+    check_cases(BINARY_CASES, impl_cls, layout)
 
 
 # ---------------------------------------------------------------- operators
@@ -224,27 +235,23 @@ OPERATORS = {
 }
 
 
+def _operator_case(expr):
+    mx_fn, np_fn = OPERATORS[expr]
+
+    def build(mesh):
+        x = mx.placeholder(mesh, "x", [B, D])
+        y = mx.placeholder(mesh, "y", [B, D])
+        z = mx_fn(x, y)
+        assert names(z) == ["b", "d"]
+        xv = rand([8, 8], 18, -2.0, 2.0)
+        yv = rand([8, 8], 19, 0.5, 2.0)
+        return [(z, np.asarray(np_fn(xv, yv), dtype=np.float32))], {x: xv, y: yv}
+    return build
+
+
 @layouts
 def test_operators(layout, impl_cls):
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, D])
-    y = mx.placeholder(mesh, "y", [B, D])
-    exprs = list(OPERATORS)
-    outs = [OPERATORS[e][0](x, y) for e in exprs]
-    for e, z in zip(exprs, outs):
-        assert names(z) == ["b", "d"], e
-    xv = rand([8, 8], 18, -2.0, 2.0)
-    yv = rand([8, 8], 19, 0.5, 2.0)
-    results = run(outs, impl_cls, layout=layout, feeds={x: xv, y: yv})
-    assert len(results) == len(exprs)
-    failures = []
-    for e, got in zip(exprs, results):
-        want = np.asarray(OPERATORS[e][1](xv, yv)).astype(np.float32)
-        try:
-            assert_close(got, want)
-        except AssertionError as err:
-            failures.append(f"{e}: {err}")
-    assert not failures, "\n".join(failures)
+    check_cases({e: _operator_case(e) for e in OPERATORS}, impl_cls, layout)
 
 
 def test_binary_output_shape_order():
@@ -254,4 +261,7 @@ def test_binary_output_shape_order():
     assert names(x + y) == ["d", "b", "h"]
     assert names(y * x) == ["h", "b", "d"]
     assert names(mx.maximum(y, x)) == ["h", "b", "d"]
+    assert names(x - 1.0) == ["d", "b"]
+    assert names(2.0 * y) == ["h", "b", "d"]
     assert (x > y).dtype == np.bool_
+    assert names(x > y) == ["d", "b", "h"]

@@ -1,10 +1,11 @@
-"""one_hot, gather and top_k vs NumPy."""
+"""one_hot, gather and top_k vs NumPy.
+
+All cases run as one program per (impl, layout), see `check_cases`."""
 import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import (B, D, H, LAYOUTS, assert_close, assert_equal, names, new_mesh,
-                            rand, randint, run)
+from tests.conftest import B, D, H, LAYOUTS, check_cases, names, rand, randint
 
 K = mx.Dimension("k", 4)
 # the canonical layouts plus one that splits h (the gathered-from dim below)
@@ -18,14 +19,12 @@ def np_one_hot(idx, n, on=1.0, off=0.0, dtype=np.float32):
 
 # ------------------------------------------------------------------- one_hot
 
-@layouts
-def test_one_hot(layout, impl_cls):
-    _, mesh = new_mesh()
+def _one_hot(mesh):
     i1 = mx.placeholder(mesh, "i1", [B], dtype="int32")
     i2 = mx.placeholder(mesh, "i2", [B, H], dtype="int32")
+    i3 = mx.placeholder(mesh, "i3", [B], dtype="int32")
     o1 = mx.one_hot(i1, D)
     o2 = mx.one_hot(i2, D, on_value=2.0, off_value=-1.0)
-    i3 = mx.placeholder(mesh, "i3", [B], dtype="int32")
     o3 = mx.one_hot(i3, H, dtype="int32")
     assert names(o1) == ["b", "d"]
     assert names(o2) == ["b", "h", "d"]
@@ -35,12 +34,9 @@ def test_one_hot(layout, impl_cls):
     v1 = randint([8], 8, seed=70)
     v2 = randint([8, 4], 8, seed=71)
     v3 = randint([8], 4, seed=72)
-    g1, g2, g3 = run([o1, o2, o3], impl_cls, layout=layout,
-                     feeds={i1: v1, i2: v2, i3: v3})
-    assert_equal(g1, np_one_hot(v1, 8))
-    assert_equal(g2, np_one_hot(v2, 8, 2.0, -1.0))
-    assert g3.dtype == np.int32
-    assert_equal(g3, np_one_hot(v3, 4, dtype=np.int32))
+    pairs = [(o1, np_one_hot(v1, 8)), (o2, np_one_hot(v2, 8, 2.0, -1.0)),
+             (o3, np_one_hot(v3, 4, dtype=np.int32))]
+    return pairs, {i1: v1, i2: v2, i3: v3}
 
 
 # -------------------------------------------------------------------- gather
@@ -67,22 +63,21 @@ GATHERS = {
 }
 
 
-@layouts
-@pytest.mark.parametrize("case", list(GATHERS))
-def test_gather(case, layout, impl_cls):
-    w_dims, i_dims, dim_name = GATHERS[case]
-    _, mesh = new_mesh()
-    w = mx.placeholder(mesh, "w", w_dims)
-    i = mx.placeholder(mesh, "i", i_dims, dtype="int32")
-    dim = [d for d in w_dims if d.name == dim_name][0]
-    y = mx.gather(w, i, dim)
-    w_names = [d.name for d in w_dims]
-    i_names = [d.name for d in i_dims]
-    assert names(y) == i_names + [n for n in w_names if n != dim_name]
-    wv = rand([d.size for d in w_dims], seed=73)
-    iv = randint([d.size for d in i_dims], dim.size, seed=74)
-    out = run(y, impl_cls, layout=layout, feeds={w: wv, i: iv})
-    assert_close(out, np_gather(wv, w_names, iv, i_names, dim_name))
+def _gather_case(name, seed):
+    w_dims, i_dims, dim_name = GATHERS[name]
+
+    def build(mesh):
+        w = mx.placeholder(mesh, "w", w_dims)
+        i = mx.placeholder(mesh, "i", i_dims, dtype="int32")
+        dim = [d for d in w_dims if d.name == dim_name][0]
+        y = mx.gather(w, i, dim)
+        w_names = [d.name for d in w_dims]
+        i_names = [d.name for d in i_dims]
+        assert names(y) == i_names + [n for n in w_names if n != dim_name]
+        wv = rand([d.size for d in w_dims], seed=seed)
+        iv = randint([d.size for d in i_dims], dim.size, seed=seed + 1)
+        return [(y, np_gather(wv, w_names, iv, i_names, dim_name))], {w: wv, i: iv}
+    return build
 
 
 def test_np_gather_reference():
@@ -102,22 +97,29 @@ def np_top_k(v, axis, k):
     return np.take_along_axis(v, idx, axis=axis), idx.astype(np.int32)
 
 
+def _top_k_case(dim, axis, k):
+    def build(mesh):
+        x = mx.placeholder(mesh, "x", [B, H, D])
+        values, indices = mx.top_k(x, dim, k)
+        expected_names = ["b", "h", "d"]
+        expected_names[axis] = dim.name + "_topk"
+        assert names(values) == expected_names
+        assert names(indices) == expected_names
+        assert values.shape.get_dim_by_name(dim.name + "_topk").size == k
+        assert indices.dtype == np.int32
+        xv = rand([8, 4, 8], seed=75)  # distinct values, no ties
+        wv, wi = np_top_k(xv, axis, k)
+        return [(values, wv), (indices, wi)], {x: xv}
+    return build
+
+
+INDEX_CASES = {"one_hot": _one_hot}
+INDEX_CASES.update({"gather " + name: _gather_case(name, 73 + 2 * i)
+                    for i, name in enumerate(GATHERS)})
+INDEX_CASES.update({f"top_k {dim.name} k={k}": _top_k_case(dim, axis, k)
+                    for dim, axis, k in [(D, 2, 3), (B, 0, 2), (H, 1, 4), (D, 2, 1)]})
+
+
 @layouts
-@pytest.mark.parametrize("dim,axis,k", [(D, 2, 3), (B, 0, 2), (H, 1, 4), (D, 2, 1)],
-                         ids=["d-3", "b-2", "h-4", "d-1"])
-def test_top_k(dim, axis, k, layout, impl_cls):
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, H, D])
-    values, indices = mx.top_k(x, dim, k)
-    expected_names = ["b", "h", "d"]
-    expected_names[axis] = dim.name + "_topk"
-    assert names(values) == expected_names
-    assert names(indices) == expected_names
-    assert values.shape.get_dim_by_name(dim.name + "_topk").size == k
-    assert indices.dtype == np.int32
-    xv = rand([8, 4, 8], seed=75)  # distinct values, no ties
-    gv, gi = run([values, indices], impl_cls, layout=layout, feeds={x: xv})
-    wv, wi = np_top_k(xv, axis, k)
-    assert_close(gv, wv)
-    assert gi.dtype == np.int32
-    assert_equal(gi, wi)
+def test_indexing(layout, impl_cls):
+    check_cases(INDEX_CASES, impl_cls, layout)

@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import (B, D, H, LAYOUTS, assert_close, assert_equal, lower, names,
-                            new_mesh, rand, run)
+from tests.conftest import (B, D, H, LAYOUTS, assert_close, assert_equal, check_cases, lower,
+                            names, new_mesh, rand, run)
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 
@@ -49,28 +49,24 @@ CASES = {
 }
 
 
-@layouts
-@pytest.mark.parametrize("case", list(CASES))
-def test_shape_op(case, layout, impl_cls):
-    build, out_names, np_fn = CASES[case]
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, H, D])
-    y = build(x)
-    assert names(y) == out_names
-    assert y.dtype == np.float32
-    out = run(y, impl_cls, layout=layout, feeds={x: XV})
-    assert_close(out, np_fn(XV))
+def _shape_case(name):
+    build_fn, out_names, np_fn = CASES[name]
+
+    def build(mesh):
+        x = mx.placeholder(mesh, "x", [B, H, D])
+        y = build_fn(x)
+        assert names(y) == out_names
+        assert y.dtype == np.float32
+        return [(y, np_fn(XV))], {x: XV}
+    return build
 
 
-@layouts
-def test_reshape_then_compute(layout, impl_cls):
+def _reshape_then_compute(mesh):
     """A reshaped tensor feeds further ops that depend on the new layout."""
-    _, mesh = new_mesh()
     x = mx.placeholder(mesh, "x", [B, H, D])
     r = mx.reshape(x, [Dim("e", 16), Dim("d", 16)])
     y = mx.reduce_sum(r * 2.0, reduced_dim=Dim("e", 16))
-    out = run(y, impl_cls, layout=layout, feeds={x: XV})
-    assert_close(out, (XV.reshape(16, 16).astype(np.float64) * 2.0).sum(axis=0).astype(np.float32))
+    return [(y, (XV.reshape(16, 16).astype(np.float64) * 2.0).sum(axis=0))], {x: XV}
 
 
 BCAST = {
@@ -82,36 +78,38 @@ BCAST = {
 }
 
 
+def _bcast_case(name, seed):
+    in_dims, out_dims, np_fn = BCAST[name]
+
+    def build(mesh):
+        x = mx.placeholder(mesh, "x", in_dims)
+        y = mx.broadcast(x, out_dims)
+        assert names(y) == [d.name for d in out_dims]
+        xv = rand([d.size for d in in_dims], seed=seed)
+        return [(y, np_fn(xv))], {x: xv}
+    return build
+
+
+SHAPE_CASES = {name: _shape_case(name) for name in CASES}
+SHAPE_CASES["reshape-then-compute"] = _reshape_then_compute
+SHAPE_CASES.update({"broadcast " + name: _bcast_case(name, 51 + i) for i, name in enumerate(BCAST)})
+
+
 @layouts
-@pytest.mark.parametrize("case", list(BCAST))
-def test_broadcast(case, layout, impl_cls):
-    in_dims, out_dims, np_fn = BCAST[case]
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", in_dims)
-    y = mx.broadcast(x, out_dims)
-    assert names(y) == [d.name for d in out_dims]
-    xv = rand([d.size for d in in_dims], seed=51)
-    out = run(y, impl_cls, layout=layout, feeds={x: xv})
-    assert_close(out, np_fn(xv))
+def test_shape_ops(layout, impl_cls):
+    check_cases(SHAPE_CASES, impl_cls, layout)
 
 
 # ------------------------------------------------------------------ creation
 
-@layouts
-def test_import_tensor(layout, impl_cls):
-    _, mesh = new_mesh()
+def _import_tensor(mesh):
     x = mx.import_tensor(mesh, XV, [B, H, D], name="imported")
     assert names(x) == ["b", "h", "d"]
     assert x.dtype == np.float32
-    y = x * 3.0
-    gx, gy = run([x, y], impl_cls, layout=layout)
-    assert_close(gx, XV)
-    assert_close(gy, XV * 3.0)
+    return [(x, XV), (x * 3.0, XV * 3.0)], {}
 
 
-@layouts
-def test_constant_zeros_ones(layout, impl_cls):
-    _, mesh = new_mesh()
+def _constants(mesh):
     c = mx.constant(mesh, 2.5, [B, D])
     ci = mx.constant(mesh, 7, [B], dtype="int32")
     ca = mx.constant(mesh, XV[:, 0, :], [B, D])
@@ -119,29 +117,29 @@ def test_constant_zeros_ones(layout, impl_cls):
     zi = mx.zeros(mesh, [D], "int32")
     o = mx.ones(mesh, [H, D], "float32")
     assert ci.dtype == np.int32 and zi.dtype == np.int32 and o.dtype == np.float32
-    got = run([c, ci, ca, z, zi, o], impl_cls, layout=layout)
-    assert_close(got[0], np.full((8, 8), 2.5, np.float32))
-    assert_equal(got[1], np.full((8,), 7, np.int32))
-    assert_close(got[2], XV[:, 0, :])
-    assert_close(got[3], np.zeros((8, 4), np.float32))
-    assert_equal(got[4], np.zeros((8,), np.int32))
-    assert_close(got[5], np.ones((4, 8), np.float32))
-    assert got[1].dtype == np.int32 and got[4].dtype == np.int32
+    return [(c, np.full((8, 8), 2.5, np.float32)),
+            (ci, np.full((8,), 7, np.int32)),
+            (ca, XV[:, 0, :]),
+            (z, np.zeros((8, 4), np.float32)),
+            (zi, np.zeros((8,), np.int32)),
+            (o, np.ones((4, 8), np.float32))], {}
 
 
-@layouts
-def test_range(layout, impl_cls):
-    _, mesh = new_mesh()
+def _range(mesh):
     r = mx.range(mesh, B)
     rf = mx.range(mesh, D, dtype="float32")
     assert names(r) == ["b"]
     assert r.dtype == np.int32
     outer = mx.cast(r, "float32") * 10.0 + rf  # [b, d]
-    got_r, got_rf, got_outer = run([r, rf, outer], impl_cls, layout=layout)
-    assert got_r.dtype == np.int32
-    assert_equal(got_r, np.arange(8, dtype=np.int32))
-    assert_close(got_rf, np.arange(8, dtype=np.float32))
-    assert_close(got_outer, np.arange(8)[:, None] * 10.0 + np.arange(8)[None, :])
+    return [(r, np.arange(8, dtype=np.int32)),
+            (rf, np.arange(8, dtype=np.float32)),
+            (outer, np.arange(8)[:, None] * 10.0 + np.arange(8)[None, :])], {}
+
+
+@layouts
+def test_creation(layout, impl_cls):
+    check_cases({"import_tensor": _import_tensor, "constant/zeros/ones": _constants,
+                 "range": _range}, impl_cls, layout)
 
 
 # ------------------------------------------------------ lowering / function API

@@ -1,16 +1,18 @@
 """slice, concat, split, pad, stack, unstack, shift and cumsum vs NumPy.
 
 Sizes are chosen so that every result stays legal under every layout of
-LAYOUTS (split dims keep sizes divisible by their mesh dims)."""
+LAYOUTS (split dims keep sizes divisible by their mesh dims).  Each test runs
+a family of cases as one program per (impl, layout), see `check_cases`."""
 import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, assert_close, names, new_mesh, rand, run
+from tests.conftest import B, D, H, LAYOUTS, check_cases, names, rand
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 
 XV = rand([8, 4, 8], seed=60)  # x[b, h, d]
+AXIS = {"b": 0, "h": 1, "d": 2}
 
 
 def Dim(name, size):
@@ -21,34 +23,21 @@ def _x(mesh):
     return mx.placeholder(mesh, "x", [B, H, D])
 
 
-# --------------------------------------------------------------------- slice
+# ------------------------------------------------ slice / concat / split / pad
 
-SLICES = {
-    "d[2:6]": ((2, 4, "d"), lambda v: v[:, :, 2:6], ["b", "h", "d"], [8, 4, 4]),
-    "d[4:8]": ((4, 4, "d"), lambda v: v[:, :, 4:8], ["b", "h", "d"], [8, 4, 4]),
-    "h[1:3]": ((1, 2, "h"), lambda v: v[:, 1:3, :], ["b", "h", "d"], [8, 2, 8]),
-    "h[3:4]": ((3, 1, "h"), lambda v: v[:, 3:4, :], ["b", "h", "d"], [8, 1, 8]),
-    "d[0:8]": ((0, 8, "d"), lambda v: v, ["b", "h", "d"], [8, 4, 8]),
-}
-
-
-@layouts
-@pytest.mark.parametrize("case", list(SLICES))
-def test_slice(case, layout, impl_cls):
-    (begin, size, dim_name), np_fn, out_names, out_sizes = SLICES[case]
-    _, mesh = new_mesh()
-    x = _x(mesh)
-    y = mx.slice(x, begin, size, dim_name)
-    assert names(y) == out_names
-    assert list(y.shape.to_integer_list) == out_sizes
-    assert_close(run(y, impl_cls, layout=layout, feeds={x: XV}), np_fn(XV))
+def _slice_case(begin, size, dim_name):
+    def build(mesh):
+        x = _x(mesh)
+        y = mx.slice(x, begin, size, dim_name)
+        assert names(y) == ["b", "h", "d"]
+        assert y.shape.get_dim_by_name(dim_name).size == size
+        idx = [slice(None)] * 3
+        idx[AXIS[dim_name]] = slice(begin, begin + size)
+        return [(y, XV[tuple(idx)])], {x: XV}
+    return build
 
 
-# ----------------------------------------------------------- concat / split
-
-@layouts
-def test_concat(layout, impl_cls):
-    _, mesh = new_mesh()
+def _concat_d(mesh):
     x = _x(mesh)
     y = mx.placeholder(mesh, "y", [B, H, Dim("d", 4)])
     z = mx.placeholder(mesh, "z", [B, H, Dim("d", 8)])
@@ -56,13 +45,10 @@ def test_concat(layout, impl_cls):
     assert names(c) == ["b", "h", "d"]
     assert c.shape.get_dim_by_name("d").size == 20
     yv, zv = rand([8, 4, 4], 61), rand([8, 4, 8], 62)
-    got = run(c, impl_cls, layout=layout, feeds={x: XV, y: yv, z: zv})
-    assert_close(got, np.concatenate([XV, yv, zv], axis=2))
+    return [(c, np.concatenate([XV, yv, zv], axis=2))], {x: XV, y: yv, z: zv}
 
 
-@layouts
-def test_concat_along_b_and_h(layout, impl_cls):
-    _, mesh = new_mesh()
+def _concat_b_h(mesh):
     x = _x(mesh)
     y = mx.placeholder(mesh, "y", [B, H, D])
     cb = mx.concat([x, y], "b")  # b: 16, still divisible by 8
@@ -70,96 +56,106 @@ def test_concat_along_b_and_h(layout, impl_cls):
     assert cb.shape.get_dim_by_name("b").size == 16
     assert ch.shape.get_dim_by_name("h").size == 8
     yv = rand([8, 4, 8], 63)
-    gb, gh = run([cb, ch], impl_cls, layout=layout, feeds={x: XV, y: yv})
-    assert_close(gb, np.concatenate([XV, yv], axis=0))
-    assert_close(gh, np.concatenate([XV, yv], axis=1))
+    return [(cb, np.concatenate([XV, yv], axis=0)),
+            (ch, np.concatenate([XV, yv], axis=1))], {x: XV, y: yv}
 
 
-@layouts
-@pytest.mark.parametrize("dim,sizes,axis", [
-    (D, [4, 4], 2),
-    (H, [1, 3], 1),
-    (H, [2, 1, 1], 1),
-], ids=["d-4-4", "h-1-3", "h-2-1-1"])
-def test_split(dim, sizes, axis, layout, impl_cls):
-    _, mesh = new_mesh()
-    x = _x(mesh)
-    parts = mx.split(x, dim, sizes)
-    assert len(parts) == len(sizes)
-    for p, s in zip(parts, sizes):
-        assert names(p) == ["b", "h", "d"]
-        assert p.shape.get_dim_by_name(dim.name).size == s
-    got = run(list(parts), impl_cls, layout=layout, feeds={x: XV})
-    want = np.split(XV, np.cumsum(sizes)[:-1], axis=axis)
-    assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert_close(g, w)
+def _split_case(dim, sizes):
+    def build(mesh):
+        x = _x(mesh)
+        parts = mx.split(x, dim, sizes)
+        assert len(parts) == len(sizes)
+        for p, s in zip(parts, sizes):
+            assert names(p) == ["b", "h", "d"]
+            assert p.shape.get_dim_by_name(dim.name).size == s
+        want = np.split(XV, np.cumsum(sizes)[:-1], axis=AXIS[dim.name])
+        return list(zip(parts, want)), {x: XV}
+    return build
 
 
-@layouts
-def test_split_then_concat_roundtrip(layout, impl_cls):
-    _, mesh = new_mesh()
+def _split_concat_roundtrip(mesh):
     x = _x(mesh)
     a, b = mx.split(x, D, [4, 4])
     y = mx.concat([b, a], "d")
-    assert_close(run(y, impl_cls, layout=layout, feeds={x: XV}),
-                 np.concatenate([XV[:, :, 4:], XV[:, :, :4]], axis=2))
+    return [(y, np.concatenate([XV[:, :, 4:], XV[:, :, :4]], axis=2))], {x: XV}
 
 
-# ----------------------------------------------------------------------- pad
+def _pad_case(paddings, dim_name):
+    def build(mesh):
+        x = _x(mesh)
+        y = mx.pad(x, paddings, dim_name)
+        axis = AXIS[dim_name]
+        assert names(y) == ["b", "h", "d"]
+        assert y.shape.get_dim_by_name(dim_name).size == XV.shape[axis] + sum(paddings)
+        pad_width = [(0, 0)] * 3
+        pad_width[axis] = tuple(paddings)
+        return [(y, np.pad(XV, pad_width))], {x: XV}
+    return build
+
+
+SLICE_CASES = {
+    "slice d[2:6]": _slice_case(2, 4, "d"),
+    "slice d[4:8]": _slice_case(4, 4, "d"),
+    "slice h[1:3]": _slice_case(1, 2, "h"),
+    "slice h[3:4]": _slice_case(3, 1, "h"),
+    "slice d[0:8]": _slice_case(0, 8, "d"),
+    "concat d 8+4+8": _concat_d,
+    "concat b, concat h": _concat_b_h,
+    "split d [4,4]": _split_case(D, [4, 4]),
+    "split h [1,3]": _split_case(H, [1, 3]),
+    "split h [2,1,1]": _split_case(H, [2, 1, 1]),
+    "split+concat": _split_concat_roundtrip,
+    "pad d [4,0]": _pad_case([4, 0], "d"),
+    "pad d [2,2]": _pad_case([2, 2], "d"),
+    "pad d [0,4]": _pad_case([0, 4], "d"),
+    "pad h [1,2]": _pad_case([1, 2], "h"),
+    "pad b [0,8]": _pad_case([0, 8], "b"),
+}
+
 
 @layouts
-@pytest.mark.parametrize("paddings,dim_name,axis", [
-    ([4, 0], "d", 2),
-    ([2, 2], "d", 2),
-    ([0, 4], "d", 2),
-    ([1, 2], "h", 1),
-    ([0, 8], "b", 0),
-])
-def test_pad(paddings, dim_name, axis, layout, impl_cls):
-    _, mesh = new_mesh()
-    x = _x(mesh)
-    y = mx.pad(x, paddings, dim_name)
-    assert names(y) == ["b", "h", "d"]
-    assert y.shape.get_dim_by_name(dim_name).size == XV.shape[axis] + sum(paddings)
-    pad_width = [(0, 0)] * 3
-    pad_width[axis] = tuple(paddings)
-    assert_close(run(y, impl_cls, layout=layout, feeds={x: XV}), np.pad(XV, pad_width))
+def test_slice_concat_split_pad(layout, impl_cls):
+    check_cases(SLICE_CASES, impl_cls, layout)
 
 
 # ------------------------------------------------------------ stack / unstack
 
-@layouts
-@pytest.mark.parametrize("axis", [0, 1, 2, 3])
-def test_stack(axis, layout, impl_cls):
-    _, mesh = new_mesh()
-    x = _x(mesh)
-    y = mx.placeholder(mesh, "y", [B, H, D])
-    s = mx.stack([x, y, x * 2.0], "s", axis=axis)
-    expected_names = ["b", "h", "d"]
-    expected_names.insert(axis, "s")
-    assert names(s) == expected_names
-    assert s.shape.get_dim_by_name("s").size == 3
-    yv = rand([8, 4, 8], 64)
-    got = run(s, impl_cls, layout=layout, feeds={x: XV, y: yv})
-    assert_close(got, np.stack([XV, yv, XV * 2.0], axis=axis))
+def _stack_case(axis):
+    def build(mesh):
+        x = _x(mesh)
+        y = mx.placeholder(mesh, "y", [B, H, D])
+        s = mx.stack([x, y, x * 2.0], "s", axis=axis)
+        expected_names = ["b", "h", "d"]
+        expected_names.insert(axis, "s")
+        assert names(s) == expected_names
+        assert s.shape.get_dim_by_name("s").size == 3
+        yv = rand([8, 4, 8], 64 + axis)
+        return [(s, np.stack([XV, yv, XV * 2.0], axis=axis))], {x: XV, y: yv}
+    return build
+
+
+def _unstack_case(dim):
+    def build(mesh):
+        x = _x(mesh)
+        parts = mx.unstack(x, dim)
+        assert len(parts) == dim.size
+        for p in parts:
+            assert names(p) == [n for n in ["b", "h", "d"] if n != dim.name]
+        axis = AXIS[dim.name]
+        return [(p, np.take(XV, i, axis=axis)) for i, p in enumerate(parts)], {x: XV}
+    return build
+
+
+STACK_CASES = {f"stack axis={a}": _stack_case(a) for a in range(4)}
+STACK_CASES.update({f"unstack {d.name}": _unstack_case(d) for d in (H, B, D)})
 
 
 @layouts
-@pytest.mark.parametrize("dim,axis", [(H, 1), (B, 0), (D, 2)], ids=["h", "b", "d"])
-def test_unstack(dim, axis, layout, impl_cls):
-    _, mesh = new_mesh()
-    x = _x(mesh)
-    parts = mx.unstack(x, dim)
-    assert len(parts) == dim.size
-    for p in parts:
-        assert names(p) == [n for n in ["b", "h", "d"] if n != dim.name]
-    got = run(list(parts), impl_cls, layout=layout, feeds={x: XV})
-    for i, g in enumerate(got):
-        assert_close(g, np.take(XV, i, axis=axis))
+def test_stack_unstack(layout, impl_cls):
+    check_cases(STACK_CASES, impl_cls, layout)
 
 
-# --------------------------------------------------------------------- shift
+# ---------------------------------------------------------- shift / cumsum
 
 def np_shift(v, offset, axis, wrap):
     if wrap:
@@ -177,19 +173,6 @@ def np_shift(v, offset, axis, wrap):
     return out
 
 
-@layouts
-@pytest.mark.parametrize("wrap", [True, False], ids=["wrap", "nowrap"])
-@pytest.mark.parametrize("dim,axis,offset", [
-    (D, 2, 1), (D, 2, 3), (D, 2, -2), (B, 0, 2), (B, 0, -5), (H, 1, 1),
-], ids=["d+1", "d+3", "d-2", "b+2", "b-5", "h+1"])
-def test_shift(dim, axis, offset, wrap, layout, impl_cls):
-    _, mesh = new_mesh()
-    x = _x(mesh)
-    y = mx.shift(x, offset, dim, wrap)
-    assert names(y) == ["b", "h", "d"]
-    assert_close(run(y, impl_cls, layout=layout, feeds={x: XV}), np_shift(XV, offset, axis, wrap))
-
-
 def test_np_shift_reference():
     v = np.arange(5.0)
     np.testing.assert_array_equal(np_shift(v, 2, 0, False), [0, 0, 0, 1, 2])
@@ -197,17 +180,37 @@ def test_np_shift_reference():
     np.testing.assert_array_equal(np_shift(v, 2, 0, True), [3, 4, 0, 1, 2])
 
 
-# -------------------------------------------------------------------- cumsum
+def _shift_case(dim, offset, wrap):
+    def build(mesh):
+        x = _x(mesh)
+        y = mx.shift(x, offset, dim, wrap)
+        assert names(y) == ["b", "h", "d"]
+        return [(y, np_shift(XV, offset, AXIS[dim.name], wrap))], {x: XV}
+    return build
+
+
+def _cumsum_case(dim, exclusive):
+    def build(mesh):
+        x = _x(mesh)
+        y = mx.cumsum(x, dim, exclusive=exclusive)
+        assert names(y) == ["b", "h", "d"]
+        axis = AXIS[dim.name]
+        want = np.cumsum(XV.astype(np.float64), axis=axis)
+        if exclusive:
+            want = np_shift(want, 1, axis, wrap=False)
+        return [(y, want)], {x: XV}
+    return build
+
+
+SHIFT_CASES = {}
+for _dim, _offset in [(D, 1), (D, 3), (D, -2), (B, 2), (B, -5), (H, 1)]:
+    for _wrap in (True, False):
+        SHIFT_CASES[f"shift {_dim.name}{_offset:+d} wrap={_wrap}"] = _shift_case(_dim, _offset, _wrap)
+for _dim in (D, B, H):
+    for _excl in (False, True):
+        SHIFT_CASES[f"cumsum {_dim.name} exclusive={_excl}"] = _cumsum_case(_dim, _excl)
+
 
 @layouts
-@pytest.mark.parametrize("exclusive", [False, True], ids=["inclusive", "exclusive"])
-@pytest.mark.parametrize("dim,axis", [(D, 2), (B, 0), (H, 1)], ids=["d", "b", "h"])
-def test_cumsum(dim, axis, exclusive, layout, impl_cls):
-    _, mesh = new_mesh()
-    x = _x(mesh)
-    y = mx.cumsum(x, dim, exclusive=exclusive)
-    assert names(y) == ["b", "h", "d"]
-    want = np.cumsum(XV.astype(np.float64), axis=axis)
-    if exclusive:
-        want = np_shift(want, 1, axis, wrap=False)
-    assert_close(run(y, impl_cls, layout=layout, feeds={x: XV}), want.astype(np.float32))
+def test_shift_cumsum(layout, impl_cls):
+    check_cases(SHIFT_CASES, impl_cls, layout)

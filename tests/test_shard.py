@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, assert_close, names, new_mesh, rand, run
+from tests.conftest import B, D, H, LAYOUTS, assert_close, check_cases, names, new_mesh, rand, run
 
 SHARD_LAYOUTS = ["", "b:cols", "d:rows;b:cols", "b:rows;b:cols", "d:cols", "d:rows;d:cols",
                  "b:rows;d:cols"]
@@ -11,18 +11,21 @@ SHARD_LAYOUTS = ["", "b:cols", "d:rows;b:cols", "b:rows;b:cols", "d:cols", "d:ro
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 
 
+def _shard_case(shard_layout, seed):
+    def build(mesh):
+        x = mx.placeholder(mesh, "x", [B, D])
+        y = mx.shard(x, shard_layout)
+        assert names(y) == ["b", "d"]
+        z = y * 2.0 + 1.0  # follows the rules again
+        xv = rand([8, 8], seed=seed)
+        return [(y, xv), (z, xv * 2.0 + 1.0)], {x: xv}
+    return build
+
+
 @layouts
-@pytest.mark.parametrize("shard_layout", SHARD_LAYOUTS, ids=lambda s: s or "replicated")
-def test_shard_is_identity(shard_layout, layout, impl_cls):
-    _, mesh = new_mesh()
-    x = mx.placeholder(mesh, "x", [B, D])
-    y = mx.shard(x, shard_layout)
-    assert names(y) == ["b", "d"]
-    z = y * 2.0 + 1.0  # follows the rules again
-    xv = rand([8, 8], seed=90)
-    gy, gz = run([y, z], impl_cls, layout=layout, feeds={x: xv})
-    assert_close(gy, xv)
-    assert_close(gz, xv * 2.0 + 1.0)
+def test_shard_is_identity(layout, impl_cls):
+    cases = {f"shard({lay!r})": _shard_case(lay, 90 + i) for i, lay in enumerate(SHARD_LAYOUTS)}
+    check_cases(cases, impl_cls, layout)
 
 
 @layouts

@@ -128,7 +128,7 @@ class PlacementMeshImpl(MeshImpl):
 
         flat = [jax.ShapeDtypeStruct(tuple(slice_shape(s, l, self.shape)), d)
                 for s, d, l in in_specs for _ in range(self.size)]
-        jax.eval_shape(run, jax.ShapeDtypeStruct((), jnp.uint32), *flat)
+        return jax.make_jaxpr(run)(jax.ShapeDtypeStruct((), jnp.uint32), *flat)
 
     def compile(self, body, in_specs, out_specs, donate=()):
         def run(args, seed):

@@ -80,9 +80,9 @@ class SimdMeshImpl(MeshImpl):
                            in_specs=(P(),) + tuple(self.partition_spec(l) for _, _, l in in_specs),
                            out_specs=P(), check_vma=False)
         # The outputs matter only for what tracing records in the counters: return none of them.
-        jax.eval_shape(lambda seed, *a: (fn(seed, *a), None)[1],
-                       jax.ShapeDtypeStruct((), jnp.uint32),
-                       *[jax.ShapeDtypeStruct(tuple(s.to_integer_list), d) for s, d, _ in in_specs])
+        return jax.make_jaxpr(lambda seed, *a: (fn(seed, *a), None)[1])(
+            jax.ShapeDtypeStruct((), jnp.uint32),
+            *[jax.ShapeDtypeStruct(tuple(s.to_integer_list), d) for s, d, _ in in_specs])
 
     def compile(self, body, in_specs, out_specs, donate=()):
         in_sh = [self.named_sharding(l) for _, _, l in in_specs]

@@ -133,10 +133,14 @@ class Lowering:
     def trace_step(self, outputs: Sequence[Tensor] = (), updates: Sequence = ()) -> Counters:
         """The counters of a program computing `outputs` and `updates`, by tracing alone: no
         device, no memory, so it works for meshes far larger than this machine."""
+        return self.trace_program(outputs, updates)[0]
+
+    def trace_program(self, outputs: Sequence[Tensor] = (), updates: Sequence = ()):
+        """(counters, jaxpr) of the program, traced abstractly; the jaxpr's size is the program's."""
         counters = Counters()
         _, inputs, _, body = self._program(list(outputs), list(updates), counters)
-        self.impl.trace(body, [self._spec(t) for t in inputs])
-        return counters
+        jaxpr = self.impl.trace(body, [self._spec(t) for t in inputs])
+        return counters, jaxpr
 
     def function(self, outputs: Tensor | Sequence[Tensor] = (), updates: Sequence = ()) -> LoweredFunction:
         """A compiled program computing `outputs` and applying `updates` (assign ops)."""

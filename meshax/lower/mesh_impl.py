@@ -162,8 +162,8 @@ class MeshImpl:
         listed in `donate` may be consumed."""
         raise NotImplementedError
 
-    def trace(self, body: Callable, in_specs: list) -> None:
-        """Run `body` abstractly (no devices, no data), for its side effects on the counters."""
+    def trace(self, body: Callable, in_specs: list):
+        """Trace `body` abstractly (no devices, no data): fills the counters, returns the jaxpr."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
