@@ -1,66 +1,97 @@
 """Variable initializers: `init(key, shape, dtype) -> jax.Array`, as in `jax.nn.initializers`.
 
+They are small frozen dataclasses, equal when their parameters are, so meshax compiles one
+initializer program per (initializer, shape, dtype, sharding) and reuses it for every layer.
 meshax runs them under `jax.jit` with the variable's `NamedSharding` as output sharding; with
-JAX's partitionable threefry, the numbers do not depend on the layout, and each device makes
-only its own slice (a split parameter is never materialised whole).
+JAX's partitionable threefry the numbers do not depend on the layout, and each device makes
+only its own slice (a split parameter is never materialised whole). Any function with the
+same signature (e.g. from `jax.nn.initializers`) works too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 
 
+@dataclasses.dataclass(frozen=True)
+class Constant:
+    value: float = 0.0
+
+    def __call__(self, key, shape, dtype):
+        return jnp.full(shape, self.value, dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Normal:
+    stddev: float = 1.0
+    mean: float = 0.0
+    truncated: bool = False  # cut at two standard deviations, rescaled to keep `stddev`
+
+    def __call__(self, key, shape, dtype):
+        if self.truncated:
+            x = jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32) / 0.87962566103423978
+        else:
+            x = jax.random.normal(key, shape, jnp.float32)
+        return (x * self.stddev + self.mean).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Uniform:
+    minval: float = 0.0
+    maxval: float = 1.0
+
+    def __call__(self, key, shape, dtype):
+        return jax.random.uniform(key, shape, jnp.float32, self.minval, self.maxval).astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Glorot:
+    """Glorot (Xavier): variance 2 / (fan_in + fan_out); fans default to (all dims but the last, the last)."""
+
+    fan_in: int | None = None
+    fan_out: int | None = None
+    distribution: str = "uniform"  # or "normal" (truncated)
+
+    def __call__(self, key, shape, dtype):
+        fan_in = self.fan_in if self.fan_in is not None else (math.prod(shape[:-1]) if len(shape) > 1 else 1)
+        fan_out = self.fan_out if self.fan_out is not None else (shape[-1] if shape else 1)
+        if self.distribution == "uniform":
+            limit = math.sqrt(6.0 / (fan_in + fan_out))
+            return Uniform(-limit, limit)(key, shape, dtype)
+        return Normal(math.sqrt(2.0 / (fan_in + fan_out)), truncated=True)(key, shape, dtype)
+
+
 def zeros():
-    return lambda key, shape, dtype: jnp.zeros(shape, dtype)
+    return Constant(0.0)
 
 
 def ones():
-    return lambda key, shape, dtype: jnp.ones(shape, dtype)
+    return Constant(1.0)
 
 
 def constant(value):
-    return lambda key, shape, dtype: jnp.full(shape, value, dtype)
+    return Constant(value)
 
 
 def normal(stddev=1.0, mean=0.0):
-    return lambda key, shape, dtype: (jax.random.normal(key, shape, jnp.float32) * stddev + mean).astype(dtype)
+    return Normal(stddev, mean)
 
 
 def truncated_normal(stddev=1.0, mean=0.0):
-    """Normal values cut at two standard deviations (and rescaled to keep `stddev`)."""
-    scale = stddev / 0.87962566103423978  # std of a standard normal truncated to [-2, 2]
-
-    def init(key, shape, dtype):
-        return (jax.random.truncated_normal(key, -2.0, 2.0, shape, jnp.float32) * scale + mean).astype(dtype)
-    return init
+    return Normal(stddev, mean, truncated=True)
 
 
 def uniform(minval=0.0, maxval=1.0):
-    return lambda key, shape, dtype: jax.random.uniform(key, shape, jnp.float32, minval, maxval).astype(dtype)
-
-
-def _fans(shape, fan_in, fan_out):
-    if fan_in is None:
-        fan_in = math.prod(shape[:-1]) if len(shape) > 1 else shape[0] if shape else 1
-    if fan_out is None:
-        fan_out = shape[-1] if shape else 1
-    return fan_in, fan_out
+    return Uniform(minval, maxval)
 
 
 def glorot_uniform(fan_in=None, fan_out=None):
-    """Uniform in +-sqrt(6 / (fan_in + fan_out)); fans default to (all dims but the last, the last)."""
-    def init(key, shape, dtype):
-        fi, fo = _fans(shape, fan_in, fan_out)
-        limit = math.sqrt(6.0 / (fi + fo))
-        return jax.random.uniform(key, shape, jnp.float32, -limit, limit).astype(dtype)
-    return init
+    return Glorot(fan_in, fan_out, "uniform")
 
 
 def glorot_normal(fan_in=None, fan_out=None):
-    def init(key, shape, dtype):
-        fi, fo = _fans(shape, fan_in, fan_out)
-        return truncated_normal(math.sqrt(2.0 / (fi + fo)))(key, shape, dtype)
-    return init
+    return Glorot(fan_in, fan_out, "normal")

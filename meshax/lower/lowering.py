@@ -67,11 +67,19 @@ class Lowering:
     def _spec(self, t: Tensor) -> tuple:
         return (t.shape, t.dtype, self.plan[t])
 
+    def initialize(self, variables: Sequence[Operation] | None = None) -> None:
+        """Give variables (default: all) that have no value yet their initial values, sharded on
+        the devices. Keyed by (seed, variable name), so the values do not depend on the layout."""
+        base = jax.random.key(self.seed)
+        for v in self.graph.all_variables if variables is None else variables:
+            if v not in self._variables:
+                key = jax.random.fold_in(base, zlib.crc32(v.name.encode()))
+                self._variables[v] = self.impl.initialize(v.initializer, key, self._spec(v.outputs[0]))
+
     def _variable_state(self, var: Operation):
         """The variable's current value, initialized (sharded, on the devices) on first use."""
         if var not in self._variables:
-            key = jax.random.fold_in(jax.random.key(self.seed), zlib.crc32(var.name.encode()))
-            self._variables[var] = self.impl.initialize(var.initializer, key, self._spec(var.outputs[0]))
+            self.initialize([var])
         return self._variables[var]
 
     def variable_value(self, var) -> np.ndarray:
@@ -193,6 +201,7 @@ class LoweredFunction:
         return [t for t in self.inputs if getattr(t.operation, "is_placeholder", False)]
 
     def _arguments(self, feeds: Mapping | None) -> list:
+        self.lowering.initialize([t.operation for t in self.inputs if getattr(t.operation, "is_variable", False)])
         by_name = {t.name: t for t in self.placeholders}
         resolved: dict[Tensor, object] = {}
         for key, value in dict(feeds or {}).items():

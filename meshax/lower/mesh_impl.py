@@ -8,6 +8,7 @@ one per device for the placement backend). Ops never import a backend.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -27,6 +28,11 @@ from meshax.layout import (
     slice_shape,
     tensor_layout,
 )
+
+
+@functools.lru_cache(maxsize=1024)
+def _initializer_program(init: Callable, shape: tuple, dtype, sharding):
+    return jax.jit(lambda key: init(key, shape, dtype), out_shardings=sharding)
 
 
 class MeshImpl:
@@ -134,12 +140,12 @@ class MeshImpl:
 
     # ---- values: a "value" is the backend's form of a whole tensor ---------------------------
     def initialize(self, init: Callable, key, spec: tuple):
-        """A variable's first value: `init(key, shape, dtype)` run under jit with the layout's
-        sharding as output, so each device makes only its slice, whatever the layout."""
+        """A variable's first value: `init(key, shape, dtype)` under jit with the layout's sharding
+        as output, so each device makes only its slice, and the numbers do not depend on the
+        layout (JAX's partitionable threefry). One compile per (init, shape, dtype, sharding)."""
         shape, dtype, layout = spec
-        array = jax.jit(lambda k: init(k, tuple(shape.to_integer_list), dtype),
-                        out_shardings=self.named_sharding(layout))(key)
-        return self.from_global(array, spec)
+        make = _initializer_program(init, tuple(shape.to_integer_list), np.dtype(dtype), self.named_sharding(layout))
+        return self.from_global(make(key), spec)
 
     def from_global(self, array: jax.Array, spec: tuple):
         """The backend value of a global jax.Array laid out as spec says."""

@@ -1,8 +1,14 @@
-"""The training loop shared by every task: one jitted SPMD program per step."""
+"""The training loop shared by every task: one jitted SPMD program per step.
+
+Evaluation every N steps, per-step callbacks (progress bars, JSON lines), and checkpoints
+(variables, optimizer state, step; the data position is the step, since batches are a pure
+function of it), so `resume` continues exactly, on the same or another mesh and layout.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 
@@ -18,15 +24,26 @@ BACKENDS = {"simd": SimdMeshImpl, "placement": PlacementMeshImpl}
 
 @dataclasses.dataclass
 class TrainResult:
-    losses: list[float]  # training loss of every step
+    losses: list[float]  # training loss of every step run here
     evals: list[tuple[int, dict[str, float]]]  # (step, metrics) after evaluations
     lowering: Lowering
     step_seconds: list[float]
+    first_step: int = 0  # > 0 when resumed from a checkpoint
+
+
+@dataclasses.dataclass
+class Program:
+    """A task's graph laid out on a mesh, with its compiled train and eval steps."""
+
+    lowering: Lowering
+    train_fn: object
+    eval_fn: object
+    metric_names: list[str]
 
 
 def build(task: Task, mesh_shape: str, layout: str, backend: str = "simd", optimizer: Optimizer | None = None,
-          seed: int = 0):
-    """The task's graph with gradients and updates, laid out: (lowering, train_fn, eval_fn)."""
+          seed: int = 0, compile: bool = True):
+    """The task's graph with gradients and optimizer updates, laid out on the mesh."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
     graph = Graph()
@@ -38,35 +55,84 @@ def build(task: Task, mesh_shape: str, layout: str, backend: str = "simd", optim
     updates = optimizer.apply_grads(grads, params)
     lowering = Lowering(graph, {mesh: BACKENDS[backend](mesh_shape, layout)}, seed=seed)
     names = list(built.metrics)
-    train_fn = lowering.function([built.loss] + [built.metrics[n] for n in names], updates=updates)
+    outputs = [built.loss] + [built.metrics[n] for n in names]
+    if not compile:  # for planning: trace only, allocate nothing
+        return lowering, outputs, updates
+    train_fn = lowering.function(outputs, updates=updates)
     eval_fn = lowering.function([built.metrics[n] for n in names])
-    return lowering, train_fn, eval_fn, names
+    return Program(lowering, train_fn, eval_fn, names)
 
 
-def evaluate(task: Task, eval_fn, names) -> dict[str, float]:
-    sums = dict.fromkeys(names, 0.0)
+def evaluate(task: Task, program: Program) -> dict[str, float]:
+    sums = dict.fromkeys(program.metric_names, 0.0)
     for feeds in task.eval_batches():
-        for n, v in zip(names, eval_fn(feeds)):
+        for n, v in zip(program.metric_names, program.eval_fn(feeds)):
             sums[n] += float(v)
     return task.summarize(sums)
 
 
 def train(task: Task, mesh_shape: str = "all:1", layout: str = "", steps: int = 100, backend: str = "simd",
           optimizer: Optimizer | None = None, seed: int = 0, eval_every: int = 0,
-          on_step: Callable[[int, float, float], None] | None = None, built=None) -> TrainResult:
-    """Train `task` for `steps` steps; evaluate every `eval_every` steps (0: only at the end)."""
-    lowering, train_fn, eval_fn, names = built or build(task, mesh_shape, layout, backend, optimizer, seed)
-    data = task.train_batches(seed)
+          on_step: Callable[[int, float, float], None] | None = None,
+          on_eval: Callable[[int, dict], None] | None = None, program: Program | None = None,
+          checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
+          metrics_path: str | None = None) -> TrainResult:
+    """Train `task` up to step `steps`; evaluate every `eval_every` steps and at the end.
+
+    With `checkpoint_dir`, save every `checkpoint_every` steps and at the end; with `resume`,
+    start from the latest checkpoint there (restored onto this run's mesh and layout)."""
+    program = program or build(task, mesh_shape, layout, backend, optimizer, seed)
+    first = 0
+    if resume:
+        if not checkpoint_dir:
+            raise ValueError("resume needs a checkpoint directory")
+        from meshax.train.checkpoint import latest_step, restore_checkpoint
+        if latest_step(checkpoint_dir) is not None:
+            first = int(restore_checkpoint(checkpoint_dir, program.lowering)["step"])
+    log = open(metrics_path, "a") if metrics_path else None
+
+    def record(entry):
+        if log:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+
+    def save(step):
+        from meshax.train.checkpoint import save_checkpoint
+        impl = program.lowering.impl
+        save_checkpoint(checkpoint_dir, program.lowering, step,
+                        {"mesh": str(";".join(f"{d.name}:{d.size}" for d in impl.shape)),
+                         "layout": str(impl.layout_rules), "task": task.name})
+
     losses, evals, times = [], [], []
-    for step in range(steps):
-        feeds = next(data)
-        start = time.perf_counter()
-        loss, *_ = train_fn(feeds, seed=step)
-        times.append(time.perf_counter() - start)
-        losses.append(float(loss))
-        if on_step:
-            on_step(step, losses[-1], times[-1])
-        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-            evals.append((step + 1, evaluate(task, eval_fn, names)))
-    evals.append((steps, evaluate(task, eval_fn, names)))
-    return TrainResult(losses, evals, lowering, times)
+    try:
+        for step in range(first, steps):
+            feeds = task.train_batch(step)
+            start = time.perf_counter()
+            loss, *_ = program.train_fn(feeds, seed=step)
+            seconds = time.perf_counter() - start
+            times.append(seconds)
+            losses.append(float(loss))
+            entry = {"step": step + 1, "loss": losses[-1], "step_seconds": seconds}
+            if task.tokens_per_batch:
+                entry["tokens_per_second"] = task.tokens_per_batch / seconds
+            record(entry)
+            if on_step:
+                on_step(step, losses[-1], seconds)
+            done = step + 1
+            if eval_every and done % eval_every == 0 and done < steps:
+                evals.append((done, evaluate(task, program)))
+                record({"step": done, "eval": evals[-1][1]})
+                if on_eval:
+                    on_eval(*evals[-1])
+            if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0 and done < steps:
+                save(done)
+        evals.append((steps, evaluate(task, program)))
+        record({"step": steps, "eval": evals[-1][1]})
+        if on_eval:
+            on_eval(*evals[-1])
+        if checkpoint_dir:
+            save(steps)
+    finally:
+        if log:
+            log.close()
+    return TrainResult(losses, evals, program.lowering, times, first)

@@ -1,12 +1,14 @@
 """Tasks: a model's graph, its loss and metrics, and its data, for the training loop.
 
-A task's metrics are *sums* over the batch (loss_sum, correct, count) so that evaluation over
-several batches, the last one padded with weight 0, adds up exactly.
+A task's metrics are *sums* over the batch (loss_sum, count, correct, ...) so that evaluation
+over several batches, the last one padded with weight 0, adds up exactly. Batches are a pure
+function of (seed, step), so a run resumed at step s sees exactly the data it would have seen.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -14,11 +16,12 @@ from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension
 from meshax.layers import softmax_cross_entropy_with_logits
 from meshax.models.mlp import mnist_classifier, two_layer
+from meshax.models.transformer import PRESETS, Transformer, TransformerConfig
 from meshax.ops import elementwise as ew
 from meshax.ops.indexing import one_hot
 from meshax.ops.inputs import placeholder
-from meshax.ops.reduce import argmax, reduce_sum
-from meshax.train import data
+from meshax.ops.reduce import argmax, reduce_min, reduce_sum
+from meshax.train import data, synthetic, text
 
 
 @dataclasses.dataclass
@@ -27,23 +30,38 @@ class Built:
     metrics: dict[str, Tensor]  # name -> scalar sum over the batch
 
 
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([k & 0xFFFFFFFF for k in key])
+
+
+def _classification(logits: Tensor, labels: Tensor, weights: Tensor, classes: Dimension) -> Built:
+    """Cross-entropy and accuracy sums, weighted per example (or per token)."""
+    xent = softmax_cross_entropy_with_logits(logits, one_hot(labels, classes), classes)
+    loss_sum = reduce_sum(xent * weights)
+    count = reduce_sum(weights)
+    hit = ew.cast(ew.equal(argmax(logits, classes), labels), "float32")
+    metrics = {"loss_sum": loss_sum, "count": count, "correct": reduce_sum(hit * weights)}
+    return Built(loss=loss_sum / ew.maximum(count, 1.0), metrics=metrics)
+
+
 class Task:
     name = "task"
     batch_size: int
+    seed: int = 0
+    tokens_per_batch: int = 0  # for tokens/s; 0: examples are not tokens
 
     def build(self, mesh: Mesh) -> Built:
         raise NotImplementedError
 
-    def train_batches(self, seed: int):
-        """Endless feeds dicts for training."""
+    def train_batch(self, step: int) -> dict:
+        """The feeds of training step `step` (a pure function of the task's seed and step)."""
         raise NotImplementedError
 
     def eval_batches(self):
         """One pass of feeds dicts over the evaluation set."""
         raise NotImplementedError
 
-    @staticmethod
-    def summarize(sums: dict[str, float]) -> dict[str, float]:
+    def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         count = max(sums.get("count", 1.0), 1e-9)
         out = {"loss": sums["loss_sum"] / count}
         if "correct" in sums:
@@ -58,6 +76,7 @@ class MlpTask(Task):
     batch_size: int = 64
     io: int = 32
     hidden: int = 128
+    seed: int = 0
     eval_batches_count: int = 4
     name = "mlp"
 
@@ -75,15 +94,12 @@ class MlpTask(Task):
         return {"x": rng.normal(size=(self.batch_size, self.io)).astype(np.float32),
                 "weights": np.ones(self.batch_size, np.float32)}
 
-    def train_batches(self, seed):
-        rng = np.random.default_rng(seed)
-        while True:
-            yield self._feeds(rng)
+    def train_batch(self, step):
+        return self._feeds(_rng(self.seed, step))
 
     def eval_batches(self):
-        rng = np.random.default_rng(12345)
-        for _ in range(self.eval_batches_count):
-            yield self._feeds(rng)
+        for i in range(self.eval_batches_count):
+            yield self._feeds(_rng(self.seed, 1 << 30, i))
 
 
 @dataclasses.dataclass
@@ -97,13 +113,13 @@ class MnistTask(Task):
     name = "mnist"
 
     def __post_init__(self):
-        if self.data_dir:
-            self.x_train, self.y_train, self.x_test, self.y_test = data.load_mnist(self.data_dir)
-        else:
-            self.x_train, self.y_train, self.x_test, self.y_test = data.load_digits(self.seed)
+        load = (lambda: data.load_mnist(self.data_dir)) if self.data_dir else (lambda: data.load_digits(self.seed))
+        self.x_train, self.y_train, self.x_test, self.y_test = load()
+        if len(self.x_train) < self.batch_size:
+            raise data.DataError(f"{len(self.x_train)} training examples, fewer than the batch size {self.batch_size}")
 
     def build(self, mesh):
-        n, rows, cols = self.x_train.shape
+        _, rows, cols = self.x_train.shape
         batch = Dimension("batch", self.batch_size)
         pix = [Dimension("pixel_rows", rows), Dimension("pixel_cols", cols)]
         classes = Dimension("classes", 10)
@@ -111,19 +127,144 @@ class MnistTask(Task):
         labels = placeholder(mesh, "labels", [batch], dtype="int32")
         w = placeholder(mesh, "weights", [batch])
         logits = mnist_classifier(images, pix, Dimension("hidden", self.hidden), classes)
-        xent = softmax_cross_entropy_with_logits(logits, one_hot(labels, classes), classes)
-        loss_sum = reduce_sum(xent * w)
-        count = reduce_sum(w)
-        correct = reduce_sum(ew.cast(ew.equal(argmax(logits, classes), labels), "float32") * w)
-        return Built(loss=loss_sum / count, metrics={"loss_sum": loss_sum, "correct": correct, "count": count})
+        return _classification(logits, labels, w, classes)
 
-    def train_batches(self, seed):
-        for xb, yb in data.batches(self.x_train, self.y_train, self.batch_size, seed):
-            yield {"images": xb, "labels": yb, "weights": np.ones(self.batch_size, np.float32)}
+    def train_batch(self, step):
+        per_epoch = len(self.x_train) // self.batch_size
+        epoch, i = divmod(step, per_epoch)
+        order = _rng(self.seed, epoch).permutation(len(self.x_train))
+        idx = order[i * self.batch_size: (i + 1) * self.batch_size]
+        return {"images": self.x_train[idx], "labels": self.y_train[idx],
+                "weights": np.ones(self.batch_size, np.float32)}
 
     def eval_batches(self):
         for xb, yb, w in data.padded_batches(self.x_test, self.y_test, self.batch_size):
             yield {"images": xb, "labels": yb, "weights": w}
 
 
-TASKS = {"mlp": MlpTask, "mnist": MnistTask}
+def _config(model: str | TransformerConfig, **overrides) -> TransformerConfig:
+    if isinstance(model, TransformerConfig):
+        return dataclasses.replace(model, **overrides) if overrides else model
+    if model not in PRESETS:
+        raise ValueError(f"unknown model {model!r}; the presets are {sorted(PRESETS)}")
+    return dataclasses.replace(PRESETS[model], **overrides)
+
+
+@dataclasses.dataclass
+class LmTask(Task):
+    """Decoder-only language model on bytes of text (source="text") or a Markov chain ("markov")."""
+
+    model: str | TransformerConfig = "tiny"
+    batch_size: int = 16
+    length: int = 64
+    source: str = "text"
+    text_path: str | None = None
+    markov_vocab: int = 16
+    markov_order: int = 2
+    seed: int = 0
+    eval_batches_count: int = 8
+    name = "lm"
+
+    def __post_init__(self):
+        if self.source == "text":
+            self.config = _config(self.model, num_encoder_layers=0, vocab_size=256)
+            self.train_bytes, self.val_bytes = text.load_bytes(self.text_path)
+        elif self.source == "markov":
+            self.config = _config(self.model, num_encoder_layers=0, vocab_size=self.markov_vocab)
+            self.markov = synthetic.MarkovSource(self.markov_vocab, self.markov_order, seed=self.seed)
+        else:
+            raise ValueError(f"unknown source {self.source!r}: use 'text' or 'markov'")
+        self.tokens_per_batch = self.batch_size * self.length
+
+    def build(self, mesh):
+        batch, length = Dimension("batch", self.batch_size), Dimension("length", self.length)
+        ids = placeholder(mesh, "ids", [batch, length], dtype="int32")
+        targets = placeholder(mesh, "targets", [batch, length], dtype="int32")
+        weights = placeholder(mesh, "weights", [batch, length])
+        self.transformer = Transformer(self.config, mesh)
+        logits = self.transformer.language_model(ids)
+        return _classification(logits, targets, weights, self.transformer.vocab)
+
+    def _feeds(self, rng, val: bool):
+        weights = np.ones((self.batch_size, self.length), np.float32)
+        if self.source == "text":
+            seqs = text.windows(self.val_bytes if val else self.train_bytes, self.batch_size, self.length, rng)
+        else:
+            seqs = self.markov.sample(self.batch_size, self.length + 1, rng)
+            weights[:, : self.markov_order - 1] = 0.0  # predictions before a full context
+        return {"ids": seqs[:, :-1], "targets": seqs[:, 1:], "weights": weights}
+
+    def train_batch(self, step):
+        return self._feeds(_rng(self.seed, step), val=False)
+
+    def eval_batches(self):
+        for i in range(self.eval_batches_count):
+            yield self._feeds(_rng(self.seed, 1 << 30, i), val=True)
+
+    def summarize(self, sums):
+        out = super().summarize(sums)
+        if self.source == "text":
+            out["bits_per_byte"] = out["loss"] / math.log(2)
+        else:
+            out["entropy_rate"] = self.markov.entropy_rate
+        return out
+
+
+@dataclasses.dataclass
+class Seq2SeqTask(Task):
+    """Encoder-decoder on reversing (or sorting) random sequences, scored by exact match.
+
+    Exact match under teacher forcing equals greedy decoding's: if every position's argmax is
+    right given the right prefix, greedy decoding reproduces the target, and the first wrong
+    position is wrong in both."""
+
+    model: str | TransformerConfig = "tiny"
+    batch_size: int = 32
+    length: int = 8
+    vocab: int = 16
+    problem: str = "reverse"
+    num_encoder_layers: int = 2
+    seed: int = 0
+    eval_batches_count: int = 8
+    name = "seq2seq"
+
+    def __post_init__(self):
+        if self.problem not in ("reverse", "sort"):
+            raise ValueError(f"unknown problem {self.problem!r}: use 'reverse' or 'sort'")
+        self.config = _config(self.model, vocab_size=self.vocab, num_encoder_layers=self.num_encoder_layers)
+        self.tokens_per_batch = self.batch_size * self.length
+
+    def build(self, mesh):
+        batch, length = Dimension("batch", self.batch_size), Dimension("length", self.length)
+        inputs = placeholder(mesh, "inputs", [batch, length], dtype="int32")
+        targets_in = placeholder(mesh, "targets_in", [batch, length], dtype="int32")
+        targets = placeholder(mesh, "targets", [batch, length], dtype="int32")
+        weights = placeholder(mesh, "weights", [batch, length])
+        self.transformer = Transformer(self.config, mesh)
+        logits = self.transformer.encoder_decoder(inputs, targets_in, pad_id=None)
+        built = _classification(logits, targets, weights, self.transformer.vocab)
+        right = ew.cast(ew.equal(argmax(logits, self.transformer.vocab), targets), "float32")
+        built.metrics["exact"] = reduce_sum(reduce_min(right, reduced_dim=length))
+        built.metrics["sequences"] = reduce_sum(reduce_min(weights, reduced_dim=length))
+        return built
+
+    def _feeds(self, rng):
+        make = synthetic.reversal_batch if self.problem == "reverse" else synthetic.sorting_batch
+        inputs, targets_in, targets = make(self.batch_size, self.length, self.vocab, rng)
+        return {"inputs": inputs, "targets_in": targets_in, "targets": targets,
+                "weights": np.ones((self.batch_size, self.length), np.float32)}
+
+    def train_batch(self, step):
+        return self._feeds(_rng(self.seed, step))
+
+    def eval_batches(self):
+        for i in range(self.eval_batches_count):
+            yield self._feeds(_rng(self.seed, 1 << 30, i))
+
+    def summarize(self, sums):
+        out = super().summarize(sums)
+        out["exact_match"] = sums["exact"] / max(sums["sequences"], 1e-9)
+        return out
+
+
+TASKS = {"mlp": MlpTask, "mnist": MnistTask, "lm": LmTask, "seq2seq": Seq2SeqTask}

@@ -1,0 +1,216 @@
+"""The Transformer of the paper (section 9), written once with named dims.
+
+Dims: batch, length (queries), memory_length (keys and values; the encoder's output), d_model,
+heads, d_kv, d_ff, vocab. The paper's layouts are one line each:
+  data-parallel      "batch:all"
+  model-parallel     "vocab:all;d_ff:all;heads:all"
+  both, on r x c     "batch:rows;vocab:cols;d_ff:cols;heads:cols"
+Every expensive op has exactly one of vocab, d_ff, heads, and no tensor has two, which is why
+the model-parallel layout is legal and cheap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from meshax import initializers
+from meshax.core.graph import Tensor
+from meshax.core.shape import Dimension
+from meshax.layers import dense, layer_norm
+from meshax.ops import elementwise as ew
+from meshax.ops.einsum import einsum
+from meshax.ops.indexing import gather
+from meshax.ops.inputs import import_tensor
+from meshax.ops.inputs import range as mrange
+from meshax.ops.random import dropout
+from meshax.ops.reduce import softmax
+from meshax.ops.shape_ops import rename_dimension
+from meshax.ops.variables import get_variable
+
+NEG_INF = -1e9
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int = 256
+    d_model: int = 64
+    d_ff: int = 256
+    num_heads: int = 4
+    d_kv: int = 16
+    num_layers: int = 2  # decoder layers
+    num_encoder_layers: int = 0  # 0: a decoder-only language model
+    dropout: float = 0.0
+    activation: str = "relu"  # or "gelu"
+    tie_embeddings: bool = True  # the softmax reuses the (target) embedding table
+    positions: str = "sinusoidal"  # or "learned"
+    max_length: int = 256  # for learned positions
+    layer_norm_epsilon: float = 1e-6
+
+    def parameter_count(self) -> int:
+        """Parameters, computed from the config (tests check it against the built graph)."""
+        d, f, hk = self.d_model, self.d_ff, self.num_heads * self.d_kv
+        attention = 4 * d * hk
+        ffn = 2 * d * f + f + d  # kernels and biases
+        norm = 2 * d
+        enc = self.num_encoder_layers * (attention + ffn + 2 * norm) + (norm if self.num_encoder_layers else 0)
+        dec = self.num_layers * (attention * (2 if self.num_encoder_layers else 1) + ffn
+                                 + norm * (3 if self.num_encoder_layers else 2)) + norm
+        embeddings = self.vocab_size * d * (2 if self.num_encoder_layers else 1)
+        softmax_weights = 0 if self.tie_embeddings else self.vocab_size * d
+        positions = self.max_length * d * (2 if self.num_encoder_layers else 1) if self.positions == "learned" else 0
+        return enc + dec + embeddings + softmax_weights + positions
+
+
+def _paper(d_ff, heads, d_kv=128):  # (the table's last row, d_kv 64, states 0.21B for what counts 0.24B here)
+    """Table 3 of the paper: WMT14 encoder-decoder, d_model 1024, 6 + 6 layers, 32k vocab."""
+    return TransformerConfig(vocab_size=32768, d_model=1024, d_ff=d_ff, num_heads=heads, d_kv=d_kv, num_layers=6,
+                             num_encoder_layers=6, max_length=256)
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    "tiny": TransformerConfig(vocab_size=256, d_model=64, d_ff=256, num_heads=4, d_kv=16, num_layers=2),
+    "small": TransformerConfig(vocab_size=256, d_model=128, d_ff=512, num_heads=8, d_kv=16, num_layers=4),
+    "paper-ff2048": _paper(2048, 4),
+    "paper-ff4096": _paper(4096, 8),
+    "paper-ff8192": _paper(8192, 16),
+    "paper-ff16384": _paper(16384, 32),
+    "paper-ff32768": _paper(32768, 64),
+    "paper-ff65536": _paper(65536, 128),
+}
+# Parameters (billions) of Table 3, next to each paper preset.
+PAPER_PARAMETERS = {"paper-ff2048": 0.15, "paper-ff4096": 0.24, "paper-ff8192": 0.42, "paper-ff16384": 0.77,
+                    "paper-ff32768": 1.48, "paper-ff65536": 2.89}
+
+
+class Transformer:
+    """Builds the model's graph. Variables are created on first use, under `name/`."""
+
+    def __init__(self, config: TransformerConfig, mesh, name: str = "transformer"):
+        self.config = config
+        self.mesh = mesh
+        self.name = name
+        c = config
+        self.d_model = Dimension("d_model", c.d_model)
+        self.heads = Dimension("heads", c.num_heads)
+        self.d_kv = Dimension("d_kv", c.d_kv)
+        self.d_ff = Dimension("d_ff", c.d_ff)
+        self.vocab = Dimension("vocab", c.vocab_size)
+        self._vars: dict[str, Tensor] = {}
+
+    # ---- pieces -------------------------------------------------------------------------------
+    def _var(self, name, shape, init):
+        """The model's variable `name`, created on first use and shared after (tied embeddings)."""
+        if name not in self._vars:
+            self._vars[name] = get_variable(self.mesh, f"{self.name}/{name}", shape, initializer=init)
+        return self._vars[name]
+
+    def _drop(self, x: Tensor) -> Tensor:
+        return dropout(x, self.config.dropout) if self.config.dropout else x
+
+    def embed(self, ids: Tensor, table_name: str, length: Dimension) -> Tensor:
+        table = self._var(table_name, [self.vocab, self.d_model], initializers.normal(1.0))
+        x = gather(table, ids, self.vocab) * math.sqrt(self.config.d_model)
+        return self._drop(x + self.positions(length, table_name))
+
+    def positions(self, length: Dimension, prefix: str) -> Tensor:
+        if self.config.positions == "learned":
+            if length.size > self.config.max_length:
+                raise ValueError(f"sequence length {length.size} exceeds max_length {self.config.max_length}")
+            table = self._var(f"{prefix}_positions", [Dimension("max_length", self.config.max_length), self.d_model],
+                              initializers.normal(0.02))
+            from meshax.ops.slicing import slice as mslice
+            return rename_dimension(mslice(table, 0, length.size, "max_length"), "max_length", length.name)
+        pos = np.arange(length.size)[:, None]
+        i = np.arange(self.config.d_model // 2)[None, :]
+        angles = pos / np.power(10000.0, 2 * i / self.config.d_model)
+        table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1).astype(np.float32)
+        return import_tensor(self.mesh, table, [length, self.d_model], name="sinusoid")
+
+    def attention(self, x: Tensor, memory: Tensor, bias: Tensor | None, name: str) -> Tensor:
+        """Multi-head attention of x [.., length, d_model] over memory [.., memory_length, d_model]."""
+        dims = [self.d_model, self.heads, self.d_kv]
+        std = 1.0 / math.sqrt(self.config.d_model)
+        wq = self._var(f"{name}/q", dims, initializers.normal(std / math.sqrt(self.config.d_kv)))
+        wk = self._var(f"{name}/k", dims, initializers.normal(std))
+        wv = self._var(f"{name}/v", dims, initializers.normal(std))
+        wo = self._var(f"{name}/o", [self.heads, self.d_kv, self.d_model],
+                       initializers.normal(1.0 / math.sqrt(self.config.num_heads * self.config.d_kv)))
+        q = einsum(x, wq, reduced_dims=[self.d_model])
+        k = einsum(memory, wk, reduced_dims=[self.d_model])
+        v = einsum(memory, wv, reduced_dims=[self.d_model])
+        logits = einsum(q, k, reduced_dims=[self.d_kv])
+        if bias is not None:
+            logits = logits + bias
+        weights = self._drop(softmax(logits, memory.shape.get_dim_by_name("memory_length")))
+        out = einsum(weights, v, reduced_dims=[memory.shape.get_dim_by_name("memory_length")])
+        return einsum(out, wo, reduced_dims=[self.heads, self.d_kv])
+
+    def feed_forward(self, x: Tensor, name: str) -> Tensor:
+        act = ew.relu if self.config.activation == "relu" else ew.gelu
+        h = self._drop(dense(x, self.d_ff, reduced_dims=[self.d_model], activation=act, name=f"{self.name}/{name}/wi"))
+        return dense(h, self.d_model, reduced_dims=[self.d_ff], name=f"{self.name}/{name}/wo")
+
+    def norm(self, x: Tensor, name: str) -> Tensor:
+        return layer_norm(x, self.d_model, self.config.layer_norm_epsilon, name=f"{self.name}/{name}")
+
+    @staticmethod
+    def as_memory(x: Tensor) -> Tensor:
+        return rename_dimension(x, "length", "memory_length")
+
+    def causal_bias(self, length: Dimension) -> Tensor:
+        memory_length = Dimension("memory_length", length.size)
+        future = ew.greater(mrange(self.mesh, memory_length), mrange(self.mesh, length))
+        return ew.where(future, NEG_INF, 0.0)
+
+    def padding_bias(self, ids: Tensor, pad_id: int = 0) -> Tensor:
+        """[batch, memory_length]: -inf on keys that are padding."""
+        return ew.where(ew.equal(self.as_memory(ids), pad_id), NEG_INF, 0.0)
+
+    def stack(self, x: Tensor, layers: int, prefix: str, self_bias, memory=None, memory_bias=None) -> Tensor:
+        for i in range(layers):
+            y = self.norm(x, f"{prefix}/{i}/self_attention_norm")
+            x = x + self._drop(self.attention(y, self.as_memory(y), self_bias, f"{prefix}/{i}/self_attention"))
+            if memory is not None:
+                y = self.norm(x, f"{prefix}/{i}/cross_attention_norm")
+                x = x + self._drop(self.attention(y, memory, memory_bias, f"{prefix}/{i}/cross_attention"))
+            y = self.norm(x, f"{prefix}/{i}/ffn_norm")
+            x = x + self._drop(self.feed_forward(y, f"{prefix}/{i}/ffn"))
+        return self.norm(x, f"{prefix}/final_norm")
+
+    def logits(self, x: Tensor, table_name: str) -> Tensor:
+        if self.config.tie_embeddings:
+            table = self._var(table_name, [self.vocab, self.d_model], initializers.normal(1.0))
+            return einsum(x, table, reduced_dims=[self.d_model]) * (1.0 / math.sqrt(self.config.d_model))
+        w = self._var("softmax", [self.d_model, self.vocab], initializers.normal(1.0 / math.sqrt(self.config.d_model)))
+        return einsum(x, w, reduced_dims=[self.d_model])
+
+    # ---- models -------------------------------------------------------------------------------
+    def language_model(self, ids: Tensor) -> Tensor:
+        """Decoder-only LM: ids [batch, length] -> logits [batch, length, vocab] (causal)."""
+        length = ids.shape.get_dim_by_name("length")
+        x = self.embed(ids, "embedding", length)
+        x = self.stack(x, self.config.num_layers, "decoder", self.causal_bias(length))
+        return self.logits(x, "embedding")
+
+    def encoder_decoder(self, inputs: Tensor, targets_in: Tensor, pad_id: int | None = 0) -> Tensor:
+        """inputs [batch, length_in] and shifted targets [batch, length] -> logits [batch, length, vocab].
+
+        The encoder's sequence dim must be named "length" too (its own size); its output becomes
+        the decoder's memory over "memory_length"."""
+        if not self.config.num_encoder_layers:
+            raise ValueError("encoder_decoder needs num_encoder_layers > 0 in the config")
+        enc_len = inputs.shape.get_dim_by_name("length")
+        pad = self.padding_bias(inputs, pad_id) if pad_id is not None else None
+        x = self.embed(inputs, "input_embedding", enc_len)
+        memory = self.as_memory(self.stack(x, self.config.num_encoder_layers, "encoder", pad))
+        length = targets_in.shape.get_dim_by_name("length")
+        y = self.embed(targets_in, "target_embedding", length)
+        y = self.stack(y, self.config.num_layers, "decoder", self.causal_bias(length), memory, pad)
+        return self.logits(y, "target_embedding")
+
+
+__all__ = ["PAPER_PARAMETERS", "PRESETS", "Transformer", "TransformerConfig"]
+

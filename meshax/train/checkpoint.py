@@ -1,0 +1,119 @@
+"""Checkpoints of a `Lowering`'s variables, written with Orbax.
+
+A checkpoint holds every variable of the graph by name (parameters, optimizer slots and
+`global_step`), the step, and small JSON metadata (e.g. the data position). It does not pin a
+layout: restoring lays each variable out by *this* lowering's plan, so a run can resume on another
+mesh shape or other layout rules. Each step is written to a temporary directory and renamed when
+complete, so a half-written checkpoint is never taken for the latest one.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from meshax.backends.simd import SimdMeshImpl
+
+
+def _manager(directory, keep: int | None = None) -> ocp.CheckpointManager:
+    """An Orbax manager of `directory`; read-only unless `keep` (how many steps to retain) is given."""
+    writing = keep is not None
+    options = ocp.CheckpointManagerOptions(
+        # Synchronous: the next training step donates the variables' buffers to the program, so
+        # they must be written before save_checkpoint returns.
+        enable_async_checkpointing=False,
+        create=writing,
+        read_only=not writing,
+        cleanup_tmp_directories=writing,  # leftovers of a save that crashed half-way
+        preservation_policy=ocp.checkpoint_managers.LatestN(n=keep) if writing else None,
+    )
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(os.path.abspath(directory), options=options, item_handlers=handlers)
+
+
+def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, keep: int = 3) -> str:
+    """Save every variable of `lowering`, `step` and `extra` under `directory/<step>`; returns that path.
+
+    `extra` is small JSON-able metadata (the data position, the mesh and layout used, ...), given
+    back by `restore_checkpoint`. Only the `keep` newest checkpoints are kept. SIMD variables are
+    written as the sharded jax.Arrays they are, each device writing its own slices; placement
+    variables are assembled on the host first (that backend is for checking, not for scale).
+    """
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1, got {keep}")
+    if extra and "step" in extra:
+        raise ValueError("extra must not have a 'step' key: restore_checkpoint returns the step under it")
+    simd = isinstance(lowering.impl, SimdMeshImpl)
+    state = {var.name: lowering.variable_state(var) if simd else lowering.variable_value(var)
+             for var in lowering.graph.all_variables}
+    meta = {"step": int(step), "extra": dict(extra or {})}
+    with _manager(directory, keep) as manager:
+        saved = manager.save(int(step), args=ocp.args.Composite(
+            state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)))
+        if not saved:
+            raise ValueError(f"checkpoint step {step} not saved: {directory} already has steps "
+                             f"{list(manager.all_steps())} (steps must increase)")
+        return os.fspath(manager.directory / str(int(step)))
+
+
+def latest_step(directory) -> int | None:
+    """The newest complete checkpoint's step in `directory`, or None if it has none."""
+    if not os.path.isdir(directory):
+        return None
+    with _manager(directory) as manager:
+        return manager.latest_step()
+
+
+def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
+    """Restore every variable of `lowering` from the checkpoint of `step` (default: the latest).
+
+    Returns `{"step": step, **extra}`. Each variable is laid out by this lowering's plan, whatever
+    the layout it was saved under: for SIMD each device reads only its own slice from disk. Every
+    graph variable must be in the checkpoint with the same shape; checkpoint variables the graph
+    lacks are skipped with a warning.
+    """
+    if step is None:
+        step = latest_step(directory)
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {directory}")
+    with _manager(directory) as manager:
+        if step not in manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint of step {step} in {directory} "
+                                    f"(it has steps {sorted(manager.all_steps())})")
+        saved = manager.item_metadata(step)["state"]
+        variables = {var.name: var for var in lowering.graph.all_variables}
+        errors = [f"variable {name!r} is not in the checkpoint" for name in variables if name not in saved]
+        errors += [f"variable {name!r} has shape {var.shape.to_integer_list} in the graph but "
+                   f"{list(saved[name].shape)} in the checkpoint"
+                   for name, var in variables.items()
+                   if name in saved and list(saved[name].shape) != var.shape.to_integer_list]
+        if errors:
+            raise ValueError(f"cannot restore step {step} from {directory}: " + "; ".join(errors))
+        unused = sorted(set(saved) - set(variables))
+        if unused:
+            warnings.warn(f"checkpoint {directory} step {step} has variables the graph lacks, "
+                          f"not restored: {unused}", stacklevel=2)
+        simd = isinstance(lowering.impl, SimdMeshImpl)
+        target = {name: jax.ShapeDtypeStruct(
+                      tuple(var.shape.to_integer_list), np.dtype(var.dtype),
+                      # None restores a NumPy array on the host (placement backend).
+                      sharding=lowering.impl.named_sharding(lowering.plan[var.value]) if simd else None)
+                  for name, var in variables.items()}
+        restored = manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                         partial_restore=True),
+            meta=ocp.args.JsonRestore()))
+    for name, var in variables.items():
+        value = restored["state"][name]
+        if simd:
+            # Already sharded as the plan says: install it as is (Lowering has no public setter for
+            # the backend's value; set_variable_value would round-trip through the host).
+            lowering._variables[var] = lowering.impl.from_global(value, lowering._spec(var.value))
+        else:
+            lowering.set_variable_value(var, value)
+    meta = restored["meta"]
+    return {"step": meta["step"], **meta["extra"]}

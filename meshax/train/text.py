@@ -1,0 +1,64 @@
+"""Byte-level text, all local: any file or folder, by default the Python standard library's own
+source files of the running interpreter (real text on every machine). Split by file."""
+
+from __future__ import annotations
+
+import os
+import sysconfig
+import zlib
+
+import numpy as np
+
+from meshax.train.data import DataError
+
+
+def default_corpus() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def _files(path: str) -> list[str]:
+    if os.path.isfile(path):
+        return [path]
+    if not os.path.isdir(path):
+        raise DataError(f"text path {path!r} is neither a file nor a folder")
+    out = []
+    for root, dirs, names in os.walk(path):
+        dirs[:] = sorted(d for d in dirs if d not in ("site-packages", "__pycache__") and not d.startswith("."))
+        out += [os.path.join(root, n) for n in sorted(names) if n.endswith((".py", ".txt", ".md", ".rst"))]
+    if not out:
+        raise DataError(f"no text files (.py .txt .md .rst) under {path!r}")
+    return out
+
+
+def load_bytes(path: str | None = None, validation_fraction: float = 0.05,
+               max_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) uint8 arrays; a file goes to validation by a hash of its name, so the
+    split is the same on every machine with the same files. A single file is split 95/5."""
+    path = path or default_corpus()
+    files = _files(path)
+    if len(files) == 1:
+        data = np.fromfile(files[0], dtype=np.uint8)[:max_bytes]
+        cut = int(len(data) * (1 - validation_fraction))
+        return data[:cut], data[cut:]
+    train, val, total = [], [], 0
+    for f in files:
+        try:
+            data = np.fromfile(f, dtype=np.uint8)
+        except OSError:
+            continue
+        bucket = zlib.crc32(os.path.relpath(f, path).encode()) % 1000
+        (val if bucket < validation_fraction * 1000 else train).append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    if not train or not val:
+        raise DataError(f"{path!r} has too few files to split into train and validation; point at a bigger folder")
+    return np.concatenate(train), np.concatenate(val)
+
+
+def windows(data: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
+    """[batch, length + 1] random windows of the byte stream."""
+    if len(data) <= length + 1:
+        raise DataError(f"the text has {len(data)} bytes, too few for sequences of {length}")
+    starts = rng.integers(0, len(data) - length - 1, size=batch)
+    return np.stack([data[s: s + length + 1] for s in starts]).astype(np.int32)

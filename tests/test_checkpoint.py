@@ -1,0 +1,182 @@
+"""Checkpoints: resuming is exact, restores re-lay variables out for a new mesh, retention, errors."""
+
+import os
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import pytest
+
+import meshax as mx
+from meshax.models.mlp import two_layer
+from meshax.train.checkpoint import latest_step, restore_checkpoint, save_checkpoint
+from tests.conftest import MESH_SHAPE, new_mesh
+
+LAYOUT = "batch:rows;hidden:cols"
+STEPS = 6
+
+
+def build(impl, hidden=16, seed=0, optimizer=True, extra_variable=False):
+    """A two-layer MLP learning the identity, trained by Adam; returns (lowering, train step fn)."""
+    graph, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", "batch:8;io:8")
+    y = two_layer(x, mx.Dimension("hidden", hidden), name="mlp")
+    if extra_variable:
+        y = y + mx.get_variable(mesh, "new/bias", "io:8")
+    loss = mx.reduce_mean(mx.square(y - x))
+    params = [v.value for v in graph.all_variables]
+    updates = []
+    if optimizer:
+        updates = mx.optimize.AdamWeightDecayOptimizer(0.01).apply_grads(mx.gradients(loss, params), params)
+    lowering = mx.Lowering(graph, {mesh: impl}, seed=seed)
+    return lowering, lowering.function(loss, updates=updates)
+
+
+def train(fn, start, stop):
+    """Losses of steps start+1 .. stop; the data and the seed depend only on the step."""
+    return [fn({"x": np.random.default_rng(s).normal(size=(8, 8)).astype(np.float32)}, seed=s)
+            for s in range(start, stop)]
+
+
+def values(lowering):
+    return {v.name: lowering.variable_value(v) for v in lowering.graph.all_variables}
+
+
+class Run(NamedTuple):
+    directory: object  # holds the checkpoint of step 3
+    losses: list  # of steps 1 .. STEPS
+    at_save: dict  # variable values after step 3
+    final: dict  # variable values after step STEPS
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """`trained(impl_cls)`: a 2x4 run of STEPS steps, checkpointed after step 3 (once per module:
+    the placement backend compiles slowly)."""
+    runs = {}
+
+    def get(impl_cls):
+        if impl_cls not in runs:
+            directory = tmp_path_factory.mktemp(impl_cls.__name__)
+            lowering, fn = build(impl_cls(MESH_SHAPE, LAYOUT))
+            losses = train(fn, 0, 3)
+            path = save_checkpoint(directory, lowering, 3, extra={"data_step": 3, "mesh": MESH_SHAPE})
+            assert path == os.path.join(directory, "3") and latest_step(directory) == 3
+            at_save = values(lowering)
+            losses += train(fn, 3, STEPS)
+            runs[impl_cls] = Run(directory, losses, at_save, values(lowering))
+        return runs[impl_cls]
+
+    return get
+
+
+@pytest.fixture
+def saved_at_3(trained):
+    """(directory, variable values) of the SIMD run's checkpoint after step 3."""
+    run = trained(mx.SimdMeshImpl)
+    return run.directory, run.at_save
+
+
+def test_resume_is_exact(impl_cls, trained):
+    run = trained(impl_cls)
+    fresh, fresh_fn = build(impl_cls(MESH_SHAPE, LAYOUT), seed=1)  # other initial values
+    assert restore_checkpoint(run.directory, fresh) == {"step": 3, "data_step": 3, "mesh": MESH_SHAPE}
+    restored = values(fresh)
+    assert sorted(restored) == sorted(run.at_save) and restored["global_step"] == 3
+    assert len(restored) == 1 + 3 * 3  # global_step; w, bias, v and two Adam slots each
+    for name in run.at_save:
+        np.testing.assert_array_equal(restored[name], run.at_save[name], err_msg=name)
+
+    np.testing.assert_array_equal(train(fresh_fn, 3, STEPS), run.losses[3:])
+    for name, value in values(fresh).items():
+        np.testing.assert_array_equal(value, run.final[name], err_msg=name)
+
+
+@pytest.mark.parametrize("saved_by,impl_cls", [
+    (mx.SimdMeshImpl, mx.SimdMeshImpl),
+    (mx.SimdMeshImpl, mx.PlacementMeshImpl),
+    (mx.PlacementMeshImpl, mx.SimdMeshImpl),
+], ids=["simd-to-simd", "simd-to-placement", "placement-to-simd"])
+def test_restore_under_another_mesh_and_layout(trained, saved_by, impl_cls):
+    run = trained(saved_by)
+    lowering, fn = build(impl_cls("all:8", "hidden:all"), seed=1)
+    assert restore_checkpoint(run.directory, lowering)["step"] == 3
+    for name, value in values(lowering).items():
+        np.testing.assert_array_equal(value, run.at_save[name], err_msg=name)  # moving data is exact
+    np.testing.assert_allclose(train(fn, 3, STEPS), run.losses[3:], rtol=1e-5, atol=1e-6)
+    for name, value in values(lowering).items():
+        np.testing.assert_allclose(value, run.final[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_restored_simd_variable_has_the_new_sharding(saved_at_3):
+    directory, _ = saved_at_3
+    lowering, _ = build(mx.SimdMeshImpl("all:8", "hidden:all"), seed=1)
+    restore_checkpoint(directory, lowering)
+    for var in lowering.graph.all_variables:
+        state = lowering.variable_state(var)
+        assert isinstance(state, jax.Array)
+        assert state.sharding == lowering.impl.named_sharding(lowering.plan[var.value]), var.name
+    w = lowering.variable_state(next(v for v in lowering.graph.all_variables if v.name == "mlp/w"))
+    assert w.sharding.spec == jax.sharding.PartitionSpec(None, "all")  # [io, hidden], hidden split 8 ways
+    assert {s.data.shape for s in w.addressable_shards} == {(8, 2)}
+
+
+def test_keeps_only_the_newest_and_ignores_unfinished(tmp_path):
+    lowering, fn = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
+    for step in range(1, 4):
+        train(fn, step - 1, step)
+        save_checkpoint(tmp_path, lowering, step, keep=2)
+    assert sorted(os.listdir(tmp_path)) == ["2", "3"]
+    assert latest_step(tmp_path) == 3
+    # A save that died half-way leaves only Orbax's temporary directory: never the latest.
+    os.makedirs(tmp_path / "4.orbax-checkpoint-tmp-1234567" / "state")
+    assert latest_step(tmp_path) == 3
+    fresh, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT), seed=1)
+    assert restore_checkpoint(tmp_path, fresh)["step"] == 3
+    assert restore_checkpoint(tmp_path, fresh, step=2)["step"] == 2
+    assert values(fresh)["global_step"] == 2
+
+
+def test_no_checkpoint(tmp_path):
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
+    missing = tmp_path / "missing"
+    assert latest_step(missing) is None and latest_step(tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="no checkpoint in .*missing"):
+        restore_checkpoint(missing, lowering)
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        restore_checkpoint(tmp_path, lowering)
+    assert not missing.exists()  # looking did not create it
+
+
+def test_missing_step_and_repeated_save(saved_at_3):
+    directory, _ = saved_at_3
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint of step 7 .*\[3\]"):
+        restore_checkpoint(directory, lowering, step=7)
+    with pytest.raises(ValueError, match="step 3 not saved"):
+        save_checkpoint(directory, lowering, 3)
+    with pytest.raises(ValueError, match="'step' key"):
+        save_checkpoint(directory, lowering, 4, extra={"step": 4})
+
+
+def test_variable_missing_from_checkpoint(saved_at_3):
+    directory, _ = saved_at_3
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT), extra_variable=True)
+    with pytest.raises(ValueError, match="'new/bias' is not in the checkpoint"):
+        restore_checkpoint(directory, lowering)
+
+
+def test_variable_of_another_shape(saved_at_3):
+    directory, _ = saved_at_3
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT), hidden=8)
+    with pytest.raises(ValueError, match=r"'mlp/w' has shape \[8, 8\] in the graph but \[8, 16\] in the checkpoint"):
+        restore_checkpoint(directory, lowering)
+
+
+def test_extra_checkpoint_variables_warn(saved_at_3):
+    directory, at_save = saved_at_3
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT), seed=1, optimizer=False)  # no slots, no step
+    with pytest.warns(UserWarning, match=r"variables the graph lacks.*'global_step'"):
+        assert restore_checkpoint(directory, lowering)["step"] == 3
+    for name, value in values(lowering).items():
+        np.testing.assert_array_equal(value, at_save[name], err_msg=name)
