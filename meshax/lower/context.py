@@ -84,7 +84,7 @@ class LoweringContext:
 
     def add_flops(self, n: int) -> None:
         if self.op is not None:
-            self.counters.add_flops(self.op.name, n)
+            self.counters.add_flops(self.op.name, n, type(self.op).__name__)
 
     # ---- collectives: recorded here, run by the backend ---------------------------------------
     @contextlib.contextmanager

@@ -54,14 +54,15 @@ class Counters(Mapping):
 
     def __init__(self):
         self._records = {k: CollectiveRecord(k) for k in KINDS}
-        self.flops: dict[str, int] = {}
-        self.op_types: dict[str, tuple[str, str]] = {}  # op name -> (type, source)
+        self.flops: dict[str, int] = {}  # op name -> FLOPs per device
+        self.op_types: dict[str, str] = {}  # op name -> op class name
 
     def add(self, site: Site) -> None:
         self._records[site.kind].sites.append(site)
 
-    def add_flops(self, op_name: str, flops: int) -> None:
+    def add_flops(self, op_name: str, flops: int, op_type: str = "") -> None:
         self.flops[op_name] = self.flops.get(op_name, 0) + int(flops)
+        self.op_types[op_name] = op_type
 
     @property
     def total_flops(self) -> int:

@@ -167,8 +167,10 @@ class LmTask(Task):
 
     def __post_init__(self):
         if self.source == "text":
-            self.config = _config(self.model, num_encoder_layers=0, vocab_size=256)
-            self.train_bytes, self.val_bytes = text.load_bytes(self.text_path)
+            self.config = _config(self.model, num_encoder_layers=0)
+            if self.config.vocab_size < 256:
+                raise ValueError(f"byte-level text needs a vocab of at least 256, the model has {self.config.vocab_size}")
+            self._bytes = None  # read on first use: planning needs no data
         elif self.source == "markov":
             self.config = _config(self.model, num_encoder_layers=0, vocab_size=self.markov_vocab)
             self.markov = synthetic.MarkovSource(self.markov_vocab, self.markov_order, seed=self.seed)
@@ -188,7 +190,9 @@ class LmTask(Task):
     def _feeds(self, rng, val: bool):
         weights = np.ones((self.batch_size, self.length), np.float32)
         if self.source == "text":
-            seqs = text.windows(self.val_bytes if val else self.train_bytes, self.batch_size, self.length, rng)
+            if self._bytes is None:
+                self._bytes = text.load_bytes(self.text_path)
+            seqs = text.windows(self._bytes[1 if val else 0], self.batch_size, self.length, rng)
         else:
             seqs = self.markov.sample(self.batch_size, self.length + 1, rng)
             weights[:, : self.markov_order - 1] = 0.0  # predictions before a full context
@@ -221,9 +225,9 @@ class Seq2SeqTask(Task):
     model: str | TransformerConfig = "tiny"
     batch_size: int = 32
     length: int = 8
-    vocab: int = 16
+    vocab: int = 16  # tokens 2..vocab-1 (0: unused, 1: BOS); the model's vocab may be larger
     problem: str = "reverse"
-    num_encoder_layers: int = 2
+    num_encoder_layers: int = 2  # when the model preset has none
     seed: int = 0
     eval_batches_count: int = 8
     name = "seq2seq"
@@ -231,7 +235,10 @@ class Seq2SeqTask(Task):
     def __post_init__(self):
         if self.problem not in ("reverse", "sort"):
             raise ValueError(f"unknown problem {self.problem!r}: use 'reverse' or 'sort'")
-        self.config = _config(self.model, vocab_size=self.vocab, num_encoder_layers=self.num_encoder_layers)
+        config = _config(self.model)
+        self.config = _config(config, num_encoder_layers=config.num_encoder_layers or self.num_encoder_layers)
+        if self.config.vocab_size < self.vocab:
+            raise ValueError(f"the task's {self.vocab} tokens do not fit the model's vocab of {self.config.vocab_size}")
         self.tokens_per_batch = self.batch_size * self.length
 
     def build(self, mesh):
