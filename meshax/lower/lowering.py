@@ -70,9 +70,10 @@ class Lowering:
     def initialize(self, variables: Sequence[Operation] | None = None) -> None:
         """Give variables (default: all) that have no value yet their initial values, sharded on
         the devices. Keyed by (seed, variable name), so the values do not depend on the layout."""
-        base = jax.random.key(self.seed)
-        for v in self.graph.all_variables if variables is None else variables:
-            if v not in self._variables:
+        todo = [v for v in (self.graph.all_variables if variables is None else variables) if v not in self._variables]
+        if todo:  # (checked first: this runs before every step)
+            base = jax.random.key(self.seed)
+            for v in todo:
                 key = jax.random.fold_in(base, zlib.crc32(v.name.encode()))
                 self._variables[v] = self.impl.initialize(v.initializer, key, self._spec(v.outputs[0]))
 

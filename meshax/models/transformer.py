@@ -110,9 +110,13 @@ class Transformer:
     def _drop(self, x: Tensor) -> Tensor:
         return dropout(x, self.config.dropout) if self.config.dropout else x
 
+    def _table(self, name: str) -> Tensor:
+        """An embedding table, N(0, 1/d_model): times sqrt(d_model) on input it has unit scale,
+        like the positional signal added to it; as the tied softmax weights, unit-scale logits."""
+        return self._var(name, [self.vocab, self.d_model], initializers.normal(1.0 / math.sqrt(self.config.d_model)))
+
     def embed(self, ids: Tensor, table_name: str, length: Dimension) -> Tensor:
-        table = self._var(table_name, [self.vocab, self.d_model], initializers.normal(1.0))
-        x = gather(table, ids, self.vocab) * math.sqrt(self.config.d_model)
+        x = gather(self._table(table_name), ids, self.vocab) * math.sqrt(self.config.d_model)
         return self._drop(x + self.positions(length, table_name))
 
     def positions(self, length: Dimension, prefix: str) -> Tensor:
@@ -182,8 +186,7 @@ class Transformer:
 
     def logits(self, x: Tensor, table_name: str) -> Tensor:
         if self.config.tie_embeddings:
-            table = self._var(table_name, [self.vocab, self.d_model], initializers.normal(1.0))
-            return einsum(x, table, reduced_dims=[self.d_model]) * (1.0 / math.sqrt(self.config.d_model))
+            return einsum(x, self._table(table_name), reduced_dims=[self.d_model])
         w = self._var("softmax", [self.d_model, self.vocab], initializers.normal(1.0 / math.sqrt(self.config.d_model)))
         return einsum(x, w, reduced_dims=[self.d_model])
 

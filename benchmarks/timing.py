@@ -1,0 +1,50 @@
+"""Side-by-side timing: A and B repetitions interleaved (ABBA order), medians compared."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def interleaved(a: Callable[[], object], b: Callable[[], object], steps: int, warmup: int) -> dict:
+    """Median seconds per call of `a` and of `b`, each call timed alone, the two interleaved
+    (A B, B A, A B, ...) so slow drifts of the machine hit both sides alike.
+
+    Each callable must block until its result is on the host."""
+    for _ in range(warmup):
+        a()
+        b()
+    ta, tb = [], []
+    for i in range(steps):
+        order = ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta))
+        for fn, out in order:
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    ma, mb = statistics.median(ta), statistics.median(tb)
+    return {"a_s": ma, "b_s": mb, "ratio": ma / mb, "steps": steps, "warmup": warmup,
+            "a_iqr_s": _iqr(ta), "b_iqr_s": _iqr(tb)}
+
+
+def round_robin(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median seconds of each of several callables, run in rotating order, `reps` times each."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    times = {n: [] for n in names}
+    for i in range(reps):
+        k = i % len(names)
+        for n in names[k:] + names[:k]:
+            t0 = time.perf_counter()
+            fns[n]()
+            times[n].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def _iqr(xs: list[float]) -> float:
+    if len(xs) < 4:
+        return 0.0
+    q = statistics.quantiles(xs, n=4)
+    return q[2] - q[0]

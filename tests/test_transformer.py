@@ -1,0 +1,106 @@
+"""The Transformer (issue 4): paper presets, the paper's layouts, resume, and the plan at scale."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import meshax as mx
+from meshax.models.transformer import PAPER_PARAMETERS, PRESETS, Transformer, TransformerConfig
+from meshax.optimize import AdamWeightDecayOptimizer
+from meshax.plan import summarize
+from meshax.train import LmTask, Seq2SeqTask, train
+from meshax.train.loop import build
+
+# Small enough for the placement backend; heads, vocab and d_ff divide by 8 for the 8-way splits.
+SMALL = TransformerConfig(vocab_size=16, d_model=16, d_ff=32, num_heads=8, d_kv=4, num_layers=1)
+PAPER_LAYOUTS = [("all:8", "batch:all"), ("all:8", "vocab:all;d_ff:all;heads:all"),
+                 ("rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols")]
+
+
+@pytest.mark.parametrize("name", sorted(PAPER_PARAMETERS))
+def test_paper_presets_match_table_3(name):
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    b, l = mx.Dimension("batch", 2), mx.Dimension("length", 4)
+    Transformer(PRESETS[name], mesh).encoder_decoder(mx.placeholder(mesh, "i", [b, l], "int32"),
+                                                     mx.placeholder(mesh, "t", [b, l], "int32"))
+    built = sum(v.value.size for v in graph.trainable_variables)
+    assert built == PRESETS[name].parameter_count()
+    assert built / 1e9 == pytest.approx(PAPER_PARAMETERS[name], rel=0.05)
+
+
+def _losses(task, mesh, layout, backend, steps):
+    return train(task, mesh, layout, steps=steps, backend=backend,
+                 optimizer=AdamWeightDecayOptimizer(3e-3)).losses
+
+
+@pytest.mark.parametrize("backend,steps", [("simd", 20), ("placement", 20)])
+def test_paper_layouts_give_the_same_losses_as_no_layout(backend, steps):
+    task = LmTask(model=SMALL, source="markov", markov_vocab=16, batch_size=8, length=8)
+    reference = _losses(task, "all:1", "", "simd", steps)
+    assert reference[-1] < reference[0]
+    for mesh, layout in PAPER_LAYOUTS:
+        np.testing.assert_allclose(_losses(task, mesh, layout, backend, steps), reference, rtol=2e-4, atol=2e-5,
+                                   err_msg=f"{backend} {mesh} {layout}")
+
+
+def test_encoder_decoder_under_the_2d_layout_matches():
+    task = Seq2SeqTask(model=dataclasses.replace(SMALL, num_encoder_layers=1), batch_size=8, length=8)
+    reference = _losses(task, "all:1", "", "simd", 10)
+    np.testing.assert_allclose(_losses(task, *PAPER_LAYOUTS[2], "simd", 10), reference, rtol=2e-4, atol=2e-5)
+
+
+def test_model_parallel_layout_costs():
+    """vocab:all;d_ff:all;heads:all splits every parameter but the norms and d_model biases,
+    and moves activations, not parameters: no allreduce carries a parameter gradient."""
+    task = LmTask(model=SMALL, source="markov", batch_size=8, length=8)
+    lowering, outputs, updates = build(task, "all:8", "vocab:all;d_ff:all;heads:all", compile=False)
+    s = summarize(lowering, lowering.trace_step(outputs, updates), outputs)
+    split = [v for v in lowering.graph.trainable_variables if not lowering.plan[v.value].is_fully_replicated]
+    assert {v.name.rsplit("/", 1)[-1] for v in split} >= {"embedding", "q", "k", "v", "o", "kernel"}
+    assert s.parameter_bytes_per_device == 4 * ((s.parameters - s.replicated_parameters) // 8 + s.replicated_parameters)
+    # [batch, length, d_model] activations; [batch, length] for the softmax over the split vocab;
+    # [d_model] for gradients of replicated parameters, summed over batch and length *before* the
+    # allreduce (lazy reduction); scalars for the loss
+    activation, per_token, d_model = 8 * 8 * 16, 8 * 8, 16
+    sizes = {site.values for site in s.counters["allreduce"].sites}
+    assert activation in sizes and sizes <= {activation, per_token, d_model, 1}
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    task = LmTask(model=SMALL, source="markov", batch_size=8, length=8)
+    straight = train(task, "rows:2;cols:4", "batch:rows;heads:cols", steps=8, optimizer=AdamWeightDecayOptimizer(3e-3))
+    train(task, "rows:2;cols:4", "batch:rows;heads:cols", steps=4, optimizer=AdamWeightDecayOptimizer(3e-3),
+          checkpoint_dir=str(tmp_path))
+    resumed = train(task, "rows:2;cols:4", "batch:rows;heads:cols", steps=8, optimizer=AdamWeightDecayOptimizer(3e-3),
+                    checkpoint_dir=str(tmp_path), resume=True)
+    assert resumed.first_step == 4
+    np.testing.assert_array_equal(resumed.losses, straight.losses[4:])
+    # and onto another mesh and layout: the same run, to float tolerance
+    moved = tmp_path / "moved"
+    train(task, "rows:2;cols:4", "batch:rows;heads:cols", steps=4, optimizer=AdamWeightDecayOptimizer(3e-3),
+          checkpoint_dir=str(moved))
+    continued = train(task, "all:8", "vocab:all;d_ff:all;heads:all", steps=8,
+                      optimizer=AdamWeightDecayOptimizer(3e-3), checkpoint_dir=str(moved), resume=True)
+    np.testing.assert_allclose(continued.losses, straight.losses[4:], rtol=2e-4, atol=2e-5)
+
+
+def test_plan_of_the_largest_paper_model_on_16x32():
+    task = Seq2SeqTask(model="paper-ff65536", batch_size=256, length=256)
+    lowering, outputs, updates = build(task, "rows:16;cols:32", "batch:rows;vocab:cols;d_ff:cols;heads:cols",
+                                       compile=False)
+    s = summarize(lowering, lowering.trace_step(outputs, updates), outputs)
+    assert s.parameters == PRESETS["paper-ff65536"].parameter_count()
+    per_device = (s.parameters - s.replicated_parameters) // 32 + s.replicated_parameters
+    assert s.parameter_bytes_per_device == 4 * per_device
+    # data-parallel term (paper section 8): each device allreduces its parameter gradients over rows
+    rows_only = sum(site.values for site in s.counters["allreduce"].sites if site.mesh_axes == ("rows",))
+    assert rows_only == pytest.approx(per_device, rel=0.001)
+    # model-parallel term: one [batch/16, length, d_model] allreduce over cols per contraction of a split dim
+    # (and [batch/16, length] per token for the softmax over the split vocab)
+    activation, per_token = 256 // 16 * 256 * 1024, 256 // 16 * 256
+    cols_only = [site.values for site in s.counters["allreduce"].sites if site.mesh_axes == ("cols",)]
+    assert set(cols_only) <= {activation, per_token}
+    # forward and backward: 2 per encoder layer, 3 per decoder layer, and the two embeddings
+    assert cols_only.count(activation) == 2 * (6 * 2 + 6 * 3 + 2)
