@@ -29,7 +29,7 @@ EXPERIMENTS = {
     # name: (task factory, steps, peak lr, warmup, eval every, mesh, layout)
     "markov": (lambda: LmTask(model="tiny", source="markov", batch_size=32, length=64), 1500, 3e-3, 100, 250,
                "all:8", "batch:all"),
-    "reverse": (lambda: Seq2SeqTask(model="tiny", batch_size=64, length=8), 1200, 3e-3, 100, 200,
+    "reverse": (lambda: Seq2SeqTask(model="tiny", batch_size=64, length=8), 600, 3e-3, 100, 150,
                 "all:8", "batch:all"),
     "text": (lambda: LmTask(model="tiny", source="text", batch_size=32, length=128), 1500, 3e-3, 100, 250,
              "rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols"),

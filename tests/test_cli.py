@@ -24,7 +24,7 @@ def test_train_writes_metrics(tmp_path, capsys):
     assert main(["train", "mlp", "--mesh", "all:8", "--layout", "batch:all", "--steps", "5", "--eval-every", "0",
                  "--no-progress", "--metrics", str(metrics)]) == 0
     lines = [json.loads(l) for l in metrics.read_text().splitlines()]
-    assert [l["step"] for l in lines[:5]] == [0, 1, 2, 3, 4]
+    assert [l["step"] for l in lines[:5]] == [1, 2, 3, 4, 5]  # steps completed
     assert "eval" in lines[-1] and lines[-1]["eval"]["loss"] > 0
     assert "eval after step 5" in capsys.readouterr().out
 
@@ -36,3 +36,26 @@ def test_bad_input_is_reported_not_raised(capsys):
     assert "both split over mesh dim 'all'" in capsys.readouterr().out
     assert main(["plan", "mlp", "--mesh", "all:8", "--layout", "batch:nowhere"]) == 2
     assert "nowhere" in capsys.readouterr().out
+
+
+def test_plan_of_a_paper_transformer_on_a_16x32_mesh(capsys):
+    assert main(["plan", "seq2seq", "--model", "paper-ff65536", "--mesh", "rows:16;cols:32", "--batch-size", "256",
+                 "--length", "256", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["parameters"] == 2_886_545_408
+    per_device = (plan["parameters"] - plan["replicated_parameters"]) // 32 + plan["replicated_parameters"]
+    assert plan["parameter_bytes_per_device"] == 4 * per_device
+    assert plan["by_mesh_dim"]["rows"] > 0 and plan["by_mesh_dim"]["cols"] > 0
+
+
+def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
+    ckpt = str(tmp_path / "ckpt")
+    common = ["--model", "tiny", "--source", "markov", "--batch-size", "8", "--length", "16", "--eval-every", "0",
+              "--no-progress", "--mesh", "all:8", "--layout", "batch:all"]
+    assert main(["train", "lm", *common, "--steps", "3", "--checkpoint-dir", ckpt]) == 0
+    assert main(["train", "lm", *common, "--steps", "5", "--resume", ckpt,
+                 "--metrics", str(tmp_path / "m.jsonl")]) == 0
+    out = capsys.readouterr().out
+    assert "resumed from step 3" in out
+    steps = [json.loads(l).get("step") for l in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert steps[:2] == [4, 5]
