@@ -57,10 +57,10 @@ def run(name: str, out_dir: str) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("experiments", nargs="*", default=list(EXPERIMENTS), choices=list(EXPERIMENTS))
+    p.add_argument("experiments", nargs="*", choices=[[], *EXPERIMENTS], help=f"any of {list(EXPERIMENTS)}; default all")
     p.add_argument("--out", default="benchmarks/out/convergence")
     args = p.parse_args()
-    for name in args.experiments:
+    for name in args.experiments or list(EXPERIMENTS):
         r = run(name, args.out)
         extra = f"  ratio to entropy rate {r['ratio_to_entropy_rate']:.4f}" if "ratio_to_entropy_rate" in r else ""
         print(f"{name}: {r['final']}  ({r['seconds']:.0f} s){extra}", flush=True)
