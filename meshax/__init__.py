@@ -16,7 +16,7 @@ from meshax.core import (
     Dimension, Graph, GraphError, LayoutError, Mesh, Operation, Shape, Tensor, convert_to_shape,
 )
 from meshax.layout import LayoutRules, TensorLayout, convert_to_layout_rules
-from meshax.lower import Counters, LaidOutTensor, Lowering, LoweredFunction, MeshImpl
+from meshax.lower import Counters, LaidOutTensor, Lowering, LoweredFunction, MeshImpl, hlo_collectives
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
 from meshax.runtime import use_cpu_devices
 from meshax.autodiff import gradients

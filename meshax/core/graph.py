@@ -83,6 +83,17 @@ class Mesh:
         return f"Mesh({self.name!r})"
 
 
+def _operator(fn_name: str, reflected: bool = False):
+    """A Tensor operator method calling meshax.ops.elementwise.<fn_name> (imported late: ops sit
+    above core)."""
+    def method(self, other):
+        from meshax.ops import elementwise
+        fn = getattr(elementwise, fn_name)
+        return fn(other, self) if reflected else fn(self, other)
+    method.__name__ = f"__{'r' if reflected else ''}{fn_name}__"
+    return method
+
+
 class Tensor:
     """A named-dimension tensor: the output of an operation."""
 
@@ -108,67 +119,19 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({self.name!r}, {self.shape}, {self.dtype})"
 
-    # Operators build graph operations; the import is late because ops sit above core.
-    def __add__(self, other):
-        from meshax.ops import elementwise as e
-        return e.add(self, other)
-
-    def __radd__(self, other):
-        from meshax.ops import elementwise as e
-        return e.add(other, self)
-
-    def __sub__(self, other):
-        from meshax.ops import elementwise as e
-        return e.subtract(self, other)
-
-    def __rsub__(self, other):
-        from meshax.ops import elementwise as e
-        return e.subtract(other, self)
-
-    def __mul__(self, other):
-        from meshax.ops import elementwise as e
-        return e.multiply(self, other)
-
-    def __rmul__(self, other):
-        from meshax.ops import elementwise as e
-        return e.multiply(other, self)
-
-    def __truediv__(self, other):
-        from meshax.ops import elementwise as e
-        return e.divide(self, other)
-
-    def __rtruediv__(self, other):
-        from meshax.ops import elementwise as e
-        return e.divide(other, self)
-
-    def __pow__(self, other):
-        from meshax.ops import elementwise as e
-        return e.pow(self, other)
-
-    def __rpow__(self, other):
-        from meshax.ops import elementwise as e
-        return e.pow(other, self)
+    # Operators build graph operations (see _operator); == and != stay identity, so that
+    # tensors can be dict keys.
+    __add__, __radd__ = _operator("add"), _operator("add", reflected=True)
+    __sub__, __rsub__ = _operator("subtract"), _operator("subtract", reflected=True)
+    __mul__, __rmul__ = _operator("multiply"), _operator("multiply", reflected=True)
+    __truediv__, __rtruediv__ = _operator("divide"), _operator("divide", reflected=True)
+    __pow__, __rpow__ = _operator("pow"), _operator("pow", reflected=True)
+    __lt__, __le__ = _operator("less"), _operator("less_equal")
+    __gt__, __ge__ = _operator("greater"), _operator("greater_equal")
 
     def __neg__(self):
-        from meshax.ops import elementwise as e
-        return e.negative(self)
-
-    # Ordering comparisons build ops too; == and != stay identity so tensors can be dict keys.
-    def __lt__(self, other):
-        from meshax.ops import elementwise as e
-        return e.less(self, other)
-
-    def __le__(self, other):
-        from meshax.ops import elementwise as e
-        return e.less_equal(self, other)
-
-    def __gt__(self, other):
-        from meshax.ops import elementwise as e
-        return e.greater(self, other)
-
-    def __ge__(self, other):
-        from meshax.ops import elementwise as e
-        return e.greater_equal(self, other)
+        from meshax.ops import elementwise
+        return elementwise.negative(self)
 
     __hash__ = object.__hash__
 

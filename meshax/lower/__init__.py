@@ -1,8 +1,9 @@
 """Lowering a graph to SPMD programs: the context ops see, resharding, counters, MeshImpl."""
 
 from meshax.lower.counters import CollectiveRecord, Counters, Site
+from meshax.lower.hlo import hlo_collectives
 from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.lowering import Lowering, LoweredFunction
 from meshax.lower.mesh_impl import MeshImpl
 
-__all__ = ["CollectiveRecord", "Counters", "LaidOutTensor", "Lowering", "LoweredFunction", "MeshImpl", "Site"]
+__all__ = ["CollectiveRecord", "Counters", "LaidOutTensor", "Lowering", "LoweredFunction", "MeshImpl", "Site", "hlo_collectives"]

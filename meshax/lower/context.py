@@ -113,49 +113,38 @@ class LoweringContext:
         """Mesh axes of size > 1: a collective over a size-1 axis moves nothing and is not run."""
         return [m for m in axes if self.mesh_shape[m].size > 1]
 
-    @staticmethod
-    def _slice_size_and_dtype(xs: list) -> tuple[int, object]:
+    def _run(self, kind: str, xs: list, axes: Sequence[int], run: Callable[[], list]) -> list:
+        """Record one collective over `axes` (what each device puts in: its slice), then run it."""
         x = xs[0]
-        return int(np.prod(x.shape, dtype=np.int64)), x.dtype
+        self._record(kind, axes, int(np.prod(x.shape, dtype=np.int64)), x.dtype)
+        return run()
 
     def allreduce(self, xs: list, axes: Sequence[int], op: str = "sum") -> list:
-        axes = self._live(axes)
+        axes = sorted(self._live(axes))
         if not axes:
             return xs
-        n, dtype = self._slice_size_and_dtype(xs)
-        self._record("allreduce", axes, n, dtype)
-        return self.impl.allreduce(xs, sorted(axes), op)
+        return self._run("allreduce", xs, axes, lambda: self.impl.allreduce(xs, axes, op))
 
     def allgather(self, xs: list, axis: int, dim: int) -> list:
         if not self._live([axis]):
             return xs
-        n, dtype = self._slice_size_and_dtype(xs)
-        self._record("allgather", [axis], n, dtype)
-        return self.impl.allgather(xs, axis, dim)
+        return self._run("allgather", xs, [axis], lambda: self.impl.allgather(xs, axis, dim))
 
     def alltoall(self, xs: list, axis: int, split_dim: int, concat_dim: int) -> list:
         if not self._live([axis]):
             return xs
-        n, dtype = self._slice_size_and_dtype(xs)
-        self._record("alltoall", [axis], n, dtype)
-        return self.impl.alltoall(xs, axis, split_dim, concat_dim)
+        return self._run("alltoall", xs, [axis], lambda: self.impl.alltoall(xs, axis, split_dim, concat_dim))
 
     def reduce_scatter(self, xs: list, axis: int, dim: int) -> list:
         if not self._live([axis]):
             return xs
-        n, dtype = self._slice_size_and_dtype(xs)
-        self._record("reduce_scatter", [axis], n, dtype)
-        return self.impl.reduce_scatter(xs, axis, dim)
+        return self._run("reduce_scatter", xs, [axis], lambda: self.impl.reduce_scatter(xs, axis, dim))
 
     def shift(self, xs: list, axis: int, offset: int, wrap: bool) -> list:
         """Receive the slice of the instance `offset` places back along `axis` (a permute)."""
         if not self._live([axis]):
-            if wrap or offset == 0:
-                return xs
-            return self.slicewise(jnp.zeros_like, xs)
-        n, dtype = self._slice_size_and_dtype(xs)
-        self._record("permute", [axis], n, dtype)
-        return self.impl.shift(xs, axis, offset, wrap)
+            return xs if wrap or offset == 0 else self.slicewise(jnp.zeros_like, xs)
+        return self._run("permute", xs, [axis], lambda: self.impl.shift(xs, axis, offset, wrap))
 
     def allsplit(self, xs: list, axis: int, dim: int) -> list:
         """Keep this instance's stripe of `dim` along mesh `axis`: no communication."""

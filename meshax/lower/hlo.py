@@ -1,0 +1,98 @@
+"""The collectives XLA actually runs, read from compiled HLO text: to check meshax's counters.
+
+`hlo_collectives(jax.jit(f).lower(*args).compile().as_text())` (or `fn.compiled_text(feeds)`)
+gives, per kind named like meshax's counters (allreduce, allgather, alltoall, reduce_scatter,
+permute), the number of collective calls and the values each device puts in.
+``all-reduce(`` / ``all-reduce-start(`` count once per element of a tuple result (XLA's
+combiner merges several all-reduces into one tuple all-reduce); every other kind counts once
+per instruction (XLA emits an all-to-all as one tuple instruction).
+
+Values per device are the elements each device puts in, read from the result shapes:
+all-reduce, all-to-all and collective-permute: the result's elements; all-gather: the result
+divided by the group size; reduce-scatter: the result times the group size.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from meshax.lower.counters import KINDS
+
+_OPCODES = {
+    "all-reduce": "allreduce", "all-reduce-start": "allreduce",
+    "all-gather": "allgather", "all-gather-start": "allgather",
+    "all-to-all": "alltoall",
+    "reduce-scatter": "reduce_scatter",
+    "collective-permute": "permute", "collective-permute-start": "permute",
+}
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+"
+    r"(?P<op>all-reduce-start|all-reduce|all-gather-start|all-gather|all-to-all|"
+    r"reduce-scatter|collective-permute-start|collective-permute)\((?P<rest>.*)$"
+)
+_COMMENT = re.compile(r"/\*.*?\*/")
+_ARRAY = re.compile(r"\b[a-z]+[0-9]*\[([0-9,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
+
+
+def _top_level(type_text: str) -> list[str]:
+    """The top-level elements of an HLO result type (one element if not a tuple)."""
+    t = _COMMENT.sub("", type_text).strip()
+    if not t.startswith("("):
+        return [t]
+    parts, depth, cur = [], 0, ""
+    for ch in t[1:]:
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            if depth == 0:
+                break
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur)
+    return [p.strip() for p in parts]
+
+
+def _elements(type_text: str) -> int:
+    return sum(math.prod(int(d) for d in m.group(1).split(",") if d) for m in _ARRAY.finditer(type_text))
+
+
+def _group_size(rest: str) -> int:
+    m = _GROUPS_LIST.search(rest)
+    if m:
+        return len([d for d in m.group(1).split(",") if d])
+    m = _GROUPS_IOTA.search(rest)
+    if m:
+        return int(m.group(1).split(",")[-1])
+    return 1
+
+
+def hlo_collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """{kind: {"count": n, "values": elements per device}} for the collectives of a module."""
+    out = {k: {"count": 0, "values": 0} for k in KINDS}
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        op, kind = m.group("op"), _OPCODES[m.group("op")]
+        elems = _top_level(m.group("type"))
+        if op.endswith("-start") and kind != "allreduce":
+            elems = elems[1:2] or elems  # async start: (operand, result, ...): take the result
+        n = sum(_elements(e) for e in elems)
+        if kind == "allreduce":
+            out[kind]["count"] += len(elems)
+        else:
+            out[kind]["count"] += 1
+        if kind == "allgather":
+            n //= _group_size(m.group("rest"))
+        elif kind == "reduce_scatter":
+            n *= _group_size(m.group("rest"))
+        out[kind]["values"] += n
+    return out
