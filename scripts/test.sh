@@ -6,4 +6,4 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install --quiet --upgrade pip
 python -m pip install --quiet -e ".[test,digits]"
-python -m pytest tests -q -p no:cacheprovider "$@"
+python -m pytest tests -q -p no:cacheprovider -n auto --dist worksteal "$@"

@@ -6,6 +6,9 @@ JAX backend, so that every test can use the 2x4 mesh "rows:2;cols:4".
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The tests compile many small programs and run each a few times: compile time dominates, so
+# skip LLVM's optimizations (HLO passes, and so the collectives, are unaffected).
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 
@@ -42,6 +45,15 @@ def impl_cls(request):
 @pytest.fixture(params=LAYOUTS, ids=lambda s: s or "replicated")
 def layout(request):
     return request.param
+
+
+def impls_and_layouts(layouts=LAYOUTS, simd_extra=()):
+    """Parametrize (impl_cls, layout): every impl under `layouts`, plus extra
+    layouts for the SIMD impl only (the placement impl is much slower)."""
+    params = [pytest.param(impl, lay, id=f"{iid}-{lay or 'replicated'}")
+              for impl, iid in zip(IMPLS, IMPL_IDS) for lay in layouts]
+    params += [pytest.param(mx.SimdMeshImpl, lay, id=f"simd-{lay}") for lay in simd_extra]
+    return pytest.mark.parametrize("impl_cls,layout", params)
 
 
 def new_mesh():

@@ -65,6 +65,14 @@ def test_section3_overhead_measured(results):
         assert r["first_loss"]["agree"] and r["params_agree_after"], r
 
 
+def test_section3_and_5_cover_the_transformer(results):
+    (r3,) = [r for r in by_section(results, 3) if r["config"].get("model") == "transformer tiny"]
+    assert r3["first_outputs"]["agree"] and r3["first_outputs"]["loss_rel_diff"] < 1e-4, r3["first_outputs"]
+    assert r3["numerator"]["value"] > 0 and r3["denominator"]["value"] > 0
+    (r5,) = [r for r in by_section(results, 5) if r["config"].get("model") == "transformer tiny"]
+    assert r5["config"]["layout"] == "batch:all" and r5["meshax"]["allreduce"]["count"] > 0, r5
+
+
 def test_section4_program_is_flat(results):
     recs = by_section(results, 4)
     meshes = {r["config"].get("devices") for r in recs if "devices" in r["config"]}

@@ -8,7 +8,7 @@ import pytest
 import meshax as mx
 from tests.conftest import (B, D, H, IMPLS, IMPL_IDS, LAYOUTS, assert_close, lower, new_mesh,
                             rand)
-from tests.hlo import KINDS, count_collectives, counter_counts
+from meshax.lower.counters import KINDS
 
 impls = pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
 
@@ -19,7 +19,7 @@ QV = rand([8, 8], seed=103)   # q[b, d]
 
 
 def _counts(counters):
-    return counter_counts(counters)
+    return {k: int(counters[k].count) for k in KINDS}
 
 
 def _values(counters):
@@ -36,7 +36,9 @@ def _check_hlo(fn, feeds, impl_cls):
         return
     hlo = fn.compiled_text(feeds)
     assert isinstance(hlo, str) and "ENTRY" in hlo
-    assert count_collectives(hlo) == _counts(fn.counters), hlo
+    found = mx.hlo_collectives(hlo)
+    assert {k: v["count"] for k, v in found.items()} == _counts(fn.counters), hlo
+    assert {k: v["values"] for k, v in found.items()} == _values(fn.counters), hlo
 
 
 def _source_line(source):

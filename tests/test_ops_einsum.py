@@ -3,13 +3,13 @@ import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, assert_close, check_cases, names, new_mesh, rand, run
+from tests.conftest import (B, D, H, LAYOUTS, assert_close, check_cases, impls_and_layouts, names,
+                            new_mesh, rand, run)
 
 K = mx.Dimension("k", 4)
 
-# the canonical layouts plus one that splits the contracted dim h
-EINSUM_LAYOUTS = LAYOUTS + ["d:rows;h:cols"]
-layouts = pytest.mark.parametrize("layout", EINSUM_LAYOUTS, ids=lambda s: s or "replicated")
+# the canonical layouts on both impls, plus (SIMD only) one more layout
+layouts = impls_and_layouts(LAYOUTS, simd_extra=["d:rows;h:cols"])
 
 SIZES = {"b": 8, "h": 4, "d": 8, "k": 4}
 DIMS = {"b": B, "h": H, "d": D, "k": K}

@@ -5,12 +5,11 @@ import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, check_cases, names, rand, randint
+from tests.conftest import B, D, H, LAYOUTS, check_cases, impls_and_layouts, names, rand, randint
 
 K = mx.Dimension("k", 4)
-# the canonical layouts plus one that splits h (the gathered-from dim below)
-INDEX_LAYOUTS = LAYOUTS + ["h:cols;b:rows"]
-layouts = pytest.mark.parametrize("layout", INDEX_LAYOUTS, ids=lambda s: s or "replicated")
+# the canonical layouts on both impls, plus (SIMD only) one more layout
+layouts = impls_and_layouts(LAYOUTS, simd_extra=["h:cols;b:rows"])
 
 
 def np_one_hot(idx, n, on=1.0, off=0.0, dtype=np.float32):

@@ -6,11 +6,10 @@ import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, check_cases, names, new_mesh, rand
+from tests.conftest import B, D, H, LAYOUTS, check_cases, impls_and_layouts, names, new_mesh, rand
 
-# the canonical layouts plus one that splits the middle dim h
-REDUCE_LAYOUTS = LAYOUTS + ["d:rows;h:cols"]
-layouts = pytest.mark.parametrize("layout", REDUCE_LAYOUTS, ids=lambda s: s or "replicated")
+# the canonical layouts on both impls, plus (SIMD only) one more layout
+layouts = impls_and_layouts(LAYOUTS, simd_extra=["d:rows;h:cols"])
 
 AXIS = {"b": 0, "h": 1, "d": 2}
 
@@ -85,7 +84,9 @@ def _int_case(mesh):
 
 REDUCE_CASES = {}
 for _i, _op in enumerate(sorted(NP_REDUCE)):
-    for _j, _s in enumerate(SHAPES):
+    # every argument form for reduce_sum; the main ones for the others
+    _shapes = list(SHAPES) if _op == "reduce_sum" else ["b", "h", "b,d", "all"]
+    for _j, _s in enumerate(_shapes):
         REDUCE_CASES[f"{_op}[{_s}]"] = _reduce_case(_op, _s, 100 + 10 * _i + _j)
 REDUCE_CASES["reduce_any"] = _bool_case("reduce_any", np.any, 0.7, 22)
 REDUCE_CASES["reduce_all"] = _bool_case("reduce_all", np.all, -0.7, 23)

@@ -14,7 +14,7 @@ SIZES = {"b": 8, "h": 4, "d": 8}
 # what one tensor dim may be split over
 CHOICES = [(), ("rows",), ("cols",), ("rows", "cols"), ("cols", "rows")]
 
-SETTINGS = settings(max_examples=10, deadline=None,
+SETTINGS = settings(max_examples=6, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
 
 

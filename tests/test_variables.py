@@ -49,15 +49,19 @@ def test_different_variables_and_seeds_get_different_values():
     assert not np.allclose(lo.variable_value(a), lo2.variable_value(a))
 
 
-def test_split_variable_is_a_sharded_global_array_never_whole_on_a_device():
+@pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
+def test_split_variable_is_a_sharded_global_array_never_whole_on_a_device(impl_cls):
     graph, mesh, w = one_var(mx.initializers.normal())
-    impl = mx.SimdMeshImpl("rows:2;cols:4", "io:rows;hidden:cols")
+    impl = impl_cls("rows:2;cols:4", "io:rows;hidden:cols")
     lo = mx.Lowering(graph, {mesh: impl})
     state = lo.variable_state(w)
     assert state.shape == (8, 16)
     assert state.sharding.spec == impl.partition_spec(lo.plan[w])
     assert {s.data.shape for s in state.addressable_shards} == {(4, 4)}
     assert len(state.addressable_shards) == 8
+    np.testing.assert_array_equal(np.asarray(state), lo.variable_value(w))
+    lo.set_variable_value(w, state * 2)  # a jax.Array: resharded on the devices
+    np.testing.assert_allclose(lo.variable_value(w), 2 * np.asarray(state))
 
 
 @pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)

@@ -96,6 +96,12 @@ class PlacementMeshImpl(MeshImpl):
         by_device = {s.device: s.data for s in array.addressable_shards}
         return [by_device[d] for d in self.devices]
 
+    def to_global(self, value, spec):
+        # each device's array is exactly its shard of the layout's NamedSharding over these devices
+        shape, _, layout = spec
+        return jax.make_array_from_single_device_arrays(tuple(shape.to_integer_list), self.named_sharding(layout),
+                                                        list(value))
+
     def put(self, array, spec):
         shape, _, layout = spec
         return self._split(np.asarray(array), shape, layout)

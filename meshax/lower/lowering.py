@@ -89,17 +89,25 @@ class Lowering:
         return self.impl.fetch(self._variable_state(var), self._spec(var.outputs[0]))
 
     def set_variable_value(self, var, value) -> None:
-        """Set the variable from a full array; it is split onto the devices by its layout."""
+        """Set the variable from a full array, split onto the devices by its layout. A jax.Array
+        (e.g. restored from a checkpoint) is resharded on the devices, never gathered to the host."""
         var = _variable(var)
         t = var.outputs[0]
-        value = np.asarray(value)
-        if list(value.shape) != t.shape.to_integer_list:
-            raise ValueError(f"variable {var.name} has shape {t.shape.to_integer_list} ({t.shape}); got {list(value.shape)}")
-        self._variables[var] = self.impl.put(value.astype(t.dtype, copy=False), self._spec(t))
+        if list(np.shape(value)) != t.shape.to_integer_list:
+            raise ValueError(f"variable {var.name} has shape {t.shape.to_integer_list} ({t.shape}); "
+                             f"got {list(np.shape(value))}")
+        spec = self._spec(t)
+        if isinstance(value, jax.Array):
+            array = jax.device_put(value.astype(t.dtype), self.impl.named_sharding(spec[2]))
+            self._variables[var] = self.impl.from_global(array, spec)
+        else:
+            self._variables[var] = self.impl.put(np.asarray(value).astype(t.dtype, copy=False), spec)
 
-    def variable_state(self, var):
-        """The backend's own value of the variable (a sharded jax.Array for SIMD), for checkpoints."""
-        return self._variable_state(_variable(var))
+    def variable_state(self, var) -> jax.Array:
+        """The variable as a global jax.Array with its layout's NamedSharding, for either backend:
+        each device holds only its slice (checkpoints write it as it is)."""
+        var = _variable(var)
+        return self.impl.to_global(self._variable_state(var), self._spec(var.outputs[0]))
 
     # ---- building programs -------------------------------------------------------------------
     @staticmethod

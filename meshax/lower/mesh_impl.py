@@ -151,6 +151,10 @@ class MeshImpl:
         """The backend value of a global jax.Array laid out as spec says."""
         raise NotImplementedError
 
+    def to_global(self, value, spec: tuple) -> jax.Array:
+        """The global jax.Array (with the layout's NamedSharding) of a backend value."""
+        raise NotImplementedError
+
     def put(self, array: np.ndarray, spec: tuple):
         """The backend value of a full host array, split onto the devices."""
         raise NotImplementedError

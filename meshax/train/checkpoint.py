@@ -16,8 +16,6 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from meshax.backends.simd import SimdMeshImpl
-
 
 def _manager(directory, keep: int | None = None) -> ocp.CheckpointManager:
     """An Orbax manager of `directory`; read-only unless `keep` (how many steps to retain) is given."""
@@ -39,17 +37,14 @@ def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, k
     """Save every variable of `lowering`, `step` and `extra` under `directory/<step>`; returns that path.
 
     `extra` is small JSON-able metadata (the data position, the mesh and layout used, ...), given
-    back by `restore_checkpoint`. Only the `keep` newest checkpoints are kept. SIMD variables are
-    written as the sharded jax.Arrays they are, each device writing its own slices; placement
-    variables are assembled on the host first (that backend is for checking, not for scale).
+    back by `restore_checkpoint`. Only the `keep` newest checkpoints are kept. Variables are
+    written as the sharded jax.Arrays they are, each device writing its own slices.
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
     if extra and "step" in extra:
         raise ValueError("extra must not have a 'step' key: restore_checkpoint returns the step under it")
-    simd = isinstance(lowering.impl, SimdMeshImpl)
-    state = {var.name: lowering.variable_state(var) if simd else lowering.variable_value(var)
-             for var in lowering.graph.all_variables}
+    state = {var.name: lowering.variable_state(var) for var in lowering.graph.all_variables}
     meta = {"step": int(step), "extra": dict(extra or {})}
     with _manager(directory, keep) as manager:
         saved = manager.save(int(step), args=ocp.args.Composite(
@@ -97,23 +92,14 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
         if unused:
             warnings.warn(f"checkpoint {directory} step {step} has variables the graph lacks, "
                           f"not restored: {unused}", stacklevel=2)
-        simd = isinstance(lowering.impl, SimdMeshImpl)
-        target = {name: jax.ShapeDtypeStruct(
-                      tuple(var.shape.to_integer_list), np.dtype(var.dtype),
-                      # None restores a NumPy array on the host (placement backend).
-                      sharding=lowering.impl.named_sharding(lowering.plan[var.value]) if simd else None)
+        target = {name: jax.ShapeDtypeStruct(tuple(var.shape.to_integer_list), np.dtype(var.dtype),
+                                             sharding=lowering.impl.named_sharding(lowering.plan[var.value]))
                   for name, var in variables.items()}
         restored = manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
                                          partial_restore=True),
             meta=ocp.args.JsonRestore()))
     for name, var in variables.items():
-        value = restored["state"][name]
-        if simd:
-            # Already sharded as the plan says: install it as is (Lowering has no public setter for
-            # the backend's value; set_variable_value would round-trip through the host).
-            lowering._variables[var] = lowering.impl.from_global(value, lowering._spec(var.value))
-        else:
-            lowering.set_variable_value(var, value)
+        lowering.set_variable_value(var, restored["state"][name])  # already laid out as the plan says
     meta = restored["meta"]
     return {"step": meta["step"], **meta["extra"]}

@@ -1,5 +1,9 @@
-"""Self-checks for the HLO collective counter in tests/hlo.py."""
-from tests.hlo import count_collectives, tuple_arity
+"""mx.hlo_collectives: the collectives (and values per device) in compiled HLO text."""
+import meshax as mx
+
+
+def count_collectives(text):
+    return {k: v["count"] for k, v in mx.hlo_collectives(text).items()}
 
 SAMPLE = """
 ENTRY %main.0_spmd (param.2: f32[4,2], param.3: f32[4,2]) -> (f32[4,2], f32[4,2]) {
@@ -21,12 +25,6 @@ ENTRY %main.0_spmd (param.2: f32[4,2], param.3: f32[4,2]) -> (f32[4,2], f32[4,2]
 """
 
 
-def test_tuple_arity():
-    assert tuple_arity("f32[4,2]{1,0}") == 1
-    assert tuple_arity("(f32[4,2]{1,0}, f32[4,2]{1,0})") == 2
-    assert tuple_arity("(f32[4,2]{1,0}, (f32[1], f32[2]), /*index=2*/f32[3]{0})") == 3
-
-
 def test_count_collectives_sample():
     assert count_collectives(SAMPLE) == {
         "allreduce": 3 + 1 + 1,
@@ -40,4 +38,15 @@ def test_count_collectives_sample():
 def test_count_collectives_empty():
     assert count_collectives("ENTRY %main () -> f32[] {\n ROOT %c = f32[] constant(1)\n}") == {
         "allreduce": 0, "allgather": 0, "alltoall": 0, "reduce_scatter": 0, "permute": 0,
+    }
+
+
+def test_values_per_device_sample():
+    values = {k: v["values"] for k, v in mx.hlo_collectives(SAMPLE).items()}
+    assert values == {
+        "allreduce": (8 + 8 + 3) + 8 + 8,  # the tuple's elements, then the two single ones
+        "allgather": 16 * 2 // 4 + 8 // 1,  # result / group size (4; the start has no groups: 1)
+        "alltoall": 4 * 2,
+        "reduce_scatter": 2 * 4,  # result x group size
+        "permute": 8 + 2,
     }
