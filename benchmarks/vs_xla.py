@@ -6,6 +6,11 @@ with the `NamedSharding`s meshax's plan gives x, g, w, bias, v. Both sides take 
 arrays each step, put them on the devices, run, and block on the loss. Reported: the step-time
 ratio meshax / XLA (medians, interleaved; target <= 1.0) and each compiled program's
 collectives, counted from its HLO, with values per device from the HLO shapes.
+
+Then the Transformer language model (benchmarks/transformer.py), presets tiny and small, under
+the paper's Transformer layouts: meshax's `LmTask` trained by `meshax.train.loop.build` with
+Adam, against the same step in jnp jitted with meshax's shardings. Both return the loss and the
+three metric sums to the host. The first step's outputs must agree (rtol 1e-4) before timing.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks import hlo
+from benchmarks import transformer as lm
 from benchmarks.records import record, side
 from benchmarks.timing import interleaved
 from benchmarks.two_layer import LAYOUTS, Size, feeds, jax_twin, model, params_agree
@@ -23,11 +29,75 @@ FULL = {"sizes": [Size(128, 64, 256), Size(512, 256, 1024)],
         "steps": {Size(128, 64, 256): 200, Size(512, 256, 1024): 50}, "warmup": 5}
 
 
-def transformer_configs() -> list:
-    """Extra configurations for this section. The transformer (another issue, in progress as
-    meshax.models.transformer) plugs in here: return entries like
-    {"name", "mesh", "layout", "build_meshax", "build_jax"}; none yet."""
-    return []
+# the Transformer: presets x layouts; --quick: tiny, data-parallel only, few steps
+LM_QUICK = {"presets": ["tiny"], "layouts": [("all:8", "batch:all")], "steps": {"tiny": 5}, "warmup": 2}
+LM_FULL = {"presets": ["tiny", "small"], "layouts": lm.LAYOUTS, "steps": {"tiny": 30, "small": 30}, "warmup": 3,
+           # small unsplit ("") does the whole model on each of 8 virtual devices (~1.3 s a step on
+           # 2 cores): no communication to compare, so fewer steps
+           "steps_override": {("small", ""): 10}}
+
+
+def transformer_configs(quick: bool = False) -> list[dict]:
+    """The Transformer's configurations for this section (and section 5): entries
+    {"name", "preset", "mesh", "layout", "steps", "warmup", "build_meshax", "build_jax"}, where
+    build_meshax() -> MeshaxLm and build_jax(meshax_model) -> JaxLm (the twin starts from the
+    meshax model's current variable values, so build it before the first meshax step)."""
+    p = LM_QUICK if quick else LM_FULL
+    out = []
+    for preset in p["presets"]:
+        for mesh_shape, layout in p["layouts"]:
+            out.append({"name": f"transformer {preset}", "preset": preset, "mesh": mesh_shape, "layout": layout,
+                        "steps": p.get("steps_override", {}).get((preset, layout), p["steps"][preset]),
+                        "warmup": p["warmup"],
+                        "build_meshax": (lambda pr=preset, ms=mesh_shape, la=layout: lm.model(pr, ms, la)),
+                        "build_jax": lm.JaxLm})
+    return out
+
+
+def lm_config(tc: dict) -> dict:
+    c = lm.task(tc["preset"]).config
+    size = (f"{tc['preset']}: b={lm.BATCH},l={lm.LENGTH},vocab={c.vocab_size},d_model={c.d_model},"
+            f"d_ff={c.d_ff},heads={c.num_heads},layers={c.num_layers}")
+    return {"mesh": tc["mesh"], "layout": tc["layout"], "model": f"transformer {tc['preset']}", "size": size,
+            "program": "LM train step (Adam)"}
+
+
+def run_transformer(tc: dict) -> list[dict]:
+    cfg = lm_config(tc)
+    problem = lm.layout_problem(tc["preset"], tc["mesh"], tc["layout"])
+    if problem:  # e.g. tiny's 4 heads cannot split 8 ways
+        return [record(2, "step time meshax / XLA", cfg, None, "", status="skipped: layout invalid for preset",
+                       note=problem)]
+    m = tc["build_meshax"]()
+    j = tc["build_jax"](m)  # from meshax's initial values, before meshax's first step
+    # same parameters in, same outputs out: the two programs compute the same step
+    o_mx, o_jax = m.step(), j.step()
+    first = {"names": list(lm.OUTPUTS), "meshax": o_mx, "xla": o_jax,
+             "loss_rel_diff": abs(o_mx[0] - o_jax[0]) / abs(o_jax[0]),
+             "agree": lm.outputs_agree(o_mx, o_jax, 1e-4)}
+    if not first["agree"]:
+        return [record(2, "step time meshax / XLA", cfg, None, "", status="not timed: first outputs differ",
+                       first_outputs=first)]
+    t = interleaved(m.step, j.step, tc["steps"], tc["warmup"])
+    o_mx, o_jax = m.step(), j.step()  # after the same number of steps on each side
+    last = {"meshax": o_mx, "xla": o_jax, "loss_rel_diff": abs(o_mx[0] - o_jax[0]) / abs(o_jax[0]),
+            "agree": lm.outputs_agree(o_mx[:3], o_jax[:3], 1e-3)}
+    diff, where = lm.max_param_diff(m, j)
+    out = [record(2, "step time meshax / XLA", cfg, t["ratio"], "ratio",
+                  target="<= 1.0", met=t["ratio"] <= 1.0,
+                  numerator=side("meshax step (median)", t["a_s"], "s"),
+                  denominator=side("jax.jit + NamedSharding step (median)", t["b_s"], "s"),
+                  steps=t["steps"], warmup=t["warmup"],
+                  iqr_s={"meshax": t["a_iqr_s"], "xla": t["b_iqr_s"]},
+                  first_outputs=first, last_outputs=last,
+                  params_max_abs_diff_after={"value": diff, "variable": where, "steps": m.steps_run})]
+    c_mx = hlo.collectives(m.compiled_text())
+    c_xla = hlo.collectives(j.compiled_text())
+    for who, c in (("meshax (compiled HLO)", c_mx), ("XLA partitioner (compiled HLO)", c_xla)):
+        out.append(record(2, f"collectives: {who}", cfg, sum(v["count"] for v in c.values()), "collectives",
+                          values_per_device=sum(v["values"] for v in c.values()),
+                          by_kind=c, summary=hlo.summary(c)))
+    return out
 
 
 def run(quick: bool) -> list[dict]:
@@ -57,6 +127,6 @@ def run(quick: bool) -> list[dict]:
                 out.append(record(2, f"collectives: {who}", cfg, sum(v["count"] for v in c.values()), "collectives",
                                   values_per_device=sum(v["values"] for v in c.values()),
                                   by_kind=c, summary=hlo.summary(c)))
-    for tc in transformer_configs():  # pragma: no cover - nothing registered yet
-        raise NotImplementedError(f"transformer configuration {tc!r}: hook not wired yet")
+    for tc in transformer_configs(quick):
+        out.extend(run_transformer(tc))
     return out

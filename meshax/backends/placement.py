@@ -22,6 +22,14 @@ _REDUCE = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
 class PlacementMeshImpl(MeshImpl):
     """A slice list holds `size` arrays, the one at index pnum on device pnum."""
 
+    # While a compiled program runs: its jitted per-call functions, and the position of the next
+    # slicewise call. A program makes the same calls in the same order every run, and their
+    # functions close over static values only (shapes, axes; data comes in as arguments), so
+    # the k-th call's function is jitted once and reused: each device compiles one program per
+    # op call instead of one per primitive, and runs one dispatch instead of several.
+    _jitted: list | None = None
+    _call = 0
+
     def _put(self, x, pnum: int):
         if isinstance(x, jax.core.Tracer):
             return x
@@ -38,6 +46,11 @@ class PlacementMeshImpl(MeshImpl):
 
     # ---- primitives ------------------------------------------------------------------------
     def slicewise(self, fn: Callable, *args):
+        if self._jitted is not None:
+            if self._call == len(self._jitted):
+                self._jitted.append(jax.jit(fn))
+            fn = self._jitted[self._call]
+            self._call += 1
         outs = [fn(*[a[p] if isinstance(a, list) else a for a in args]) for p in range(self.size)]
         if isinstance(outs[0], tuple):
             return tuple([self._put(o[k], p) for p, o in enumerate(outs)] for k in range(len(outs[0])))
@@ -137,10 +150,16 @@ class PlacementMeshImpl(MeshImpl):
         return jax.make_jaxpr(run)(jax.ShapeDtypeStruct((), jnp.uint32), *flat)
 
     def compile(self, body, in_specs, out_specs, donate=()):
+        jitted: list = []
+
         def run(args, seed):
             inputs = [a if isinstance(a, list) else self.put(a, spec) for a, spec in zip(args, in_specs)]
             seeds = [self._put(jnp.uint32(seed), p) for p in range(self.size)]
-            return body(inputs, seeds)
+            self._jitted, self._call = jitted, 0
+            try:
+                return body(inputs, seeds)
+            finally:
+                self._jitted = None
 
         return _PlacementRunner(run)
 

@@ -62,6 +62,7 @@ class Graph:
         self._names: dict[str, int] = {}
         self.trainable_variables: list = []
         self.all_variables: list = []
+        self.memo: dict = {}  # identical computations built once (e.g. two max-reductions of one tensor)
 
     def unique_name(self, name: str) -> str:
         n = self._names.get(name, 0)

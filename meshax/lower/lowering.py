@@ -204,6 +204,7 @@ class LoweredFunction:
         out_specs = [lowering._spec(t) for t in outs] + [lowering._spec(v.outputs[0]) for v in self._updated]
         donate = [i for i, t in enumerate(self.inputs) if t.operation in self._updated]
         self._run = lowering.impl.compile(body, specs, out_specs, donate)
+        self._constants: dict[Tensor, object] = {}  # imported arrays, put on the devices once
 
     @property
     def placeholders(self) -> list[Tensor]:
@@ -236,7 +237,9 @@ class LoweredFunction:
             elif getattr(op, "is_variable", False):
                 args.append(self.lowering._variable_state(op))
             else:
-                args.append(op.value)
+                if t not in self._constants:
+                    self._constants[t] = self.lowering.impl.put(op.value, self.lowering._spec(t))
+                args.append(self._constants[t])
         return args
 
     def __call__(self, feeds: Mapping | None = None, seed: int = 0):

@@ -90,10 +90,19 @@ def _reduced_dims(x: Tensor, reduced_dim, output_shape) -> list[Dimension]:
     return [dim_of(x, d) for d in as_dims(reduced_dim)]
 
 
+def _reduction(x: Tensor, reduced: list[Dimension], kind: str, name) -> Tensor:
+    """One op per distinct reduction of a tensor: softmax's and argmax's max over the same dim
+    are one max-allreduce, not two (XLA would merge them, and the counters must match)."""
+    key = (x, kind, frozenset(reduced))
+    if key not in x.graph.memo:
+        x.graph.memo[key] = ReduceOperation(x, reduced, kind, name).outputs[0]
+    return x.graph.memo[key]
+
+
 def _reduce(kind):
     def op(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
         reduced = _reduced_dims(x, reduced_dim, output_shape)
-        y = ReduceOperation(x, reduced, kind, name).outputs[0] if reduced else x
+        y = _reduction(x, reduced, kind, name) if reduced else x
         if output_shape is not None and y.shape != convert_to_shape(output_shape):
             from meshax.ops.shape_ops import transpose
             y = transpose(y, output_shape)
