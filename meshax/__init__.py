@@ -11,6 +11,8 @@ program with explicit collectives, and tells you what each layout costs.
     lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows")})
 """
 
+from meshax import initializers, layers, optimize
+from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
 from meshax.core import (
     Dimension, Graph, GraphError, LayoutError, Mesh, Operation, Shape, Tensor, convert_to_shape,
@@ -18,8 +20,13 @@ from meshax.core import (
 from meshax.layout import LayoutRules, TensorLayout, convert_to_layout_rules
 from meshax.lower import Counters, LaidOutTensor, Lowering, LoweredFunction, MeshImpl, hlo_collectives
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
+from meshax.ops import __all__ as _ops
 from meshax.runtime import use_cpu_devices
-from meshax.autodiff import gradients
-from meshax import initializers, layers, optimize
 
 __version__ = "0.1.0"
+__all__ = [
+    "Counters", "Dimension", "Graph", "GraphError", "LaidOutTensor", "LayoutError", "LayoutRules", "LoweredFunction",
+    "Lowering", "Mesh", "MeshImpl", "Operation", "PlacementMeshImpl", "Shape", "SimdMeshImpl", "Tensor",
+    "TensorLayout", "convert_to_layout_rules", "convert_to_shape", "gradients", "hlo_collectives", "initializers",
+    "layers", "optimize", "use_cpu_devices", *_ops,
+]

@@ -36,6 +36,10 @@ def test_bad_input_is_reported_not_raised(capsys):
     assert "both split over mesh dim 'all'" in capsys.readouterr().out
     assert main(["plan", "mlp", "--mesh", "all:8", "--layout", "batch:nowhere"]) == 2
     assert "nowhere" in capsys.readouterr().out
+    assert main(["plan", "lm", "--text", "/no/such/corpus"]) == 2
+    assert "/no/such/corpus" in capsys.readouterr().out
+    assert main(["plan", "lm", "--model", "huge"]) == 2
+    assert "unknown model 'huge'" in capsys.readouterr().out
 
 
 def test_plan_of_a_paper_transformer_on_a_16x32_mesh(capsys):

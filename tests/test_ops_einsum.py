@@ -1,6 +1,5 @@
 """einsum / matmul vs np.einsum (all cases run as one program per impl and layout)."""
 import numpy as np
-import pytest
 
 import meshax as mx
 from tests.conftest import (B, D, H, LAYOUTS, assert_close, check_cases, impls_and_layouts, names,

@@ -2,7 +2,6 @@
 
 All cases run as one program per (impl, layout), see `check_cases`."""
 import numpy as np
-import pytest
 
 import meshax as mx
 from tests.conftest import B, D, H, LAYOUTS, check_cases, impls_and_layouts, names, rand, randint

@@ -3,7 +3,6 @@
 Each test runs a family of cases as one program per (impl, layout), see
 `check_cases` in conftest.py."""
 import numpy as np
-import pytest
 
 import meshax as mx
 from tests.conftest import B, D, H, LAYOUTS, check_cases, impls_and_layouts, names, new_mesh, rand

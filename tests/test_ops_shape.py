@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import (B, D, H, LAYOUTS, assert_close, assert_equal, check_cases, lower,
-                            names, new_mesh, rand, run)
+from tests.conftest import (B, D, H, LAYOUTS, assert_close, check_cases, lower,
+                            names, new_mesh, rand)
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import numpy as np
 
@@ -170,6 +171,8 @@ class LmTask(Task):
             self.config = _config(self.model, num_encoder_layers=0)
             if self.config.vocab_size < 256:
                 raise ValueError(f"byte-level text needs a vocab of at least 256, the model has {self.config.vocab_size}")
+            if self.text_path and not os.path.exists(self.text_path):
+                raise data.DataError(f"text path {self.text_path!r} does not exist; give a text file or a folder")
             self._bytes = None  # read on first use: planning needs no data
         elif self.source == "markov":
             self.config = _config(self.model, num_encoder_layers=0, vocab_size=self.markov_vocab)
