@@ -105,3 +105,40 @@ def test_plan_of_the_largest_paper_model_on_16x32():
     assert set(cols_only) <= {activation, per_token}
     # forward and backward: 2 per encoder layer, 3 per decoder layer, and the two embeddings
     assert cols_only.count(activation) == 2 * (6 * 2 + 6 * 3 + 2)
+
+
+def test_padding_mask_hides_padded_inputs():
+    """With pad_id 0, what the encoder holds at padded positions cannot reach the logits."""
+    config = dataclasses.replace(SMALL, num_encoder_layers=1)
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    b, l = mx.Dimension("batch", 2), mx.Dimension("length", 8)
+    inputs, targets_in = mx.placeholder(mesh, "inputs", [b, l], "int32"), mx.placeholder(mesh, "t", [b, l], "int32")
+    logits = Transformer(config, mesh).encoder_decoder(inputs, targets_in, pad_id=0)
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows;heads:cols")})
+    fn = lowering.function(logits)
+    feeds = {"inputs": np.array([[3, 4, 5, 0, 0, 0, 0, 0], [6, 7, 8, 9, 10, 11, 0, 0]], np.int32),
+             "t": np.array([[1, 5, 4, 3, 2, 2, 2, 2]] * 2, np.int32)}
+    before = fn(feeds)
+    table = next(v for v in graph.all_variables if v.name == "transformer/input_embedding")
+    value = lowering.variable_value(table)
+    value[0] = np.random.default_rng(0).normal(size=value.shape[1]) * 10  # the pad token's embedding
+    lowering.set_variable_value(table, value)
+    np.testing.assert_allclose(fn(feeds), before, rtol=1e-5, atol=1e-5)
+    value[3] += np.random.default_rng(1).normal(size=value.shape[1])  # a real token's embedding does reach them
+    lowering.set_variable_value(table, value)
+    assert np.abs(fn(feeds) - before).max() > 1e-3
+
+
+def test_learned_positions_untied_gelu_and_dropout_under_the_paper_layouts():
+    """Dropout masks are keyed by global position, so even with dropout every layout trains alike."""
+    config = dataclasses.replace(SMALL, positions="learned", max_length=8, tie_embeddings=False, dropout=0.1,
+                                 activation="gelu")
+    task = LmTask(model=config, source="markov", batch_size=8, length=8)
+    reference = _losses(task, "all:1", "", "simd", 5)
+    for mesh, layout in PAPER_LAYOUTS:
+        np.testing.assert_allclose(_losses(task, mesh, layout, "simd", 5), reference, rtol=2e-4, atol=2e-5)
+    graph = build(task, "all:1", "", compile=False)[0].graph
+    names = {v.name for v in graph.trainable_variables}
+    assert {"transformer/embedding_positions", "transformer/softmax"} <= names
+    assert sum(v.value.size for v in graph.trainable_variables) == config.parameter_count()

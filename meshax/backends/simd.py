@@ -70,7 +70,7 @@ class SimdMeshImpl(MeshImpl):
         return jax.device_put(array, self.named_sharding(spec[2]))
 
     def fetch(self, value, spec):
-        return np.asarray(value)
+        return np.array(value)  # a writable copy, as the placement backend's assembled arrays are
 
     # ---- execution -------------------------------------------------------------------------
     def _local(self, body: Callable) -> Callable:
