@@ -200,7 +200,7 @@ class LoweredFunction:
         self.ops, self.inputs, self._updated, body = lowering._program(outs, updates, self.counters)
         specs = [lowering._spec(t) for t in self.inputs]
         lowering.impl.trace(body, specs)
-        *_, body = lowering._program(outs, updates, Counters())
+        body = lowering._body(self.ops, self.inputs, outs, self._updated, Counters())
         out_specs = [lowering._spec(t) for t in outs] + [lowering._spec(v.outputs[0]) for v in self._updated]
         donate = [i for i, t in enumerate(self.inputs) if t.operation in self._updated]
         self._run = lowering.impl.compile(body, specs, out_specs, donate)
