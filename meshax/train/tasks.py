@@ -54,13 +54,20 @@ class Task:
     def build(self, mesh: Mesh) -> Built:
         raise NotImplementedError
 
-    def train_batch(self, step: int) -> dict:
-        """The feeds of training step `step` (a pure function of the task's seed and step)."""
+    eval_batches_count: int = 8
+
+    def _feeds(self, rng: np.random.Generator, val: bool) -> dict:
+        """A batch of synthetic (or sampled) feeds drawn with `rng`; `val`: from held-out data."""
         raise NotImplementedError
 
+    def train_batch(self, step: int) -> dict:
+        """The feeds of training step `step` (a pure function of the task's seed and step)."""
+        return self._feeds(_rng(self.seed, step), val=False)
+
     def eval_batches(self):
-        """One pass of feeds dicts over the evaluation set."""
-        raise NotImplementedError
+        """One pass of feeds dicts over the evaluation set (the same batches every time)."""
+        for i in range(self.eval_batches_count):
+            yield self._feeds(_rng(self.seed, 1 << 30, i), val=True)
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         count = max(sums.get("count", 1.0), 1e-9)
@@ -91,16 +98,9 @@ class MlpTask(Task):
         count = reduce_sum(w)
         return Built(loss=loss_sum / count, metrics={"loss_sum": loss_sum, "count": count})
 
-    def _feeds(self, rng):
+    def _feeds(self, rng, val):
         return {"x": rng.normal(size=(self.batch_size, self.io)).astype(np.float32),
                 "weights": np.ones(self.batch_size, np.float32)}
-
-    def train_batch(self, step):
-        return self._feeds(_rng(self.seed, step))
-
-    def eval_batches(self):
-        for i in range(self.eval_batches_count):
-            yield self._feeds(_rng(self.seed, 1 << 30, i))
 
 
 @dataclasses.dataclass
@@ -201,13 +201,6 @@ class LmTask(Task):
             weights[:, : self.markov_order - 1] = 0.0  # predictions before a full context
         return {"ids": seqs[:, :-1], "targets": seqs[:, 1:], "weights": weights}
 
-    def train_batch(self, step):
-        return self._feeds(_rng(self.seed, step), val=False)
-
-    def eval_batches(self):
-        for i in range(self.eval_batches_count):
-            yield self._feeds(_rng(self.seed, 1 << 30, i), val=True)
-
     def summarize(self, sums):
         out = super().summarize(sums)
         if self.source == "text":
@@ -258,18 +251,11 @@ class Seq2SeqTask(Task):
         built.metrics["sequences"] = reduce_sum(reduce_min(weights, reduced_dim=length))
         return built
 
-    def _feeds(self, rng):
+    def _feeds(self, rng, val):
         make = synthetic.reversal_batch if self.problem == "reverse" else synthetic.sorting_batch
         inputs, targets_in, targets = make(self.batch_size, self.length, self.vocab, rng)
         return {"inputs": inputs, "targets_in": targets_in, "targets": targets,
                 "weights": np.ones((self.batch_size, self.length), np.float32)}
-
-    def train_batch(self, step):
-        return self._feeds(_rng(self.seed, step))
-
-    def eval_batches(self):
-        for i in range(self.eval_batches_count):
-            yield self._feeds(_rng(self.seed, 1 << 30, i))
 
     def summarize(self, sums):
         out = super().summarize(sums)
