@@ -52,6 +52,10 @@ class LoweringContext:
         return self._cache[key]
 
     def set_output(self, t: Tensor, slices: list, layout: TensorLayout | None = None, pending=()) -> None:
+        got = np.dtype(slices[0].dtype)
+        if got != t.dtype:  # the dtype policy's promise: declared at build time == produced
+            raise TypeError(f"internal error: {t.name} is declared {t.dtype} but {type(t.operation).__name__}'s "
+                            f"lowering produced {got}; please report it")
         self.values[t] = LaidOutTensor(list(slices), layout or self.plan[t], frozenset(pending))
 
     def slicewise(self, fn: Callable, *args) -> list:

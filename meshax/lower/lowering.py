@@ -98,14 +98,18 @@ class Lowering:
                              f"got {list(np.shape(value))}")
         spec = self._spec(t)
         if isinstance(value, jax.Array):
-            array = jax.device_put(value.astype(t.dtype), self.impl.named_sharding(spec[2]))
+            # Always a copy (may_alias=False): the next step donates the variable's buffer, which
+            # must never be the caller's array (another Lowering's state, a restored checkpoint).
+            array = jax.device_put(value.astype(t.dtype), self.impl.named_sharding(spec[2]), may_alias=False)
             self._variables[var] = self.impl.from_global(array, spec)
         else:
             self._variables[var] = self.impl.put(np.asarray(value).astype(t.dtype, copy=False), spec)
 
     def variable_state(self, var) -> jax.Array:
         """The variable as a global jax.Array with its layout's NamedSharding, for either backend:
-        each device holds only its slice (checkpoints write it as it is)."""
+        each device holds only its slice (checkpoints write it as it is). It is the live state,
+        not a copy: a step that updates the variable consumes it (donation), so keep a copy
+        (`jnp.copy`) or the value (`variable_value`) to hold it across steps."""
         var = _variable(var)
         return self.impl.to_global(self._variable_state(var), self._spec(var.outputs[0]))
 

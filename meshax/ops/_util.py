@@ -10,6 +10,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension, Shape, convert_to_shape
 from meshax.layout import TensorLayout
+from meshax.ops._dtypes import scalar_dtype
 
 
 def restrict(layout: TensorLayout, from_shape: Shape, to_shape: Shape, unsplit=()) -> TensorLayout:
@@ -48,17 +49,9 @@ def align(x, from_shape: Shape, to_shape: Shape):
     return jnp.reshape(x, new_shape) if len(new_shape) != x.ndim else x
 
 
-def scalar_dtype(value, like: np.dtype) -> np.dtype:
-    """The dtype a Python scalar takes next to a tensor of dtype `like` (the tensor's, as a rule)."""
-    if isinstance(value, numbers.Integral | np.bool_):
-        return like
-    if np.issubdtype(like, np.floating) or np.issubdtype(like, np.complexfloating):
-        return like
-    return np.dtype("float32")
-
-
 def as_tensor(value, mesh: Mesh, like: np.dtype) -> Tensor:
-    """A tensor from a tensor or a Python/NumPy scalar (a rank-0 constant)."""
+    """A tensor from a tensor or a Python/NumPy scalar (a rank-0 constant). A Python scalar is
+    weakly typed, as in JAX: it takes the dtype it promotes to beside a tensor of dtype `like`."""
     if isinstance(value, Tensor):
         return value
     if isinstance(value, numbers.Number | np.number | np.bool_):

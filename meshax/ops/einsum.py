@@ -17,6 +17,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Shape, convert_to_shape
 from meshax.layout import TensorLayout
+from meshax.ops._dtypes import result_type
 from meshax.ops.elementwise import union_shape
 from meshax.ops._util import as_dims
 
@@ -40,7 +41,10 @@ class EinsumOperation(Operation):
         missing = [d for d in output_shape if d not in every]
         if missing:
             raise GraphError(f"einsum output dims {missing} appear in no input ({[str(t.shape) for t in inputs]})")
-        self._add_output(output_shape, np.result_type(*[t.dtype for t in inputs]))
+        bools = [t.name for t in inputs if t.dtype == np.bool_]
+        if bools:
+            raise GraphError(f"einsum sums products, and {bools} are bool: cast them to int32 or a float first")
+        self._add_output(output_shape, result_type(*[t.dtype for t in inputs]))
         self._subscripts = _subscripts([t.shape for t in inputs], output_shape)
 
     def lower(self, ctx):

@@ -16,6 +16,7 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Shape
+from meshax.ops._dtypes import inexact, kernel_dtype, result_type
 from meshax.ops._util import align, as_tensor, restrict
 
 # ---- unary ----------------------------------------------------------------------------------
@@ -28,6 +29,17 @@ _UNARY = {
     "erf": jax.scipy.special.erf, "stop_gradient": lambda x: x,
 }
 _LINEAR_UNARY = {"negative", "identity", "stop_gradient"}
+# Computed in floating point, as jnp's transcendental functions are: integers and bools promote.
+_INEXACT = {"exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "sigmoid", "gelu", "softplus", "erf"}
+
+
+def _promoting(fn):
+    def kernel(x):
+        return fn(x.astype(inexact(x.dtype)))
+    return kernel
+
+
+_KERNELS = {name: _promoting(fn) if name in _INEXACT else fn for name, fn in _UNARY.items()}
 
 
 def _unary_grad(fn: str, x: Tensor, y: Tensor, g: Tensor):
@@ -36,8 +48,8 @@ def _unary_grad(fn: str, x: Tensor, y: Tensor, g: Tensor):
         return -g
     if fn == "identity":
         return g
-    if fn == "abs":
-        return g * e["sign"](x)
+    if fn == "abs":  # +1 at 0, as jax.grad(jnp.abs)
+        return where(greater_equal(x, 0.0), g, -g)
     if fn == "exp":
         return g * y
     if fn == "log":
@@ -75,9 +87,9 @@ class UnaryOperation(Operation):
     def __init__(self, x: Tensor, fn: str, name=None):
         super().__init__([x], name=name or fn)
         self.fn = fn
-        dtype = np.dtype(bool) if fn == "logical_not" else x.dtype
         if fn == "logical_not" and x.dtype != np.bool_:
             raise GraphError(f"logical_not needs a bool tensor, {x.name} is {x.dtype}")
+        dtype = kernel_dtype(fn, _KERNELS[fn], x.dtype)
         self.differentiable = fn not in ("sign", "logical_not", "stop_gradient")
         self._add_output(x.shape, dtype)
 
@@ -85,7 +97,7 @@ class UnaryOperation(Operation):
         (x,), (out,) = self.inputs, self.outputs
         v = ctx.get(x, ctx.layout(out), allow_partial=self.fn in _LINEAR_UNARY)
         ctx.add_flops(ctx.local_size(out))
-        ctx.set_output(out, ctx.slicewise(_UNARY[self.fn], v), v.layout, v.pending)
+        ctx.set_output(out, ctx.slicewise(_KERNELS[self.fn], v), v.layout, v.pending)
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
@@ -226,11 +238,9 @@ class ElementwiseOperation(Operation):
             gx, gy = g * y, g * x
         elif f == "divide":
             gx, gy = g / y, -g * x / (y * y)
-        elif f == "maximum":
-            mask = cast(greater_equal(x, y), g.dtype)
-            gx, gy = g * mask, g * (1.0 - mask)
-        elif f == "minimum":
-            mask = cast(less_equal(x, y), g.dtype)
+        elif f in ("maximum", "minimum"):  # ties share the gradient equally, as in jax.grad
+            wins = greater(x, y) if f == "maximum" else less(x, y)
+            mask = cast(wins, g.dtype) + cast(equal(x, y), g.dtype) * 0.5
             gx, gy = g * mask, g * (1.0 - mask)
         elif f == "pow":
             gx = g * y * pow(x, y - 1.0)
@@ -241,11 +251,9 @@ class ElementwiseOperation(Operation):
 
 
 def _binary_dtype(fn, x: Tensor, y: Tensor):
-    if fn in _COMPARISONS | _LOGICAL:
-        if fn in _LOGICAL and (x.dtype != np.bool_ or y.dtype != np.bool_):
-            raise GraphError(f"{fn} needs bool tensors, got {x.dtype} and {y.dtype}")
-        return np.dtype(bool)
-    return np.result_type(x.dtype, y.dtype)
+    if fn in _LOGICAL and (x.dtype != np.bool_ or y.dtype != np.bool_):
+        raise GraphError(f"{fn} needs bool tensors, got {x.dtype} and {y.dtype}")
+    return kernel_dtype(fn, _BINARY[fn], x.dtype, y.dtype)
 
 
 def _binary(fn):
@@ -283,8 +291,12 @@ def where(condition: Tensor, x, y, name=None) -> Tensor:
     """x where condition holds, else y; broadcast by dimension name."""
     if not isinstance(condition, Tensor) or condition.dtype != np.bool_:
         raise GraphError("where: condition must be a bool meshax Tensor (build one with mx.less, mx.equal, ...)")
-    like = x.dtype if isinstance(x, Tensor) else y.dtype if isinstance(y, Tensor) else np.dtype("float32")
+    if isinstance(x, Tensor) or isinstance(y, Tensor):
+        like = x.dtype if isinstance(x, Tensor) else y.dtype
+    else:
+        like = result_type(x, y)
     x = as_tensor(x, condition.mesh, like)
     y = as_tensor(y, condition.mesh, like)
-    return ElementwiseOperation([condition, x, y], "where", jnp.where, np.result_type(x.dtype, y.dtype),
+    return ElementwiseOperation([condition, x, y], "where", jnp.where,
+                                kernel_dtype("where", jnp.where, condition.dtype, x.dtype, y.dtype),
                                 linear=False, name=name).outputs[0]

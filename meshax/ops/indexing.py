@@ -47,12 +47,19 @@ class GatherOperation(Operation):
     def lower(self, ctx):
         from meshax.ops.reduce import iteration_layout
         (w, idx), (out,) = self.inputs, self.outputs
-        assign = iteration_layout(ctx.layout(out), out.shape, [(w.shape, ctx.layout(w))])
-        wl = TensorLayout(assign[d.name] for d in w.shape)
+        # The output's dims (the indices' and the table's other dims) split as planned; the
+        # table's looked-up dim keeps its split where a mesh dim is free. It is a dim of its
+        # own even when the indices' dim has the same name (ids over a "vocab" dim): then
+        # the output's "vocab" is the indices', not the table's.
+        assign = iteration_layout(ctx.layout(out), out.shape, [])
+        used = {m for a in assign.values() for m in a}
+        table_axes = ctx.layout(w).axes[w.shape.index(self.dim)]
+        table_axes = () if used & set(table_axes) else table_axes
+        wl = TensorLayout(table_axes if d == self.dim else assign[d.name] for d in w.shape)
         il = TensorLayout(assign[d.name] for d in idx.shape)
         wv, iv = ctx.get(w, wl), ctx.get(idx, il)
         axis = w.shape.index(self.dim)
-        split = assign[self.dim.name]
+        split = table_axes
         n_local = slice_shape(w.shape, wl, ctx.mesh_shape)[axis]
         (begin,) = [b for d, b in zip(w.shape, ctx.slice_begins(w.shape, wl)) if d == self.dim]
         k = idx.shape.rank
@@ -119,7 +126,12 @@ class TopKOperation(Operation):
 
 
 def gather(weights: Tensor, indices: Tensor, dim, name=None) -> Tensor:
-    """weights looked up at `indices` along `dim`: indices' dims followed by weights' other dims."""
+    """weights looked up at `indices` along `dim`: indices' dims followed by weights' other dims.
+
+    An index outside [0, dim.size) gives zeros. The lookup of a split table sums each device's
+    rows (zeros where it holds none), so a bool table is looked up as int32 and cast back."""
+    if weights.dtype == np.bool_:
+        return ew.cast(gather(ew.cast(weights, "int32"), indices, dim, name), bool)
     return GatherOperation(weights, indices, dim_of(weights, dim), name).outputs[0]
 
 

@@ -16,6 +16,7 @@ from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape, convert_to_shape
 from meshax.layout import TensorLayout
 from meshax.ops import elementwise as ew
+from meshax.ops._dtypes import inexact, sum_dtype
 from meshax.ops._util import as_dims, dim_of
 
 _LOCAL = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
@@ -46,8 +47,11 @@ class ReduceOperation(Operation):
         self.kind = kind
         self.reduced = reduced
         if kind != "sum" and x.dtype == np.bool_:
-            raise GraphError(f"reduce_{kind} of bool tensor {x.name}: cast it first")
-        self._add_output([d for d in x.shape if d not in reduced], x.dtype)
+            raise GraphError(f"reduce_{kind} of bool tensor {x.name}: use mx.reduce_any / mx.reduce_all, "
+                             "or cast it to int32 first")
+        # A sum of bools counts them (int32), and small ints widen, as in jnp.sum.
+        dtype = sum_dtype(x.dtype) if kind == "sum" else x.dtype
+        self._add_output([d for d in x.shape if d not in reduced], dtype)
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
@@ -55,7 +59,8 @@ class ReduceOperation(Operation):
         in_layout = TensorLayout(assign[d.name] for d in x.shape)
         v = ctx.get(x, in_layout, allow_partial=self.kind == "sum")
         axes = [i for i, d in enumerate(x.shape) if d in self.reduced]
-        local = ctx.slicewise(lambda a: _LOCAL[self.kind](a, axis=tuple(axes)).astype(out.dtype), v)
+        # cast before the local sum, so that the partial sums (and their allreduce) are counts
+        local = ctx.slicewise(lambda a: _LOCAL[self.kind](a.astype(out.dtype), axis=tuple(axes)), v)
         ctx.add_flops(ctx.local_size(x, in_layout))
         split = sorted({m for d in self.reduced for m in assign[d.name]})
         out_layout = TensorLayout(assign[d.name] for d in out.shape)
@@ -72,8 +77,10 @@ class ReduceOperation(Operation):
         gb = broadcast(g, x.shape)
         if self.kind == "sum":
             return [gb]
+        # Ties share the gradient equally, as jax.grad(jnp.max) does.
         mask = ew.cast(ew.equal(x, broadcast(y, x.shape)), g.dtype)
-        return [gb * mask]
+        ties = broadcast(reduce_sum(mask, reduced_dim=self.reduced), x.shape)
+        return [gb * mask / ties]
 
 
 def _reduced_dims(x: Tensor, reduced_dim, output_shape) -> list[Dimension]:
@@ -99,14 +106,18 @@ def _reduction(x: Tensor, reduced: list[Dimension], kind: str, name) -> Tensor:
     return x.graph.memo[key]
 
 
+def _in_order(y: Tensor, output_shape) -> Tensor:
+    """y with its dims in `output_shape`'s order, when one was asked for."""
+    if output_shape is None or y.shape == convert_to_shape(output_shape):
+        return y
+    from meshax.ops.shape_ops import transpose
+    return transpose(y, output_shape)
+
+
 def _reduce(kind):
     def op(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
         reduced = _reduced_dims(x, reduced_dim, output_shape)
-        y = _reduction(x, reduced, kind, name) if reduced else x
-        if output_shape is not None and y.shape != convert_to_shape(output_shape):
-            from meshax.ops.shape_ops import transpose
-            y = transpose(y, output_shape)
-        return y
+        return _in_order(_reduction(x, reduced, kind, name) if reduced else x, output_shape)
     op.__name__ = f"reduce_{kind}"
     op.__doc__ = f"reduce_{kind} over `reduced_dim` (a Dimension or list), or down to `output_shape`; neither: all dims."
     return op
@@ -117,16 +128,27 @@ reduce_max = _reduce("max")
 reduce_min = _reduce("min")
 
 
+def _floating(x: Tensor) -> Tensor:
+    return ew.cast(x, inexact(x.dtype))
+
+
 def reduce_mean(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    """The mean: a float for integer and bool tensors (the fraction of Trues), as jnp.mean."""
     reduced = _reduced_dims(x, reduced_dim, output_shape)
+    if not reduced:
+        return _in_order(_floating(x), output_shape)
     count = int(np.prod([d.size for d in reduced], dtype=np.int64))
-    return reduce_sum(x, reduced_dim=reduced, name=name) * (1.0 / count) if reduced else x
+    total = ew.cast(reduce_sum(x, reduced_dim=reduced, name=name), inexact(sum_dtype(x.dtype)))
+    return _in_order(total * (1.0 / count), output_shape)
 
 
 def reduce_logsumexp(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
     reduced = _reduced_dims(x, reduced_dim, output_shape)
+    x = _floating(x)
+    if not reduced:
+        return _in_order(x, output_shape)
     m = ew.stop_gradient(reduce_max(x, reduced_dim=reduced))
-    return ew.log(reduce_sum(ew.exp(x - m), reduced_dim=reduced)) + m
+    return _in_order(ew.log(reduce_sum(ew.exp(x - m), reduced_dim=reduced)) + m, output_shape)
 
 
 def reduce_any(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
@@ -139,6 +161,7 @@ def reduce_all(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Ten
 
 def softmax(x: Tensor, dim, name=None) -> Tensor:
     d = dim_of(x, dim)
+    x = _floating(x)
     e = ew.exp(x - ew.stop_gradient(reduce_max(x, reduced_dim=d)))
     return e / reduce_sum(e, reduced_dim=d)
 
@@ -151,5 +174,7 @@ def argmax(x: Tensor, dim, name=None) -> Tensor:
     """Index of the largest value along `dim` (the first one on ties), as int32."""
     from meshax.ops.inputs import range as mrange
     d = dim_of(x, dim)
+    if x.dtype == np.bool_:
+        x = ew.cast(x, "int32")
     is_max = ew.equal(x, reduce_max(x, reduced_dim=d))
     return reduce_min(ew.where(is_max, mrange(x.mesh, d, "int32"), d.size), reduced_dim=d)

@@ -14,6 +14,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import slice_shape
+from meshax.ops._dtypes import result_type, sum_dtype
 from meshax.ops._util import dim_of, restrict, unsplit_dims
 
 
@@ -91,12 +92,14 @@ class ConcatOperation(_OneDimOperation):
                 raise GraphError(f"concat along {dim_name!r}: {t.name} {t.shape} does not match {first} elsewhere")
         self.dim_name = dim_name
         total = sum(t.shape.get_dim_by_name(dim_name).size for t in xs)
-        self._add_output(_replace_dim(first, dim_name, total), xs[0].dtype)
+        self._add_output(_replace_dim(first, dim_name, total), result_type(*[t.dtype for t in xs]))
 
     def lower(self, ctx):
         layout, vals = self._inputs_unsplit(ctx)
         axis = self.inputs[0].shape.index(self.dim_name)
-        ctx.set_output(self.outputs[0], ctx.slicewise(lambda *a: jnp.concatenate(a, axis=axis), *vals), layout)
+        dtype = self.outputs[0].dtype
+        ctx.set_output(self.outputs[0], ctx.slicewise(
+            lambda *a: jnp.concatenate([x.astype(dtype) for x in a], axis=axis), *vals), layout)
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
@@ -115,14 +118,17 @@ class CumsumOperation(_OneDimOperation):
         super().__init__([x], name=name or "cumsum")
         self.dim_name = dim.name
         self.exclusive = exclusive
-        self._add_output(x.shape, x.dtype)
+        self._add_output(x.shape, sum_dtype(x.dtype))  # a running count for bools, as jnp.cumsum
 
     def lower(self, ctx):
         layout, (v,) = self._inputs_unsplit(ctx, allow_partial=True)
         axis = self.inputs[0].shape.index(self.dim_name)
 
+        dtype = self.outputs[0].dtype
+
         def f(a):
-            c = jnp.cumsum(a, axis=axis, dtype=a.dtype)
+            a = a.astype(dtype)
+            c = jnp.cumsum(a, axis=axis, dtype=dtype)
             return c - a if self.exclusive else c
 
         ctx.add_flops(ctx.local_size(self.outputs[0], layout))
