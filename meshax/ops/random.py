@@ -78,6 +78,9 @@ def dropout(x: Tensor, rate: float, noise_shape=None, seed=None, name=None) -> T
 
     noise_shape (a subset of x's dims) shares one draw across the dims it leaves out."""
     from meshax.ops import elementwise as ew
+    if not is_floating(x.dtype):
+        raise GraphError(f"dropout scales values by 1 / (1 - rate), so it needs a float tensor; {x.name} is "
+                         f"{x.dtype} (cast it first)")
     if not 0.0 <= rate < 1.0:
         raise GraphError(f"dropout rate must be in [0, 1), got {rate}")
     if rate == 0.0:

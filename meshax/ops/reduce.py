@@ -151,12 +151,19 @@ def reduce_logsumexp(x: Tensor, reduced_dim=None, output_shape=None, name=None) 
     return _in_order(ew.log(reduce_sum(ew.exp(x - m), reduced_dim=reduced)) + m, output_shape)
 
 
+def _truth(x: Tensor) -> Tensor:
+    """1 where x is true (nonzero), else 0, as int32: max and min of it are any and all."""
+    return ew.cast(x if x.dtype == np.bool_ else ew.not_equal(x, 0), "int32")
+
+
 def reduce_any(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
-    return ew.cast(reduce_max(ew.cast(x, "int32"), reduced_dim, output_shape), bool)
+    """Whether any value along the reduced dims is true (nonzero), as jnp.any."""
+    return ew.cast(reduce_max(_truth(x), reduced_dim, output_shape), bool)
 
 
 def reduce_all(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
-    return ew.cast(reduce_min(ew.cast(x, "int32"), reduced_dim, output_shape), bool)
+    """Whether every value along the reduced dims is true (nonzero), as jnp.all."""
+    return ew.cast(reduce_min(_truth(x), reduced_dim, output_shape), bool)
 
 
 def softmax(x: Tensor, dim, name=None) -> Tensor:
