@@ -19,6 +19,19 @@ import pytest  # noqa: E402
 
 import meshax as mx  # noqa: E402
 
+def pytest_addoption(parser):
+    group = parser.getgroup("fuzz", "the differential fuzzer's long profile (tests/test_fuzz.py)")
+    group.addoption("--fuzz-cases", type=int, default=0, help="cases of the long profile (0: skip it)")
+    group.addoption("--fuzz-seed", type=int, default=0, help="seed of the long profile's shards")
+    group.addoption("--fuzz-placement-every", type=int, default=4,
+                    help="run every k-th case on the placement backend too (0: never)")
+    group.addoption("--fuzz-report", default="", help="directory for each shard's JSON summary")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fuzz: the fuzzer's long profile (pytest -m fuzz --fuzz-cases N)")
+
+
 IMPLS = [mx.SimdMeshImpl, mx.PlacementMeshImpl]
 IMPL_IDS = ["simd", "placement"]
 
