@@ -141,3 +141,15 @@ def test_max_and_min_gradients_share_ties(impl_cls, mesh_shape, rules, kind):
     want = jax.grad(lambda t: jnp.sum(ref(t, axis=1) * jnp.array([1.0, 2.0])))(xv)
     assert_close(got, want)
     assert_close(got.sum(axis=1), np.array([1.0, 2.0], np.float32))
+
+
+@impls
+def test_size_one_mesh_dims_are_left_out_of_partition_specs(impl_cls):
+    """A split over a mesh dim of size 1 splits nothing: JAX's spec must not name it (newer JAX
+    refuses a shard_map spec naming it for an input it sees as replicated)."""
+    impl = impl_cls("rows:1;cols:8", "v:rows;c:cols")
+    assert impl.partition_spec(mx.TensorLayout([(0,), (0, 1)])) == jax.sharding.PartitionSpec(None, "cols")
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [V])
+    xv = np.arange(8, dtype=np.float32)
+    assert_close(run(mx.reduce_sum(x * 2.0), impl_cls, "all:1", "v:all", feeds={x: xv}), xv.sum() * 2)

@@ -83,9 +83,13 @@ class SimdMeshImpl(MeshImpl):
                            in_specs=(P(),) + tuple(self.partition_spec(l) for _, _, l in in_specs),
                            out_specs=P(), check_vma=False)
         # The outputs matter only for what tracing records in the counters: return none of them.
+        # Each argument carries its sharding (on the abstract mesh): newer JAX checks shard_map's
+        # in_specs against the arguments' own shardings.
+        mesh = self.abstract_mesh
         return jax.make_jaxpr(lambda seed, *a: (fn(seed, *a), None)[1])(
-            jax.ShapeDtypeStruct((), jnp.uint32),
-            *[jax.ShapeDtypeStruct(tuple(s.to_integer_list), d) for s, d, _ in in_specs])
+            jax.ShapeDtypeStruct((), jnp.uint32, sharding=NamedSharding(mesh, P())),
+            *[jax.ShapeDtypeStruct(tuple(s.to_integer_list), d, sharding=NamedSharding(mesh, self.partition_spec(l)))
+              for s, d, l in in_specs])
 
     def compile(self, body, in_specs, out_specs, donate=()):
         in_sh = [self.named_sharding(l) for _, _, l in in_specs]

@@ -85,9 +85,13 @@ class MeshImpl:
         return self._jax_mesh
 
     def partition_spec(self, layout: TensorLayout) -> P:
-        names = self.axis_names
-        return P(*[None if not a else names[a[0]] if len(a) == 1 else tuple(names[m] for m in a)
-                   for a in layout.axes])
+        """The layout as JAX's PartitionSpec. Mesh dims of size 1 split nothing and are left out
+        (newer JAX refuses a spec that names them for an input it sees as replicated)."""
+        spec = []
+        for axes in layout.axes:
+            names = [self.axis_names[m] for m in axes if self.shape[m].size > 1]
+            spec.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+        return P(*spec)
 
     def named_sharding(self, layout: TensorLayout) -> NamedSharding:
         return NamedSharding(self.jax_mesh, self.partition_spec(layout))
