@@ -52,22 +52,17 @@ def _kernel_dtype(fn, dtypes: tuple) -> np.dtype:
     return np.dtype(jax.eval_shape(fn, *structs).dtype)
 
 
-def kernel_dtype(op: str, fn, *dtypes, hint: str = "") -> np.dtype:
+def kernel_dtype(op: str, fn, *dtypes) -> np.dtype:
     """The dtype `fn` (an op's per-slice kernel) returns for inputs of `dtypes`: asked of JAX
     once per (kernel, dtypes), abstractly. A dtype the kernel refuses is a GraphError."""
     try:
         return _kernel_dtype(fn, tuple(np.dtype(d) for d in dtypes))
     except TypeError as err:
         names = ", ".join(str(np.dtype(d)) for d in dtypes)
-        raise GraphError(f"{op} does not take {names}: {err}{' ' + hint if hint else ''}") from None
+        raise GraphError(f"{op} does not take {names}: {err}") from None
 
 
 def sum_dtype(dtype) -> np.dtype:
     """What a sum of `dtype` values is: bools count as int32, small ints widen (as jnp.sum)."""
     return kernel_dtype("a sum", jnp.sum, dtype)
 
-
-def require_numeric(op: str, dtype, what: str = "input") -> None:
-    """GraphError unless `dtype` is a number (not bool): for ops that order or add values."""
-    if np.dtype(dtype) == np.bool_:
-        raise GraphError(f"{op}: the {what} is bool; cast it first (mx.cast(x, 'int32') or a float)")
