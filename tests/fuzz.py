@@ -383,8 +383,9 @@ class Program:
             widths[axis] = (lo, hi)
             return self._emit(mx.pad(x, [lo, hi], d.name), lambda a: jnp.pad(a, widths), [x])
         if how == "concat":
-            others = [t for t in self.pool if t.dtype == x.dtype and t.shape.rank == x.shape.rank and d.name in names(t)
-                      and [e for e in t.shape if e.name != d.name] == [e for e in x.shape if e.name != d.name]]
+            def frame(t):  # the shape with the concatenated dim's size left out
+                return [e.name if e.name == d.name else e for e in t.shape]
+            others = [t for t in self.pool if t.dtype == x.dtype and frame(t) == frame(x)]
             ys = [x, self.r.pick(others)] + ([x] if self.r.coin(30) else [])
             return self._emit(mx.concat(ys, d.name), lambda *a: jnp.concatenate(a, axis=axis), ys)
         if how == "split":
