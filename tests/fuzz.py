@@ -490,7 +490,7 @@ class Program:
     # ---- the end: updates, a loss, its gradients ----------------------------------------------
     def _finish(self):
         for v in self.variables:
-            src = self._take(("float32",), lambda t: set(names(v)) <= set(names(t)))
+            src = self._take(("float32",), lambda t: set(names(v)) <= set(names(t)) and compatible(v.shape, t.shape))
             value = mx.einsum([src], output_shape=v.shape) if src is not None else v * 2.0
             kind = self.r.pick(["assign", "assign_add", "assign_sub"])
             self.updates.append((v, kind, src, getattr(mx, kind)(v, value)))
