@@ -153,3 +153,21 @@ def test_size_one_mesh_dims_are_left_out_of_partition_specs(impl_cls):
     x = mx.placeholder(mesh, "x", [V])
     xv = np.arange(8, dtype=np.float32)
     assert_close(run(mx.reduce_sum(x * 2.0), impl_cls, "all:1", "v:all", feeds={x: xv}), xv.sum() * 2)
+
+
+@impls
+@pytest.mark.parametrize("mesh_shape,rules", [("all:8", ""), ("rows:2;cols:4", "v:cols"),
+                                              ("rows:2;cols:4", "c:rows;v:cols")])
+def test_gather_with_indices_named_like_the_table_dim_of_another_size(impl_cls, mesh_shape, rules):
+    """ids over a "v" of size 4 into a table over "v" of size 8: forward and gradient (found by
+    the fuzzer's long profile: the gradient's one_hot met two sizes of "v")."""
+    _, mesh = new_mesh()
+    w = mx.placeholder(mesh, "w", [V, C])
+    ids = mx.placeholder(mesh, "ids", [mx.Dimension("v", 4)], dtype="int32")
+    out = mx.gather(w, ids, V)
+    (gw,) = mx.gradients(mx.reduce_sum(out * out), [w])
+    wv = np.arange(16, dtype=np.float32).reshape(8, 2) + 1
+    iv = np.array([7, 0, 7, 2], np.int32)
+    got, got_gw = run([out, gw], impl_cls, mesh_shape, rules, feeds={w: wv, ids: iv})
+    assert_close(got, wv[iv])
+    assert_close(got_gw, jax.grad(lambda t: jnp.sum(t[iv] ** 2))(wv))

@@ -84,7 +84,7 @@ class GatherOperation(Operation):
         from meshax.ops.einsum import einsum
         from meshax.ops.shape_ops import rename_dimension
         w, idx = self.inputs
-        if self.dim in idx.shape:  # the indices use the table's dim name: rename it on that side
+        if self.dim.name in idx.shape:  # the indices use the table's dim name (any size): rename it there
             tmp = self.dim.name + "_index"
             idx, g = rename_dimension(idx, self.dim.name, tmp), rename_dimension(g, self.dim.name, tmp)
         hot = one_hot(idx, self.dim, dtype=g.dtype)
