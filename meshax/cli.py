@@ -18,6 +18,7 @@ DEFAULT_LAYOUTS = {"mlp": "batch:rows;hidden:cols", "mnist": "batch:rows;hidden:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from meshax.models.transformer import GSPMD_SHARDINGS
     p = argparse.ArgumentParser(prog="meshax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     for name, helptext in (("train", "train a model"), ("plan", "print layouts and costs; run nothing")):
@@ -29,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--layout", default=None, help='layout rules tensor_dim:mesh_dim; "" = replicated '
                        f"(default per task: {DEFAULT_LAYOUTS})")
         s.add_argument("--backend", choices=["simd", "placement"], default="simd")
+        s.add_argument("--sharding", default="", choices=["", *GSPMD_SHARDINGS],
+                       help="lm/seq2seq: annotate the tensors of the GSPMD paper's Table 1 (mesh dims x and y) and "
+                            "let propagation lay out the rest; the layout rules still apply")
         s.add_argument("--model", default="tiny", help="lm/seq2seq: a preset (tiny, small, paper-ff2048 .. paper-ff65536)")
         s.add_argument("--batch-size", type=int, default=None)
         s.add_argument("--length", type=int, default=None, help="lm/seq2seq: sequence length")
@@ -51,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
         else:
             s.add_argument("--json", action="store_true", help="print the plan as JSON")
+            s.add_argument("--explain", action="store_true",
+                           help="also list every tensor's layout and where it came from, with warnings")
     return p
 
 
@@ -63,8 +69,10 @@ def _task(args):
     if args.task == "mnist":
         return MnistTask(hidden=args.hidden or 1024, data_dir=args.data, seed=args.seed, **batch)
     if args.task == "lm":
-        return LmTask(model=args.model, source=args.source, text_path=args.text, seed=args.seed, **batch, **length)
-    return Seq2SeqTask(model=args.model, problem=args.problem, seed=args.seed, **batch, **length)
+        return LmTask(model=args.model, source=args.source, text_path=args.text, seed=args.seed, sharding=args.sharding,
+                      **batch, **length)
+    return Seq2SeqTask(model=args.model, problem=args.problem, seed=args.seed, sharding=args.sharding, **batch,
+                       **length)
 
 
 def _optimizer(args):
@@ -143,6 +151,8 @@ def _plan(args, task, console) -> int:
     console.print(_layout_table(lowering))
     print(lowering.report(counters), end="")
     print(format_summary(summary), end="", flush=True)
+    if args.explain:
+        print("\n" + lowering.explain(), end="", flush=True)
     return 0
 
 

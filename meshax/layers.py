@@ -22,10 +22,12 @@ def _name(x: Tensor, name: str | None, default: str) -> str:
 
 
 def dense(x: Tensor, new_dims, reduced_dims=None, use_bias: bool = True, activation=None, name: str | None = None,
-          kernel_initializer=None, variable_dtype="float32") -> Tensor:
+          kernel_initializer=None, variable_dtype="float32", kernel_annotation=None) -> Tensor:
     """x contracted with a kernel [reduced_dims + new_dims] (+ bias [new_dims]), then activation.
 
-    reduced_dims defaults to x's last dim. Variables are named `<name>/kernel`, `<name>/bias`."""
+    reduced_dims defaults to x's last dim. Variables are named `<name>/kernel`, `<name>/bias`.
+    `kernel_annotation(kernel) -> kernel` is applied to the kernel before use (an mx.mesh_split,
+    say: the variable, its gradient and its optimizer slots then follow it)."""
     new = as_dims(new_dims)
     reduced = [dim_of(x, d) for d in as_dims(reduced_dims)] if reduced_dims is not None else [x.shape[-1]]
     clash = [d.name for d in new if d in x.shape and d not in reduced]
@@ -36,6 +38,8 @@ def dense(x: Tensor, new_dims, reduced_dims=None, use_bias: bool = True, activat
     fan_out = math.prod(d.size for d in new)
     init = kernel_initializer or initializers.glorot_uniform(fan_in, fan_out)
     w = get_variable(x.mesh, f"{name}/kernel", Shape(reduced + new), initializer=init, dtype=variable_dtype)
+    if kernel_annotation is not None:
+        w = kernel_annotation(w)
     out_shape = Shape([d for d in x.shape if d not in reduced] + new)
     y = einsum([x, ew.cast(w, x.dtype)], output_shape=out_shape, name=name)
     if use_bias:

@@ -481,11 +481,33 @@ class Program:
         self.variables.append(v)
         self._emit(v, None, ())
 
+    def _unannotated(self):
+        """A tensor with no annotation yet (a tensor takes one)."""
+        return self._take(("float32", "int32", "bool"), lambda t: ("annotation", t) not in self.graph.memo)
+
     def _op_shard(self):
-        x = self._take(("float32", "int32", "bool"))
+        x = self._unannotated()
         if x is None:
             return False
         self._emit(mx.shard(x, self._legal_layout(x.shape)), lambda a: a, [x])
+
+    def _op_mesh_split(self):
+        """A GSPMD annotation: per dim mesh dims (a name or a tuple), None, or OPEN."""
+        x = self._unannotated()
+        if x is None:
+            return False
+        split = collections.defaultdict(list)
+        for pair in filter(None, self._legal_layout(x.shape).split(";")):
+            d, m = pair.split(":")
+            split[d].append(m)
+        mapping = []
+        for d in x.shape:
+            ms = split.get(d.name)
+            if ms:
+                mapping.append(ms[0] if len(ms) == 1 and self.r.coin() else tuple(ms))
+            else:
+                mapping.append(mx.OPEN if self.r.coin() else None)
+        self._emit(mx.mesh_split(x, mapping), lambda a: a, [x])
 
     # ---- the end: updates, a loss, its gradients ----------------------------------------------
     def _finish(self):
@@ -572,7 +594,7 @@ def _random_reference(kind, seed, shape, a, b):
 
 
 FAMILIES = ["unary", "arith", "arith", "compare", "logical", "where", "cast", "einsum", "einsum", "reduce",
-            "reduce", "softmax", "reshape", "slicing", "gather", "one_hot", "random", "input", "shard"]
+            "reduce", "softmax", "reshape", "slicing", "gather", "one_hot", "random", "input", "shard", "mesh_split", "mesh_split"]
 
 
 def check(program: Program, impl_cls, rules: str) -> None:
@@ -593,6 +615,21 @@ def check(program: Program, impl_cls, rules: str) -> None:
             _close(f"gradient wrt {t.name} {t.shape}", value, want, t.dtype)
     for v, want in new_vars.items():
         _close(f"updated variable {v.name}", lowering.variable_value(v), want, v.dtype)
+    check_annotations(lowering)
+
+
+def check_annotations(lowering) -> None:
+    """Propagation kept every annotation and reached a fixed point (one more sweep changes nothing)."""
+    prop = lowering.plan.propagation
+    for op in lowering.graph.operations:
+        if getattr(op, "annotation", None) is None:
+            continue
+        (t,) = op.outputs
+        for d, entry, got in zip(t.shape, op.annotation, lowering.plan[t].axes):
+            if entry is not mx.OPEN:
+                assert [lowering.impl.shape[m].name for m in got] == list(entry), f"annotation {op.name} on {d.name}"
+    assert not prop.sweep(), "propagation had not reached a fixed point"
+
 
 
 def _close(what, got, want, dtype):
@@ -612,7 +649,7 @@ def describe(program: Program, rules: str) -> str:
     lines = [f"mesh {program.mesh_shape!r}, rules {rules!r}"]
     for op in program.graph.operations:
         ins = ", ".join(t.name for t in op.inputs)
-        extra = f" layout={op.layout_override}" if hasattr(op, "layout_override") else ""
+        extra = f" annotation={list(op.annotation)}" if getattr(op, "annotation", None) is not None else ""
         outs = ", ".join(f"{t.name}{t.shape}:{t.dtype}" for t in op.outputs)
         lines.append(f"  {outs} = {type(op).__name__}({ins}){extra}  [{op.source.rsplit('/', 1)[-1]}]")
     return "\n".join(lines)

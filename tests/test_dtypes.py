@@ -49,7 +49,7 @@ BUILDERS = {
     "relu": lambda x, i, m: mx.relu(x), "rename_dimension": lambda x, i, m: mx.rename_dimension(x, "d", "e"),
     "replace_dimensions": lambda x, i, m: mx.replace_dimensions(x, D, [mx.Dimension("e", 2), mx.Dimension("f", 4)]),
     "reshape": lambda x, i, m: mx.reshape(x, [mx.Dimension("bd", 64)]), "rsqrt": lambda x, i, m: mx.rsqrt(x),
-    "shard": lambda x, i, m: mx.shard(x, "d:cols"), "shift": lambda x, i, m: mx.shift(x, 1, B, wrap=False),
+    "shard": lambda x, i, m: mx.shard(x, "d:cols"), "mesh_split": lambda x, i, m: mx.mesh_split(mx.identity(x), [mx.OPEN, "cols"]), "shift": lambda x, i, m: mx.shift(x, 1, B, wrap=False),
     "sigmoid": lambda x, i, m: mx.sigmoid(x), "sign": lambda x, i, m: mx.sign(x), "sin": lambda x, i, m: mx.sin(x),
     "slice": lambda x, i, m: mx.slice(x, 2, 4, "b"), "softmax": lambda x, i, m: mx.softmax(x, B),
     "softplus": lambda x, i, m: mx.softplus(x), "split": lambda x, i, m: mx.split(x, D, 2)[1],

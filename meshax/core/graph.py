@@ -43,7 +43,7 @@ def is_floating(dtype) -> bool:
     return np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating) or "float" in dtype.name
 
 
-def _user_source() -> str:
+def user_source() -> str:
     """'file:line' of the first stack frame outside meshax's machinery: where the user built it."""
     frame = sys._getframe(1)
     while frame is not None:
@@ -168,7 +168,7 @@ class Operation:
         self.inputs = inputs
         self.outputs: list[Tensor] = []
         self.name = self.graph.unique_name(name or type(self).__name__.removesuffix("Operation").lower())
-        self.source = _user_source()
+        self.source = user_source()
         self.grad_of: Operation | None = None  # set on ops built by another op's gradient
         self.graph.operations.append(self)
 

@@ -1,10 +1,12 @@
 """Mesh shapes, layout rules and per-tensor layouts."""
 
+from meshax.layout.sharding_rule import ShardingRule, iteration, rule_of
 from meshax.layout.mesh_shape import (
     convert_to_mesh_shape,
     pnum_to_processor_coordinates,
     processor_coordinates_to_pnum,
 )
+from meshax.layout.propagate import OPEN
 from meshax.layout.rules import (
     LayoutRules,
     TensorLayout,
@@ -18,7 +20,7 @@ from meshax.layout.rules import (
 )
 
 __all__ = [
-    "LayoutRules", "TensorLayout", "convert_to_layout_rules", "convert_to_mesh_shape",
+    "OPEN", "LayoutRules", "ShardingRule", "iteration", "rule_of", "TensorLayout", "convert_to_layout_rules", "convert_to_mesh_shape",
     "pnum_to_processor_coordinates", "processor_coordinates_to_pnum", "slice_begin", "slice_index",
     "slice_shape", "split_factor", "tensor_layout", "validate_layout",
 ]

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshax.core.graph import Operation, Tensor
-from meshax.layout import TensorLayout, slice_shape
+from meshax.layout import ShardingRule, TensorLayout, iteration, rule_of, slice_shape
 from meshax.lower.counters import Counters, Site
 from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.mesh_impl import MeshImpl
@@ -81,6 +81,39 @@ class LoweringContext:
                     lambda i, c, n=self.mesh_shape[m].size: i * n + c, index, c)
             begins.append(self.slicewise(lambda i, s=size: i * s, index))
         return begins
+
+    def iteration(self, op: Operation) -> dict[str, tuple[int, ...]]:
+        """factor -> mesh axes `op` runs with, read from its sharding rule: the results' planned
+        splits first, or the operands' where that moves no more values (it keeps the operands,
+        usually activations, where they are). The second is GSPMD's
+        weight-update sharding: a weight's gradient summed over a batch split over the mesh dim
+        that also splits the weight is reduce-scattered, instead of gathering the activations."""
+        rule = rule_of(op)
+        layouts, planned = [self.plan[t] for t in op.inputs], [self.plan[t] for t in op.outputs]
+        first = iteration(rule, layouts, planned)
+        other = iteration(rule, layouts, planned, results_first=False)
+        if other != first and self._moved(op, rule, other) <= self._moved(op, rule, first):
+            return other
+        return first
+
+    def _moved(self, op: Operation, rule: ShardingRule, assign: dict) -> int:
+        """Values one device sends to run `op` with `assign` and lay its results out as planned
+        (an estimate to compare two choices by; the counters record what really runs)."""
+        moved = 0
+        for t, factors in zip(op.inputs, rule.operands):
+            have = self.plan[t]
+            want = TensorLayout(assign[f] if f is not None else h for f, h in zip(factors, have.axes))
+            if any(w[:len(h)] != h for h, w in zip(have.axes, want.axes)):  # not a free allsplit
+                moved += self.local_size(t, want)
+        pending = {m for f in rule.factors if rule.kind(f) == "reduced" for m in assign.get(f, ())}
+        for t, factors in zip(op.outputs, rule.results):
+            got = TensorLayout(assign[f] if f is not None else () for f in factors)
+            planned = self.plan[t]
+            if pending:
+                moved += self.local_size(t, got)
+            if any(p[:len(g)] != g for g, p in zip(got.axes, planned.axes)):
+                moved += self.local_size(t, planned)
+        return moved
 
     def local_size(self, t: Tensor, layout: TensorLayout | None = None) -> int:
         """Elements of t's slice on one device, in `layout` (default: its planned layout)."""

@@ -174,6 +174,18 @@ class Lowering:
     def tensor_layout(self, t: Tensor):
         return self.plan[t]
 
+    def layout_of(self, t: Tensor) -> str:
+        """t's final layout as rules, e.g. "batch:rows;d_ff:cols" ("" when replicated)."""
+        from meshax.lower.explain import layout_string
+        return layout_string(t.shape, self.plan[t], self.impl.shape)
+
+    def explain(self, threshold: int = 1 << 20) -> str:
+        """Every tensor's layout and where it came from (a rule, an annotation at file:line, or
+        propagated from which tensor through which op), then warnings: tensors of at least
+        `threshold` values left replicated over a mesh dim, and reshards that annotations force."""
+        from meshax.lower.explain import explain
+        return explain(self, threshold)
+
 
 class LoweredFunction:
     """A compiled SPMD program. Call it with `{placeholder or its name: array}` (and a `seed`

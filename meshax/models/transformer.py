@@ -25,6 +25,7 @@ from meshax.ops.einsum import einsum
 from meshax.ops.indexing import gather
 from meshax.ops.inputs import import_tensor
 from meshax.ops.inputs import range as mrange
+from meshax.ops.layout_ops import mesh_split
 from meshax.ops.random import dropout
 from meshax.ops.reduce import softmax
 from meshax.ops.shape_ops import rename_dimension
@@ -48,6 +49,7 @@ class TransformerConfig:
     positions: str = "sinusoidal"  # or "learned"
     max_length: int = 256  # for learned positions
     layer_norm_epsilon: float = 1e-6
+    sharding: str = ""  # "" (the layout rules alone) or one of GSPMD_SHARDINGS: annotations, the rest propagated
 
     def parameter_count(self) -> int:
         """Parameters, computed from the config (tests check it against the built graph)."""
@@ -70,6 +72,26 @@ def _paper(d_ff, heads, d_kv=128):  # (the table's last row, d_kv 64, states 0.2
                              num_encoder_layers=6, max_length=256)
 
 
+_WEIGHTS = {"d_model": "x", "heads": "y", "d_ff": "y"}  # W_Q, W_K, W_V (MND), W_O (NDM), W_in (MH), W_out (HM)
+# Table 1 of the GSPMD paper, by dim name (B batch, S length, M d_model, N heads, D d_kv, H d_ff) on a
+# mesh with dims x and y. Each entry annotates one kind of tensor; whatever it does not name is
+# replicated, and every tensor the table does not name is left to propagation.
+GSPMD_SHARDINGS: dict[str, dict[str, dict[str, str]]] = {
+    "gspmd-2d-attempt1": {"weights": _WEIGHTS, "BSM": {"d_model": "x"}, "BSND": {"heads": "y"},
+                          "BSH": {"d_ff": "y"}},
+    "gspmd-2d-attempt2": {"weights": _WEIGHTS, "BSM": {"batch": "x"}, "BSND": {"batch": "x", "heads": "y"},
+                          "BSH": {"batch": "x", "d_ff": "y"}},
+    "gspmd-2d-finalized": {"weights": _WEIGHTS, "BSM": {"batch": "x", "d_model": "y"},
+                           "BSND": {"batch": "x", "heads": "y"}, "BSH": {"batch": "x", "d_ff": "y"}},
+}
+
+
+def _gspmd(layers: int, d_model: int, d_ff: int) -> TransformerConfig:
+    """Table 2 of the GSPMD paper: N 128, D 256, vocab 32000; each layer 4MND + 2MH weights."""
+    return TransformerConfig(vocab_size=32000, d_model=d_model, d_ff=d_ff, num_heads=128, d_kv=256,
+                             num_layers=layers, max_length=1024)
+
+
 PRESETS: dict[str, TransformerConfig] = {
     "tiny": TransformerConfig(vocab_size=256, d_model=64, d_ff=256, num_heads=4, d_kv=16, num_layers=2),
     "small": TransformerConfig(vocab_size=256, d_model=128, d_ff=512, num_heads=8, d_kv=16, num_layers=4),
@@ -79,6 +101,11 @@ PRESETS: dict[str, TransformerConfig] = {
     "paper-ff16384": _paper(16384, 32),
     "paper-ff32768": _paper(32768, 64),
     "paper-ff65536": _paper(65536, 128),
+    "gspmd-64b": _gspmd(32, 8192, 65536),
+    "gspmd-128b": _gspmd(64, 8192, 65536),
+    "gspmd-256b": _gspmd(128, 8192, 65536),
+    "gspmd-512b": _gspmd(256, 8192, 65536),
+    "gspmd-1t": _gspmd(128, 16384, 131072),
 }
 # Parameters (billions) of Table 3, next to each paper preset.
 PAPER_PARAMETERS = {"paper-ff2048": 0.15, "paper-ff4096": 0.24, "paper-ff8192": 0.42, "paper-ff16384": 0.77,
@@ -99,6 +126,16 @@ class Transformer:
         self.d_ff = Dimension("d_ff", c.d_ff)
         self.vocab = Dimension("vocab", c.vocab_size)
         self._vars: dict[str, Tensor] = {}
+        if c.sharding and c.sharding not in GSPMD_SHARDINGS:
+            raise ValueError(f"unknown sharding {c.sharding!r}; choose one of {sorted(GSPMD_SHARDINGS)} or '' "
+                             "(the layout rules alone)")
+        self._sharding = GSPMD_SHARDINGS.get(c.sharding, {})
+
+    def annotate(self, x: Tensor, kind: str) -> Tensor:
+        """x annotated as the configured GSPMD sharding says for `kind` (weights, BSM, BSND, BSH);
+        x itself without one."""
+        spec = self._sharding.get(kind)
+        return mesh_split(x, [spec.get(d.name) for d in x.shape]) if spec is not None else x
 
     # ---- pieces -------------------------------------------------------------------------------
     def _var(self, name, shape, init):
@@ -137,14 +174,15 @@ class Transformer:
         """Multi-head attention of x [.., length, d_model] over memory [.., memory_length, d_model]."""
         dims = [self.d_model, self.heads, self.d_kv]
         std = 1.0 / math.sqrt(self.config.d_model)
-        wq = self._var(f"{name}/q", dims, initializers.normal(std / math.sqrt(self.config.d_kv)))
-        wk = self._var(f"{name}/k", dims, initializers.normal(std))
-        wv = self._var(f"{name}/v", dims, initializers.normal(std))
-        wo = self._var(f"{name}/o", [self.heads, self.d_kv, self.d_model],
-                       initializers.normal(1.0 / math.sqrt(self.config.num_heads * self.config.d_kv)))
-        q = einsum(x, wq, reduced_dims=[self.d_model])
-        k = einsum(memory, wk, reduced_dims=[self.d_model])
-        v = einsum(memory, wv, reduced_dims=[self.d_model])
+        weight = lambda *a: self.annotate(self._var(*a), "weights")  # noqa: E731
+        wq = weight(f"{name}/q", dims, initializers.normal(std / math.sqrt(self.config.d_kv)))
+        wk = weight(f"{name}/k", dims, initializers.normal(std))
+        wv = weight(f"{name}/v", dims, initializers.normal(std))
+        wo = weight(f"{name}/o", [self.heads, self.d_kv, self.d_model],
+                    initializers.normal(1.0 / math.sqrt(self.config.num_heads * self.config.d_kv)))
+        q = self.annotate(einsum(x, wq, reduced_dims=[self.d_model]), "BSND")
+        k = self.annotate(einsum(memory, wk, reduced_dims=[self.d_model]), "BSND")
+        v = self.annotate(einsum(memory, wv, reduced_dims=[self.d_model]), "BSND")
         logits = einsum(q, k, reduced_dims=[self.d_kv])
         if bias is not None:
             logits = logits + bias
@@ -154,8 +192,10 @@ class Transformer:
 
     def feed_forward(self, x: Tensor, name: str) -> Tensor:
         act = ew.relu if self.config.activation == "relu" else ew.gelu
-        h = self._drop(dense(x, self.d_ff, reduced_dims=[self.d_model], activation=act, name=f"{self.name}/{name}/wi"))
-        return dense(h, self.d_model, reduced_dims=[self.d_ff], name=f"{self.name}/{name}/wo")
+        weights = {"kernel_annotation": lambda w: self.annotate(w, "weights")} if self._sharding else {}
+        h = dense(x, self.d_ff, reduced_dims=[self.d_model], activation=act, name=f"{self.name}/{name}/wi", **weights)
+        h = self._drop(self.annotate(h, "BSH"))
+        return dense(h, self.d_model, reduced_dims=[self.d_ff], name=f"{self.name}/{name}/wo", **weights)
 
     def norm(self, x: Tensor, name: str) -> Tensor:
         return layer_norm(x, self.d_model, self.config.layer_norm_epsilon, name=f"{self.name}/{name}")
@@ -175,6 +215,7 @@ class Transformer:
 
     def stack(self, x: Tensor, layers: int, prefix: str, self_bias, memory=None, memory_bias=None) -> Tensor:
         for i in range(layers):
+            x = self.annotate(x, "BSM")
             y = self.norm(x, f"{prefix}/{i}/self_attention_norm")
             x = x + self._drop(self.attention(y, self.as_memory(y), self_bias, f"{prefix}/{i}/self_attention"))
             if memory is not None:
@@ -215,5 +256,5 @@ class Transformer:
         return self.logits(y, "target_embedding")
 
 
-__all__ = ["PAPER_PARAMETERS", "PRESETS", "Transformer", "TransformerConfig"]
+__all__ = ["GSPMD_SHARDINGS", "PAPER_PARAMETERS", "PRESETS", "Transformer", "TransformerConfig"]
 

@@ -9,7 +9,7 @@ from meshax.ops.elementwise import (
 )
 from meshax.ops.indexing import gather, one_hot, top_k
 from meshax.ops.inputs import constant, import_tensor, ones, ones_like, placeholder, range, zeros, zeros_like
-from meshax.ops.layout_ops import shard
+from meshax.ops.layout_ops import mesh_split, shard
 from meshax.ops.random import dropout, random_normal, random_uniform
 from meshax.ops.reduce import (
     argmax, log_softmax, reduce_all, reduce_any, reduce_logsumexp, reduce_max, reduce_mean, reduce_min,
@@ -80,7 +80,7 @@ __all__ = [
     "replace_dimensions",
     "reshape",
     "rsqrt",
-    "shard",
+    "mesh_split", "shard",
     "shift",
     "sigmoid",
     "sign",

@@ -48,9 +48,8 @@ class EinsumOperation(Operation):
         self._subscripts = _subscripts([t.shape for t in inputs], output_shape)
 
     def lower(self, ctx):
-        from meshax.ops.reduce import iteration_layout
         out = self.outputs[0]
-        assign = iteration_layout(ctx.layout(out), out.shape, [(t.shape, ctx.layout(t)) for t in self.inputs])
+        assign = ctx.iteration(self)
         layouts = [TensorLayout(assign[d.name] for d in t.shape) for t in self.inputs]
         used = {m for a in assign.values() for m in a}
         vals = [ctx.get(t, l, allow_partial=True) for t, l in zip(self.inputs, layouts)]

@@ -14,7 +14,7 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype
 from meshax.core.shape import Dimension, Shape
-from meshax.layout import TensorLayout, slice_shape
+from meshax.layout import ShardingRule, TensorLayout, slice_shape
 from meshax.ops import elementwise as ew
 from meshax.ops._util import dim_of, unsplit_dims
 
@@ -44,14 +44,20 @@ class GatherOperation(Operation):
         self.dim = dim
         self._add_output(Shape(indices.shape.dims + rest), weights.dtype)
 
+    def sharding_rule(self) -> ShardingRule:
+        """By name, except the table's looked-up dim: it is tied to nothing (the output's dim
+        of that name, if any, is the indices')."""
+        (w, idx), (out,) = self.inputs, self.outputs
+        return ShardingRule((tuple(None if d == self.dim else d.name for d in w.shape), tuple(idx.shape.dimension_names)),
+                            (tuple(out.shape.dimension_names),))
+
     def lower(self, ctx):
-        from meshax.ops.reduce import iteration_layout
         (w, idx), (out,) = self.inputs, self.outputs
         # The output's dims (the indices' and the table's other dims) split as planned; the
         # table's looked-up dim keeps its split where a mesh dim is free. It is a dim of its
         # own even when the indices' dim has the same name (ids over a "vocab" dim): then
         # the output's "vocab" is the indices', not the table's.
-        assign = iteration_layout(ctx.layout(out), out.shape, [])
+        assign = ctx.iteration(self)
         used = {m for a in assign.values() for m in a}
         table_axes = ctx.layout(w).axes[w.shape.index(self.dim)]
         table_axes = () if used & set(table_axes) else table_axes
@@ -97,6 +103,7 @@ class TopKOperation(Operation):
         if k_dim.size > dim.size:
             raise GraphError(f"top_k: k={k_dim.size} is larger than {dim}")
         self.dim, self.k_dim = dim, k_dim
+        self.whole_dims = (dim.name, k_dim.name)
         shape = Shape([k_dim if d == dim else d for d in x.shape])
         self._add_output(shape, x.dtype)
         self._add_output(shape, "int32")

@@ -1,17 +1,28 @@
-"""Layout annotations: `shard` (GSPMD's mesh_split), the per-tensor override of the rules."""
+"""Layout annotations: GSPMD's `mesh_split` and the by-name `shard`.
+
+An annotation is an identity op whose output's layout the user fixes, dim by dim (an `OPEN`
+entry leaves that dim to propagation). Its gradient carries the same annotation (GSPMD section
+3.4), so the backward pass is annotated too. One tensor takes one annotation: a second,
+different one is refused (split the tensor twice by annotating a copy, e.g. `x + 0`).
+"""
 
 from __future__ import annotations
 
-from meshax.core.graph import Operation, Tensor
-from meshax.layout import convert_to_layout_rules
+from collections.abc import Sequence
+
+from meshax.core.errors import LayoutError
+from meshax.core.graph import Operation, Tensor, user_source
+from meshax.layout import OPEN, convert_to_layout_rules
+
+Annotation = tuple  # per tensor dim: a tuple of mesh dim names (major to minor; () replicated) or OPEN
 
 
 class ShardOperation(Operation):
-    """Identity whose output has the given layout, whatever the rules say."""
+    """Identity whose output has the annotated layout, whatever the rules say."""
 
-    def __init__(self, x: Tensor, layout, name=None):
+    def __init__(self, x: Tensor, annotation: Annotation, name=None):
         super().__init__([x], name=name or "shard")
-        self.layout_override = convert_to_layout_rules(layout)
+        self.annotation = annotation
         self._add_output(x.shape, x.dtype)
 
     def lower(self, ctx):
@@ -21,9 +32,66 @@ class ShardOperation(Operation):
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
-        return [None if g is None else shard(g, self.layout_override)]
+        return [None if g is None else _annotate(g, self.annotation, None, self.source)]
+
+
+def _entry(x: Tensor, i: int, entry, where: str):
+    if entry is OPEN:
+        return OPEN
+    if entry is None:
+        return ()
+    names = (entry,) if isinstance(entry, str) else tuple(entry) if isinstance(entry, Sequence) else None
+    if names is None or not all(isinstance(m, str) for m in names):
+        raise LayoutError(f"mesh_split of {x.name!r} {x.shape} at {where}: entry {i} ({x.shape[i].name!r}) is "
+                          f"{entry!r}; give a mesh dim name, a tuple of names, None (replicated) or mx.OPEN")
+    return names
+
+
+def _annotate(x: Tensor, annotation: Annotation, name, where: str) -> Tensor:
+    used = [m for e in annotation if e is not OPEN for m in e]
+    twice = sorted({m for m in used if used.count(m) > 1})
+    if twice:
+        raise LayoutError(f"annotation of {x.name!r} {x.shape} at {where}: mesh dim(s) {twice} used more than "
+                          "once; a mesh dim can split at most one dim of a tensor")
+    key = ("annotation", x)
+    seen = x.graph.memo.get(key)
+    if seen is not None:
+        if seen.annotation == annotation:
+            return seen.outputs[0]
+        raise LayoutError(f"conflicting annotations on {x.name!r} {x.shape}: {_show(seen.annotation)} at "
+                          f"{seen.source} and {_show(annotation)} at {where}; annotate it once (to lay it "
+                          "out two ways, annotate a copy)")
+    op = ShardOperation(x, annotation, name)
+    x.graph.memo[key] = op
+    return op.outputs[0]
+
+
+def _show(annotation: Annotation) -> str:
+    return "[" + ", ".join("OPEN" if e is OPEN else (repr(e[0]) if len(e) == 1 else repr(e)) if e else "None"
+                           for e in annotation) + "]"
+
+
+def mesh_split(x: Tensor, dims_mapping, name=None) -> Tensor:
+    """x annotated GSPMD-style: one entry per dim of x, in order: a mesh dim name, a tuple of
+    names (major to minor), None (replicated) or `mx.OPEN` (propagation decides)."""
+    where = user_source()
+    if isinstance(dims_mapping, str) or not isinstance(dims_mapping, Sequence):
+        raise LayoutError(f"mesh_split of {x.name!r} at {where}: dims_mapping must be a list with one "
+                          f"entry per dim of {x.shape}, got {dims_mapping!r}")
+    if len(dims_mapping) != x.shape.rank:
+        raise LayoutError(f"mesh_split of {x.name!r} {x.shape} at {where}: dims_mapping has "
+                          f"{len(dims_mapping)} entries for {x.shape.rank} dims; give one per dim, in order "
+                          f"({x.shape.dimension_names})")
+    return _annotate(x, tuple(_entry(x, i, e, where) for i, e in enumerate(dims_mapping)), name, where)
 
 
 def shard(x: Tensor, layout, name=None) -> Tensor:
-    """x, laid out as `layout` (e.g. "batch:cols"; "" = replicated), overriding the rules."""
-    return ShardOperation(x, layout, name).outputs[0]
+    """x laid out as `layout`, by dim name (e.g. "batch:cols"; "" = replicated), overriding the
+    rules; dims it does not name are replicated."""
+    where = user_source()
+    rules = convert_to_layout_rules(layout)
+    unknown = [d for d in rules.tensor_dim_names if d not in x.shape]
+    if unknown:
+        raise LayoutError(f"layout {str(rules)!r} for tensor {x.name!r} at {where} names dim(s) {unknown} "
+                          f"that it does not have (its dims: {x.shape.dimension_names})")
+    return _annotate(x, tuple(tuple(rules.mesh_dims_for(d.name)) for d in x.shape), name, where)

@@ -13,32 +13,13 @@ import numpy as np
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
-from meshax.core.shape import Dimension, Shape, convert_to_shape
+from meshax.core.shape import Dimension, convert_to_shape
 from meshax.layout import TensorLayout
 from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import inexact, sum_dtype
 from meshax.ops._util import as_dims, dim_of
 
 _LOCAL = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
-
-
-def iteration_layout(plan_out: TensorLayout, out_shape: Shape, inputs: list[tuple[Shape, TensorLayout]]) -> dict:
-    """dim name -> mesh axes for every dim of an op's iteration space.
-
-    Output dims keep their planned split; other dims take the first input's split whose mesh
-    axes are still free. Each mesh axis ends up splitting at most one dim."""
-    assign = {d.name: a for d, a in zip(out_shape, plan_out.axes)}
-    used = {m for a in assign.values() for m in a}
-    for shape, layout in inputs:
-        for d, axes in zip(shape, layout.axes):
-            if d.name in assign:
-                continue
-            if axes and not used & set(axes):
-                assign[d.name] = axes
-                used |= set(axes)
-            else:
-                assign[d.name] = ()
-    return assign
 
 
 class ReduceOperation(Operation):
@@ -55,7 +36,7 @@ class ReduceOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        assign = iteration_layout(ctx.layout(out), out.shape, [(x.shape, ctx.layout(x))])
+        assign = ctx.iteration(self)
         in_layout = TensorLayout(assign[d.name] for d in x.shape)
         v = ctx.get(x, in_layout, allow_partial=self.kind == "sum")
         axes = [i for i, d in enumerate(x.shape) if d in self.reduced]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Shape, convert_to_shape
-from meshax.layout import TensorLayout, slice_shape
+from meshax.layout import ShardingRule, TensorLayout, slice_shape
 from meshax.ops._util import align, as_dims, restrict
 
 
@@ -40,6 +40,15 @@ class ReshapeOperation(Operation):
                 f"({new_shape.size} elements): sizes differ"
             )
         self._add_output(new_shape, x.dtype)
+
+    def sharding_rule(self) -> ShardingRule:
+        """Aligned dims (see `_aligned`) are one factor, named after the input's dim (a rename
+        keeps its split); the others belong to no factor."""
+        (x,), (out,) = self.inputs, self.outputs
+        pairs = _aligned(x.shape, out.shape)
+        back = {j: i for i, j in pairs.items()}
+        return ShardingRule((tuple(d.name if i in pairs else None for i, d in enumerate(x.shape)),),
+                            (tuple(x.shape[back[j]].name if j in back else None for j in range(out.shape.rank)),))
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs

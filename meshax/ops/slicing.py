@@ -27,6 +27,10 @@ class _OneDimOperation(Operation):
 
     dim_name: str
 
+    @property
+    def whole_dims(self) -> tuple[str, ...]:
+        return (self.dim_name,)
+
     def _inputs_unsplit(self, ctx, allow_partial=False):
         out = self.outputs[0]
         layout = unsplit_dims(ctx.layout(out), out.shape, [self.dim_name])

@@ -162,20 +162,22 @@ class LmTask(Task):
     text_path: str | None = None
     markov_vocab: int = 16
     markov_order: int = 2
+    sharding: str = ""  # a GSPMD sharding of meshax.models.transformer.GSPMD_SHARDINGS
     seed: int = 0
     eval_batches_count: int = 8
     name = "lm"
 
     def __post_init__(self):
         if self.source == "text":
-            self.config = _config(self.model, num_encoder_layers=0)
+            self.config = _config(self.model, num_encoder_layers=0, sharding=self.sharding)
             if self.config.vocab_size < 256:
                 raise ValueError(f"byte-level text needs a vocab of at least 256, the model has {self.config.vocab_size}")
             if self.text_path and not os.path.exists(self.text_path):
                 raise data.DataError(f"text path {self.text_path!r} does not exist; give a text file or a folder")
             self._bytes = None  # read on first use: planning needs no data
         elif self.source == "markov":
-            self.config = _config(self.model, num_encoder_layers=0, vocab_size=self.markov_vocab)
+            self.config = _config(self.model, num_encoder_layers=0, vocab_size=self.markov_vocab,
+                                  sharding=self.sharding)
             self.markov = synthetic.MarkovSource(self.markov_vocab, self.markov_order, seed=self.seed)
         else:
             raise ValueError(f"unknown source {self.source!r}: use 'text' or 'markov'")
@@ -224,6 +226,7 @@ class Seq2SeqTask(Task):
     vocab: int = 16  # tokens 2..vocab-1 (0: unused, 1: BOS); the model's vocab may be larger
     problem: str = "reverse"
     num_encoder_layers: int = 2  # when the model preset has none
+    sharding: str = ""  # a GSPMD sharding of meshax.models.transformer.GSPMD_SHARDINGS
     seed: int = 0
     eval_batches_count: int = 8
     name = "seq2seq"
@@ -232,7 +235,8 @@ class Seq2SeqTask(Task):
         if self.problem not in ("reverse", "sort"):
             raise ValueError(f"unknown problem {self.problem!r}: use 'reverse' or 'sort'")
         config = _config(self.model)
-        self.config = _config(config, num_encoder_layers=config.num_encoder_layers or self.num_encoder_layers)
+        self.config = _config(config, num_encoder_layers=config.num_encoder_layers or self.num_encoder_layers,
+                              sharding=self.sharding)
         if self.config.vocab_size < self.vocab:
             raise ValueError(f"the task's {self.vocab} tokens do not fit the model's vocab of {self.config.vocab_size}")
         self.tokens_per_batch = self.batch_size * self.length

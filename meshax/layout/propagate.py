@@ -1,0 +1,184 @@
+"""GSPMD's sharding completion (paper section 3.5): from a few annotations to every tensor.
+
+The passes, in the order they run (`make_plan`):
+  1. rules: every dim named in the layout rules is split as the rules say (fixed);
+  2. annotations: `mesh_split` / `shard` fix their tensor's dims (`OPEN` entries stay open);
+     ops may keep some dims of their outputs whole (fixed, replicated);
+  3. propagation: every other dim is *open*. Iterative forward and backward sweeps over the
+     whole graph (gradient and optimizer ops included) carry each factor's split from tensor
+     to tensor through the op sharding rules until nothing changes. Priorities: elementwise ops
+     first, then ops that remove dims or contract (einsum, reductions), and last forward
+     through ops that add dims (broadcast), which are preferred backward. A split is only ever
+     refined (an open dim grows a longer split that extends the one it has), never overwritten,
+     and fixed dims never change, so the sweeps reach a fixed point; they are deterministic.
+  4. open dims that nothing reached are replicated.
+Every dim remembers where its split came from, for `Lowering.explain`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from meshax.core.errors import LayoutError
+from meshax.core.shape import Shape
+from meshax.layout.rules import LayoutRules, TensorLayout, tensor_layout, validate_layout
+from meshax.layout.sharding_rule import Factors, ShardingRule, rule_of
+
+
+class _Open:
+    """The annotation entry "let propagation decide" (GSPMD's partial specification)."""
+
+    def __repr__(self) -> str:
+        return "OPEN"
+
+
+OPEN = _Open()
+
+
+def annotation_layout(t, mesh_shape: Shape) -> tuple[list, list[bool]]:
+    """(per-dim mesh axes, per-dim fixed?) from the annotation on t's op, validated."""
+    op = t.operation
+    axes, fixed = [], []
+    for d, entry in zip(t.shape, op.annotation):
+        if entry is OPEN:
+            axes.append(None)
+            fixed.append(False)
+            continue
+        for m in entry:
+            if m not in mesh_shape:
+                raise LayoutError(f"annotation on {t.name!r} {t.shape} at {op.source}: dim {d.name!r} names mesh dim "
+                                  f"{m!r}, but the mesh has only {mesh_shape.dimension_names}")
+        axes.append(tuple(mesh_shape.index(m) for m in entry))
+        fixed.append(True)
+    try:
+        validate_layout(t.shape, TensorLayout(a or () for a in axes), mesh_shape, t.name)
+    except LayoutError as e:
+        raise LayoutError(f"annotation at {op.source}: {e}") from None
+    return axes, fixed
+
+
+class Propagation:
+    """Per tensor and dim: its mesh axes (None: open, nothing yet), whether it is fixed, and
+    where it came from."""
+
+    def __init__(self, operations: Sequence, rules: LayoutRules, mesh_shape: Shape):
+        self.mesh_shape = mesh_shape
+        self.operations = list(operations)
+        self.axes: dict = {}
+        self.fixed: dict = {}
+        self.origin: dict = {}
+        for op in self.operations:
+            for t in op.outputs:
+                self._initial(t, rules)
+        self._rules = {op: rule_of(op) for op in self.operations}
+        self._run()
+
+    def _initial(self, t, rules: LayoutRules) -> None:
+        op = t.operation
+        if getattr(op, "annotation", None) is not None:
+            axes, fixed = annotation_layout(t, self.mesh_shape)
+            self.axes[t], self.fixed[t] = axes, fixed
+            self.origin[t] = [f"annotation at {op.source}" if f else "" for f in fixed]
+            return
+        whole = getattr(op, "replicated_dims", ())
+        ruled = tensor_layout(t.shape, LayoutRules([(d, m) for d, m in rules if d not in whole]), self.mesh_shape,
+                              t.name)
+        named = set(rules.tensor_dim_names)
+        self.axes[t], self.fixed[t], self.origin[t] = [], [], []
+        for d, a in zip(t.shape, ruled.axes):
+            if d.name in whole:
+                self._set_initial(t, (), True, f"kept whole by {type(op).__name__}")
+            elif d.name in named:
+                rule = ";".join(f"{d.name}:{self.mesh_shape[m].name}" for m in a)
+                self._set_initial(t, a, True, f"rule {rule}")
+            else:
+                self._set_initial(t, None, False, "")
+
+    def _set_initial(self, t, axes, fixed: bool, origin: str) -> None:
+        self.axes[t].append(axes)
+        self.fixed[t].append(fixed)
+        self.origin[t].append(origin)
+
+    # ---- one op, one direction ----------------------------------------------------------------
+    @staticmethod
+    def _level(rule: ShardingRule, source: Factors, target: Factors, to_results: bool) -> int:
+        """The priority of carrying splits from `source` to `target` through an op (0 first):
+        between tensors with the same factors (elementwise: no communication when they match),
+        then the rest, and last forward through ops that add dims (broadcast)."""
+        if set(source) == set(target) and None not in target:
+            return 0
+        return 2 if to_results and rule.adds_factors else 1
+
+    def _factor_splits(self, op, rule: ShardingRule, target: Factors, to_results: bool, level: int) -> dict:
+        """factor -> (mesh axes, the tensor it came from): the finest compatible split among the
+        op's tensors that may reach `target` at this level, fixed ones first, then in
+        operand/result order."""
+        tensors = [(t, fs) for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
+                   if t in self.axes and self._level(rule, fs, target, to_results) <= level]
+        found: dict[str, tuple] = {}
+        for want_fixed in (True, False):
+            for t, factors in tensors:
+                for i, f in enumerate(factors):
+                    a = self.axes[t][i]
+                    if f is None or f in rule.whole or not a or self.fixed[t][i] != want_fixed:
+                        continue
+                    have = found.get(f)
+                    if have is None or (len(a) > len(have[0]) and a[:len(have[0])] == have[0]):
+                        found[f] = (a, t)
+        return found
+
+    def _refine(self, t, i: int, want: tuple) -> tuple:
+        """The longest prefix of `want` that t's dim i can take: mesh axes its other dims do not
+        use, and a split that divides the dim."""
+        used = {m for j, a in enumerate(self.axes[t]) if j != i and a for m in a}
+        size, take = t.shape[i].size, []
+        for m in want:
+            if m in used or size % (math.prod(self.mesh_shape[k].size for k in take) * self.mesh_shape[m].size):
+                break
+            take.append(m)
+        return tuple(take)
+
+    def _through(self, op, to_results: bool, level: int) -> bool:
+        rule = self._rules[op]
+        targets = zip(op.outputs, rule.results) if to_results else zip(op.inputs, rule.operands)
+        changed = False
+        for t, factors in targets:
+            if t not in self.axes or all(self.fixed[t]):
+                continue
+            splits = self._factor_splits(op, rule, factors, to_results, level)
+            for i, f in enumerate(factors):
+                if self.fixed[t][i] or f is None or f in rule.whole:
+                    continue
+                if f not in splits:
+                    continue
+                cur = self.axes[t][i] or ()
+                new = self._refine(t, i, splits[f][0])
+                if len(new) > len(cur) and new[:len(cur)] == cur:
+                    self.axes[t][i] = new
+                    source = splits[f][1]
+                    self.origin[t][i] = (f"propagated {'forward' if to_results else 'backward'} through "
+                                         f"{op.name} from {source.name}")
+                    changed = True
+        return changed
+
+    def sweep(self, level: int = 2) -> bool:
+        """One forward and one backward sweep through ops of priority <= level; whether anything changed."""
+        changed = False
+        for op in self.operations:
+            changed |= self._through(op, True, level)
+        for op in reversed(self.operations):
+            changed |= self._through(op, False, level)
+        return changed
+
+    def _run(self) -> None:
+        for level in (0, 1, 2):
+            while self.sweep(level):
+                pass
+
+    # ---- results ------------------------------------------------------------------------------
+    def layout(self, t) -> TensorLayout:
+        return TensorLayout(a or () for a in self.axes[t])
+
+    def origins(self, t) -> list[str]:
+        return [o or "replicated: nothing splits it" for o in self.origin[t]]

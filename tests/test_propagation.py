@@ -1,0 +1,197 @@
+"""GSPMD's half: mesh_split annotations, sharding propagation, explain, weight-update sharding."""
+import numpy as np
+import pytest
+
+import meshax as mx
+from tests.conftest import assert_close, new_mesh, rand
+
+A, Bd, C = mx.Dimension("A", 8), mx.Dimension("B", 4), mx.Dimension("C", 8)
+
+
+def _lowering(t, mesh_shape="x:2;y:4", layout="", impl_cls=mx.SimdMeshImpl):
+    return mx.Lowering(t.graph, {t.mesh: impl_cls(mesh_shape, layout)})
+
+
+def test_figure3_merges_compatible_shardings_of_both_operands():
+    """A_y B . B C_x -> A_y C_x: each operand gives the result one dim's split."""
+    _, mesh = new_mesh()
+    a = mx.mesh_split(mx.placeholder(mesh, "a", [A, Bd]), ["y", None])
+    b = mx.mesh_split(mx.placeholder(mesh, "b", [Bd, C]), [None, "x"])
+    out = mx.einsum(a, b, output_shape=[A, C])
+    low = _lowering(out)
+    assert low.layout_of(out) == "A:y;C:x"
+    assert "propagated forward through einsum" in low.explain()
+
+
+def _figure4(mesh):
+    """A linear layer with a bias, then relu, whose output is annotated on D; the input is split
+    on the batch dim over the same mesh dim."""
+    Bt, Ci, D = mx.Dimension("batch", 8), mx.Dimension("c", 4), mx.Dimension("d", 8)
+    x = mx.mesh_split(mx.placeholder(mesh, "x", [Bt, Ci]), ["x", None])
+    w = mx.placeholder(mesh, "w", [Ci, D])
+    bias = mx.placeholder(mesh, "bias", [D])
+    h = mx.einsum(x, w, output_shape=[Bt, D])
+    y = h + bias
+    r = mx.mesh_split(mx.relu(y), [None, "x"])
+    return [h, y, r.operation.inputs[0], r], (x, w, bias)
+
+
+def test_figure4_elementwise_first_gives_every_bd_tensor_the_same_sharding():
+    _, mesh = new_mesh()
+    bd, _ = _figure4(mesh)
+    low = _lowering(bd[-1])
+    assert {low.layout_of(t) for t in bd} == {"d:x"}
+
+
+def test_figure4_values_equal_numpy_on_both_backends(impl_cls):
+    _, mesh = new_mesh()
+    bd, (x, w, bias) = _figure4(mesh)
+    xv, wv, bv = rand([8, 4], 1), rand([4, 8], 2), rand([8], 3)
+    low = _lowering(bd[-1], impl_cls=impl_cls)
+    got = low.function(bd[-1])({"x": xv, "w": wv, "bias": bv})
+    assert_close(got, np.maximum(xv @ wv + bv, 0))
+
+
+def test_open_dims_are_refined_and_replicated_dims_are_not():
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [A, C])
+    opened = mx.mesh_split(x, [mx.OPEN, "x"])  # A left to propagation
+    closed = mx.mesh_split(mx.placeholder(mesh, "z", [A, C]), [None, "x"])  # A replicated, said so
+    y = mx.mesh_split(opened + closed, ["y", "x"])
+    low = _lowering(y)
+    assert low.layout_of(opened) == "A:y;C:x"
+    assert low.layout_of(closed) == "C:x"
+    assert low.layout_of(x) == "A:y;C:x"  # backward through the annotation, as GSPMD does
+
+
+def test_rules_act_as_annotations_by_name_and_are_never_overridden():
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [A, C])
+    s = mx.mesh_split(x, ["y", None])
+    y = s * 2.0
+    low = _lowering(y, layout="C:x")
+    assert low.layout_of(x) == "A:y;C:x"
+    assert low.layout_of(s) == "A:y"  # the annotation says C is replicated, whatever the rule
+    assert low.layout_of(y) == "A:y;C:x"
+    text = low.explain()
+    assert "rule C:x" in text
+
+
+def test_tuples_split_one_dim_over_two_mesh_dims_major_to_minor():
+    _, mesh = new_mesh()
+    x = mx.mesh_split(mx.placeholder(mesh, "x", [A, C]), [("y", "x"), None])
+    y = mx.relu(x)
+    low = _lowering(y)
+    assert low.layout_of(y) == "A:y;A:x"
+    xv = rand([8, 8], 5)
+    assert_close(low.function(y)({"x": xv}), np.maximum(xv, 0))
+
+
+# ---- gradients, variables and the optimizer follow the annotation ------------------------------
+def _issue_example(rules="batch:rows;d_ff:cols", annotate=True):
+    graph, mesh = new_mesh()
+    b, dm, dff = mx.Dimension("batch", 8), mx.Dimension("d_model", 16), mx.Dimension("d_ff", 32)
+    x = mx.placeholder(mesh, "x", [b, dm])
+    y = mx.placeholder(mesh, "y", [b, dff])
+    w = mx.get_variable(mesh, "w", [dm, dff], initializer=mx.initializers.normal(0.3))
+    wr = mx.shard(w, "d_model:rows;d_ff:cols") if annotate else w
+    h = mx.tanh(mx.einsum(x, wr, output_shape=[b, dff]))
+    loss = mx.reduce_mean(mx.square(h - y))
+    (gw,) = mx.gradients(loss, [w])
+    updates = mx.optimize.AdamWeightDecayOptimizer(0.05).apply_grads([gw], [w])
+    return graph, mesh, w, loss, updates
+
+
+def test_issue_example_shards_the_variable_its_slots_and_its_update():
+    graph, mesh, w, loss, updates = _issue_example()
+    low = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows;d_ff:cols")})
+    for name in ("w", "w/adam_m", "w/adam_v"):
+        (var,) = [v for v in graph.all_variables if v.name == name]
+        assert low.layout_of(var.value) == "d_model:rows;d_ff:cols", name
+    step = low.function(loss, updates)
+    c = step.counters
+    # Forward: w is gathered over rows right before use (16*32/8 = 64 values per device). Backward:
+    # its gradient, summed over the batch split over rows, is reduce-scattered (16*32/4 = 128
+    # values in per device); nothing is gathered to write the update back.
+    assert [(s.kind, s.mesh_axes, s.values) for s in c.sites() if s.kind != "allreduce"] == [
+        ("allgather", ("rows",), 64), ("reduce_scatter", ("rows",), 128)]
+    assert c["alltoall"].count == 0
+    xv, yv = rand([8, 16], 7), rand([8, 32], 8)
+    for i in range(3):
+        step({"x": xv, "y": yv}, seed=i)
+    # each device holds 1/8 of each slot
+    m = low.variable_state([v for v in graph.all_variables if v.name == "w/adam_m"][0])
+    assert {s.data.shape for s in m.addressable_shards} == {(8, 8)}
+
+
+def test_issue_example_trains_to_the_same_values_as_one_device(impl_cls):
+    results = []
+    for mesh_shape, rules, annotate in (("rows:1", "", False), ("rows:2;cols:4", "batch:rows;d_ff:cols", True)):
+        graph, mesh, w, loss, updates = _issue_example(annotate=annotate)
+        low = mx.Lowering(graph, {mesh: impl_cls(mesh_shape, rules)})
+        step = low.function(loss, updates)
+        xv, yv = rand([8, 16], 7), rand([8, 32], 8)
+        losses = [step({"x": xv, "y": yv}) for _ in range(4)]
+        results.append((losses, low.variable_value(w)))
+    assert_close(np.array(results[1][0]), np.array(results[0][0]), rtol=1e-5, atol=1e-6)
+    assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_of_an_annotated_tensor_carries_the_annotation():
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [A, C])
+    y = mx.mesh_split(x, ["x", mx.OPEN])
+    (gx,) = mx.gradients(mx.reduce_sum(mx.square(y)), [x])
+    grads = [op for op in y.graph.operations if isinstance(op, mx.ops.layout_ops.ShardOperation)]
+    assert len(grads) == 2 and grads[1].annotation == grads[0].annotation
+    assert grads[1].grad_of is y.operation
+
+
+# ---- explain --------------------------------------------------------------------------------
+def test_explain_names_origins_and_warns_about_replication_and_forced_reshards():
+    graph, mesh, w, loss, updates = _issue_example()
+    low = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows")})
+    text = low.explain(threshold=100)
+    lines = {line.split()[0]: line for line in text.splitlines() if line and not line.startswith(" ")}
+    assert "d_model:rows;d_ff:cols" in lines["w"] and "d_model: propagated backward through" in lines["w"]
+    assert "annotation at" in lines["shard"] and "test_propagation.py" in lines["shard"]
+    assert "rule batch:rows" in lines["x"]
+    warn = text[text.index("warnings"):]
+    assert "x [batch=8, d_model=16] (128 values" in warn and "replicated over mesh dim(s) cols" in warn
+    assert "reshards" not in warn  # w arrives already in the annotated layout
+    # an annotation that disagrees with its input's layout is a forced reshard, and says so
+    _, mesh2 = new_mesh()
+    z = mx.placeholder(mesh2, "z", [A, C])
+    zz = mx.shard(z, "C:rows")
+    low2 = _lowering(zz, "rows:2;cols:4", layout="A:rows")
+    assert "reshards z from 'A:rows' to 'C:rows'" in low2.explain()
+
+
+def test_layout_of_is_empty_for_replicated_tensors():
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [A])
+    assert _lowering(x).layout_of(x) == ""
+
+
+# ---- bad input -----------------------------------------------------------------------------
+def test_mesh_split_errors_name_the_tensor_and_the_line():
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [A, C])
+    with pytest.raises(mx.LayoutError, match=r"mesh_split of 'x'.*test_propagation.py:\d+.*2 dims"):
+        mx.mesh_split(x, ["x"])
+    with pytest.raises(mx.LayoutError, match=r"'x'.*test_propagation.py:\d+.*\['x'\] used more than once"):
+        mx.mesh_split(x, ["x", "x"])
+    with pytest.raises(mx.LayoutError, match=r"entry 1 \('C'\) is 3"):
+        mx.mesh_split(x, ["x", 3])
+    mx.mesh_split(x, ["x", None])
+    with pytest.raises(mx.LayoutError, match=r"conflicting annotations on 'x'.*\['x', None\] at .*test_propagation"
+                                             r".py:\d+ and \[None, 'x'\] at .*test_propagation.py:\d+"):
+        mx.mesh_split(x, [None, "x"])
+    assert mx.mesh_split(x, ["x", None]) is mx.mesh_split(x, ("x", None))  # the same annotation twice is one
+
+
+def test_unknown_mesh_dim_is_refused_at_lowering_with_the_line():
+    _, mesh = new_mesh()
+    y = mx.mesh_split(mx.placeholder(mesh, "x", [A, C]), ["z", None])
+    with pytest.raises(mx.LayoutError, match=r"annotation on 'shard'.*test_propagation.py:\d+.*mesh dim 'z'"):
+        _lowering(y)
