@@ -198,6 +198,8 @@ class Program:
             return False
         fn = self.r.pick(UNARY)
         if str(x.dtype) == "int32" and fn in ("gelu", "sigmoid", "softplus", "erf", "tanh", "exp", "sqrt"):
+            if fn in ("exp", "sqrt"):  # keep exp finite (float32 overflows past 88) and sqrt real
+                x = self._emit(mx.minimum(mx.abs(x), 4), lambda a: jnp.minimum(jnp.abs(a), 4), [x], pool=False)
             y = getattr(mx, fn)(x)
             return self._emit(y, lambda a: REF_UNARY[fn](a.astype(jnp.float32)), [x])
         if fn in POSITIVE_ONLY and str(x.dtype) == "float32":

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from meshax.cli import main
 
 
@@ -63,3 +65,21 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
     assert "resumed from step 3" in out
     steps = [json.loads(l).get("step") for l in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert steps[:2] == [4, 5]
+
+
+def test_plan_with_a_gspmd_sharding_and_explain(capsys):
+    """--sharding annotates the GSPMD paper's Table 1 tensors; --explain says where each layout
+    came from (here: the embedding table's d_model follows BSM's y, by propagation)."""
+    assert main(["plan", "lm", "--model", "tiny", "--mesh", "x:2;y:4", "--layout", "", "--sharding",
+                 "gspmd-2d-finalized", "--batch-size", "8", "--length", "16", "--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "reduce_scatter" in out and "allgather" in out
+    lines = [line for line in out.splitlines() if line.startswith("transformer/embedding ")]
+    assert lines and "d_model:y" in lines[0] and "propagated" in lines[0]
+    assert "annotation at" in out and "transformer.py" in out
+
+
+def test_unknown_sharding_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "lm", "--sharding", "gspmd-3d"])
+    assert "invalid choice" in capsys.readouterr().err

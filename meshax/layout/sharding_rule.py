@@ -59,20 +59,24 @@ class ShardingRule:
         return any(f not in ins for fs in self.results for f in fs if f is not None)
 
 
+ORDERS = (("results", "operands"), ("reduced", "results", "operands"), ("operands", "results"))
+
+
 def iteration(rule: ShardingRule, layouts: Sequence, planned: Sequence,
-              results_first: bool = True) -> dict[str, tuple[int, ...]]:
+              order: Sequence[str] = ORDERS[0]) -> dict[str, tuple[int, ...]]:
     """factor -> mesh axes an op runs with: each mesh axis splits at most one factor.
 
-    `planned` are the results' planned layouts, `layouts` the operands'. The results' factors
-    keep their planned split, then the operands' factors take theirs where the mesh axes are
-    still free (or the operands first, with `results_first=False`); whole factors are never
-    split."""
+    `planned` are the results' planned layouts, `layouts` the operands'. Factors take their
+    split where its mesh axes are still free, from the groups in `order`: "results" (their
+    planned split), "reduced" (operands' splits of reduced factors only) and "operands" (all
+    operands' splits). Whole factors are never split."""
     assign: dict[str, tuple[int, ...]] = {}
     used: set[int] = set()
     results, operands = list(zip(rule.results, planned)), list(zip(rule.operands, layouts))
-    for factors, layout in (results + operands if results_first else operands + results):
+    pairs = [(group, fs, layout) for group in order for fs, layout in (results if group == "results" else operands)]
+    for group, factors, layout in pairs:
         for f, axes in zip(factors, layout.axes):
-            if f is None or f in assign:
+            if f is None or f in assign or (group == "reduced" and rule.kind(f) != "reduced"):
                 continue
             if f in rule.whole or used & set(axes):
                 axes = ()

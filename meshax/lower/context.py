@@ -16,6 +16,7 @@ import numpy as np
 
 from meshax.core.graph import Operation, Tensor
 from meshax.layout import ShardingRule, TensorLayout, iteration, rule_of, slice_shape
+from meshax.layout.sharding_rule import ORDERS
 from meshax.lower.counters import Counters, Site
 from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.mesh_impl import MeshImpl
@@ -83,18 +84,21 @@ class LoweringContext:
         return begins
 
     def iteration(self, op: Operation) -> dict[str, tuple[int, ...]]:
-        """factor -> mesh axes `op` runs with, read from its sharding rule: the results' planned
-        splits first, or the operands' where that moves no more values (it keeps the operands,
-        usually activations, where they are). The second is GSPMD's
-        weight-update sharding: a weight's gradient summed over a batch split over the mesh dim
-        that also splits the weight is reduce-scattered, instead of gathering the activations."""
+        """factor -> mesh axes `op` runs with, read from its sharding rule: of the splits taken
+        from the results' plan first, from the operands' reduced factors first, or from the
+        operands first (see `iteration`), the one that moves the fewest values (on a tie, the
+        earlier of the latter two: they keep the operands, usually activations, in place;
+        without a conflict all three are one). Taking a reduced factor's split first is
+        GSPMD's weight-update sharding: a weight's gradient summed over a batch split over the
+        mesh dim that also splits the weight is reduce-scattered, not the activations gathered."""
         rule = rule_of(op)
         layouts, planned = [self.plan[t] for t in op.inputs], [self.plan[t] for t in op.outputs]
-        first = iteration(rule, layouts, planned)
-        other = iteration(rule, layouts, planned, results_first=False)
-        if other != first and self._moved(op, rule, other) <= self._moved(op, rule, first):
-            return other
-        return first
+        first, *others = [iteration(rule, layouts, planned, order) for order in ORDERS]
+        if all(o == first for o in others):
+            return first
+        cost = {id(a): self._moved(op, rule, a) for a in (first, *others)}
+        best = min(others, key=lambda a: cost[id(a)])
+        return best if cost[id(best)] <= cost[id(first)] else first
 
     def _moved(self, op: Operation, rule: ShardingRule, assign: dict) -> int:
         """Values one device sends to run `op` with `assign` and lay its results out as planned

@@ -86,9 +86,10 @@ GSPMD_SHARDINGS: dict[str, dict[str, dict[str, str]]] = {
 }
 
 
-def _gspmd(layers: int, d_model: int, d_ff: int) -> TransformerConfig:
-    """Table 2 of the GSPMD paper: N 128, D 256, vocab 32000; each layer 4MND + 2MH weights."""
-    return TransformerConfig(vocab_size=32000, d_model=d_model, d_ff=d_ff, num_heads=128, d_kv=256,
+def _gspmd(layers: int, d_model: int, d_ff: int, heads: int = 128) -> TransformerConfig:
+    """Table 2 of the GSPMD paper: D 256, vocab 32000; each layer holds 4MND + 2MH weights (2^31
+    for M 8192, H 65536, N 128; the 1T model's 2^33 needs N 256 beside its M and H)."""
+    return TransformerConfig(vocab_size=32000, d_model=d_model, d_ff=d_ff, num_heads=heads, d_kv=256,
                              num_layers=layers, max_length=1024)
 
 
@@ -105,7 +106,7 @@ PRESETS: dict[str, TransformerConfig] = {
     "gspmd-128b": _gspmd(64, 8192, 65536),
     "gspmd-256b": _gspmd(128, 8192, 65536),
     "gspmd-512b": _gspmd(256, 8192, 65536),
-    "gspmd-1t": _gspmd(128, 16384, 131072),
+    "gspmd-1t": _gspmd(128, 16384, 131072, heads=256),
 }
 # Parameters (billions) of Table 3, next to each paper preset.
 PAPER_PARAMETERS = {"paper-ff2048": 0.15, "paper-ff4096": 0.24, "paper-ff8192": 0.42, "paper-ff16384": 0.77,
