@@ -38,11 +38,14 @@ LAYOUTS = [
     ("rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols"),
 ]
 OUTPUTS = ("loss", "loss_sum", "count", "correct")
+# the letters loss_and_metrics names its arrays' dims with, as meshax's Transformer names them
+_DIMS = {"b": "batch", "l": "length", "m": "memory_length", "d": "d_model", "h": "heads", "k": "d_kv", "f": "d_ff"}
 
 
-def task(preset: str):
+def task(preset: str, sharding: str = ""):
     from meshax.train import LmTask
-    return LmTask(model=preset, source="markov", markov_vocab=VOCAB, batch_size=BATCH, length=LENGTH)
+    return LmTask(model=preset, source="markov", markov_vocab=VOCAB, batch_size=BATCH, length=LENGTH,
+                  sharding=sharding)
 
 
 def layout_problem(preset: str, mesh_shape: str, layout: str) -> str | None:
@@ -59,11 +62,11 @@ def layout_problem(preset: str, mesh_shape: str, layout: str) -> str | None:
 class MeshaxLm:
     """The task's training program on one mesh and layout; its compiled HLO text is kept."""
 
-    def __init__(self, preset: str, mesh_shape: str, layout: str):
+    def __init__(self, preset: str, mesh_shape: str, layout: str, sharding: str = ""):
         from meshax.optimize import AdamWeightDecayOptimizer
         from meshax.train.loop import build
         self.preset, self.mesh_shape, self.layout = preset, mesh_shape, layout
-        self.task = task(preset)
+        self.task = task(preset, sharding)
         self.program = build(self.task, mesh_shape, layout, "simd", AdamWeightDecayOptimizer(LR))
         self.lowering = self.program.lowering
         self.fn = self.program.train_fn
@@ -130,11 +133,20 @@ def _layer_norm(x, scale, bias, eps):
     return centered * lax.rsqrt(var + eps) * scale + bias
 
 
-def loss_and_metrics(params: dict, ids, targets, weights, *, sinusoid, config, prefix="transformer"):
-    """(loss, (loss_sum, count, correct)) of the decoder-only LM, in jnp on `params` by name."""
+def _no_constraint(a, kind: str, dims: str):
+    return a
+
+
+def loss_and_metrics(params: dict, ids, targets, weights, *, sinusoid, config, prefix="transformer",
+                     constrain=_no_constraint):
+    """(loss, (loss_sum, count, correct)) of the decoder-only LM, in jnp on `params` by name.
+
+    `constrain(array, kind, dims)` is applied where meshax's Transformer annotates a GSPMD
+    sharding (kind: weights, BSM, BSND, BSH; dims: the array's dims as letters of `_DIMS`)."""
     import jax
     import jax.numpy as jnp
     p = lambda n: params[f"{prefix}/{n}"]  # noqa: E731
+    c = constrain
     eps = config.layer_norm_epsilon
     table = p("embedding")
     x = jnp.take(table, ids, axis=0) * math.sqrt(config.d_model) + sinusoid
@@ -143,17 +155,18 @@ def loss_and_metrics(params: dict, ids, targets, weights, *, sinusoid, config, p
     causal = jnp.asarray(np.where(future, -1e9, 0.0).astype(np.float32))
     for i in range(config.num_layers):
         pre = f"decoder/{i}"
+        x = c(x, "BSM", "bld")
         y = _layer_norm(x, p(f"{pre}/self_attention_norm/scale"), p(f"{pre}/self_attention_norm/bias"), eps)
-        q = jnp.einsum("bld,dhk->blhk", y, p(f"{pre}/self_attention/q"))
-        k = jnp.einsum("bmd,dhk->bmhk", y, p(f"{pre}/self_attention/k"))
-        v = jnp.einsum("bmd,dhk->bmhk", y, p(f"{pre}/self_attention/v"))
+        q = c(jnp.einsum("bld,dhk->blhk", y, c(p(f"{pre}/self_attention/q"), "weights", "dhk")), "BSND", "blhk")
+        k = c(jnp.einsum("bmd,dhk->bmhk", y, c(p(f"{pre}/self_attention/k"), "weights", "dhk")), "BSND", "bmhk")
+        v = c(jnp.einsum("bmd,dhk->bmhk", y, c(p(f"{pre}/self_attention/v"), "weights", "dhk")), "BSND", "bmhk")
         logits = jnp.einsum("blhk,bmhk->bhlm", q, k) + causal
         w = jax.nn.softmax(logits, axis=-1)
         att = jnp.einsum("bhlm,bmhk->blhk", w, v)
-        x = x + jnp.einsum("blhk,hkd->bld", att, p(f"{pre}/self_attention/o"))
+        x = x + jnp.einsum("blhk,hkd->bld", att, c(p(f"{pre}/self_attention/o"), "weights", "hkd"))
         y = _layer_norm(x, p(f"{pre}/ffn_norm/scale"), p(f"{pre}/ffn_norm/bias"), eps)
-        h = jax.nn.relu(y @ p(f"{pre}/ffn/wi/kernel") + p(f"{pre}/ffn/wi/bias"))
-        x = x + h @ p(f"{pre}/ffn/wo/kernel") + p(f"{pre}/ffn/wo/bias")
+        h = c(jax.nn.relu(y @ c(p(f"{pre}/ffn/wi/kernel"), "weights", "df") + p(f"{pre}/ffn/wi/bias")), "BSH", "blf")
+        x = x + h @ c(p(f"{pre}/ffn/wo/kernel"), "weights", "fd") + p(f"{pre}/ffn/wo/bias")
     x = _layer_norm(x, p("decoder/final_norm/scale"), p("decoder/final_norm/bias"), eps)
     logits = jnp.einsum("bld,vd->blv", x, table)
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -171,19 +184,29 @@ class JaxLm:
         import jax
         import jax.numpy as jnp
         from jax.sharding import NamedSharding, PartitionSpec
+
+        from meshax.models.transformer import GSPMD_SHARDINGS
         values = m.values() if values is None else values
         names = m.trainable_names()
         config = m.task.config
         sinusoid = m.sinusoid()
         var_sh = m.var_shardings()
         self._feed_sh = m.feed_shardings()
-        scalar = NamedSharding(m.lowering.impl.jax_mesh, PartitionSpec())
+        jax_mesh = m.lowering.impl.jax_mesh
+        scalar = NamedSharding(jax_mesh, PartitionSpec())
         self.names = names
+        spec = GSPMD_SHARDINGS.get(config.sharding)
+
+        def constrain(a, kind, dims):  # the same annotations as meshax's, as XLA sharding constraints
+            if spec is None:
+                return a
+            return jax.lax.with_sharding_constraint(
+                a, NamedSharding(jax_mesh, PartitionSpec(*[spec[kind].get(_DIMS[d]) for d in dims])))
 
         def step(state, ids, targets, weights):
             params, adam_m, adam_v, gstep = state
             (loss, metrics), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(
-                params, ids, targets, weights, sinusoid=sinusoid, config=config)
+                params, ids, targets, weights, sinusoid=sinusoid, config=config, constrain=constrain)
             t = gstep + 1.0
             c1, c2 = 1.0 - jnp.power(B1, t), 1.0 - jnp.power(B2, t)
             new_p, new_m, new_v = {}, {}, {}
@@ -249,9 +272,9 @@ def outputs_agree(a: list[float], b: list[float], rtol: float = 1e-4) -> bool:
 _MODELS: dict = {}
 
 
-def model(preset: str, mesh_shape: str, layout: str) -> MeshaxLm:
-    """One MeshaxLm per (preset, mesh, layout) per run, shared by sections 2 and 5."""
-    key = (preset, mesh_shape, layout)
+def model(preset: str, mesh_shape: str, layout: str, sharding: str = "") -> MeshaxLm:
+    """One MeshaxLm per (preset, mesh, layout, sharding) per run, shared by the sections."""
+    key = (preset, mesh_shape, layout, sharding)
     if key not in _MODELS:
-        _MODELS[key] = MeshaxLm(preset, mesh_shape, layout)
+        _MODELS[key] = MeshaxLm(preset, mesh_shape, layout, sharding)
     return _MODELS[key]

@@ -163,12 +163,14 @@ class Propagation:
         return changed
 
     def sweep(self, level: int = 2) -> bool:
-        """One forward and one backward sweep through ops of priority <= level; whether anything changed."""
+        """One backward and one forward sweep through ops of priority <= level; whether anything
+        changed. (Backward first: a variable then takes its split from the annotated read of it,
+        not from its update at the end of the graph, which `explain` reports.)"""
         changed = False
-        for op in self.operations:
-            changed |= self._through(op, True, level)
         for op in reversed(self.operations):
             changed |= self._through(op, False, level)
+        for op in self.operations:
+            changed |= self._through(op, True, level)
         return changed
 
     def _run(self) -> None:

@@ -22,6 +22,11 @@ from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.mesh_impl import MeshImpl
 
 
+# A collective's fixed cost, in values moved: small tensors are latency-bound, so of two ways
+# to run an op that move about as much, the one with fewer collectives wins.
+_LATENCY = 4096
+
+
 class LoweringContext:
     def __init__(self, impl: MeshImpl, plan: dict[Tensor, TensorLayout], counters: Counters, rng_seed: list):
         self.impl = impl
@@ -101,22 +106,25 @@ class LoweringContext:
         return best if cost[id(best)] <= cost[id(first)] else first
 
     def _moved(self, op: Operation, rule: ShardingRule, assign: dict) -> int:
-        """Values one device sends to run `op` with `assign` and lay its results out as planned
-        (an estimate to compare two choices by; the counters record what really runs)."""
+        """Values one device sends to run `op` with `assign` and lay its results out as planned,
+        plus `_LATENCY` per mesh dim communicated over (an estimate to compare choices by; the
+        counters record what really runs)."""
+        def reshard(t, have: TensorLayout, want: TensorLayout) -> int:
+            if all(w[:len(h)] == h for h, w in zip(have.axes, want.axes)):
+                return 0  # a free allsplit
+            moved_axes = {m for h, w in zip(have.axes, want.axes) for m in set(h) ^ set(w)}
+            return self.local_size(t, want) + _LATENCY * len(moved_axes)
+
         moved = 0
         for t, factors in zip(op.inputs, rule.operands):
             have = self.plan[t]
-            want = TensorLayout(assign[f] if f is not None else h for f, h in zip(factors, have.axes))
-            if any(w[:len(h)] != h for h, w in zip(have.axes, want.axes)):  # not a free allsplit
-                moved += self.local_size(t, want)
+            moved += reshard(t, have, TensorLayout(assign[f] if f is not None else h for f, h in zip(factors, have.axes)))
         pending = {m for f in rule.factors if rule.kind(f) == "reduced" for m in assign.get(f, ())}
         for t, factors in zip(op.outputs, rule.results):
             got = TensorLayout(assign[f] if f is not None else () for f in factors)
-            planned = self.plan[t]
             if pending:
-                moved += self.local_size(t, got)
-            if any(p[:len(g)] != g for g, p in zip(got.axes, planned.axes)):
-                moved += self.local_size(t, planned)
+                moved += self.local_size(t, got) + _LATENCY * len(pending)
+            moved += reshard(t, got, self.plan[t])
         return moved
 
     def local_size(self, t: Tensor, layout: TensorLayout | None = None) -> int:
