@@ -25,7 +25,7 @@ from benchmarks import hlo
 from benchmarks import transformer as lm
 from benchmarks.records import record, side
 from benchmarks.timing import interleaved
-from benchmarks.two_layer import LR, Size, feeds
+from benchmarks.two_layer import JaxModel, MeshaxModel, Size, feeds
 
 MESH = "rows:2;cols:4"
 ANNOTATIONS = {"x": ("rows", None), "w": ("rows", "cols"), "v": ("cols", "rows")}
@@ -33,83 +33,15 @@ QUICK = {"size": Size(64, 32, 128), "steps": 10, "warmup": 3, "lm_steps": 5}
 FULL = {"size": Size(512, 256, 1024), "steps": 50, "warmup": 5, "lm_steps": 30}
 
 
-class AnnotatedMlp:
-    """The two-layer network in meshax, annotated with mesh_split; no layout rules."""
-
-    def __init__(self, s: Size):
-        import meshax as mx
-        graph = mx.Graph()
-        mesh = mx.Mesh(graph, "mesh")
-        batch, io, hidden = mx.Dimension("batch", s.b), mx.Dimension("io", s.io), mx.Dimension("hidden", s.h)
-        x = mx.placeholder(mesh, "x", [batch, io])
-        g = mx.placeholder(mesh, "g", [batch, io])
-        w = mx.get_variable(mesh, "w", [io, hidden], initializer=mx.initializers.normal(0.1))
-        bias = mx.get_variable(mesh, "bias", [hidden])
-        v = mx.get_variable(mesh, "v", [hidden, io], initializer=mx.initializers.normal(0.1))
-        xs = mx.mesh_split(x, ANNOTATIONS["x"])
-        h = mx.relu(mx.einsum(xs, mx.mesh_split(w, ANNOTATIONS["w"]), output_shape=[batch, hidden]) + bias)
-        y = mx.einsum(h, mx.mesh_split(v, ANNOTATIONS["v"]), output_shape=[batch, io])
-        loss = mx.reduce_sum(y * g)
-        grads = mx.gradients(loss, [w, bias, v])
-        updates = mx.optimize.SgdOptimizer(LR).apply_grads(grads, [w, bias, v])
-        self.impl = mx.SimdMeshImpl(MESH, "")
-        self.lowering = mx.Lowering(graph, {mesh: self.impl})
-        self.fn = self.lowering.function(loss, updates=updates)
-        self.t = {"x": x, "g": g, "w": w, "bias": bias, "v": v}
-        self.size = s
-
-    def sharding(self, name: str):
-        return self.impl.named_sharding(self.lowering.plan[self.t[name]])
-
-    def params(self) -> list[np.ndarray]:
-        return [self.lowering.variable_value(self.t[n]) for n in ("w", "bias", "v")]
-
-    def step(self, f) -> float:
-        return float(self.fn(f))
-
-    def compiled_text(self, f) -> str:
-        return self.fn.compiled_text(f)
-
-
-class JaxMlp:
-    """The same step in jnp under jax.jit, with sharding constraints on the same three tensors."""
-
-    def __init__(self, m: AnnotatedMlp):
-        import jax
-        import jax.numpy as jnp
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        mesh = m.impl.jax_mesh
-        c = {n: NamedSharding(mesh, PartitionSpec(*spec)) for n, spec in ANNOTATIONS.items()}
-        wsc = jax.lax.with_sharding_constraint
-
-        def loss_fn(params, x, g):
-            w, bias, v = params
-            h = jax.nn.relu(wsc(x, c["x"]) @ wsc(w, c["w"]) + bias)
-            return jnp.sum((h @ wsc(v, c["v"])) * g)
-
-        def step(params, global_step, x, g):
-            loss, grads = jax.value_and_grad(loss_fn)(params, x, g)
-            return loss, tuple(p - LR * d for p, d in zip(params, grads)), global_step + 1.0
-
-        p_sh = tuple(m.sharding(n) for n in ("w", "bias", "v"))
-        scalar = NamedSharding(mesh, PartitionSpec())
-        self._feed_sh = {n: m.sharding(n) for n in ("x", "g")}
-        self._jit = jax.jit(step, in_shardings=(p_sh, scalar, self._feed_sh["x"], self._feed_sh["g"]),
-                            out_shardings=(scalar, p_sh, scalar), donate_argnums=(0, 1))
-        self._params = tuple(jax.device_put(p, s) for p, s in zip(m.params(), p_sh))
-        self._gs = jax.device_put(np.float32(0), scalar)
-
-    def _args(self, f):
-        import jax
-        return (self._params, self._gs, *(jax.device_put(f[n], self._feed_sh[n]) for n in ("x", "g")))
-
-    def step(self, f) -> float:
-        loss, self._params, self._gs = self._jit(*self._args(f))
-        return float(np.asarray(loss))
-
-    def compiled_text(self, f) -> str:
-        return self._jit.lower(*self._args(f)).compile().as_text()
+def _jax_twin(m: MeshaxModel) -> JaxModel:
+    """The same step in jnp under jax.jit: the three annotations as sharding constraints, the
+    parameters and feeds stored as meshax's plan stores them."""
+    from jax.sharding import NamedSharding, PartitionSpec
+    mesh = m.impl.jax_mesh
+    shardings = {n: m.sharding(n) for n in ("x", "g", "w", "bias", "v")}
+    shardings["scalar"] = NamedSharding(mesh, PartitionSpec())
+    constraints = {n: NamedSharding(mesh, PartitionSpec(*spec)) for n, spec in ANNOTATIONS.items()}
+    return JaxModel(m.params(), shardings=shardings, constraints=constraints)
 
 
 def _compare(name: str, cfg: dict, step_mx, step_xla, text_mx: str, text_xla: str, steps: int, warmup: int,
@@ -134,8 +66,8 @@ def run(quick: bool) -> list[dict]:
     p = QUICK if quick else FULL
     s = p["size"]
     f = feeds(s)
-    m = AnnotatedMlp(s)
-    j = JaxMlp(m)
+    m = MeshaxModel(s, MESH, "", annotations=ANNOTATIONS)
+    j = _jax_twin(m)
     cfg = {"mesh": MESH, "layout": "(annotations) x:[rows,-] w:[rows,cols] v:[cols,rows]", "size": str(s),
            "program": "two-layer train step (SGD)"}
     l_mx, l_xla = m.step(f), j.step(f)
@@ -144,7 +76,7 @@ def run(quick: bool) -> list[dict]:
         out = [record(7, "step time meshax / XLA, same annotations", cfg, None, "", status="not timed: losses differ",
                       first_outputs=first)]
     else:
-        out = _compare("two-layer", cfg, lambda: m.step(f), lambda: j.step(f), m.compiled_text(f),
+        out = _compare("two-layer", cfg, lambda: m.step(f), lambda: j.step(f), m.compiled_text("step"),
                        j.compiled_text(f), p["steps"], p["warmup"], first)
 
     mesh, sharding = "x:2;y:4", "gspmd-2d-finalized"

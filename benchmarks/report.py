@@ -14,6 +14,7 @@ SECTION_TITLES = {
     4: "SPMD scaling of the lowering",
     5: "Counter truth (meshax counters vs compiled HLO)",
     6: "GPU",
+    7: "GSPMD annotations: meshax propagation vs XLA's, same annotations",
 }
 
 

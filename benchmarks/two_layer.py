@@ -73,8 +73,9 @@ def feeds(s: Size, seed: int = 0) -> dict[str, np.ndarray]:
             "g": rng.normal(size=(s.b, s.io)).astype(np.float32) * 0.1}
 
 
-def build_graph(s: Size):
-    """(graph, mesh, tensors) of the two-layer network; tensors is a dict by name."""
+def build_graph(s: Size, annotations: dict | None = None):
+    """(graph, mesh, tensors) of the two-layer network; tensors is a dict by name.
+    `annotations` {"x" / "w" / "v": dims_mapping} are mesh_split on the reads of those tensors."""
     import meshax as mx
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "mesh")
@@ -84,7 +85,11 @@ def build_graph(s: Size):
     w = mx.get_variable(mesh, "w", [io, hidden], initializer=mx.initializers.normal(0.1))
     bias = mx.get_variable(mesh, "bias", [hidden])
     v = mx.get_variable(mesh, "v", [hidden, io], initializer=mx.initializers.normal(0.1))
-    y = mx.einsum(mx.relu(mx.einsum(x, w, output_shape=[batch, hidden]) + bias), v, output_shape=[batch, io])
+    def read(name, t):  # t as the annotations say, where they say anything
+        return mx.mesh_split(t, annotations[name]) if annotations and name in annotations else t
+
+    h = mx.relu(mx.einsum(read("x", x), read("w", w), output_shape=[batch, hidden]) + bias)
+    y = mx.einsum(h, read("v", v), output_shape=[batch, io])
     loss = mx.reduce_sum(y * g)
     dx, dw, dbias, dv = mx.gradients(loss, [x, w, bias, v])
     updates = mx.optimize.SgdOptimizer(LR).apply_grads([dw, dbias, dv], [w, bias, v])
@@ -95,10 +100,10 @@ def build_graph(s: Size):
 class MeshaxModel:
     """The meshax graph lowered on one mesh; programs are built lazily and kept."""
 
-    def __init__(self, s: Size, mesh_shape: str, layout: str, devices=None):
+    def __init__(self, s: Size, mesh_shape: str, layout: str, devices=None, annotations: dict | None = None):
         import meshax as mx
         self.size, self.mesh_shape, self.layout = s, mesh_shape, layout
-        self.graph, self.mesh, self.t, self.updates = build_graph(s)
+        self.graph, self.mesh, self.t, self.updates = build_graph(s, annotations)
         self.impl = mx.SimdMeshImpl(mesh_shape, layout, devices=devices)
         self.lowering = mx.Lowering(self.graph, {self.mesh: self.impl})
         self._comm_fn = self._step_fn = None
@@ -136,14 +141,19 @@ class MeshaxModel:
 class JaxModel:
     """The same training step in plain JAX: jax.jit with NamedShardings, or one device."""
 
-    def __init__(self, params: list[np.ndarray], shardings: dict | None = None, device=None):
-        """`shardings`: {"x","g","w","bias","v","scalar"} -> NamedSharding; else all on `device`."""
+    def __init__(self, params: list[np.ndarray], shardings: dict | None = None, device=None,
+                 constraints: dict | None = None):
+        """`shardings`: {"x","g","w","bias","v","scalar"} -> NamedSharding; else all on `device`.
+        `constraints`: {"x" / "w" / "v": NamedSharding}, with_sharding_constraint on their reads."""
         import jax
         import jax.numpy as jnp
 
+        def c(a, name):
+            return jax.lax.with_sharding_constraint(a, constraints[name]) if name in (constraints or {}) else a
+
         def loss_fn(params, x, g):
             w, bias, v = params
-            y = jax.nn.relu(x @ w + bias) @ v
+            y = jax.nn.relu(c(x, "x") @ c(w, "w") + bias) @ c(v, "v")
             return jnp.sum(y * g)
 
         def step(params, global_step, x, g):

@@ -195,3 +195,21 @@ def test_unknown_mesh_dim_is_refused_at_lowering_with_the_line():
     y = mx.mesh_split(mx.placeholder(mesh, "x", [A, C]), ["z", None])
     with pytest.raises(mx.LayoutError, match=r"annotation on 'shard'.*test_propagation.py:\d+.*mesh dim 'z'"):
         _lowering(y)
+
+
+def test_priorities_settle_lower_ones_first():
+    """x's batch and w's f both ask for mesh dim x in h = x . w: the lower priority wins h."""
+    def build(px, pw):
+        _, mesh = new_mesh()
+        b, d, f = mx.Dimension("batch", 8), mx.Dimension("d", 4), mx.Dimension("f", 8)
+        x = mx.mesh_split(mx.placeholder(mesh, "x", [b, d]), ["x", None], priority=px)
+        w = mx.mesh_split(mx.placeholder(mesh, "w", [d, f]), [None, "x"], priority=pw)
+        h = mx.relu(mx.einsum(x, w, output_shape=[b, f]))
+        return _lowering(h), h
+    low, h = build(0, 1)
+    assert low.layout_of(h) == "batch:x"
+    low, h = build(1, 0)
+    assert low.layout_of(h) == "f:x"
+    assert "priority 1" in low.explain()
+    xv, wv = rand([8, 4], 1), rand([4, 8], 2)
+    assert_close(low.function(h)({"x": xv, "w": wv}), np.maximum(xv @ wv, 0))

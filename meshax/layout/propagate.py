@@ -3,6 +3,8 @@
 The passes, in the order they run (`make_plan`):
   1. rules: every dim named in the layout rules is split as the rules say (fixed);
   2. annotations: `mesh_split` / `shard` fix their tensor's dims (`OPEN` entries stay open);
+     an annotation with a priority p > 0 joins later, after everything before it has
+     propagated to a fixed point (Shardy's p0, p1: annotate the batch first, then the model);
      ops may keep some dims of their outputs whole (fixed, replicated);
   3. propagation: every other dim is *open*. Iterative forward and backward sweeps over the
      whole graph (gradient and optimizer ops included) carry each factor's split from tensor
@@ -68,18 +70,26 @@ class Propagation:
         self.axes: dict = {}
         self.fixed: dict = {}
         self.origin: dict = {}
+        later: dict[int, list] = {}  # priority -> annotated tensors that join at that round (open till then)
         for op in self.operations:
             for t in op.outputs:
-                self._initial(t, rules)
+                if getattr(op, "priority", 0) > 0:
+                    later.setdefault(op.priority, []).append(t)
+                    self.axes[t], self.fixed[t], self.origin[t] = ([None] * t.shape.rank, [False] * t.shape.rank,
+                                                                   [""] * t.shape.rank)
+                else:
+                    self._initial(t, rules)
         self._rules = {op: rule_of(op) for op in self.operations}
         self._run()
+        for priority in sorted(later):  # Shardy's p1, p2 ...: each round propagates to a fixed point
+            for t in later[priority]:
+                self._annotate(t)
+            self._run()
 
     def _initial(self, t, rules: LayoutRules) -> None:
         op = t.operation
         if getattr(op, "annotation", None) is not None:
-            axes, fixed = annotation_layout(t, self.mesh_shape)
-            self.axes[t], self.fixed[t] = axes, fixed
-            self.origin[t] = [f"annotation at {op.source}" if f else "" for f in fixed]
+            self._annotate(t)
             return
         whole = getattr(op, "replicated_dims", ())
         ruled = tensor_layout(t.shape, LayoutRules([(d, m) for d, m in rules if d not in whole]), self.mesh_shape,
@@ -88,17 +98,20 @@ class Propagation:
         self.axes[t], self.fixed[t], self.origin[t] = [], [], []
         for d, a in zip(t.shape, ruled.axes):
             if d.name in whole:
-                self._set_initial(t, (), True, f"kept whole by {type(op).__name__}")
+                state = ((), True, f"kept whole by {type(op).__name__}")
             elif d.name in named:
-                rule = ";".join(f"{d.name}:{self.mesh_shape[m].name}" for m in a)
-                self._set_initial(t, a, True, f"rule {rule}")
+                state = (a, True, "rule " + ";".join(f"{d.name}:{self.mesh_shape[m].name}" for m in a))
             else:
-                self._set_initial(t, None, False, "")
+                state = (None, False, "")  # open
+            for column, value in zip((self.axes[t], self.fixed[t], self.origin[t]), state):
+                column.append(value)
 
-    def _set_initial(self, t, axes, fixed: bool, origin: str) -> None:
-        self.axes[t].append(axes)
-        self.fixed[t].append(fixed)
-        self.origin[t].append(origin)
+    def _annotate(self, t) -> None:
+        axes, fixed = annotation_layout(t, self.mesh_shape)
+        self.axes[t] = [a if f else None for a, f in zip(axes, fixed)]
+        self.fixed[t] = fixed
+        where = t.operation.source + (f", priority {t.operation.priority}" if t.operation.priority else "")
+        self.origin[t] = [f"annotation at {where}" if f else "" for f in fixed]
 
     # ---- one op, one direction ----------------------------------------------------------------
     @staticmethod
@@ -148,9 +161,7 @@ class Propagation:
                 continue
             splits = self._factor_splits(op, rule, factors, to_results, level)
             for i, f in enumerate(factors):
-                if self.fixed[t][i] or f is None or f in rule.whole:
-                    continue
-                if f not in splits:
+                if self.fixed[t][i] or f not in splits:  # (splits has no None or whole factors)
                     continue
                 cur = self.axes[t][i] or ()
                 new = self._refine(t, i, splits[f][0])

@@ -46,13 +46,6 @@ class ShardingRule:
         return "passed" if any(factor in fs for fs in self.results) else "reduced"
 
     @property
-    def is_elementwise(self) -> bool:
-        """Every operand and result has the same factors: no communication if laid out alike,
-        which is why propagation goes through these first (GSPMD section 3.5)."""
-        sets = {frozenset(fs) for fs in (*self.operands, *self.results)}
-        return len(sets) <= 1 and None not in next(iter(sets), frozenset())
-
-    @property
     def adds_factors(self) -> bool:
         """Results have factors no operand has (broadcast): propagation prefers backward."""
         ins = {f for fs in self.operands for f in fs}

@@ -101,9 +101,7 @@ class LoweringContext:
         first, *others = [iteration(rule, layouts, planned, order) for order in ORDERS]
         if all(o == first for o in others):
             return first
-        cost = {id(a): self._moved(op, rule, a) for a in (first, *others)}
-        best = min(others, key=lambda a: cost[id(a)])
-        return best if cost[id(best)] <= cost[id(first)] else first
+        return min([*others, first], key=lambda a: self._moved(op, rule, a))  # min keeps the earliest of ties
 
     def _moved(self, op: Operation, rule: ShardingRule, assign: dict) -> int:
         """Values one device sends to run `op` with `assign` and lay its results out as planned,

@@ -3,7 +3,7 @@
 An annotation is an identity op whose output's layout the user fixes, dim by dim (an `OPEN`
 entry leaves that dim to propagation). Its gradient carries the same annotation (GSPMD section
 3.4), so the backward pass is annotated too. One tensor takes one annotation: a second,
-different one is refused (split the tensor twice by annotating a copy, e.g. `x + 0`).
+different one is refused (to lay one tensor out two ways, annotate a copy: `mx.identity(x)`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ Annotation = tuple  # per tensor dim: a tuple of mesh dim names (major to minor;
 class ShardOperation(Operation):
     """Identity whose output has the annotated layout, whatever the rules say."""
 
-    def __init__(self, x: Tensor, annotation: Annotation, name=None):
+    def __init__(self, x: Tensor, annotation: Annotation, priority: int = 0, name=None):
         super().__init__([x], name=name or "shard")
         self.annotation = annotation
+        self.priority = priority
         self._add_output(x.shape, x.dtype)
 
     def lower(self, ctx):
@@ -32,7 +33,7 @@ class ShardOperation(Operation):
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
-        return [None if g is None else _annotate(g, self.annotation, None, self.source)]
+        return [None if g is None else _annotate(g, self.annotation, self.priority, None, self.source)]
 
 
 def _entry(x: Tensor, i: int, entry, where: str):
@@ -47,7 +48,7 @@ def _entry(x: Tensor, i: int, entry, where: str):
     return names
 
 
-def _annotate(x: Tensor, annotation: Annotation, name, where: str) -> Tensor:
+def _annotate(x: Tensor, annotation: Annotation, priority: int, name, where: str) -> Tensor:
     used = [m for e in annotation if e is not OPEN for m in e]
     twice = sorted({m for m in used if used.count(m) > 1})
     if twice:
@@ -56,12 +57,14 @@ def _annotate(x: Tensor, annotation: Annotation, name, where: str) -> Tensor:
     key = ("annotation", x)
     seen = x.graph.memo.get(key)
     if seen is not None:
-        if seen.annotation == annotation:
+        if (seen.annotation, seen.priority) == (annotation, priority):
             return seen.outputs[0]
         raise LayoutError(f"conflicting annotations on {x.name!r} {x.shape}: {_show(seen.annotation)} at "
                           f"{seen.source} and {_show(annotation)} at {where}; annotate it once (to lay it "
-                          "out two ways, annotate a copy)")
-    op = ShardOperation(x, annotation, name)
+                          "out two ways, annotate a copy: mx.identity(x))")
+    if not (isinstance(priority, int) and priority >= 0):
+        raise LayoutError(f"annotation of {x.name!r} at {where}: priority must be an int >= 0, got {priority!r}")
+    op = ShardOperation(x, annotation, priority, name)
     x.graph.memo[key] = op
     return op.outputs[0]
 
@@ -71,9 +74,11 @@ def _show(annotation: Annotation) -> str:
                            for e in annotation) + "]"
 
 
-def mesh_split(x: Tensor, dims_mapping, name=None) -> Tensor:
+def mesh_split(x: Tensor, dims_mapping, priority: int = 0, name=None) -> Tensor:
     """x annotated GSPMD-style: one entry per dim of x, in order: a mesh dim name, a tuple of
-    names (major to minor), None (replicated) or `mx.OPEN` (propagation decides)."""
+    names (major to minor), None (replicated) or `mx.OPEN` (propagation decides). Annotations
+    of priority p > 0 take part only after those of lower priority have propagated (Shardy's
+    p0, p1), so e.g. the batch split can be settled before the model's."""
     where = user_source()
     if isinstance(dims_mapping, str) or not isinstance(dims_mapping, Sequence):
         raise LayoutError(f"mesh_split of {x.name!r} at {where}: dims_mapping must be a list with one "
@@ -82,10 +87,10 @@ def mesh_split(x: Tensor, dims_mapping, name=None) -> Tensor:
         raise LayoutError(f"mesh_split of {x.name!r} {x.shape} at {where}: dims_mapping has "
                           f"{len(dims_mapping)} entries for {x.shape.rank} dims; give one per dim, in order "
                           f"({x.shape.dimension_names})")
-    return _annotate(x, tuple(_entry(x, i, e, where) for i, e in enumerate(dims_mapping)), name, where)
+    return _annotate(x, tuple(_entry(x, i, e, where) for i, e in enumerate(dims_mapping)), priority, name, where)
 
 
-def shard(x: Tensor, layout, name=None) -> Tensor:
+def shard(x: Tensor, layout, priority: int = 0, name=None) -> Tensor:
     """x laid out as `layout`, by dim name (e.g. "batch:cols"; "" = replicated), overriding the
     rules; dims it does not name are replicated."""
     where = user_source()
@@ -94,4 +99,4 @@ def shard(x: Tensor, layout, name=None) -> Tensor:
     if unknown:
         raise LayoutError(f"layout {str(rules)!r} for tensor {x.name!r} at {where} names dim(s) {unknown} "
                           f"that it does not have (its dims: {x.shape.dimension_names})")
-    return _annotate(x, tuple(tuple(rules.mesh_dims_for(d.name)) for d in x.shape), name, where)
+    return _annotate(x, tuple(tuple(rules.mesh_dims_for(d.name)) for d in x.shape), priority, name, where)
