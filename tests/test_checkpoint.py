@@ -77,6 +77,7 @@ def saved_at_3(trained):
     return run.directory, run.at_save
 
 
+@pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl], ids=["simd"])  # placement: the restore tests below
 def test_resume_is_exact(impl_cls, trained):
     run = trained(impl_cls)
     fresh, fresh_fn = build(impl_cls(MESH_SHAPE, LAYOUT), seed=1)  # other initial values
