@@ -32,6 +32,24 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "fuzz: the fuzzer's long profile (pytest -m fuzz --fuzz-cases N)")
 
 
+# The placement backend compiles a program per device (~10-20 s per case set here): where a test
+# is parametrized over the canonical layouts, it runs these two (nothing split; two dims on both
+# mesh dims) and SIMD runs them all. The fuzzer runs the placement backend on random layouts.
+PLACEMENT_LAYOUTS = {"", "b:rows;d:cols"}
+
+
+def pytest_collection_modifyitems(config, items):
+    keep, drop = [], []
+    for item in items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        canonical = params.get("layout", "") in LAYOUTS
+        placement = params.get("impl_cls") is mx.PlacementMeshImpl
+        (drop if placement and canonical and params.get("layout", "") not in PLACEMENT_LAYOUTS else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 IMPLS = [mx.SimdMeshImpl, mx.PlacementMeshImpl]
 IMPL_IDS = ["simd", "placement"]
 

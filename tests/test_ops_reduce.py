@@ -7,10 +7,8 @@ import numpy as np
 import meshax as mx
 from tests.conftest import B, D, H, LAYOUTS, check_cases, impls_and_layouts, names, new_mesh, rand
 
-# both impls unsplit and on two mesh dims; the other canonical layouts and one more on SIMD only
-# (the placement backend compiles a program per device: ~20 s a layout here)
-BOTH = ["", "b:rows;d:cols"]
-layouts = impls_and_layouts(BOTH, simd_extra=[lay for lay in LAYOUTS if lay not in BOTH] + ["d:rows;h:cols"])
+# the canonical layouts on both impls (see conftest.PLACEMENT_LAYOUTS), plus (SIMD only) one more layout
+layouts = impls_and_layouts(LAYOUTS, simd_extra=["d:rows;h:cols"])
 
 AXIS = {"b": 0, "h": 1, "d": 2}
 
