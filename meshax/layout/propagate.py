@@ -108,8 +108,7 @@ class Propagation:
 
     def _annotate(self, t) -> None:
         axes, fixed = annotation_layout(t, self.mesh_shape)
-        self.axes[t] = [a if f else None for a, f in zip(axes, fixed)]
-        self.fixed[t] = fixed
+        self.axes[t], self.fixed[t] = axes, fixed
         where = t.operation.source + (f", priority {t.operation.priority}" if t.operation.priority else "")
         self.origin[t] = [f"annotation at {where}" if f else "" for f in fixed]
 

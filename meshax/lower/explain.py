@@ -31,7 +31,7 @@ def _origin(lowering, t: Tensor) -> str:
     if parts:
         return "; ".join(parts)
     fixed = [o for o, f in zip(prop.origins(t), prop.fixed[t]) if f]
-    return fixed[0] if fixed and t.shape.rank else "replicated: nothing splits it"
+    return fixed[0] if fixed else "replicated: nothing splits it"
 
 
 def warnings(lowering, threshold: int) -> list[str]:

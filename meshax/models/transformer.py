@@ -193,10 +193,11 @@ class Transformer:
 
     def feed_forward(self, x: Tensor, name: str) -> Tensor:
         act = ew.relu if self.config.activation == "relu" else ew.gelu
-        weights = {"kernel_annotation": lambda w: self.annotate(w, "weights")} if self._sharding else {}
-        h = dense(x, self.d_ff, reduced_dims=[self.d_model], activation=act, name=f"{self.name}/{name}/wi", **weights)
+        weights = lambda w: self.annotate(w, "weights")  # noqa: E731
+        h = dense(x, self.d_ff, reduced_dims=[self.d_model], activation=act, name=f"{self.name}/{name}/wi",
+                  kernel_annotation=weights)
         h = self._drop(self.annotate(h, "BSH"))
-        return dense(h, self.d_model, reduced_dims=[self.d_ff], name=f"{self.name}/{name}/wo", **weights)
+        return dense(h, self.d_model, reduced_dims=[self.d_ff], name=f"{self.name}/{name}/wo", kernel_annotation=weights)
 
     def norm(self, x: Tensor, name: str) -> Tensor:
         return layer_norm(x, self.d_model, self.config.layer_norm_epsilon, name=f"{self.name}/{name}")
