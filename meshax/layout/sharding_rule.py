@@ -5,18 +5,27 @@ result dim carrying one factor is split the same way when the op runs. Each fact
 
   passed    in a result (and maybe in operands): split it and no communication is needed;
   reduced   only in operands: a split leaves each device a partial result (a pending sum);
-  whole     must not be split: the op gathers it first (slice, concat, cumsum, top_k ...).
+  whole     must not be split: the op gathers it first (slice, concat, cumsum, top_k ...);
+  windowed  in a result, each output value reads neighbours up to a width away (shift): it
+            stays split over one mesh dim whose slices are at least that wide, with a halo
+            exchange at the edges, and is gathered otherwise.
 
-A dim with factor `None` belongs to no factor (nothing ties it to another dim). The lowering
-(`iteration`), sharding propagation, the cost report and layout search read the same rule.
+A dim with factor `None` belongs to no factor: nothing ties it to another dim, and the op runs
+with it whole (reshape's dims that are not aligned). The lowering (`choose`: how an op runs,
+which every op's `lower` asks through `ctx.layouts`), sharding propagation, the cost estimate
+`choose` compares ways to run by (`moved`), and later layout search read the same rule; no op
+decides its layout in its kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 from meshax.core.shape import Shape
+from meshax.layout.rules import TensorLayout, slice_shape, split_factor
 
 Factors = tuple[str | None, ...]  # per dim of one operand or result: its factor
 
@@ -26,12 +35,13 @@ class ShardingRule:
     operands: tuple[Factors, ...]
     results: tuple[Factors, ...]
     whole: frozenset[str] = frozenset()
+    windows: tuple[tuple[str, int], ...] = ()  # windowed factor -> its halo width
 
     @staticmethod
-    def by_name(inputs: Sequence[Shape], outputs: Sequence[Shape], whole=()) -> ShardingRule:
+    def by_name(inputs: Sequence[Shape], outputs: Sequence[Shape], whole=(), windows=()) -> ShardingRule:
         """The rule of an op whose dims relate by name (most ops)."""
         return ShardingRule(tuple(tuple(s.dimension_names) for s in inputs),
-                            tuple(tuple(s.dimension_names) for s in outputs), frozenset(whole))
+                            tuple(tuple(s.dimension_names) for s in outputs), frozenset(whole), tuple(windows))
 
     @property
     def factors(self) -> list[str]:
@@ -43,6 +53,8 @@ class ShardingRule:
     def kind(self, factor: str) -> str:
         if factor in self.whole:
             return "whole"
+        if factor in dict(self.windows):
+            return "windowed"
         return "passed" if any(factor in fs for fs in self.results) else "reduced"
 
     @property
@@ -54,17 +66,24 @@ class ShardingRule:
 
 ORDERS = (("results", "operands"), ("reduced", "results", "operands"), ("operands", "results"))
 
+# A collective's fixed cost, in values moved: small tensors are latency-bound, so of two ways
+# to run an op that move about as much, the one with fewer collectives wins.
+LATENCY = 4096
 
-def iteration(rule: ShardingRule, layouts: Sequence, planned: Sequence,
-              order: Sequence[str] = ORDERS[0]) -> dict[str, tuple[int, ...]]:
+
+def iteration(rule: ShardingRule, layouts: Sequence[TensorLayout], planned: Sequence[TensorLayout],
+              order: Sequence[str] = ORDERS[0], sizes: Mapping[str, int] | None = None,
+              mesh_shape: Shape | None = None) -> dict[str, tuple[int, ...]]:
     """factor -> mesh axes an op runs with: each mesh axis splits at most one factor.
 
     `planned` are the results' planned layouts, `layouts` the operands'. Factors take their
     split where its mesh axes are still free, from the groups in `order`: "results" (their
     planned split), "reduced" (operands' splits of reduced factors only) and "operands" (all
-    operands' splits). Whole factors are never split."""
+    operands' splits). Whole factors are never split; a windowed factor only where its halo
+    fits (one mesh dim, slices at least the window wide: needs `sizes`, factor -> size)."""
     assign: dict[str, tuple[int, ...]] = {}
     used: set[int] = set()
+    windows = dict(rule.windows)
     results, operands = list(zip(rule.results, planned)), list(zip(rule.operands, layouts))
     pairs = [(group, fs, layout) for group in order for fs, layout in (results if group == "results" else operands)]
     for group, factors, layout in pairs:
@@ -73,16 +92,87 @@ def iteration(rule: ShardingRule, layouts: Sequence, planned: Sequence,
                 continue
             if f in rule.whole or used & set(axes):
                 axes = ()
+            if f in windows and axes and windows[f] and (
+                    len(axes) > 1 or windows[f] > sizes[f] // split_factor(axes, mesh_shape)):
+                axes = ()
             assign[f] = tuple(axes)
             used |= set(axes)
     return assign
 
 
+def layouts(factor_lists: Sequence[Factors], assign: Mapping[str, tuple[int, ...]]) -> list[TensorLayout]:
+    """Per tensor (operands or results), its layout while the op runs with `assign`: each dim
+    split as its factor; a dim of no factor whole."""
+    return [TensorLayout(assign.get(f, ()) if f is not None else () for f in fs) for fs in factor_lists]
+
+
+def owed(rule: ShardingRule, assign: Mapping[str, tuple[int, ...]]) -> frozenset[int]:
+    """Mesh axes the results are partial sums over: those that split a reduced factor."""
+    return frozenset(m for f in rule.factors if rule.kind(f) == "reduced" for m in assign.get(f, ()))
+
+
+def moved(rule: ShardingRule, operands: Sequence[tuple[Shape, TensorLayout]], results: Sequence[tuple[Shape, TensorLayout]],
+          assign: Mapping[str, tuple[int, ...]], mesh_shape: Shape) -> int:
+    """Values one device sends to run the op with `assign`, from its operands' (shape, layout)
+    to its results' (shape, planned layout), plus `LATENCY` per mesh dim communicated over:
+    reshards, the allreduce of owed sums, halo exchanges. An estimate to compare choices by
+    (the lowering's counters record what really runs)."""
+    def local(shape, layout) -> int:
+        return math.prod(slice_shape(shape, layout, mesh_shape))
+
+    def reshard(shape, have: TensorLayout, want: TensorLayout) -> int:
+        if all(w[:len(h)] == h for h, w in zip(have.axes, want.axes)):
+            return 0  # a free allsplit
+        moved_axes = {m for h, w in zip(have.axes, want.axes) for m in set(h) ^ set(w)}
+        return local(shape, want) + LATENCY * len(moved_axes)
+
+    total = sum(reshard(shape, have, want) for (shape, have), want in zip(operands, layouts(rule.operands, assign)))
+    pending = owed(rule, assign)
+    windows = dict(rule.windows)
+    for (shape, planned), factors, got in zip(results, rule.results, layouts(rule.results, assign)):
+        if pending:
+            total += local(shape, got) + LATENCY * len(pending)
+        for d, f, axes in zip(shape, factors, got.axes):
+            if windows.get(f) and axes:  # the halo: `width` rows of the slice, to one neighbour
+                total += local(shape, got) // (d.size // split_factor(axes, mesh_shape)) * windows[f] + LATENCY
+        total += reshard(shape, got, planned)
+    return total
+
+
+def choose(op, layouts_in: Sequence[TensorLayout], planned: Sequence[TensorLayout], mesh_shape: Shape) -> Run:
+    """How `op` runs, read from its sharding rule: of the splits taken from the results' plan
+    first, from the operands' reduced factors first, or from the operands first, the one that
+    moves the fewest values (on a tie, the earlier of the latter two: they keep the operands,
+    usually activations, in place; without a conflict all three are one). Taking a reduced
+    factor's split first is GSPMD's weight-update sharding: a weight's gradient summed over a
+    batch split over the mesh dim that also splits the weight is reduce-scattered, not the
+    activations gathered."""
+    rule = rule_of(op)
+    sizes = {f: t.shape[i].size for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
+             for i, f in enumerate(fs) if f is not None}
+    first, *others = [iteration(rule, layouts_in, planned, order, sizes, mesh_shape) for order in ORDERS]
+    if any(o != first for o in others):
+        operands = [(t.shape, layout) for t, layout in zip(op.inputs, layouts_in)]
+        results = [(t.shape, layout) for t, layout in zip(op.outputs, planned)]
+        first = min([*others, first], key=lambda a: moved(rule, operands, results, a, mesh_shape))  # keeps the earliest of ties
+    return Run(first, layouts(rule.operands, first), layouts(rule.results, first), owed(rule, first))
+
+
+class Run(NamedTuple):
+    """How an op runs: factor -> mesh axes, the layouts its operands are fetched in and its
+    results come out in, and the mesh axes its results are partial sums over."""
+    assign: dict[str, tuple[int, ...]]
+    operands: list[TensorLayout]
+    results: list[TensorLayout]
+    pending: frozenset[int]
+
+
 def rule_of(op) -> ShardingRule:
     """The op's own rule (`op.sharding_rule()`), or the rule by dim name, with the dims it
-    names in `whole_dims` kept whole."""
+    names in `whole_dims` kept whole and those in `windows` ((name, halo width) pairs)
+    windowed."""
     own = getattr(op, "sharding_rule", None)
     if own is not None:
         return own()
     return ShardingRule.by_name([t.shape for t in op.inputs], [t.shape for t in op.outputs],
-                                getattr(op, "whole_dims", ()))
+                                getattr(op, "whole_dims", ()), getattr(op, "windows", ()))

@@ -15,16 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshax.core.graph import Operation, Tensor
-from meshax.layout import ShardingRule, TensorLayout, iteration, rule_of, slice_shape
-from meshax.layout.sharding_rule import ORDERS
+from meshax.layout import TensorLayout, slice_shape
+from meshax.layout.sharding_rule import Run, choose
 from meshax.lower.counters import Counters, Site
 from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.mesh_impl import MeshImpl
-
-
-# A collective's fixed cost, in values moved: small tensors are latency-bound, so of two ways
-# to run an op that move about as much, the one with fewer collectives wins.
-_LATENCY = 4096
 
 
 class LoweringContext:
@@ -88,42 +83,10 @@ class LoweringContext:
             begins.append(self.slicewise(lambda i, s=size: i * s, index))
         return begins
 
-    def iteration(self, op: Operation) -> dict[str, tuple[int, ...]]:
-        """factor -> mesh axes `op` runs with, read from its sharding rule: of the splits taken
-        from the results' plan first, from the operands' reduced factors first, or from the
-        operands first (see `iteration`), the one that moves the fewest values (on a tie, the
-        earlier of the latter two: they keep the operands, usually activations, in place;
-        without a conflict all three are one). Taking a reduced factor's split first is
-        GSPMD's weight-update sharding: a weight's gradient summed over a batch split over the
-        mesh dim that also splits the weight is reduce-scattered, not the activations gathered."""
-        rule = rule_of(op)
-        layouts, planned = [self.plan[t] for t in op.inputs], [self.plan[t] for t in op.outputs]
-        first, *others = [iteration(rule, layouts, planned, order) for order in ORDERS]
-        if all(o == first for o in others):
-            return first
-        return min([*others, first], key=lambda a: self._moved(op, rule, a))  # min keeps the earliest of ties
-
-    def _moved(self, op: Operation, rule: ShardingRule, assign: dict) -> int:
-        """Values one device sends to run `op` with `assign` and lay its results out as planned,
-        plus `_LATENCY` per mesh dim communicated over (an estimate to compare choices by; the
-        counters record what really runs)."""
-        def reshard(t, have: TensorLayout, want: TensorLayout) -> int:
-            if all(w[:len(h)] == h for h, w in zip(have.axes, want.axes)):
-                return 0  # a free allsplit
-            moved_axes = {m for h, w in zip(have.axes, want.axes) for m in set(h) ^ set(w)}
-            return self.local_size(t, want) + _LATENCY * len(moved_axes)
-
-        moved = 0
-        for t, factors in zip(op.inputs, rule.operands):
-            have = self.plan[t]
-            moved += reshard(t, have, TensorLayout(assign[f] if f is not None else h for f, h in zip(factors, have.axes)))
-        pending = {m for f in rule.factors if rule.kind(f) == "reduced" for m in assign.get(f, ())}
-        for t, factors in zip(op.outputs, rule.results):
-            got = TensorLayout(assign[f] if f is not None else () for f in factors)
-            if pending:
-                moved += self.local_size(t, got) + _LATENCY * len(pending)
-            moved += reshard(t, got, self.plan[t])
-        return moved
+    def layouts(self, op: Operation) -> Run:
+        """How `op` runs (`sharding_rule.choose`): the layouts to fetch its operands in and its
+        results come out in, and what the results owe, all read from its sharding rule."""
+        return choose(op, [self.plan[t] for t in op.inputs], [self.plan[t] for t in op.outputs], self.mesh_shape)
 
     def local_size(self, t: Tensor, layout: TensorLayout | None = None) -> int:
         """Elements of t's slice on one device, in `layout` (default: its planned layout)."""

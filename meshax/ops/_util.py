@@ -1,4 +1,4 @@
-"""Helpers shared by op families: scalar conversion, layout restriction, slice alignment."""
+"""Helpers shared by op families: scalar conversion, dim lookup, slice alignment."""
 
 from __future__ import annotations
 
@@ -9,25 +9,7 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension, Shape, convert_to_shape
-from meshax.layout import TensorLayout
 from meshax.ops._dtypes import scalar_dtype
-
-
-def restrict(layout: TensorLayout, from_shape: Shape, to_shape: Shape, unsplit=()) -> TensorLayout:
-    """A layout for `to_shape` that splits each dim as `layout` splits it in `from_shape`.
-
-    Dims missing from `from_shape`, and dims named in `unsplit`, are not split."""
-    names = from_shape.dimension_names
-    unsplit = {d.name if isinstance(d, Dimension) else d for d in unsplit}
-    return TensorLayout(
-        layout.axes[names.index(d.name)] if d.name in names and d.name not in unsplit else ()
-        for d in to_shape
-    )
-
-
-def unsplit_dims(layout: TensorLayout, shape: Shape, dims) -> TensorLayout:
-    names = {d.name if isinstance(d, Dimension) else d for d in dims}
-    return TensorLayout(() if d.name in names else a for d, a in zip(shape, layout.axes))
 
 
 def align(x, from_shape: Shape, to_shape: Shape):

@@ -16,7 +16,6 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Shape, convert_to_shape
-from meshax.layout import TensorLayout
 from meshax.ops._dtypes import result_type
 from meshax.ops.elementwise import union_shape
 from meshax.ops._util import as_dims
@@ -49,26 +48,23 @@ class EinsumOperation(Operation):
 
     def lower(self, ctx):
         out = self.outputs[0]
-        assign = ctx.iteration(self)
-        layouts = [TensorLayout(assign[d.name] for d in t.shape) for t in self.inputs]
-        used = {m for a in assign.values() for m in a}
-        vals = [ctx.get(t, l, allow_partial=True) for t, l in zip(self.inputs, layouts)]
+        run = ctx.layouts(self)
+        used = {m for a in run.assign.values() for m in a}
+        vals = [ctx.get(t, l, allow_partial=True) for t, l in zip(self.inputs, run.operands)]
         # The einsum is linear in one partial input, if the others are whole and its owed axes
         # split nothing here; otherwise settle the sums first.
         partial = [i for i, v in enumerate(vals) if v.pending]
         if len(partial) > 1 or (partial and vals[partial[0]].pending & used):
-            vals = [ctx.get(t, l) for t, l in zip(self.inputs, layouts)]
-        pending = set().union(*[v.pending for v in vals])
-        reduced = {d.name for t in self.inputs for d in t.shape} - set(out.shape.dimension_names)
-        pending |= {m for name in reduced for m in assign[name]}
+            vals = [ctx.get(t, l) for t, l in zip(self.inputs, run.operands)]
+        pending = set().union(run.pending, *[v.pending for v in vals])
         local = {d.name: d.size for t in self.inputs for d in t.shape}
-        for name, axes in assign.items():
+        for name, axes in run.assign.items():
             for m in axes:
                 local[name] //= ctx.mesh_shape[m].size
         ctx.add_flops((2 if len(self.inputs) > 1 else 1) * int(np.prod(list(local.values()), dtype=np.int64)))
         spec = self._subscripts
         result = ctx.slicewise(lambda *xs: jnp.einsum(spec, *xs, preferred_element_type=out.dtype), *vals)
-        ctx.set_output(out, result, TensorLayout(assign[d.name] for d in out.shape), pending)
+        ctx.set_output(out, result, run.results[0], pending)
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs

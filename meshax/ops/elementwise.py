@@ -17,7 +17,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Shape
 from meshax.ops._dtypes import inexact, kernel_dtype, result_type
-from meshax.ops._util import align, as_tensor, restrict
+from meshax.ops._util import align, as_tensor
 
 # ---- unary ----------------------------------------------------------------------------------
 _UNARY = {
@@ -95,9 +95,10 @@ class UnaryOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        v = ctx.get(x, ctx.layout(out), allow_partial=self.fn in _LINEAR_UNARY)
-        ctx.add_flops(ctx.local_size(out))
-        ctx.set_output(out, ctx.slicewise(_KERNELS[self.fn], v), v.layout, v.pending)
+        run = ctx.layouts(self)
+        v = ctx.get(x, run.operands[0], allow_partial=self.fn in _LINEAR_UNARY)
+        ctx.add_flops(ctx.local_size(out, run.results[0]))
+        ctx.set_output(out, ctx.slicewise(_KERNELS[self.fn], v), run.results[0], v.pending)
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
@@ -145,8 +146,9 @@ class CastOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        v = ctx.get(x, ctx.layout(out))
-        ctx.set_output(out, ctx.slicewise(lambda a: a.astype(out.dtype), v), v.layout)
+        run = ctx.layouts(self)
+        v = ctx.get(x, run.operands[0])
+        ctx.set_output(out, ctx.slicewise(lambda a: a.astype(out.dtype), v), run.results[0])
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
@@ -208,13 +210,14 @@ class ElementwiseOperation(Operation):
 
     def lower(self, ctx):
         out = self.outputs[0]
-        layout = ctx.layout(out)
-        vals = [ctx.get(t, restrict(layout, out.shape, t.shape), allow_partial=self.linear) for t in self.inputs]
+        run = ctx.layouts(self)
+        (layout,) = run.results
+        vals = [ctx.get(t, lay, allow_partial=self.linear) for t, lay in zip(self.inputs, run.operands)]
         pending = {v.pending for v in vals}
         if len(pending) > 1:  # sums owed over different axes cannot be combined before settling
-            vals = [ctx.get(t, restrict(layout, out.shape, t.shape)) for t in self.inputs]
+            vals = [ctx.get(t, lay) for t, lay in zip(self.inputs, run.operands)]
         shapes = [t.shape for t in self.inputs]
-        ctx.add_flops(ctx.local_size(out))
+        ctx.add_flops(ctx.local_size(out, layout))
         ctx.set_output(out, ctx.slicewise(
             lambda *xs: self._impl(*[align(a, s, out.shape) for a, s in zip(xs, shapes)]), *vals),
             layout, vals[0].pending)

@@ -14,9 +14,9 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype
 from meshax.core.shape import Dimension, Shape
-from meshax.layout import ShardingRule, TensorLayout, slice_shape
+from meshax.layout import ShardingRule, slice_shape
 from meshax.ops import elementwise as ew
-from meshax.ops._util import dim_of, unsplit_dims
+from meshax.ops._util import dim_of
 
 
 def one_hot(indices: Tensor, output_dim: Dimension, on_value=1.0, off_value=0.0, dtype="float32", name=None) -> Tensor:
@@ -45,27 +45,21 @@ class GatherOperation(Operation):
         self._add_output(Shape(indices.shape.dims + rest), weights.dtype)
 
     def sharding_rule(self) -> ShardingRule:
-        """By name, except the table's looked-up dim: it is tied to nothing (the output's dim
-        of that name, if any, is the indices')."""
+        """By name, except the table's looked-up dim: a reduced factor of its own (each device
+        looks up the rows it holds and owes a sum over the mesh dims that split them), even
+        when the indices have a dim of the same name (ids over a "vocab" dim: then the output's
+        "vocab" is the indices')."""
         (w, idx), (out,) = self.inputs, self.outputs
-        return ShardingRule((tuple(None if d == self.dim else d.name for d in w.shape), tuple(idx.shape.dimension_names)),
+        rows = f"{self.dim.name} (table rows)"
+        return ShardingRule((tuple(rows if d == self.dim else d.name for d in w.shape), tuple(idx.shape.dimension_names)),
                             (tuple(out.shape.dimension_names),))
 
     def lower(self, ctx):
         (w, idx), (out,) = self.inputs, self.outputs
-        # The output's dims (the indices' and the table's other dims) split as planned; the
-        # table's looked-up dim keeps its split where a mesh dim is free. It is a dim of its
-        # own even when the indices' dim has the same name (ids over a "vocab" dim): then
-        # the output's "vocab" is the indices', not the table's.
-        assign = ctx.iteration(self)
-        used = {m for a in assign.values() for m in a}
-        table_axes = ctx.layout(w).axes[w.shape.index(self.dim)]
-        table_axes = () if used & set(table_axes) else table_axes
-        wl = TensorLayout(table_axes if d == self.dim else assign[d.name] for d in w.shape)
-        il = TensorLayout(assign[d.name] for d in idx.shape)
+        run = ctx.layouts(self)
+        (wl, il), (out_layout,) = run.operands, run.results
         wv, iv = ctx.get(w, wl), ctx.get(idx, il)
         axis = w.shape.index(self.dim)
-        split = table_axes
         n_local = slice_shape(w.shape, wl, ctx.mesh_shape)[axis]
         (begin,) = [b for d, b in zip(w.shape, ctx.slice_begins(w.shape, wl)) if d == self.dim]
         k = idx.shape.rank
@@ -80,8 +74,7 @@ class GatherOperation(Operation):
             mask = inside.reshape(inside.shape + (1,) * (got.ndim - k))
             return jnp.where(mask, got, jnp.zeros((), got.dtype))
 
-        out_layout = TensorLayout(assign[d.name] for d in out.shape)
-        ctx.set_output(out, ctx.slicewise(f, wv, iv, begin), out_layout, split)
+        ctx.set_output(out, ctx.slicewise(f, wv, iv, begin), out_layout, run.pending)
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
@@ -110,8 +103,8 @@ class TopKOperation(Operation):
 
     def lower(self, ctx):
         (x,), (values, indices) = self.inputs, self.outputs
-        layout = unsplit_dims(ctx.layout(values), values.shape, [self.k_dim])
-        v = ctx.get(x, TensorLayout(() if d == self.dim else a for d, a in zip(x.shape, layout.axes)))
+        run = ctx.layouts(self)
+        v = ctx.get(x, run.operands[0])
         axis = x.shape.index(self.dim)
 
         def f(a):
@@ -119,8 +112,8 @@ class TopKOperation(Operation):
             return jnp.moveaxis(vals, -1, axis), jnp.moveaxis(ids, -1, axis).astype(jnp.int32)
 
         vals, ids = ctx.slicewise(f, v)
-        ctx.set_output(values, vals, layout)
-        ctx.set_output(indices, ids, layout)
+        ctx.set_output(values, vals, run.results[0])
+        ctx.set_output(indices, ids, run.results[1])
 
     def gradient(self, grad_outputs):
         g, _ = grad_outputs

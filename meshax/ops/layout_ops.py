@@ -28,8 +28,9 @@ class ShardOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        v = ctx.get(x, ctx.layout(out), allow_partial=True)
-        ctx.set_output(out, v.slices, v.layout, v.pending)
+        run = ctx.layouts(self)  # x resharded to the annotated layout (a tie with resharding later)
+        v = ctx.get(x, run.operands[0], allow_partial=True)
+        ctx.set_output(out, v.slices, run.results[0], v.pending)
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs

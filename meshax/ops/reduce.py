@@ -14,7 +14,6 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, convert_to_shape
-from meshax.layout import TensorLayout
 from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import inexact, sum_dtype
 from meshax.ops._util import as_dims, dim_of
@@ -36,19 +35,17 @@ class ReduceOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        assign = ctx.iteration(self)
-        in_layout = TensorLayout(assign[d.name] for d in x.shape)
+        run = ctx.layouts(self)
+        (in_layout,), (out_layout,) = run.operands, run.results
         v = ctx.get(x, in_layout, allow_partial=self.kind == "sum")
         axes = [i for i, d in enumerate(x.shape) if d in self.reduced]
         # cast before the local sum, so that the partial sums (and their allreduce) are counts
         local = ctx.slicewise(lambda a: _LOCAL[self.kind](a.astype(out.dtype), axis=tuple(axes)), v)
         ctx.add_flops(ctx.local_size(x, in_layout))
-        split = sorted({m for d in self.reduced for m in assign[d.name]})
-        out_layout = TensorLayout(assign[d.name] for d in out.shape)
         if self.kind == "sum":
-            ctx.set_output(out, local, out_layout, set(split) | v.pending)
+            ctx.set_output(out, local, out_layout, run.pending | v.pending)
         else:
-            ctx.set_output(out, ctx.allreduce(local, split, self.kind) if split else local, out_layout)
+            ctx.set_output(out, ctx.allreduce(local, sorted(run.pending), self.kind), out_layout)
 
     def gradient(self, grad_outputs):
         (g,), (x,), (y,) = grad_outputs, self.inputs, self.outputs

@@ -12,8 +12,8 @@ import jax.numpy as jnp
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Shape, convert_to_shape
-from meshax.layout import ShardingRule, TensorLayout, slice_shape
-from meshax.ops._util import align, as_dims, restrict
+from meshax.layout import ShardingRule, slice_shape
+from meshax.ops._util import align, as_dims
 
 
 def _aligned(a: Shape, b: Shape) -> dict[int, int]:
@@ -52,14 +52,8 @@ class ReshapeOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        want = ctx.layout(out)
-        pairs = _aligned(x.shape, out.shape)
-        # Aligned dims are split the way the output wants them; the rest are gathered.
-        in_layout = TensorLayout(want.axes[pairs[i]] if i in pairs else () for i in range(x.shape.rank))
-        out_axes = [()] * out.shape.rank
-        for i, j in pairs.items():
-            out_axes[j] = in_layout.axes[i]
-        out_layout = TensorLayout(out_axes)
+        run = ctx.layouts(self)  # aligned dims keep a split; the rest are gathered
+        (in_layout,), (out_layout,) = run.operands, run.results
         v = ctx.get(x, in_layout, allow_partial=True)
         local = slice_shape(out.shape, out_layout, ctx.mesh_shape)
         ctx.set_output(out, ctx.slicewise(lambda a: jnp.reshape(a, local), v), out_layout, v.pending)
@@ -106,8 +100,9 @@ class TransposeOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        layout = ctx.layout(out)
-        v = ctx.get(x, restrict(layout, out.shape, x.shape), allow_partial=True)
+        run = ctx.layouts(self)
+        (layout,) = run.results
+        v = ctx.get(x, run.operands[0], allow_partial=True)
         perm = [x.shape.index(d) for d in out.shape]
         ctx.set_output(out, ctx.slicewise(lambda a: jnp.transpose(a, perm), v), layout, v.pending)
 
@@ -133,8 +128,9 @@ class BroadcastOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        layout = ctx.layout(out)
-        v = ctx.get(x, restrict(layout, out.shape, x.shape))
+        run = ctx.layouts(self)
+        (layout,) = run.results
+        v = ctx.get(x, run.operands[0])
         local = slice_shape(out.shape, layout, ctx.mesh_shape)
         ctx.set_output(out, ctx.slicewise(lambda a: jnp.broadcast_to(align(a, x.shape, out.shape), local), v), layout)
 

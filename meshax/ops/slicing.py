@@ -15,7 +15,7 @@ from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import slice_shape
 from meshax.ops._dtypes import result_type, sum_dtype
-from meshax.ops._util import dim_of, restrict, unsplit_dims
+from meshax.ops._util import dim_of
 
 
 def _replace_dim(shape: Shape, name: str, size: int) -> Shape:
@@ -23,7 +23,8 @@ def _replace_dim(shape: Shape, name: str, size: int) -> Shape:
 
 
 class _OneDimOperation(Operation):
-    """Shared lowering: inputs fetched in the output's layout with `dim_name` not split."""
+    """An op along `dim_name`, which its rule keeps whole: its inputs are fetched as the rule
+    says (the other dims split as planned, `dim_name` gathered)."""
 
     dim_name: str
 
@@ -32,10 +33,9 @@ class _OneDimOperation(Operation):
         return (self.dim_name,)
 
     def _inputs_unsplit(self, ctx, allow_partial=False):
-        out = self.outputs[0]
-        layout = unsplit_dims(ctx.layout(out), out.shape, [self.dim_name])
-        vals = [ctx.get(t, restrict(layout, out.shape, t.shape), allow_partial=allow_partial) for t in self.inputs]
-        return layout, vals
+        run = ctx.layouts(self)
+        vals = [ctx.get(t, lay, allow_partial=allow_partial) for t, lay in zip(self.inputs, run.operands)]
+        return run.results[0], vals
 
 
 class SliceOperation(_OneDimOperation):
@@ -154,6 +154,7 @@ class ShiftOperation(Operation):
     def __init__(self, x: Tensor, offset: int, dim: Dimension, wrap: bool, name=None):
         super().__init__([x], name=name or "shift")
         self.offset, self.dim, self.wrap = int(offset), dim, bool(wrap)
+        self.windows = ((dim.name, abs(self.offset)),)  # a halo of |offset| values (see ShardingRule)
         self._add_output(x.shape, x.dtype)
 
     @staticmethod
@@ -171,15 +172,13 @@ class ShiftOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        layout = ctx.layout(out)
+        run = ctx.layouts(self)  # the dim stays split where its halo fits, else it is gathered
+        (layout,) = run.results
         axis = x.shape.index(self.dim)
         axes = layout.axes[axis]
         local_n = slice_shape(out.shape, layout, ctx.mesh_shape)[axis]
         k = abs(self.offset)
-        if axes and (len(axes) > 1 or k > local_n):
-            layout = unsplit_dims(layout, out.shape, [self.dim])  # gather, then shift locally
-            axes = ()
-        v = ctx.get(x, layout, allow_partial=True)
+        v = ctx.get(x, run.operands[0], allow_partial=True)
         if not axes or k == 0:
             ctx.set_output(out, ctx.slicewise(lambda a: self._local_shift(a, self.offset, axis, self.wrap), v),
                            layout, v.pending)

@@ -1,0 +1,111 @@
+"""Op sharding rules as data: every op runs as its rule says, read in one place (`ctx.layouts`)."""
+import numpy as np
+import pytest
+
+import meshax as mx
+from meshax.core.graph import Operation
+from meshax.layout import TensorLayout, convert_to_mesh_shape, rule_of
+from meshax.layout.sharding_rule import LATENCY, choose, moved
+from meshax.lower.context import LoweringContext
+from tests.conftest import assert_close, new_mesh, rand
+
+A, B, C = mx.Dimension("A", 8), mx.Dimension("B", 4), mx.Dimension("C", 8)
+K = mx.Dimension("K", 2)
+# Ops that read no operand (sources take their planned layout) or produce no tensor (an
+# assign writes its variable in the variable's planned layout).
+SOURCES_AND_SINKS = {"PlaceholderOperation", "ImportTensorOperation", "ConstantOperation", "RangeOperation",
+                     "RandomOperation", "VariableOperation", "AssignOperation"}
+
+
+def _op_classes() -> set[type]:
+    found, todo = set(), [Operation]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in found:
+                found.add(sub)
+                todo.append(sub)
+    return {c for c in found if c.__module__.startswith("meshax.ops") and not c.__name__.startswith("_")}
+
+
+def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
+    """A new op that derives its layout in its kernel (not through `ctx.layouts`) fails here."""
+    asked: set[type] = set()
+    real = LoweringContext.layouts
+
+    def spy(self, op):
+        asked.add(type(op))
+        return real(self, op)
+
+    monkeypatch.setattr(LoweringContext, "layouts", spy)
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [A, B])
+    w = mx.placeholder(mesh, "w", [B, C])
+    ids = mx.placeholder(mesh, "ids", [A], dtype="int32")
+    h = mx.einsum(x, w, output_shape=[A, C])                                      # einsum
+    h = mx.cast(mx.cast(mx.relu(h) * 2.0, "bfloat16"), "float32")               # unary, binary, cast
+    h = mx.transpose(mx.shard(h, "A:x"), [C, A])                                  # shard, transpose
+    h = mx.reshape(h, [mx.Dimension("C", 8), mx.Dimension("A2", 2), mx.Dimension("A3", 4)])
+    h = mx.reshape(h, [C, A])                                                     # reshape
+    h = mx.cumsum(mx.shift(h, 1, A, wrap=False), A)                               # shift, cumsum
+    h = mx.concat([mx.slice(h, 0, 4, "A"), mx.pad(mx.slice(h, 4, 2, "A"), [0, 2], "A")], "A")  # slice, pad, concat
+    g = mx.gather(h, ids, A)                                                      # gather
+    v, _ = mx.top_k(g, C, K)                                                      # top_k
+    out = mx.reduce_sum(mx.broadcast(v, [A, K, B]), output_shape=[B])            # broadcast, reduce
+    low = mx.Lowering(out.graph, {mesh: mx.SimdMeshImpl("x:2;y:4", "C:y")})
+    low.function(out)
+    expected = {c for c in _op_classes() if c.__name__ not in SOURCES_AND_SINKS}
+    assert len(expected) >= 15
+    assert expected - asked == set(), "these ops derive their layout outside their sharding rule"
+
+
+def _shift_counters(offset, layout, mesh_shape="x:2;y:4"):
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [A, B])
+    y = mx.shift(x, offset, A, wrap=True)
+    low = mx.Lowering(y.graph, {mesh: mx.SimdMeshImpl(mesh_shape, layout)})
+    xv = rand([8, 4], 1)
+    assert_close(low.function(y)({"x": xv}), np.roll(xv, offset, 0))
+    assert rule_of(y.operation).kind("A") == "windowed"
+    return low.counters
+
+
+@pytest.mark.parametrize("offset", [1, -2])
+def test_a_windowed_dim_stays_split_where_its_halo_fits(offset):
+    c = _shift_counters(offset, "A:y")  # 2 rows per device, a halo of |offset| <= 2 rows
+    assert (c["permute"].count, c["allgather"].count) == (1, 0)
+    assert c["permute"].values == abs(offset) * 4
+
+
+def test_a_windowed_dim_is_gathered_where_its_halo_does_not_fit():
+    assert _shift_counters(3, "A:y")["allgather"].count == 1  # 3 rows wanted, 2 held
+    assert _shift_counters(1, "A:x;A:y")["allgather"].count >= 1  # split over two mesh dims
+
+
+def test_gather_owes_a_sum_over_the_mesh_dims_that_split_the_table_rows():
+    _, mesh = new_mesh()
+    table = mx.placeholder(mesh, "table", [A, C])
+    ids = mx.placeholder(mesh, "ids", [B], dtype="int32")
+    out = mx.gather(table, ids, A)
+    op = out.operation
+    rule = rule_of(op)
+    rows = rule.operands[0][0]
+    assert rows != "A" and rule.kind(rows) == "reduced" and rule.kind("C") == "passed"
+    mesh_shape = convert_to_mesh_shape("x:2;y:4")
+    run = choose(op, [TensorLayout([(1,), ()]), TensorLayout([()])], [TensorLayout([(), (0,)])], mesh_shape)
+    assert run.pending == {1}  # rows over y: each device holds a quarter, the lookup sums over y
+    assert run.operands == [TensorLayout([(1,), (0,)]), TensorLayout([()])]
+    assert run.results == [TensorLayout([(), (0,)])]
+
+
+def test_the_cost_estimate_counts_reshards_owed_sums_and_latency():
+    """The estimate the lowering picks by, from the rule alone: an einsum x[A,B] w[B,C] ->
+    [A,C] with B split over y owes a sum of its [A,C] slice over y."""
+    _, mesh = new_mesh()
+    out = mx.einsum(mx.placeholder(mesh, "x", [A, B]), mx.placeholder(mesh, "w", [B, C]), output_shape=[A, C])
+    rule, mesh_shape = rule_of(out.operation), convert_to_mesh_shape("x:2;y:4")
+    y = (1,)
+    ins = [(mx.Shape([A, B]), TensorLayout([(), y])), (mx.Shape([B, C]), TensorLayout([y, ()]))]
+    outs = [(mx.Shape([A, C]), TensorLayout([(), ()]))]
+    assert moved(rule, ins, outs, {"A": (), "B": y, "C": ()}, mesh_shape) == 64 + LATENCY
+    # with B gathered instead: x's [8, 4] and w's [4, 8], each over y
+    assert moved(rule, ins, outs, {"A": (), "B": (), "C": ()}, mesh_shape) == 32 + 32 + 2 * LATENCY
