@@ -10,6 +10,7 @@ the full results).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -22,8 +23,9 @@ NEEDS_8 = {1, 2, 5, 7}  # the paper's layouts run on 8 devices
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
     p.add_argument("--quick", action="store_true", help="small sizes, few steps (the smoke test; < 60 s)")
-    p.add_argument("--sections", default=",".join(map(str, ALL_SECTIONS)),
-                   help="comma-separated sections to run (default: all)")
+    p.add_argument(
+        "--sections", default=",".join(map(str, ALL_SECTIONS)), help="comma-separated sections to run (default: all)"
+    )
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices to start JAX with (default 8)")
     p.add_argument("--out", default=os.path.join(HERE, "out", "results.json"), help="JSON output path")
     p.add_argument("--markdown", default=None, help="markdown summary path (see above for the default)")
@@ -36,8 +38,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown sections {bad}; the sections are {list(ALL_SECTIONS)}")
     if args.markdown is None:
-        args.markdown = (os.path.join(os.path.dirname(os.path.abspath(args.out)), "RESULTS.md") if args.quick
-                         else os.path.join(HERE, "RESULTS.md"))
+        args.markdown = (
+            os.path.join(os.path.dirname(os.path.abspath(args.out)), "RESULTS.md")
+            if args.quick
+            else os.path.join(HERE, "RESULTS.md")
+        )
     return args
 
 
@@ -45,10 +50,9 @@ def start_jax(devices: int) -> int:
     """Ask for `devices` virtual CPU devices before anything touches a backend; returns the
     number JAX has (more or fewer if the backend was already up, e.g. when run in-process)."""
     import jax
-    try:
+
+    with contextlib.suppress(RuntimeError):  # backend already initialized: use what is there
         jax.config.update("jax_num_cpu_devices", devices)
-    except RuntimeError:  # backend already initialized: use what is there
-        pass
     return len(jax.devices())
 
 
@@ -58,14 +62,18 @@ def main(argv=None) -> list[dict]:
 
     from benchmarks import counter_truth, gpu, gspmd, overhead, paper_comm, report, scaling, vs_xla
     from benchmarks.records import record
+
     modules = {1: paper_comm, 2: vs_xla, 3: overhead, 4: scaling, 5: counter_truth, 6: gpu, 7: gspmd}
 
     t0 = time.perf_counter()
     records: list[dict] = []
     for s in args.sections:
         if s in NEEDS_8 and have < 8:
-            records.append(record(s, f"section {s}", {"devices": have}, None, "",
-                                  status=f"skipped: needs 8 devices, JAX has {have}"))
+            records.append(
+                record(
+                    s, f"section {s}", {"devices": have}, None, "", status=f"skipped: needs 8 devices, JAX has {have}"
+                )
+            )
             continue
         ts = time.perf_counter()
         records.extend(modules[s].run(args.quick))

@@ -33,9 +33,20 @@ def _compare(cfg: dict, counters, hlo_text: str) -> dict:
     xla = hlo.collectives(hlo_text)
     mismatched = [k for k in hlo.KINDS if mine[k]["count"] != xla[k]["count"]]
     values_differ = [k for k in hlo.KINDS if mine[k]["values"] != xla[k]["values"]]
-    return record(5, "counter kinds mismatched (meshax vs compiled HLO)", cfg, len(mismatched), "kinds",
-                  target="0", met=not mismatched, mismatched=mismatched, values_differ=values_differ,
-                  meshax=mine, hlo=xla, summary=f"meshax {hlo.summary(mine)} | HLO {hlo.summary(xla)}")
+    return record(
+        5,
+        "counter kinds mismatched (meshax vs compiled HLO)",
+        cfg,
+        len(mismatched),
+        "kinds",
+        target="0",
+        met=not mismatched,
+        mismatched=mismatched,
+        values_differ=values_differ,
+        meshax=mine,
+        hlo=xla,
+        summary=f"meshax {hlo.summary(mine)} | HLO {hlo.summary(xla)}",
+    )
 
 
 def run(quick: bool) -> list[dict]:

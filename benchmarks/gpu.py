@@ -10,10 +10,22 @@ from benchmarks.records import record
 
 def run(quick: bool) -> list[dict]:
     import jax
+
     platform = jax.devices()[0].platform
     if platform != "gpu":
-        return [record(6, "GPU benchmarks", {"platform": platform}, None, "", status="skipped: no GPU",
-                       note="skipped: no GPU")]
-    return [record(6, "GPU benchmarks", {"platform": platform, "device": str(jax.devices()[0])}, None, "",
-                   status="skipped: GPU present, but no GPU benchmark is defined yet",
-                   note="skipped: no GPU benchmark defined yet")]
+        return [
+            record(
+                6, "GPU benchmarks", {"platform": platform}, None, "", status="skipped: no GPU", note="skipped: no GPU"
+            )
+        ]
+    return [
+        record(
+            6,
+            "GPU benchmarks",
+            {"platform": platform, "device": str(jax.devices()[0])},
+            None,
+            "",
+            status="skipped: GPU present, but no GPU benchmark is defined yet",
+            note="skipped: no GPU benchmark defined yet",
+        )
+    ]

@@ -37,6 +37,7 @@ def _jax_twin(m: MeshaxModel) -> JaxModel:
     """The same step in jnp under jax.jit: the three annotations as sharding constraints, the
     parameters and feeds stored as meshax's plan stores them."""
     from jax.sharding import NamedSharding, PartitionSpec
+
     mesh = m.impl.jax_mesh
     shardings = {n: m.sharding(n) for n in ("x", "g", "w", "bias", "v")}
     shardings["scalar"] = NamedSharding(mesh, PartitionSpec())
@@ -44,21 +45,44 @@ def _jax_twin(m: MeshaxModel) -> JaxModel:
     return JaxModel(m.params(), shardings=shardings, constraints=constraints)
 
 
-def _compare(name: str, cfg: dict, step_mx, step_xla, text_mx: str, text_xla: str, steps: int, warmup: int,
-             first: dict) -> list[dict]:
+def _compare(
+    name: str, cfg: dict, step_mx, step_xla, text_mx: str, text_xla: str, steps: int, warmup: int, first: dict
+) -> list[dict]:
     t = interleaved(step_mx, step_xla, steps, warmup)
-    out = [record(7, "step time meshax / XLA, same annotations", cfg, t["ratio"], "ratio",
-                  target="<= 1.0", met=t["ratio"] <= 1.0,
-                  numerator=side("meshax step (median)", t["a_s"], "s"),
-                  denominator=side("jax.jit + with_sharding_constraint step (median)", t["b_s"], "s"),
-                  steps=t["steps"], warmup=t["warmup"], first_outputs=first)]
+    out = [
+        record(
+            7,
+            "step time meshax / XLA, same annotations",
+            cfg,
+            t["ratio"],
+            "ratio",
+            target="<= 1.0",
+            met=t["ratio"] <= 1.0,
+            numerator=side("meshax step (median)", t["a_s"], "s"),
+            denominator=side("jax.jit + with_sharding_constraint step (median)", t["b_s"], "s"),
+            steps=t["steps"],
+            warmup=t["warmup"],
+            first_outputs=first,
+        )
+    ]
     c_mx, c_xla = hlo.collectives(text_mx), hlo.collectives(text_xla)
     v_mx, v_xla = (sum(v["values"] for v in c.values()) for c in (c_mx, c_xla))
-    out.append(record(7, "collective values meshax / XLA (compiled HLO)", cfg, v_mx / max(v_xla, 1), "ratio",
-                      target="<= 1.0", met=v_mx <= v_xla,
-                      numerator=side("meshax values per device per step", v_mx, "values"),
-                      denominator=side("XLA values per device per step", v_xla, "values"),
-                      meshax=hlo.summary(c_mx), xla=hlo.summary(c_xla), note=name))
+    out.append(
+        record(
+            7,
+            "collective values meshax / XLA (compiled HLO)",
+            cfg,
+            v_mx / max(v_xla, 1),
+            "ratio",
+            target="<= 1.0",
+            met=v_mx <= v_xla,
+            numerator=side("meshax values per device per step", v_mx, "values"),
+            denominator=side("XLA values per device per step", v_xla, "values"),
+            meshax=hlo.summary(c_mx),
+            xla=hlo.summary(c_xla),
+            note=name,
+        )
+    )
     return out
 
 
@@ -68,26 +92,64 @@ def run(quick: bool) -> list[dict]:
     f = feeds(s)
     m = MeshaxModel(s, MESH, "", annotations=ANNOTATIONS)
     j = _jax_twin(m)
-    cfg = {"mesh": MESH, "layout": "(annotations) x:[rows,-] w:[rows,cols] v:[cols,rows]", "size": str(s),
-           "program": "two-layer train step (SGD)"}
+    cfg = {
+        "mesh": MESH,
+        "layout": "(annotations) x:[rows,-] w:[rows,cols] v:[cols,rows]",
+        "size": str(s),
+        "program": "two-layer train step (SGD)",
+    }
     l_mx, l_xla = m.step(f), j.step(f)
     first = {"meshax": l_mx, "xla": l_xla, "agree": bool(np.isclose(l_mx, l_xla, rtol=1e-3, atol=1e-3))}
     if not first["agree"]:
-        out = [record(7, "step time meshax / XLA, same annotations", cfg, None, "", status="not timed: losses differ",
-                      first_outputs=first)]
+        out = [
+            record(
+                7,
+                "step time meshax / XLA, same annotations",
+                cfg,
+                None,
+                "",
+                status="not timed: losses differ",
+                first_outputs=first,
+            )
+        ]
     else:
-        out = _compare("two-layer", cfg, lambda: m.step(f), lambda: j.step(f), m.compiled_text("step"),
-                       j.compiled_text(f), p["steps"], p["warmup"], first)
+        out = _compare(
+            "two-layer",
+            cfg,
+            lambda: m.step(f),
+            lambda: j.step(f),
+            m.compiled_text("step"),
+            j.compiled_text(f),
+            p["steps"],
+            p["warmup"],
+            first,
+        )
 
     mesh, sharding = "x:2;y:4", "gspmd-2d-finalized"
     lm_m = lm.model("tiny", mesh, "", sharding)
     lm_j = lm.JaxLm(lm_m)
-    cfg = {"mesh": mesh, "layout": f"(annotations) {sharding}", "model": "transformer tiny",
-           "program": "LM train step (Adam)"}
+    cfg = {
+        "mesh": mesh,
+        "layout": f"(annotations) {sharding}",
+        "model": "transformer tiny",
+        "program": "LM train step (Adam)",
+    }
     o_mx, o_xla = lm_m.step(), lm_j.step()
     first = {"names": list(lm.OUTPUTS), "meshax": o_mx, "xla": o_xla, "agree": lm.outputs_agree(o_mx, o_xla, 1e-4)}
     if not first["agree"]:
-        return out + [record(7, "step time meshax / XLA, same annotations", cfg, None, "",
-                             status="not timed: first outputs differ", first_outputs=first)]
-    return out + _compare("transformer tiny", cfg, lm_m.step, lm_j.step, lm_m.compiled_text(), lm_j.compiled_text(),
-                          p["lm_steps"], p["warmup"], first)
+        status = "not timed: first outputs differ"
+        return [
+            *out,
+            record(7, "step time meshax / XLA, same annotations", cfg, None, "", status=status, first_outputs=first),
+        ]
+    return out + _compare(
+        "transformer tiny",
+        cfg,
+        lm_m.step,
+        lm_j.step,
+        lm_m.compiled_text(),
+        lm_j.compiled_text(),
+        p["lm_steps"],
+        p["warmup"],
+        first,
+    )

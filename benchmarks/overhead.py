@@ -19,8 +19,11 @@ from benchmarks.timing import interleaved
 from benchmarks.two_layer import JaxModel, MeshaxModel, Size, feeds, params_agree
 
 QUICK = {"sizes": [Size(64, 32, 128)], "steps": {Size(64, 32, 128): 20}, "warmup": 3}
-FULL = {"sizes": [Size(64, 32, 128), Size(512, 256, 1024), Size(1024, 512, 2048)],
-        "steps": {Size(64, 32, 128): 400, Size(512, 256, 1024): 100, Size(1024, 512, 2048): 50}, "warmup": 5}
+FULL = {
+    "sizes": [Size(64, 32, 128), Size(512, 256, 1024), Size(1024, 512, 2048)],
+    "steps": {Size(64, 32, 128): 400, Size(512, 256, 1024): 100, Size(1024, 512, 2048): 50},
+    "warmup": 5,
+}
 LM_QUICK = {"presets": ["tiny"], "steps": 5, "warmup": 2}
 LM_FULL = {"presets": ["tiny"], "steps": 30, "warmup": 3}
 
@@ -29,28 +32,49 @@ def run_transformer(preset: str, steps: int, warmup: int) -> dict:
     m = lm.MeshaxLm(preset, "all:1", "")
     j = lm.JaxLm(m)  # from meshax's initial values; on the mesh's one device
     o_mx, o_jax = m.step(), j.step()
-    first = {"names": list(lm.OUTPUTS), "meshax": o_mx, "jax": o_jax,
-             "loss_rel_diff": abs(o_mx[0] - o_jax[0]) / abs(o_jax[0]), "agree": lm.outputs_agree(o_mx, o_jax, 1e-4)}
+    first = {
+        "names": list(lm.OUTPUTS),
+        "meshax": o_mx,
+        "jax": o_jax,
+        "loss_rel_diff": abs(o_mx[0] - o_jax[0]) / abs(o_jax[0]),
+        "agree": lm.outputs_agree(o_mx, o_jax, 1e-4),
+    }
     t = interleaved(m.step, j.step, steps, warmup)
     diff, where = lm.max_param_diff(m, j)
     c = m.task.config
-    cfg = {"mesh": "all:1", "layout": "", "model": f"transformer {preset}", "program": "LM train step (Adam)",
-           "size": f"{preset}: b={lm.BATCH},l={lm.LENGTH},vocab={c.vocab_size},d_model={c.d_model},"
-                   f"d_ff={c.d_ff},heads={c.num_heads},layers={c.num_layers}"}
-    return record(3, "one-device step time meshax / jax.jit", cfg, t["ratio"], "ratio",
-                  target="<= 1.05", met=t["ratio"] <= 1.05,
-                  numerator=side("meshax step (median)", t["a_s"], "s"),
-                  denominator=side("jax.jit step (median)", t["b_s"], "s"),
-                  overhead_s=t["a_s"] - t["b_s"], steps=t["steps"], warmup=t["warmup"],
-                  iqr_s={"meshax": t["a_iqr_s"], "jax": t["b_iqr_s"]},
-                  first_loss={"meshax": o_mx[0], "jax": o_jax[0], "agree": first["agree"]}, first_outputs=first,
-                  # Adam: ~0 gradients amplify rounding to full steps, so agreement is looser than SGD's
-                  params_agree_after=diff <= 1e-2,
-                  params_max_abs_diff_after={"value": diff, "variable": where, "steps": m.steps_run})
+    cfg = {
+        "mesh": "all:1",
+        "layout": "",
+        "model": f"transformer {preset}",
+        "program": "LM train step (Adam)",
+        "size": f"{preset}: b={lm.BATCH},l={lm.LENGTH},vocab={c.vocab_size},d_model={c.d_model},"
+        f"d_ff={c.d_ff},heads={c.num_heads},layers={c.num_layers}",
+    }
+    return record(
+        3,
+        "one-device step time meshax / jax.jit",
+        cfg,
+        t["ratio"],
+        "ratio",
+        target="<= 1.05",
+        met=t["ratio"] <= 1.05,
+        numerator=side("meshax step (median)", t["a_s"], "s"),
+        denominator=side("jax.jit step (median)", t["b_s"], "s"),
+        overhead_s=t["a_s"] - t["b_s"],
+        steps=t["steps"],
+        warmup=t["warmup"],
+        iqr_s={"meshax": t["a_iqr_s"], "jax": t["b_iqr_s"]},
+        first_loss={"meshax": o_mx[0], "jax": o_jax[0], "agree": first["agree"]},
+        first_outputs=first,
+        # Adam: ~0 gradients amplify rounding to full steps, so agreement is looser than SGD's
+        params_agree_after=diff <= 1e-2,
+        params_max_abs_diff_after={"value": diff, "variable": where, "steps": m.steps_run},
+    )
 
 
 def run(quick: bool) -> list[dict]:
     import jax
+
     p = QUICK if quick else FULL
     out = []
     for s in p["sizes"]:
@@ -58,17 +82,27 @@ def run(quick: bool) -> list[dict]:
         m = MeshaxModel(s, "all:1", "")
         j = JaxModel(m.params(), device=jax.devices()[0])
         l_mx, l_jax = m.step(f), j.step(f)
-        t = interleaved(lambda: m.step(f), lambda: j.step(f), p["steps"][s], p["warmup"])
+        t = interleaved(lambda m=m, f=f: m.step(f), lambda j=j, f=f: j.step(f), p["steps"][s], p["warmup"])
         cfg = {"mesh": "all:1", "layout": "", "size": str(s), "program": "train step"}
-        out.append(record(3, "one-device step time meshax / jax.jit", cfg, t["ratio"], "ratio",
-                          target="<= 1.05", met=t["ratio"] <= 1.05,
-                          numerator=side("meshax step (median)", t["a_s"], "s"),
-                          denominator=side("jax.jit step (median)", t["b_s"], "s"),
-                          overhead_s=t["a_s"] - t["b_s"], steps=t["steps"], warmup=t["warmup"],
-                          iqr_s={"meshax": t["a_iqr_s"], "jax": t["b_iqr_s"]},
-                          first_loss={"meshax": l_mx, "jax": l_jax,
-                                      "agree": bool(np.isclose(l_mx, l_jax, rtol=1e-3, atol=1e-3))},
-                          params_agree_after=params_agree(m.params(), j.params())))
+        out.append(
+            record(
+                3,
+                "one-device step time meshax / jax.jit",
+                cfg,
+                t["ratio"],
+                "ratio",
+                target="<= 1.05",
+                met=t["ratio"] <= 1.05,
+                numerator=side("meshax step (median)", t["a_s"], "s"),
+                denominator=side("jax.jit step (median)", t["b_s"], "s"),
+                overhead_s=t["a_s"] - t["b_s"],
+                steps=t["steps"],
+                warmup=t["warmup"],
+                iqr_s={"meshax": t["a_iqr_s"], "jax": t["b_iqr_s"]},
+                first_loss={"meshax": l_mx, "jax": l_jax, "agree": bool(np.isclose(l_mx, l_jax, rtol=1e-3, atol=1e-3))},
+                params_agree_after=params_agree(m.params(), j.params()),
+            )
+        )
     lp = LM_QUICK if quick else LM_FULL
     for preset in lp["presets"]:
         out.append(run_transformer(preset, lp["steps"], lp["warmup"]))

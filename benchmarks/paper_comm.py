@@ -24,22 +24,58 @@ def run(quick: bool) -> list[dict]:
             measured = c["allreduce"].values
             main, lower, formula = table1(mesh_shape, layout, s)
             others = {k: c[k].count for k in ("allgather", "alltoall", "reduce_scatter", "permute") if c[k].count}
-            cfg = {"mesh": mesh_shape, "layout": layout, "size": str(s), "formula": formula,
-                   "program": "loss, dx, SGD updates of w, bias, v"}
+            cfg = {
+                "mesh": mesh_shape,
+                "layout": layout,
+                "size": str(s),
+                "formula": formula,
+                "program": "loss, dx, SGD updates of w, bias, v",
+            }
             if main:
                 ratio = (measured - lower) / main
                 met = abs(ratio - 1.0) < 1e-6 and not others
-                out.append(record(1, "allreduce values / Table 1 (lower-order subtracted)", cfg, ratio, "ratio",
-                                  target="1.00", met=met,
-                                  numerator=side("meshax allreduce values - lower-order", measured - lower, "values/device"),
-                                  denominator=side(f"Table 1: {formula}", main, "values/device"),
-                                  lower_order=lower, measured=measured, other_collectives=others))
-                out.append(record(1, "allreduce values / Table 1 (raw)", cfg, measured / main, "ratio",
-                                  numerator=side("meshax allreduce values", measured, "values/device"),
-                                  denominator=side(f"Table 1: {formula}", main, "values/device"),
-                                  lower_order=lower, measured=measured))
+                out.append(
+                    record(
+                        1,
+                        "allreduce values / Table 1 (lower-order subtracted)",
+                        cfg,
+                        ratio,
+                        "ratio",
+                        target="1.00",
+                        met=met,
+                        numerator=side("meshax allreduce values - lower-order", measured - lower, "values/device"),
+                        denominator=side(f"Table 1: {formula}", main, "values/device"),
+                        lower_order=lower,
+                        measured=measured,
+                        other_collectives=others,
+                    )
+                )
+                out.append(
+                    record(
+                        1,
+                        "allreduce values / Table 1 (raw)",
+                        cfg,
+                        measured / main,
+                        "ratio",
+                        numerator=side("meshax allreduce values", measured, "values/device"),
+                        denominator=side(f"Table 1: {formula}", main, "values/device"),
+                        lower_order=lower,
+                        measured=measured,
+                    )
+                )
             else:  # nothing split: Table 1 says no communication
-                out.append(record(1, "allreduce values (Table 1: none)", cfg, measured, "values/device",
-                                  target="0", met=measured == 0 and not others,
-                                  lower_order=lower, measured=measured, other_collectives=others))
+                out.append(
+                    record(
+                        1,
+                        "allreduce values (Table 1: none)",
+                        cfg,
+                        measured,
+                        "values/device",
+                        target="0",
+                        met=measured == 0 and not others,
+                        lower_order=lower,
+                        measured=measured,
+                        other_collectives=others,
+                    )
+                )
     return out

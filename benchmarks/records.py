@@ -5,9 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 
-def record(section: int, name: str, config: dict, value, unit: str, *, target: str | None = None,
-           met: bool | None = None, numerator: dict | None = None, denominator: dict | None = None,
-           note: str = "", **extra: Any) -> dict:
+def record(
+    section: int,
+    name: str,
+    config: dict,
+    value,
+    unit: str,
+    *,
+    target: str | None = None,
+    met: bool | None = None,
+    numerator: dict | None = None,
+    denominator: dict | None = None,
+    note: str = "",
+    **extra: Any,
+) -> dict:
     """A measurement. Ratios carry both sides as `numerator` / `denominator`
     ({"name", "value", "unit"}); `met` says whether `target` is met (None: no target)."""
     r = {"section": section, "name": name, "config": dict(config), "value": value, "unit": unit}

@@ -20,6 +20,7 @@ SECTION_TITLES = {
 
 def machine(args) -> dict:
     import jax
+
     d = jax.devices()
     return {
         "platform": d[0].platform,
@@ -45,6 +46,7 @@ def write_json(path: str, info: dict, records: list[dict], wall_s: float) -> Non
 def _plain(o):
     try:
         import numpy as np
+
         if isinstance(o, np.generic):
             return o.item()
     except ImportError:  # pragma: no cover
@@ -108,8 +110,18 @@ def status_text(r: dict) -> str:
 
 
 def rows(records: list[dict]) -> list[tuple[str, ...]]:
-    return [(str(r["section"]), r["name"], config_text(r), value_text(r), r.get("target", ""), status_text(r),
-             detail_text(r)) for r in records]
+    return [
+        (
+            str(r["section"]),
+            r["name"],
+            config_text(r),
+            value_text(r),
+            r.get("target", ""),
+            status_text(r),
+            detail_text(r),
+        )
+        for r in records
+    ]
 
 
 HEADER = ("§", "measurement", "configuration", "value", "target", "status", "detail")
@@ -118,6 +130,7 @@ HEADER = ("§", "measurement", "configuration", "value", "target", "status", "de
 def print_table(info: dict, records: list[dict], wall_s: float) -> None:
     from rich.console import Console
     from rich.table import Table
+
     console = Console(width=max(160, Console().width))
     table = Table(title=f"meshax benchmarks ({_machine_line(info)}; {wall_s:.1f} s)", show_lines=False)
     for h in HEADER:
@@ -134,8 +147,10 @@ def print_table(info: dict, records: list[dict], wall_s: float) -> None:
 
 
 def _machine_line(info: dict) -> str:
-    return (f"{info['platform']} x{info['devices']} ({info['device_kind']}), {info['cpu_count']} CPU cores, "
-            f"jax {info['jax']}, {info['date']}" + (", --quick" if info.get("quick") else ""))
+    return (
+        f"{info['platform']} x{info['devices']} ({info['device_kind']}), {info['cpu_count']} CPU cores, "
+        f"jax {info['jax']}, {info['date']}" + (", --quick" if info.get("quick") else "")
+    )
 
 
 def targets_line(records: list[dict]) -> str:
@@ -159,8 +174,12 @@ def write_markdown(path: str, info: dict, records: list[dict], wall_s: float, co
         "",
     ]
     for section in sorted({r["section"] for r in records}):
-        lines += [f"## {section}. {SECTION_TITLES.get(section, '')}", "",
-                  "| " + " | ".join(HEADER[1:]) + " |", "|" + "---|" * (len(HEADER) - 1)]
+        lines += [
+            f"## {section}. {SECTION_TITLES.get(section, '')}",
+            "",
+            "| " + " | ".join(HEADER[1:]) + " |",
+            "|" + "---|" * (len(HEADER) - 1),
+        ]
         for r, row in zip(records, rows(records)):
             if r["section"] == section:
                 lines.append("| " + " | ".join(c.replace("|", "\\|") for c in row[1:]) + " |")

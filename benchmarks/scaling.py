@@ -34,6 +34,7 @@ def count_eqns(jaxpr) -> int:
 
 def run(quick: bool) -> list[dict]:
     import meshax as mx
+
     p = QUICK if quick else FULL
     s = p["size"]
     graph, mesh, t, updates = build_graph(s)
@@ -55,16 +56,46 @@ def run(quick: bool) -> list[dict]:
             devices *= int(part.split(":")[1])
         cfg = {"mesh": ms, "devices": devices, "layout": LAYOUT, "size": str(s), "program": "train step"}
         out.append(record(4, "lower + trace time", cfg, times[ms], "s", reps=p["reps"]))
-        out.append(record(4, "program size (jaxpr equations)", cfg, sizes[ms], "equations",
-                          collectives=counts[ms], allreduce_values=counters["allreduce"].values))
+        out.append(
+            record(
+                4,
+                "program size (jaxpr equations)",
+                cfg,
+                sizes[ms],
+                "equations",
+                collectives=counts[ms],
+                allreduce_values=counters["allreduce"].values,
+            )
+        )
     small, large = MESHES[0], MESHES[-1]
     cfg = {"meshes": f"{large} / {small}", "layout": LAYOUT, "size": str(s)}
     r = times[large] / times[small]
-    out.append(record(4, "lower + trace time 512 / 8 devices", cfg, r, "ratio", target="<= 1.2", met=r <= 1.2,
-                      numerator=side(large, times[large], "s"), denominator=side(small, times[small], "s")))
+    out.append(
+        record(
+            4,
+            "lower + trace time 512 / 8 devices",
+            cfg,
+            r,
+            "ratio",
+            target="<= 1.2",
+            met=r <= 1.2,
+            numerator=side(large, times[large], "s"),
+            denominator=side(small, times[small], "s"),
+        )
+    )
     r = sizes[large] / sizes[small]
-    out.append(record(4, "program size 512 / 8 devices", cfg, r, "ratio", target="<= 1.2", met=r <= 1.2,
-                      numerator=side(large, sizes[large], "equations"),
-                      denominator=side(small, sizes[small], "equations"),
-                      same_collective_counts=counts[large] == counts[small]))
+    out.append(
+        record(
+            4,
+            "program size 512 / 8 devices",
+            cfg,
+            r,
+            "ratio",
+            target="<= 1.2",
+            met=r <= 1.2,
+            numerator=side(large, sizes[large], "equations"),
+            denominator=side(small, sizes[small], "equations"),
+            same_collective_counts=counts[large] == counts[small],
+        )
+    )
     return out

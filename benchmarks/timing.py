@@ -23,8 +23,15 @@ def interleaved(a: Callable[[], object], b: Callable[[], object], steps: int, wa
             fn()
             out.append(time.perf_counter() - t0)
     ma, mb = statistics.median(ta), statistics.median(tb)
-    return {"a_s": ma, "b_s": mb, "ratio": ma / mb, "steps": steps, "warmup": warmup,
-            "a_iqr_s": _iqr(ta), "b_iqr_s": _iqr(tb)}
+    return {
+        "a_s": ma,
+        "b_s": mb,
+        "ratio": ma / mb,
+        "steps": steps,
+        "warmup": warmup,
+        "a_iqr_s": _iqr(ta),
+        "b_iqr_s": _iqr(tb),
+    }
 
 
 def round_robin(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:

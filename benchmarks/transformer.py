@@ -44,14 +44,15 @@ _DIMS = {"b": "batch", "l": "length", "m": "memory_length", "d": "d_model", "h":
 
 def task(preset: str, sharding: str = ""):
     from meshax.train import LmTask
-    return LmTask(model=preset, source="markov", markov_vocab=VOCAB, batch_size=BATCH, length=LENGTH,
-                  sharding=sharding)
+
+    return LmTask(model=preset, source="markov", markov_vocab=VOCAB, batch_size=BATCH, length=LENGTH, sharding=sharding)
 
 
 def layout_problem(preset: str, mesh_shape: str, layout: str) -> str | None:
     """Why the preset cannot be laid out so (e.g. 4 heads over 8 devices), or None."""
     from meshax.core.errors import LayoutError
     from meshax.train.loop import build
+
     try:
         build(task(preset), mesh_shape, layout, "simd", compile=False)
     except LayoutError as e:
@@ -65,6 +66,7 @@ class MeshaxLm:
     def __init__(self, preset: str, mesh_shape: str, layout: str, sharding: str = ""):
         from meshax.optimize import AdamWeightDecayOptimizer
         from meshax.train.loop import build
+
         self.preset, self.mesh_shape, self.layout = preset, mesh_shape, layout
         self.task = task(preset, sharding)
         self.program = build(self.task, mesh_shape, layout, "simd", AdamWeightDecayOptimizer(LR))
@@ -127,6 +129,7 @@ class MeshaxLm:
 def _layer_norm(x, scale, bias, eps):
     import jax.numpy as jnp
     from jax import lax
+
     mean = jnp.mean(x, axis=-1, keepdims=True)
     centered = x - mean
     var = jnp.mean(jnp.square(centered), axis=-1, keepdims=True)
@@ -137,14 +140,16 @@ def _no_constraint(a, kind: str, dims: str):
     return a
 
 
-def loss_and_metrics(params: dict, ids, targets, weights, *, sinusoid, config, prefix="transformer",
-                     constrain=_no_constraint):
+def loss_and_metrics(
+    params: dict, ids, targets, weights, *, sinusoid, config, prefix="transformer", constrain=_no_constraint
+):
     """(loss, (loss_sum, count, correct)) of the decoder-only LM, in jnp on `params` by name.
 
     `constrain(array, kind, dims)` is applied where meshax's Transformer annotates a GSPMD
     sharding (kind: weights, BSM, BSND, BSH; dims: the array's dims as letters of `_DIMS`)."""
     import jax
     import jax.numpy as jnp
+
     p = lambda n: params[f"{prefix}/{n}"]  # noqa: E731
     c = constrain
     eps = config.layer_norm_epsilon
@@ -186,6 +191,7 @@ class JaxLm:
         from jax.sharding import NamedSharding, PartitionSpec
 
         from meshax.models.transformer import GSPMD_SHARDINGS
+
         values = m.values() if values is None else values
         names = m.trainable_names()
         config = m.task.config
@@ -201,12 +207,14 @@ class JaxLm:
             if spec is None:
                 return a
             return jax.lax.with_sharding_constraint(
-                a, NamedSharding(jax_mesh, PartitionSpec(*[spec[kind].get(_DIMS[d]) for d in dims])))
+                a, NamedSharding(jax_mesh, PartitionSpec(*[spec[kind].get(_DIMS[d]) for d in dims]))
+            )
 
         def step(state, ids, targets, weights):
             params, adam_m, adam_v, gstep = state
             (loss, metrics), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(
-                params, ids, targets, weights, sinusoid=sinusoid, config=config, constrain=constrain)
+                params, ids, targets, weights, sinusoid=sinusoid, config=config, constrain=constrain
+            )
             t = gstep + 1.0
             c1, c2 = 1.0 - jnp.power(B1, t), 1.0 - jnp.power(B2, t)
             new_p, new_m, new_v = {}, {}, {}
@@ -223,18 +231,22 @@ class JaxLm:
         v_sh = {n: var_sh[f"{n}/adam_v"] for n in names}
         state_sh = (p_sh, m_sh, v_sh, var_sh["global_step"])
         f_sh = tuple(self._feed_sh[k] for k in ("ids", "targets", "weights"))
-        self._jit = jax.jit(step, in_shardings=(state_sh, *f_sh), out_shardings=((scalar,) * 4, state_sh),
-                            donate_argnums=(0,))
+        self._jit = jax.jit(
+            step, in_shardings=(state_sh, *f_sh), out_shardings=((scalar,) * 4, state_sh), donate_argnums=(0,)
+        )
         put = lambda d, sh: {n: jax.device_put(d[n], sh[n]) for n in names}  # noqa: E731
-        self._state = (put({n: values[n] for n in names}, p_sh),
-                       put({n: values[f"{n}/adam_m"] for n in names}, m_sh),
-                       put({n: values[f"{n}/adam_v"] for n in names}, v_sh),
-                       jax.device_put(np.float32(values["global_step"]), state_sh[3]))
+        self._state = (
+            put({n: values[n] for n in names}, p_sh),
+            put({n: values[f"{n}/adam_m"] for n in names}, m_sh),
+            put({n: values[f"{n}/adam_v"] for n in names}, v_sh),
+            jax.device_put(np.float32(values["global_step"]), state_sh[3]),
+        )
         self._compiled = None
         self.feeds = m.feeds
 
     def _feed_args(self, feeds):
         import jax
+
         return tuple(jax.device_put(np.asarray(feeds[k]), self._feed_sh[k]) for k in ("ids", "targets", "weights"))
 
     @property

@@ -62,21 +62,27 @@ def table1(mesh_shape: str, layout: str, s: Size) -> tuple[float, float, str]:
         return 2 * b * io / r + 2 * io * h / c, h / c + 1, "2·b·d_io/r + 2·d_io·d_h/c"
     if layout == "batch:rows;hidden:cols;io:planes":
         r, c, p = m["rows"], m["cols"], m["planes"]
-        return (2 * b * io / (r * p) + 2 * b * h / (r * c) + 2 * io * h / (p * c), h / c + 1,
-                "2·b·d_io/(r·p) + 2·b·d_h/(r·c) + 2·d_io·d_h/(p·c)")
+        return (
+            2 * b * io / (r * p) + 2 * b * h / (r * c) + 2 * io * h / (p * c),
+            h / c + 1,
+            "2·b·d_io/(r·p) + 2·b·d_h/(r·c) + 2·d_io·d_h/(p·c)",
+        )
     raise ValueError(f"no Table 1 formula for layout {layout!r}")
 
 
 def feeds(s: Size, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"x": rng.normal(size=(s.b, s.io)).astype(np.float32),
-            "g": rng.normal(size=(s.b, s.io)).astype(np.float32) * 0.1}
+    return {
+        "x": rng.normal(size=(s.b, s.io)).astype(np.float32),
+        "g": rng.normal(size=(s.b, s.io)).astype(np.float32) * 0.1,
+    }
 
 
 def build_graph(s: Size, annotations: dict | None = None):
     """(graph, mesh, tensors) of the two-layer network; tensors is a dict by name.
     `annotations` {"x" / "w" / "v": dims_mapping} are mesh_split on the reads of those tensors."""
     import meshax as mx
+
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "mesh")
     batch, io, hidden = mx.Dimension("batch", s.b), mx.Dimension("io", s.io), mx.Dimension("hidden", s.h)
@@ -85,6 +91,7 @@ def build_graph(s: Size, annotations: dict | None = None):
     w = mx.get_variable(mesh, "w", [io, hidden], initializer=mx.initializers.normal(0.1))
     bias = mx.get_variable(mesh, "bias", [hidden])
     v = mx.get_variable(mesh, "v", [hidden, io], initializer=mx.initializers.normal(0.1))
+
     def read(name, t):  # t as the annotations say, where they say anything
         return mx.mesh_split(t, annotations[name]) if annotations and name in annotations else t
 
@@ -102,6 +109,7 @@ class MeshaxModel:
 
     def __init__(self, s: Size, mesh_shape: str, layout: str, devices=None, annotations: dict | None = None):
         import meshax as mx
+
         self.size, self.mesh_shape, self.layout = s, mesh_shape, layout
         self.graph, self.mesh, self.t, self.updates = build_graph(s, annotations)
         self.impl = mx.SimdMeshImpl(mesh_shape, layout, devices=devices)
@@ -141,8 +149,9 @@ class MeshaxModel:
 class JaxModel:
     """The same training step in plain JAX: jax.jit with NamedShardings, or one device."""
 
-    def __init__(self, params: list[np.ndarray], shardings: dict | None = None, device=None,
-                 constraints: dict | None = None):
+    def __init__(
+        self, params: list[np.ndarray], shardings: dict | None = None, device=None, constraints: dict | None = None
+    ):
         """`shardings`: {"x","g","w","bias","v","scalar"} -> NamedSharding; else all on `device`.
         `constraints`: {"x" / "w" / "v": NamedSharding}, with_sharding_constraint on their reads."""
         import jax
@@ -163,8 +172,12 @@ class JaxModel:
         if shardings is not None:
             p_sh = tuple(shardings[n] for n in ("w", "bias", "v"))
             sc = shardings["scalar"]
-            self._jit = jax.jit(step, in_shardings=(p_sh, sc, shardings["x"], shardings["g"]),
-                                out_shardings=(sc, p_sh, sc), donate_argnums=(0, 1))
+            self._jit = jax.jit(
+                step,
+                in_shardings=(p_sh, sc, shardings["x"], shardings["g"]),
+                out_shardings=(sc, p_sh, sc),
+                donate_argnums=(0, 1),
+            )
             self._x_sh, self._g_sh = shardings["x"], shardings["g"]
             put_p = [jax.device_put(p, s) for p, s in zip(params, p_sh)]
             self._gs = jax.device_put(np.float32(0), sc)
@@ -177,6 +190,7 @@ class JaxModel:
 
     def _args(self, f):
         import jax
+
         return (self._params, self._gs, jax.device_put(f["x"], self._x_sh), jax.device_put(f["g"], self._g_sh))
 
     def step(self, f) -> float:
@@ -193,6 +207,7 @@ class JaxModel:
 def jax_twin(model: MeshaxModel) -> JaxModel:
     """The plain-JAX model with meshax's initial parameters and the shardings of its plan."""
     from jax.sharding import NamedSharding, PartitionSpec
+
     sh = {n: model.sharding(n) for n in ("x", "g", "w", "bias", "v")}
     sh["scalar"] = NamedSharding(model.impl.jax_mesh, PartitionSpec())
     return JaxModel(model.params(), shardings=sh)

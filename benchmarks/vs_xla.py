@@ -25,16 +25,24 @@ from benchmarks.two_layer import LAYOUTS, Size, feeds, jax_twin, model, params_a
 
 QUICK = {"sizes": [Size(64, 32, 128)], "steps": {Size(64, 32, 128): 10}, "warmup": 3}
 # more steps where a step is short (noise is mostly the host's), 50 where it is long
-FULL = {"sizes": [Size(128, 64, 256), Size(512, 256, 1024)],
-        "steps": {Size(128, 64, 256): 200, Size(512, 256, 1024): 50}, "warmup": 5}
+FULL = {
+    "sizes": [Size(128, 64, 256), Size(512, 256, 1024)],
+    "steps": {Size(128, 64, 256): 200, Size(512, 256, 1024): 50},
+    "warmup": 5,
+}
 
 
 # the Transformer: presets x layouts; --quick: tiny, data-parallel only, few steps
 LM_QUICK = {"presets": ["tiny"], "layouts": [("all:8", "batch:all")], "steps": {"tiny": 5}, "warmup": 2}
-LM_FULL = {"presets": ["tiny", "small"], "layouts": lm.LAYOUTS, "steps": {"tiny": 30, "small": 30}, "warmup": 3,
-           # small unsplit ("") does the whole model on each of 8 virtual devices (~1.3 s a step on
-           # 2 cores): no communication to compare, so fewer steps
-           "steps_override": {("small", ""): 10}}
+LM_FULL = {
+    "presets": ["tiny", "small"],
+    "layouts": lm.LAYOUTS,
+    "steps": {"tiny": 30, "small": 30},
+    "warmup": 3,
+    # small unsplit ("") does the whole model on each of 8 virtual devices (~1.3 s a step on
+    # 2 cores): no communication to compare, so fewer steps
+    "steps_override": {("small", ""): 10},
+}
 
 
 def transformer_configs(quick: bool = False) -> list[dict]:
@@ -46,57 +54,111 @@ def transformer_configs(quick: bool = False) -> list[dict]:
     out = []
     for preset in p["presets"]:
         for mesh_shape, layout in p["layouts"]:
-            out.append({"name": f"transformer {preset}", "preset": preset, "mesh": mesh_shape, "layout": layout,
-                        "steps": p.get("steps_override", {}).get((preset, layout), p["steps"][preset]),
-                        "warmup": p["warmup"],
-                        "build_meshax": (lambda pr=preset, ms=mesh_shape, la=layout: lm.model(pr, ms, la)),
-                        "build_jax": lm.JaxLm})
+            out.append(
+                {
+                    "name": f"transformer {preset}",
+                    "preset": preset,
+                    "mesh": mesh_shape,
+                    "layout": layout,
+                    "steps": p.get("steps_override", {}).get((preset, layout), p["steps"][preset]),
+                    "warmup": p["warmup"],
+                    "build_meshax": (lambda pr=preset, ms=mesh_shape, la=layout: lm.model(pr, ms, la)),
+                    "build_jax": lm.JaxLm,
+                }
+            )
     return out
 
 
 def lm_config(tc: dict) -> dict:
     c = lm.task(tc["preset"]).config
-    size = (f"{tc['preset']}: b={lm.BATCH},l={lm.LENGTH},vocab={c.vocab_size},d_model={c.d_model},"
-            f"d_ff={c.d_ff},heads={c.num_heads},layers={c.num_layers}")
-    return {"mesh": tc["mesh"], "layout": tc["layout"], "model": f"transformer {tc['preset']}", "size": size,
-            "program": "LM train step (Adam)"}
+    size = (
+        f"{tc['preset']}: b={lm.BATCH},l={lm.LENGTH},vocab={c.vocab_size},d_model={c.d_model},"
+        f"d_ff={c.d_ff},heads={c.num_heads},layers={c.num_layers}"
+    )
+    return {
+        "mesh": tc["mesh"],
+        "layout": tc["layout"],
+        "model": f"transformer {tc['preset']}",
+        "size": size,
+        "program": "LM train step (Adam)",
+    }
 
 
 def run_transformer(tc: dict) -> list[dict]:
     cfg = lm_config(tc)
     problem = lm.layout_problem(tc["preset"], tc["mesh"], tc["layout"])
     if problem:  # e.g. tiny's 4 heads cannot split 8 ways
-        return [record(2, "step time meshax / XLA", cfg, None, "", status="skipped: layout invalid for preset",
-                       note=problem)]
+        return [
+            record(
+                2, "step time meshax / XLA", cfg, None, "", status="skipped: layout invalid for preset", note=problem
+            )
+        ]
     m = tc["build_meshax"]()
     j = tc["build_jax"](m)  # from meshax's initial values, before meshax's first step
     # same parameters in, same outputs out: the two programs compute the same step
     o_mx, o_jax = m.step(), j.step()
-    first = {"names": list(lm.OUTPUTS), "meshax": o_mx, "xla": o_jax,
-             "loss_rel_diff": abs(o_mx[0] - o_jax[0]) / abs(o_jax[0]),
-             "agree": lm.outputs_agree(o_mx, o_jax, 1e-4)}
+    first = {
+        "names": list(lm.OUTPUTS),
+        "meshax": o_mx,
+        "xla": o_jax,
+        "loss_rel_diff": abs(o_mx[0] - o_jax[0]) / abs(o_jax[0]),
+        "agree": lm.outputs_agree(o_mx, o_jax, 1e-4),
+    }
     if not first["agree"]:
-        return [record(2, "step time meshax / XLA", cfg, None, "", status="not timed: first outputs differ",
-                       first_outputs=first)]
+        return [
+            record(
+                2,
+                "step time meshax / XLA",
+                cfg,
+                None,
+                "",
+                status="not timed: first outputs differ",
+                first_outputs=first,
+            )
+        ]
     t = interleaved(m.step, j.step, tc["steps"], tc["warmup"])
     o_mx, o_jax = m.step(), j.step()  # after the same number of steps on each side
-    last = {"meshax": o_mx, "xla": o_jax, "loss_rel_diff": abs(o_mx[0] - o_jax[0]) / abs(o_jax[0]),
-            "agree": lm.outputs_agree(o_mx[:3], o_jax[:3], 1e-3)}
+    last = {
+        "meshax": o_mx,
+        "xla": o_jax,
+        "loss_rel_diff": abs(o_mx[0] - o_jax[0]) / abs(o_jax[0]),
+        "agree": lm.outputs_agree(o_mx[:3], o_jax[:3], 1e-3),
+    }
     diff, where = lm.max_param_diff(m, j)
-    out = [record(2, "step time meshax / XLA", cfg, t["ratio"], "ratio",
-                  target="<= 1.0", met=t["ratio"] <= 1.0,
-                  numerator=side("meshax step (median)", t["a_s"], "s"),
-                  denominator=side("jax.jit + NamedSharding step (median)", t["b_s"], "s"),
-                  steps=t["steps"], warmup=t["warmup"],
-                  iqr_s={"meshax": t["a_iqr_s"], "xla": t["b_iqr_s"]},
-                  first_outputs=first, last_outputs=last,
-                  params_max_abs_diff_after={"value": diff, "variable": where, "steps": m.steps_run})]
+    out = [
+        record(
+            2,
+            "step time meshax / XLA",
+            cfg,
+            t["ratio"],
+            "ratio",
+            target="<= 1.0",
+            met=t["ratio"] <= 1.0,
+            numerator=side("meshax step (median)", t["a_s"], "s"),
+            denominator=side("jax.jit + NamedSharding step (median)", t["b_s"], "s"),
+            steps=t["steps"],
+            warmup=t["warmup"],
+            iqr_s={"meshax": t["a_iqr_s"], "xla": t["b_iqr_s"]},
+            first_outputs=first,
+            last_outputs=last,
+            params_max_abs_diff_after={"value": diff, "variable": where, "steps": m.steps_run},
+        )
+    ]
     c_mx = hlo.collectives(m.compiled_text())
     c_xla = hlo.collectives(j.compiled_text())
     for who, c in (("meshax (compiled HLO)", c_mx), ("XLA partitioner (compiled HLO)", c_xla)):
-        out.append(record(2, f"collectives: {who}", cfg, sum(v["count"] for v in c.values()), "collectives",
-                          values_per_device=sum(v["values"] for v in c.values()),
-                          by_kind=c, summary=hlo.summary(c)))
+        out.append(
+            record(
+                2,
+                f"collectives: {who}",
+                cfg,
+                sum(v["count"] for v in c.values()),
+                "collectives",
+                values_per_device=sum(v["values"] for v in c.values()),
+                by_kind=c,
+                summary=hlo.summary(c),
+            )
+        )
     return out
 
 
@@ -112,21 +174,40 @@ def run(quick: bool) -> list[dict]:
             # same parameters in, same loss out: the two programs compute the same step
             l_mx, l_jax = m.step(f), j.step(f)
             agree = bool(np.isclose(l_mx, l_jax, rtol=1e-3, atol=1e-3))
-            t = interleaved(lambda: m.step(f), lambda: j.step(f), p["steps"][s], p["warmup"])
-            out.append(record(2, "step time meshax / XLA", cfg, t["ratio"], "ratio",
-                              target="<= 1.0", met=t["ratio"] <= 1.0,
-                              numerator=side("meshax step (median)", t["a_s"], "s"),
-                              denominator=side("jax.jit + NamedSharding step (median)", t["b_s"], "s"),
-                              steps=t["steps"], warmup=t["warmup"],
-                              iqr_s={"meshax": t["a_iqr_s"], "xla": t["b_iqr_s"]},
-                              first_loss={"meshax": l_mx, "xla": l_jax, "agree": agree},
-                              params_agree_after=params_agree(m.params(), j.params())))
+            t = interleaved(lambda m=m, f=f: m.step(f), lambda j=j, f=f: j.step(f), p["steps"][s], p["warmup"])
+            out.append(
+                record(
+                    2,
+                    "step time meshax / XLA",
+                    cfg,
+                    t["ratio"],
+                    "ratio",
+                    target="<= 1.0",
+                    met=t["ratio"] <= 1.0,
+                    numerator=side("meshax step (median)", t["a_s"], "s"),
+                    denominator=side("jax.jit + NamedSharding step (median)", t["b_s"], "s"),
+                    steps=t["steps"],
+                    warmup=t["warmup"],
+                    iqr_s={"meshax": t["a_iqr_s"], "xla": t["b_iqr_s"]},
+                    first_loss={"meshax": l_mx, "xla": l_jax, "agree": agree},
+                    params_agree_after=params_agree(m.params(), j.params()),
+                )
+            )
             c_mx = hlo.collectives(m.compiled_text("step"))
             c_xla = hlo.collectives(j.compiled_text(f))
             for who, c in (("meshax (compiled HLO)", c_mx), ("XLA partitioner (compiled HLO)", c_xla)):
-                out.append(record(2, f"collectives: {who}", cfg, sum(v["count"] for v in c.values()), "collectives",
-                                  values_per_device=sum(v["values"] for v in c.values()),
-                                  by_kind=c, summary=hlo.summary(c)))
+                out.append(
+                    record(
+                        2,
+                        f"collectives: {who}",
+                        cfg,
+                        sum(v["count"] for v in c.values()),
+                        "collectives",
+                        values_per_device=sum(v["values"] for v in c.values()),
+                        by_kind=c,
+                        summary=hlo.summary(c),
+                    )
+                )
     for tc in transformer_configs(quick):
         out.extend(run_transformer(tc))
     return out

@@ -27,12 +27,25 @@ from meshax.train import LmTask, Seq2SeqTask, train  # noqa: E402
 
 EXPERIMENTS = {
     # name: (task factory, steps, peak lr, warmup, eval every, mesh, layout)
-    "markov": (lambda: LmTask(model="tiny", source="markov", batch_size=32, length=64), 1500, 3e-3, 100, 250,
-               "all:8", "batch:all"),
-    "reverse": (lambda: Seq2SeqTask(model="tiny", batch_size=64, length=8), 600, 3e-3, 100, 150,
-                "all:8", "batch:all"),
-    "text": (lambda: LmTask(model="tiny", source="text", batch_size=32, length=128), 1500, 3e-3, 100, 250,
-             "rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols"),
+    "markov": (
+        lambda: LmTask(model="tiny", source="markov", batch_size=32, length=64),
+        1500,
+        3e-3,
+        100,
+        250,
+        "all:8",
+        "batch:all",
+    ),
+    "reverse": (lambda: Seq2SeqTask(model="tiny", batch_size=64, length=8), 600, 3e-3, 100, 150, "all:8", "batch:all"),
+    "text": (
+        lambda: LmTask(model="tiny", source="text", batch_size=32, length=128),
+        1500,
+        3e-3,
+        100,
+        250,
+        "rows:2;cols:4",
+        "batch:rows;vocab:cols;d_ff:cols;heads:cols",
+    ),
 }
 
 
@@ -40,12 +53,26 @@ def run(name: str, out_dir: str) -> dict:
     make, steps, lr, warmup, every, mesh, layout = EXPERIMENTS[name]
     task = make()
     start = time.time()
-    result = train(task, mesh, layout, steps=steps, eval_every=every,
-                   optimizer=AdamWeightDecayOptimizer(linear_decay(lr, warmup, steps)),
-                   on_eval=lambda step, m: print(f"  {name} step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in m.items()),
-                                                 flush=True))
-    record = {"experiment": name, "mesh": mesh, "layout": layout, "steps": steps, "seconds": time.time() - start,
-              "evals": result.evals, "final": result.evals[-1][1]}
+    result = train(
+        task,
+        mesh,
+        layout,
+        steps=steps,
+        eval_every=every,
+        optimizer=AdamWeightDecayOptimizer(linear_decay(lr, warmup, steps)),
+        on_eval=lambda step, m: print(
+            f"  {name} step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in m.items()), flush=True
+        ),
+    )
+    record = {
+        "experiment": name,
+        "mesh": mesh,
+        "layout": layout,
+        "steps": steps,
+        "seconds": time.time() - start,
+        "evals": result.evals,
+        "final": result.evals[-1][1],
+    }
     if name == "markov":
         final = result.evals[-1][1]
         record["ratio_to_entropy_rate"] = final["loss"] / final["entropy_rate"]
@@ -57,7 +84,9 @@ def run(name: str, out_dir: str) -> dict:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("experiments", nargs="*", choices=[[], *EXPERIMENTS], help=f"any of {list(EXPERIMENTS)}; default all")
+    p.add_argument(
+        "experiments", nargs="*", choices=[[], *EXPERIMENTS], help=f"any of {list(EXPERIMENTS)}; default all"
+    )
     p.add_argument("--out", default="benchmarks/out/convergence")
     args = p.parse_args()
     for name in args.experiments or list(EXPERIMENTS):

@@ -15,18 +15,50 @@ from meshax import initializers, layers, optimize
 from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
 from meshax.core import (
-    Dimension, Graph, GraphError, LayoutError, Mesh, Operation, Shape, Tensor, convert_to_shape,
+    Dimension,
+    Graph,
+    GraphError,
+    LayoutError,
+    Mesh,
+    Operation,
+    Shape,
+    Tensor,
+    convert_to_shape,
 )
 from meshax.layout import OPEN, LayoutRules, ShardingRule, TensorLayout, convert_to_layout_rules
-from meshax.lower import Counters, LaidOutTensor, Lowering, LoweredFunction, MeshImpl, hlo_collectives
+from meshax.lower import Counters, LaidOutTensor, LoweredFunction, Lowering, MeshImpl, hlo_collectives
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
 from meshax.ops import __all__ as _ops
 from meshax.runtime import use_cpu_devices
 
 __version__ = "0.1.0"
 __all__ = [
-    "Counters", "Dimension", "Graph", "GraphError", "LaidOutTensor", "LayoutError", "LayoutRules", "LoweredFunction",
-    "Lowering", "Mesh", "MeshImpl", "OPEN", "Operation", "PlacementMeshImpl", "Shape", "ShardingRule", "SimdMeshImpl", "Tensor",
-    "TensorLayout", "convert_to_layout_rules", "convert_to_shape", "gradients", "hlo_collectives", "initializers",
-    "layers", "optimize", "use_cpu_devices", *_ops,
+    "Counters",
+    "Dimension",
+    "Graph",
+    "GraphError",
+    "LaidOutTensor",
+    "LayoutError",
+    "LayoutRules",
+    "LoweredFunction",
+    "Lowering",
+    "Mesh",
+    "MeshImpl",
+    "OPEN",
+    "Operation",
+    "PlacementMeshImpl",
+    "Shape",
+    "ShardingRule",
+    "SimdMeshImpl",
+    "Tensor",
+    "TensorLayout",
+    "convert_to_layout_rules",
+    "convert_to_shape",
+    "gradients",
+    "hlo_collectives",
+    "initializers",
+    "layers",
+    "optimize",
+    "use_cpu_devices",
+    *_ops,
 ]

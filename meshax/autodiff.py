@@ -8,6 +8,7 @@ the einsum over a split `batch` dim in the backward pass, not a special case.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import overload
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, is_floating
@@ -31,15 +32,33 @@ def _between(ops: list[Operation], xs: Sequence[Tensor], ys: Sequence[Tensor]) -
     return between
 
 
-def gradients(ys, xs, grad_ys=None) -> list[Tensor | None]:
+def _as_x(x) -> Tensor:
+    if isinstance(x, Tensor):
+        return x
+    if getattr(x, "is_variable", False):  # a variable op: its value
+        return x.outputs[0]
+    raise GraphError(f"gradients: {x!r} is not a Tensor or a variable; pass tensors (e.g. a variable's .value)")
+
+
+@overload
+def gradients(ys, xs: Tensor, grad_ys=None) -> Tensor | None: ...
+
+
+@overload
+def gradients(ys, xs: Sequence[Tensor], grad_ys=None) -> list[Tensor | None]: ...
+
+
+def gradients(ys, xs, grad_ys=None):
     """d(sum of ys)/d(each x), as new graph tensors; None where no path connects them.
 
-    ys: a Tensor or a list; xs: a list of Tensors (variables' values, placeholders, any tensor);
+    ys: a Tensor or a list; xs: a list of Tensors (variables' values, placeholders, any tensor)
+    or variables (`graph.trainable_variables`: each stands for its value);
     grad_ys: upstream gradients for ys (default: ones, so a scalar loss gives its gradient)."""
     from meshax.ops.inputs import ones_like
+
     ys = [ys] if isinstance(ys, Tensor) else list(ys)
-    single = isinstance(xs, Tensor)
-    xs = [xs] if single else list(xs)
+    single = isinstance(xs, Tensor | Operation)
+    xs = [_as_x(x) for x in ([xs] if single else list(xs))]
     if not ys:
         raise GraphError("gradients needs at least one y")
     if grad_ys is None:
@@ -77,7 +96,9 @@ def gradients(ys, xs, grad_ys=None) -> list[Tensor | None]:
         for new in graph.operations[first_new:]:  # the cost report names the forward op
             new.grad_of, new.source = op, op.source
         if len(grad_inputs) != len(op.inputs):
-            raise GraphError(f"{type(op).__name__}.gradient returned {len(grad_inputs)} grads for {len(op.inputs)} inputs")
+            raise GraphError(
+                f"{type(op).__name__}.gradient returned {len(grad_inputs)} grads for {len(op.inputs)} inputs"
+            )
         for t, g in zip(op.inputs, grad_inputs):
             if g is None or not is_floating(t.dtype):
                 continue

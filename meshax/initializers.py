@@ -66,32 +66,40 @@ class Glorot:
 
 
 def zeros():
+    """Initialize to zeros."""
     return Constant(0.0)
 
 
 def ones():
+    """Initialize to ones."""
     return Constant(1.0)
 
 
 def constant(value):
+    """Initialize every value to `value`."""
     return Constant(value)
 
 
 def normal(stddev=1.0, mean=0.0):
+    """Normal values with `mean` and `stddev`."""
     return Normal(stddev, mean)
 
 
 def truncated_normal(stddev=1.0, mean=0.0):
+    """Normal values with `mean` and `stddev`, cut at two standard deviations (rescaled to keep `stddev`)."""
     return Normal(stddev, mean, truncated=True)
 
 
 def uniform(minval=0.0, maxval=1.0):
+    """Uniform values in [minval, maxval)."""
     return Uniform(minval, maxval)
 
 
 def glorot_uniform(fan_in=None, fan_out=None):
+    """Glorot (Xavier) uniform: variance 2 / (fan_in + fan_out); fans default to (all dims but the last, the last)."""
     return Glorot(fan_in, fan_out, "uniform")
 
 
 def glorot_normal(fan_in=None, fan_out=None):
+    """Glorot (Xavier) truncated normal: variance 2 / (fan_in + fan_out); fans default as glorot_uniform's."""
     return Glorot(fan_in, fan_out, "normal")

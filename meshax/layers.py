@@ -21,8 +21,17 @@ def _name(x: Tensor, name: str | None, default: str) -> str:
     return name if name is not None else x.graph.unique_name(default)
 
 
-def dense(x: Tensor, new_dims, reduced_dims=None, use_bias: bool = True, activation=None, name: str | None = None,
-          kernel_initializer=None, variable_dtype="float32", kernel_annotation=None) -> Tensor:
+def dense(
+    x: Tensor,
+    new_dims,
+    reduced_dims=None,
+    use_bias: bool = True,
+    activation=None,
+    name: str | None = None,
+    kernel_initializer=None,
+    variable_dtype="float32",
+    kernel_annotation=None,
+) -> Tensor:
     """x contracted with a kernel [reduced_dims + new_dims] (+ bias [new_dims]), then activation.
 
     reduced_dims defaults to x's last dim. Variables are named `<name>/kernel`, `<name>/bias`.
@@ -59,12 +68,17 @@ def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None) -
     return centered * ew.rsqrt(variance + epsilon) * ew.cast(scale, x.dtype) + ew.cast(bias, x.dtype)
 
 
-def embedding(ids: Tensor, vocab_dim: Dimension, output_dim: Dimension, name: str | None = None,
-              initializer=None) -> tuple[Tensor, Tensor]:
+def embedding(
+    ids: Tensor, vocab_dim: Dimension, output_dim: Dimension, name: str | None = None, initializer=None
+) -> tuple[Tensor, Tensor]:
     """Look up ids in a [vocab_dim, output_dim] table; returns (embeddings, the table)."""
     name = _name(ids, name, "embedding")
-    table = get_variable(ids.mesh, f"{name}/table", [vocab_dim, output_dim],
-                         initializer=initializer or initializers.normal(1.0 / math.sqrt(output_dim.size)))
+    table = get_variable(
+        ids.mesh,
+        f"{name}/table",
+        [vocab_dim, output_dim],
+        initializer=initializer or initializers.normal(1.0 / math.sqrt(output_dim.size)),
+    )
     return gather(table, ids, vocab_dim), table
 
 

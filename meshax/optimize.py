@@ -19,6 +19,7 @@ Schedule = Callable[[Tensor], "Tensor | float"]
 
 # ---- schedules: functions of the step (a float32 scalar tensor, 0 at the first step) ----------
 def constant_schedule(learning_rate: float) -> Schedule:
+    """A learning-rate schedule that is `learning_rate` at every step."""
     return lambda step: learning_rate
 
 
@@ -30,20 +31,24 @@ def linear_warmup(learning_rate: float, warmup_steps: int) -> Schedule:
 def rsqrt_decay(learning_rate: float, warmup_steps: int) -> Schedule:
     """Linear warmup to `learning_rate`, then decay as 1/sqrt(step) (the Transformer's schedule)."""
     w = float(max(1, warmup_steps))
+
     def schedule(step):
         s = step + 1.0
         return ew.minimum(s * (1.0 / w), ew.rsqrt(ew.maximum(s, w) * (1.0 / w))) * learning_rate
+
     return schedule
 
 
 def linear_decay(learning_rate: float, warmup_steps: int, total_steps: int) -> Schedule:
     """Linear warmup, then linear decay to zero at total_steps."""
     w, t = float(max(1, warmup_steps)), float(max(total_steps, warmup_steps + 1))
+
     def schedule(step):
         s = step + 1.0
         up = s * (1.0 / w)
         down = (t - s) * (1.0 / (t - w))
         return ew.maximum(ew.minimum(up, down), 0.0) * learning_rate
+
     return schedule
 
 
@@ -60,8 +65,15 @@ class Optimizer:
 
     def _slot(self, var: VariableOperation, suffix: str, shape=None) -> Tensor:
         from meshax import initializers
-        return get_variable(var.mesh, f"{var.name}/{suffix}", shape if shape is not None else var.shape,
-                            initializer=initializers.zeros(), dtype="float32", trainable=False)
+
+        return get_variable(
+            var.mesh,
+            f"{var.name}/{suffix}",
+            shape if shape is not None else var.shape,
+            initializer=initializers.zeros(),
+            dtype="float32",
+            trainable=False,
+        )
 
     def _step(self, mesh) -> Tensor:
         if self.step is None:
@@ -69,9 +81,11 @@ class Optimizer:
         return self.step
 
     def learning_rate(self, step: Tensor):
+        """The learning rate at `step` (a scalar tensor), from the schedule."""
         return self._schedule(step)
 
     def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
+        """The update ops of one step: each variable's from its gradient (None: left alone), and the step counter's."""
         variables = [_variable_of(v) for v in variables]
         if len(grads) != len(variables):
             raise ValueError(f"apply_grads got {len(grads)} gradients for {len(variables)} variables")
@@ -88,6 +102,7 @@ class Optimizer:
         return updates
 
     def apply_grad(self, grad: Tensor, var: VariableOperation, lr, step: Tensor) -> list:
+        """The update ops (assigns) of one variable from its gradient; subclasses implement it."""
         raise NotImplementedError(f"{type(self).__name__} must define apply_grad")
 
 
@@ -115,8 +130,15 @@ class MomentumOptimizer(Optimizer):
 class AdamWeightDecayOptimizer(Optimizer):
     """Adam with decoupled weight decay (as in BERT and Mesh-TensorFlow), bias-corrected."""
 
-    def __init__(self, learning_rate, weight_decay_rate: float = 0.0, beta_1: float = 0.9, beta_2: float = 0.999,
-                 epsilon: float = 1e-8, exclude_from_weight_decay: Sequence[str] = ("bias", "norm")):
+    def __init__(
+        self,
+        learning_rate,
+        weight_decay_rate: float = 0.0,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-8,
+        exclude_from_weight_decay: Sequence[str] = ("bias", "norm"),
+    ):
         super().__init__(learning_rate)
         self.weight_decay_rate = weight_decay_rate
         self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
@@ -140,9 +162,17 @@ class AdafactorOptimizer(Optimizer):
 
     Without a learning rate it uses min(0.01, 1/sqrt(step)), scaled by the parameter's RMS."""
 
-    def __init__(self, learning_rate=None, decay_rate_exponent: float = 0.8, beta1: float = 0.0,
-                 epsilon1: float = 1e-30, epsilon2: float = 1e-3, clipping_threshold: float | None = 1.0,
-                 factored: bool = True, multiply_by_parameter_scale: bool = True):
+    def __init__(
+        self,
+        learning_rate=None,
+        decay_rate_exponent: float = 0.8,
+        beta1: float = 0.0,
+        epsilon1: float = 1e-30,
+        epsilon2: float = 1e-3,
+        clipping_threshold: float | None = 1.0,
+        factored: bool = True,
+        multiply_by_parameter_scale: bool = True,
+    ):
         super().__init__(learning_rate)
         self.decay_rate_exponent = decay_rate_exponent
         self.beta1 = beta1
@@ -152,6 +182,7 @@ class AdafactorOptimizer(Optimizer):
         self.multiply_by_parameter_scale = multiply_by_parameter_scale
 
     def learning_rate(self, step):
+        """The schedule's rate if one was given, else min(1/sqrt(step + 1), 0.01) (the paper's default)."""
         if self._schedule is not None:
             return self._schedule(step)
         return ew.minimum(ew.rsqrt(step + 1.0), 0.01)
@@ -164,6 +195,7 @@ class AdafactorOptimizer(Optimizer):
 
     def apply_grad(self, grad, var, lr, step):
         from meshax.core.shape import Shape
+
         t = step + 1.0
         decay = 1.0 - ew.pow(t, -self.decay_rate_exponent)
         gsq = ew.square(grad) + self.epsilon1
@@ -210,11 +242,21 @@ def global_norm(grads: Sequence[Tensor | None]) -> Tensor:
 
 
 def clip_by_global_norm(grads: Sequence[Tensor | None], max_norm: float) -> list[Tensor | None]:
+    """The gradients scaled down together so that their global norm is at most `max_norm`."""
     scale = ew.minimum(max_norm / ew.maximum(global_norm(grads), 1e-12), 1.0)
     return [None if g is None else g * scale for g in grads]
 
 
 __all__ = [
-    "AdafactorOptimizer", "AdamWeightDecayOptimizer", "MomentumOptimizer", "Optimizer", "SgdOptimizer",
-    "clip_by_global_norm", "constant_schedule", "global_norm", "linear_decay", "linear_warmup", "rsqrt_decay",
+    "AdafactorOptimizer",
+    "AdamWeightDecayOptimizer",
+    "MomentumOptimizer",
+    "Optimizer",
+    "SgdOptimizer",
+    "clip_by_global_norm",
+    "constant_schedule",
+    "global_norm",
+    "linear_decay",
+    "linear_warmup",
+    "rsqrt_decay",
 ]

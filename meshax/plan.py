@@ -46,8 +46,11 @@ def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSu
 
     params = lowering.graph.trainable_variables
     others = [v for v in lowering.graph.all_variables if not v.trainable]
-    forward: list[Operation] = [op for op in _needed_ops(lowering.graph, [t.operation for t in forward_outputs])
-                                if not getattr(op, "is_input", False)]
+    forward: list[Operation] = [
+        op
+        for op in _needed_ops(lowering.graph, [t.operation for t in forward_outputs])
+        if not getattr(op, "is_input", False)
+    ]
     families: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for name, flops in counters.flops.items():
         families[_family(counters.op_types.get(name, ""))]["flops"] += flops
@@ -72,6 +75,7 @@ def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSu
 
 def format_summary(s: PlanSummary) -> str:
     from meshax.lower.report import _human
+
     lines = [
         f"parameters                 {_human(s.parameters)}  ({_human(s.replicated_parameters)} replicated)",
         f"parameter memory / device  {_human(s.parameter_bytes_per_device)}B",
@@ -83,5 +87,7 @@ def format_summary(s: PlanSummary) -> str:
         f"{'op family':<14}{'FLOPs':>10}" + "".join(f"{k:>16}" for k in KINDS),
     ]
     for fam, row in s.families.items():
-        lines.append(f"{fam:<14}{_human(row.get('flops', 0)):>10}" + "".join(f"{_human(row.get(k, 0)):>16}" for k in KINDS))
+        lines.append(
+            f"{fam:<14}{_human(row.get('flops', 0)):>10}" + "".join(f"{_human(row.get(k, 0)):>16}" for k in KINDS)
+        )
     return "\n".join(lines) + "\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 
@@ -10,10 +11,9 @@ def use_cpu_devices(n: int) -> None:
 
     If the backend is already up with fewer devices, say so plainly rather than fail later."""
     import jax
-    try:
+
+    with contextlib.suppress(RuntimeError):  # the backend is already up: checked below
         jax.config.update("jax_num_cpu_devices", int(n))
-    except RuntimeError:
-        pass
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(n))
     have = len(jax.devices())
     if jax.devices()[0].platform == "cpu" and have < n:

@@ -3,6 +3,7 @@
 The CPU backend is split into 8 virtual devices *before* anything touches a
 JAX backend, so that every test can use the 2x4 mesh "rows:2;cols:4".
 """
+
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -10,7 +11,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # skip LLVM's optimizations (HLO passes, and so the collectives, are unaffected).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
-import jax  # noqa: E402
+import jax
 
 jax.config.update("jax_num_cpu_devices", 8)
 
@@ -19,12 +20,17 @@ import pytest  # noqa: E402
 
 import meshax as mx  # noqa: E402
 
+
 def pytest_addoption(parser):
     group = parser.getgroup("fuzz", "the differential fuzzer's long profile (tests/test_fuzz.py)")
     group.addoption("--fuzz-cases", type=int, default=0, help="cases of the long profile (0: skip it)")
     group.addoption("--fuzz-seed", type=int, default=0, help="seed of the long profile's shards")
-    group.addoption("--fuzz-placement-every", type=int, default=4,
-                    help="run every k-th case on the placement backend too (0: never)")
+    group.addoption(
+        "--fuzz-placement-every",
+        type=int,
+        default=4,
+        help="run every k-th case on the placement backend too (0: never)",
+    )
     group.addoption("--fuzz-report", default="", help="directory for each shard's JSON summary")
 
 
@@ -81,8 +87,11 @@ def layout(request):
 def impls_and_layouts(layouts=LAYOUTS, simd_extra=()):
     """Parametrize (impl_cls, layout): every impl under `layouts`, plus extra
     layouts for the SIMD impl only (the placement impl is much slower)."""
-    params = [pytest.param(impl, lay, id=f"{iid}-{lay or 'replicated'}")
-              for impl, iid in zip(IMPLS, IMPL_IDS) for lay in layouts]
+    params = [
+        pytest.param(impl, lay, id=f"{iid}-{lay or 'replicated'}")
+        for impl, iid in zip(IMPLS, IMPL_IDS)
+        for lay in layouts
+    ]
     params += [pytest.param(mx.SimdMeshImpl, lay, id=f"simd-{lay}") for lay in simd_extra]
     return pytest.mark.parametrize("impl_cls,layout", params)
 
@@ -154,6 +163,7 @@ def names(t):
 # When the combined program fails to lower or run, every case is re-run on its
 # own, so that the failure report names the guilty case(s).
 
+
 def _compare(got, want):
     want = np.asarray(want)
     got = np.asarray(got)
@@ -175,7 +185,7 @@ def _build(name, builder, mesh, errors):
     mx.placeholder = prefixed
     try:
         pairs, feeds = builder(mesh)
-    except Exception as err:  # noqa: BLE001 - reported below
+    except Exception as err:
         errors.append(f"{name}: building the graph raised {type(err).__name__}: {err}")
         return None
     finally:
@@ -191,7 +201,7 @@ def _run_one(name, builder, impl_cls, layout, mesh_shape, errors):
     pairs, feeds = built
     try:
         results = run([t for t, _ in pairs], impl_cls, mesh_shape, layout, feeds)
-    except Exception as err:  # noqa: BLE001
+    except Exception as err:
         errors.append(f"{name}: lowering/running raised {type(err).__name__}: {err}")
         return
     for i, (res, (_, want)) in enumerate(zip(results, pairs)):
@@ -218,7 +228,7 @@ def check_cases(cases, impl_cls, layout, mesh_shape=MESH_SHAPE):
             owners.append(name)
     try:
         results = run(outputs, impl_cls, mesh_shape, layout, feeds)
-    except Exception:  # noqa: BLE001 - locate the guilty case(s)
+    except Exception:
         for name, builder in cases.items():
             if not any(e.startswith(name + ":") for e in errors):
                 _run_one(name, builder, impl_cls, layout, mesh_shape, errors)

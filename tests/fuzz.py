@@ -14,6 +14,7 @@ over every dim name of the graph (one tensor dim over several mesh dims included
 To add an op family: write a method `_op_<family>` that appends steps with `self._emit`, and
 add it to `FAMILIES`; the coverage counter in `Program.families` reports it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -28,26 +29,77 @@ import meshax as mx
 MESHES = ["all:1", "all:2", "all:4", "all:8", "rows:2;cols:4", "rows:4;cols:2", "rows:2;cols:2", "x:2;y:2;z:2"]
 SIZES = [1, 2, 4, 8]
 MAX_RANK = 4
-UNARY = ["negative", "abs", "exp", "log", "sqrt", "rsqrt", "square", "reciprocal", "sin", "cos", "tanh",
-         "sigmoid", "relu", "gelu", "softplus", "sign", "identity", "erf", "stop_gradient"]
+UNARY = [
+    "negative",
+    "abs",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "square",
+    "reciprocal",
+    "sin",
+    "cos",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "gelu",
+    "softplus",
+    "sign",
+    "identity",
+    "erf",
+    "stop_gradient",
+]
 POSITIVE_ONLY = {"log", "sqrt", "rsqrt", "reciprocal"}
 REF_UNARY = {
-    "negative": jnp.negative, "abs": jnp.abs, "exp": jnp.exp, "log": jnp.log, "sqrt": jnp.sqrt,
-    "rsqrt": jax.lax.rsqrt, "square": jnp.square, "reciprocal": jnp.reciprocal, "sin": jnp.sin, "cos": jnp.cos,
-    "tanh": jnp.tanh, "sigmoid": jax.nn.sigmoid, "relu": jax.nn.relu, "gelu": lambda a: jax.nn.gelu(a, False),
-    "softplus": jax.nn.softplus, "sign": jnp.sign, "identity": lambda a: a, "erf": jax.scipy.special.erf,
+    "negative": jnp.negative,
+    "abs": jnp.abs,
+    "exp": jnp.exp,
+    "log": jnp.log,
+    "sqrt": jnp.sqrt,
+    "rsqrt": jax.lax.rsqrt,
+    "square": jnp.square,
+    "reciprocal": jnp.reciprocal,
+    "sin": jnp.sin,
+    "cos": jnp.cos,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "relu": jax.nn.relu,
+    "gelu": lambda a: jax.nn.gelu(a, False),
+    "softplus": jax.nn.softplus,
+    "sign": jnp.sign,
+    "identity": lambda a: a,
+    "erf": jax.scipy.special.erf,
     "stop_gradient": jax.lax.stop_gradient,
 }
 ARITH = ["add", "subtract", "multiply", "divide", "maximum", "minimum", "pow"]
 COMPARE = ["equal", "not_equal", "less", "less_equal", "greater", "greater_equal"]
 REF_BINARY = {
-    "add": jnp.add, "subtract": jnp.subtract, "multiply": jnp.multiply, "divide": jnp.divide,
-    "maximum": jnp.maximum, "minimum": jnp.minimum, "pow": jnp.power, "equal": jnp.equal,
-    "not_equal": jnp.not_equal, "less": jnp.less, "less_equal": jnp.less_equal, "greater": jnp.greater,
-    "greater_equal": jnp.greater_equal, "logical_and": jnp.logical_and, "logical_or": jnp.logical_or,
+    "add": jnp.add,
+    "subtract": jnp.subtract,
+    "multiply": jnp.multiply,
+    "divide": jnp.divide,
+    "maximum": jnp.maximum,
+    "minimum": jnp.minimum,
+    "pow": jnp.power,
+    "equal": jnp.equal,
+    "not_equal": jnp.not_equal,
+    "less": jnp.less,
+    "less_equal": jnp.less_equal,
+    "greater": jnp.greater,
+    "greater_equal": jnp.greater_equal,
+    "logical_and": jnp.logical_and,
+    "logical_or": jnp.logical_or,
 }
-REF_REDUCE = {"sum": jnp.sum, "mean": jnp.mean, "max": jnp.max, "min": jnp.min,
-              "logsumexp": jax.scipy.special.logsumexp, "any": jnp.any, "all": jnp.all}
+REF_REDUCE = {
+    "sum": jnp.sum,
+    "mean": jnp.mean,
+    "max": jnp.max,
+    "min": jnp.min,
+    "logsumexp": jax.scipy.special.logsumexp,
+    "any": jnp.any,
+    "all": jnp.all,
+}
 
 
 class Draws:
@@ -121,7 +173,7 @@ class Program:
         self.mesh_shape = r.pick(MESHES)
         self.mesh_dims = [(p.split(":")[0], int(p.split(":")[1])) for p in self.mesh_shape.split(";")]
         self.dims = [mx.Dimension(n, r.pick(SIZES)) for n in "abcde"[: r.int(2, 5)]]
-        self.rng = np.random.default_rng(r.int(0, 2 ** 16))
+        self.rng = np.random.default_rng(r.int(0, 2**16))
         self.steps: list[tuple] = []  # (output tensors, reference fn, input tensors)
         self.feeds: dict = {}
         self.variables: list = []
@@ -261,11 +313,16 @@ class Program:
         nc, nx = names(c), names(x)
         if len(ins) == 3:
             ny = names(y)
-            ref = lambda a, b, e: jnp.where(to_names(a, nc, out_names), to_names(b, nx, out_names),  # noqa: E731
-                                            to_names(e, ny, out_names))
+
+            def ref(a, b, e):
+                return jnp.where(to_names(a, nc, out_names), to_names(b, nx, out_names), to_names(e, ny, out_names))
+
             return self._emit(mx.where(c, x, y), ref, ins)
-        self._emit(mx.where(c, x, 0.5),
-                   lambda a, b: jnp.where(to_names(a, nc, out_names), to_names(b, nx, out_names), 0.5), ins)
+        self._emit(
+            mx.where(c, x, 0.5),
+            lambda a, b: jnp.where(to_names(a, nc, out_names), to_names(b, nx, out_names), 0.5),
+            ins,
+        )
 
     def _op_cast(self):
         x = self._take(("float32", "int32", "bool"))
@@ -289,7 +346,11 @@ class Program:
         letters = {n: string.ascii_letters[i] for i, n in enumerate(every)}
         spec = ",".join("".join(letters[n] for n in names(t)) for t in ins) + "->" + "".join(letters[n] for n in out)
         fn = mx.matmul if len(ins) == 2 and self.r.coin(20) else None
-        y_ = fn(*ins, output_shape=[sizes[n] for n in out]) if fn else mx.einsum(ins, output_shape=[sizes[n] for n in out])
+        y_ = (
+            fn(*ins, output_shape=[sizes[n] for n in out])
+            if fn
+            else mx.einsum(ins, output_shape=[sizes[n] for n in out])
+        )
         self._emit(y_, lambda *a: jnp.einsum(spec, *a), ins)
 
     def _op_reduce(self):
@@ -324,13 +385,15 @@ class Program:
             return self._emit(mx.argmax(x, d), lambda a: jnp.argmax(a, axis=axis).astype(jnp.int32), [x])
         if kind == "cumsum":
             excl = self.r.coin()
-            return self._emit(mx.cumsum(x, d, exclusive=excl),
-                              lambda a: jnp.cumsum(a, axis=axis) - (a if excl else 0), [x])
+            return self._emit(
+                mx.cumsum(x, d, exclusive=excl), lambda a: jnp.cumsum(a, axis=axis) - (a if excl else 0), [x]
+            )
         k = self.r.int(1, d.size)
 
         def ref(a):
             v, i = jax.lax.top_k(jnp.moveaxis(a, axis, -1), k)
             return jnp.moveaxis(v, -1, axis), jnp.moveaxis(i, -1, axis).astype(jnp.int32)
+
         self._emit(mx.top_k(x, d, k), ref, [x])
 
     def _op_reshape(self):
@@ -341,12 +404,12 @@ class Program:
         how = self.r.pick(["merge", "split", "rename", "transpose", "broadcast"])
         if how == "merge" and len(dims) >= 2:
             i = self.r.int(0, len(dims) - 2)
-            new = dims[:i] + [self.fresh(dims[i].size * dims[i + 1].size)] + dims[i + 2:]
+            new = [*dims[:i], self.fresh(dims[i].size * dims[i + 1].size), *dims[i + 2 :]]
         elif how == "split" and any(d.size >= 4 for d in dims):
             i = self.r.pick([k for k, d in enumerate(dims) if d.size >= 4])
             if len(dims) >= MAX_RANK:
                 return False
-            new = dims[:i] + [self.fresh(2), self.fresh(dims[i].size // 2)] + dims[i + 1:]
+            new = [*dims[:i], self.fresh(2), self.fresh(dims[i].size // 2), *dims[i + 1 :]]
         elif how == "rename":  # to a fresh name, or to a name other tensors use for another dim
             d = self.r.pick(dims)
             other = [e.name for e in self.dims if e.size == d.size and e.name not in names(x)]
@@ -385,8 +448,10 @@ class Program:
             widths[axis] = (lo, hi)
             return self._emit(mx.pad(x, [lo, hi], d.name), lambda a: jnp.pad(a, widths), [x])
         if how == "concat":
+
             def frame(t):  # the shape with the concatenated dim's size left out
                 return [e.name if e.name == d.name else e for e in t.shape]
+
             others = [t for t in self.pool if t.dtype == x.dtype and frame(t) == frame(x)]
             ys = [x, self.r.pick(others)] + ([x] if self.r.coin(30) else [])
             return self._emit(mx.concat(ys, d.name), lambda *a: jnp.concatenate(a, axis=axis), ys)
@@ -406,8 +471,9 @@ class Program:
         if how == "unstack":
             if n > 4:
                 return False
-            return self._emit(tuple(mx.unstack(x, d)),
-                              lambda a: tuple(jnp.moveaxis(a, axis, 0)[i] for i in range(n)), [x])
+            return self._emit(
+                tuple(mx.unstack(x, d)), lambda a: tuple(jnp.moveaxis(a, axis, 0)[i] for i in range(n)), [x]
+            )
         offset = self.r.int(-n, n)
         wrap = self.r.coin()
 
@@ -418,6 +484,7 @@ class Program:
             pos = jnp.arange(n) - offset
             keep = (pos >= 0) & (pos < n)
             return jnp.where(to_names(keep, [d.name], names(x)), moved, jnp.zeros((), a.dtype))
+
         self._emit(mx.shift(x, offset, d, wrap), ref, [x])
 
     def _op_gather(self):
@@ -426,8 +493,7 @@ class Program:
             return False
         d = self.r.pick(table.shape)
         rest = [e.name for e in table.shape if e != d]
-        ids = self._take(("int32",), lambda t: not set(names(t)) & set(rest)
-                         and len(names(t)) + len(rest) <= MAX_RANK)
+        ids = self._take(("int32",), lambda t: not set(names(t)) & set(rest) and len(names(t)) + len(rest) <= MAX_RANK)
         if ids is None or self.r.coin(30):  # indices over the table's own dim name: the paper's naming
             ids = mx.placeholder(self.mesh, f"p{len(self.feeds)}", [d], "int32")
             self.feeds[ids] = self.rng.integers(-1, d.size + 1, [d.size]).astype(np.int32)
@@ -439,6 +505,7 @@ class Program:
             got = jnp.moveaxis(got, list(range(axis, axis + k)), list(range(k)))
             inside = ((i >= 0) & (i < n)).reshape(i.shape + (1,) * (got.ndim - k))
             return jnp.where(inside, got, jnp.zeros((), got.dtype))
+
         self._emit(mx.gather(table, ids, d), ref, [table, ids])
 
     def _op_one_hot(self):
@@ -446,8 +513,7 @@ class Program:
         if ids is None:
             return False
         d = self.r.pick([e for e in self.dims if e.name not in names(ids)] or [self.fresh(4)])
-        self._emit(mx.one_hot(ids, d, dtype="float32"),
-                   lambda i: jax.nn.one_hot(i, d.size, dtype=jnp.float32), [ids])
+        self._emit(mx.one_hot(ids, d, dtype="float32"), lambda i: jax.nn.one_hot(i, d.size, dtype=jnp.float32), [ids])
 
     def _op_random(self):
         shape = self._shape(1, 3)
@@ -458,8 +524,11 @@ class Program:
                 noise = self.r.subset(x.shape, at_least=1)
                 nx, nn = names(x), [e.name for e in noise]
                 keep = _random_reference("uniform", seed, [e.size for e in noise], 0.0, 1.0) >= 0.5
-                return self._emit(mx.dropout(x, 0.5, noise_shape=noise, seed=seed),
-                                  lambda a: a * to_names(keep, nn, nx).astype(a.dtype) * 2.0, [x])
+                return self._emit(
+                    mx.dropout(x, 0.5, noise_shape=noise, seed=seed),
+                    lambda a: a * to_names(keep, nn, nx).astype(a.dtype) * 2.0,
+                    [x],
+                )
         kind = self.r.pick(["uniform", "normal"])
         fn = mx.random_uniform if kind == "uniform" else mx.random_normal
         value = _random_reference(kind, seed, [d.size for d in shape], -1.0, 2.0)
@@ -514,12 +583,17 @@ class Program:
     # ---- the end: updates, a loss, its gradients ----------------------------------------------
     def _finish(self):
         for v in self.variables:
-            src = self._take(("float32",), lambda t: set(names(v)) <= set(names(t)) and compatible(v.shape, t.shape))
+            src = self._take(
+                ("float32",), lambda t, v=v: set(names(v)) <= set(names(t)) and compatible(v.shape, t.shape)
+            )
             value = mx.einsum([src], output_shape=v.shape) if src is not None else v * 2.0
             kind = self.r.pick(["assign", "assign_add", "assign_sub"])
             self.updates.append((v, kind, src, getattr(mx, kind)(v, value)))
-        floats = [t for t in self.pool if str(t.dtype) == "float32" and t.operation.differentiable
-                  and not getattr(t.operation, "is_input", False)]
+        floats = [
+            t
+            for t in self.pool
+            if str(t.dtype) == "float32" and t.operation.differentiable and not getattr(t.operation, "is_input", False)
+        ]
         self.loss_terms = []
         for t in floats[-3:]:
             w = self.rng.uniform(-1, 1, t.shape.to_integer_list).astype(np.float32)
@@ -555,6 +629,7 @@ class Program:
 
     def reference(self, initial: dict) -> tuple[dict, list, dict]:
         """(value of each tensor, gradients wrt self.wrt, new variable values) by jax.numpy."""
+
         def forward(wrt_values):
             env = dict(initial)
             env.update({t: jnp.asarray(v) for t, v in self.feeds.items()})
@@ -595,8 +670,29 @@ def _random_reference(kind, seed, shape, a, b):
     return x.reshape(shape)
 
 
-FAMILIES = ["unary", "arith", "arith", "compare", "logical", "where", "cast", "einsum", "einsum", "reduce",
-            "reduce", "softmax", "reshape", "slicing", "gather", "one_hot", "random", "input", "shard", "mesh_split", "mesh_split"]
+FAMILIES = [
+    "unary",
+    "arith",
+    "arith",
+    "compare",
+    "logical",
+    "where",
+    "cast",
+    "einsum",
+    "einsum",
+    "reduce",
+    "reduce",
+    "softmax",
+    "reshape",
+    "slicing",
+    "gather",
+    "one_hot",
+    "random",
+    "input",
+    "shard",
+    "mesh_split",
+    "mesh_split",
+]
 
 
 def check(program: Program, impl_cls, rules: str) -> None:
@@ -611,7 +707,7 @@ def check(program: Program, impl_cls, rules: str) -> None:
     for t, g in zip(outputs, got):
         _close(f"{t.name} {t.shape}", g, env[t], t.dtype)
     if all(np.all(np.isfinite(np.asarray(env[t]))) for t, _ in program.loss_terms):
-        got_grads = iter(got[len(outputs):])
+        got_grads = iter(got[len(outputs) :])
         for t, g, want in zip(program.wrt, program.grads, want_grads):
             value = next(got_grads) if g is not None else np.zeros(t.shape.to_integer_list, np.float32)
             _close(f"gradient wrt {t.name} {t.shape}", value, want, t.dtype)
@@ -631,7 +727,6 @@ def check_annotations(lowering) -> None:
             if entry is not mx.OPEN:
                 assert [lowering.impl.shape[m].name for m in got] == list(entry), f"annotation {op.name} on {d.name}"
     assert not prop.sweep(), "propagation had not reached a fixed point"
-
 
 
 def _close(what, got, want, dtype):

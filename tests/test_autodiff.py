@@ -24,10 +24,22 @@ def case(name, inputs, f_mx, f_jnp, prep=None):
 
 
 UNARY = ["negative", "abs", "exp", "square", "sin", "cos", "tanh", "sigmoid", "relu", "softplus", "identity", "erf"]
-CASES = [case(n, [BD], lambda x, n=n: getattr(mx, n)(x),
-              lambda x, n=n: {"negative": jnp.negative, "identity": lambda a: a, "relu": jax.nn.relu,
-                              "sigmoid": jax.nn.sigmoid, "softplus": jax.nn.softplus,
-                              "erf": jax.scipy.special.erf}.get(n, getattr(jnp, n, None))(x)) for n in UNARY]
+CASES = [
+    case(
+        n,
+        [BD],
+        lambda x, n=n: getattr(mx, n)(x),
+        lambda x, n=n: {
+            "negative": jnp.negative,
+            "identity": lambda a: a,
+            "relu": jax.nn.relu,
+            "sigmoid": jax.nn.sigmoid,
+            "softplus": jax.nn.softplus,
+            "erf": jax.scipy.special.erf,
+        }.get(n, getattr(jnp, n, None))(x),
+    )
+    for n in UNARY
+]
 CASES += [
     case("gelu", [BD], mx.gelu, lambda x: jax.nn.gelu(x, approximate=False)),
     case("log", [BD], mx.log, jnp.log, pos),
@@ -41,19 +53,27 @@ CASES += [
     case("maximum", [BD, D], mx.maximum, jnp.maximum),
     case("minimum", [BD, D], mx.minimum, jnp.minimum),
     case("pow", [BD, D], mx.pow, jnp.power, pos),
-    case("operators", [BD, D], lambda x, y: (x * 2.0 - y) / 3.0 + (-x) ** 2, lambda x, y: (x * 2 - y) / 3 + x ** 2),
+    case("operators", [BD, D], lambda x, y: (x * 2.0 - y) / 3.0 + (-x) ** 2, lambda x, y: (x * 2 - y) / 3 + x**2),
     case("where", [BD, D], lambda x, y: mx.where(x > 0.0, x * y, y), lambda x, y: jnp.where(x > 0, x * y, y)),
     case("reduce_sum", [BD], lambda x: mx.reduce_sum(x, reduced_dim=b), lambda x: x.sum(0)),
     case("reduce_mean", [BD], lambda x: mx.reduce_mean(x, reduced_dim=d), lambda x: x.mean(1)),
     case("reduce_max", [BD], lambda x: mx.reduce_max(x, reduced_dim=b), lambda x: x.max(0)),
     case("reduce_min", [BD], lambda x: mx.reduce_min(x, reduced_dim=d), lambda x: x.min(1)),
-    case("reduce_logsumexp", [BD], lambda x: mx.reduce_logsumexp(x, reduced_dim=d),
-         lambda x: jax.scipy.special.logsumexp(x, axis=1)),
+    case(
+        "reduce_logsumexp",
+        [BD],
+        lambda x: mx.reduce_logsumexp(x, reduced_dim=d),
+        lambda x: jax.scipy.special.logsumexp(x, axis=1),
+    ),
     case("softmax", [BD], lambda x: mx.softmax(x, d), lambda x: jax.nn.softmax(x, axis=1)),
     case("log_softmax", [BD], lambda x: mx.log_softmax(x, b), lambda x: jax.nn.log_softmax(x, axis=0)),
     case("einsum", [BD, HD], lambda x, y: mx.einsum(x, y, output_shape=[b, h]), lambda x, y: x @ y.T),
-    case("einsum_sum_only_in_one_input", [BD, [h]], lambda x, y: mx.einsum(x, y, output_shape=[h]),
-         lambda x, y: x.sum() * y),
+    case(
+        "einsum_sum_only_in_one_input",
+        [BD, [h]],
+        lambda x, y: mx.einsum(x, y, output_shape=[h]),
+        lambda x, y: x.sum() * y,
+    ),
     case("reshape", [BD], lambda x: mx.reshape(x, [mx.Dimension("bd", 64)]), lambda x: x.reshape(64)),
     case("transpose", [BD], lambda x: mx.transpose(x, [d, b]), lambda x: x.T),
     case("broadcast", [D], lambda x: mx.broadcast(x, [b, d]), lambda x: jnp.broadcast_to(x, (8, 8))),
@@ -69,11 +89,19 @@ CASES += [
     case("cumsum", [BD], lambda x: mx.cumsum(x, b), lambda x: jnp.cumsum(x, 0)),
     case("cumsum_exclusive", [BD], lambda x: mx.cumsum(x, d, exclusive=True), lambda x: jnp.cumsum(x, 1) - x),
     case("shard", [BD], lambda x: mx.shard(x, "d:cols") * 1.0, lambda x: x),
-    case("cast", [BD], lambda x: mx.cast(mx.cast(x, "bfloat16"), "float32"),
-         lambda x: x.astype(jnp.bfloat16).astype(jnp.float32)),
+    case(
+        "cast",
+        [BD],
+        lambda x: mx.cast(mx.cast(x, "bfloat16"), "float32"),
+        lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
+    ),
     case("top_k_values", [BD], lambda x: mx.top_k(x, d, 3)[0], lambda x: jax.lax.top_k(x, 3)[0]),
-    case("cross_entropy", [BD, BD], lambda x, t: mx.layers.softmax_cross_entropy_with_logits(x, mx.softmax(t, d), d),
-         lambda x, t: -(jax.nn.softmax(t, 1) * jax.nn.log_softmax(x, 1)).sum(1)),
+    case(
+        "cross_entropy",
+        [BD, BD],
+        lambda x, t: mx.layers.softmax_cross_entropy_with_logits(x, mx.softmax(t, d), d),
+        lambda x, t: -(jax.nn.softmax(t, 1) * jax.nn.log_softmax(x, 1)).sum(1),
+    ),
 ]
 
 
@@ -104,8 +132,10 @@ def test_gradient_simd(inputs, f_mx, f_jnp, prep, layout):
     check(mx.SimdMeshImpl, "rows:2;cols:4", layout, inputs, f_mx, f_jnp, prep)
 
 
-@pytest.mark.parametrize("inputs,f_mx,f_jnp,prep",
-                         [c for c in CASES if c.id in ("einsum", "reduce_max", "gather", "shift", "softmax", "concat")])
+@pytest.mark.parametrize(
+    "inputs,f_mx,f_jnp,prep",
+    [c for c in CASES if c.id in ("einsum", "reduce_max", "gather", "shift", "softmax", "concat")],
+)
 def test_gradient_placement(inputs, f_mx, f_jnp, prep):
     check(mx.PlacementMeshImpl, "rows:2;cols:4", "b:rows;b:cols", inputs, f_mx, f_jnp, prep)
 
@@ -158,3 +188,15 @@ def test_grad_ys_scales_the_gradient():
     gv = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "b:all")}).function(gx)
     np.testing.assert_allclose(fn({"x": np.zeros((8, 8), np.float32), "gy": gv}), 3 * gv, rtol=1e-6)
+
+
+def test_a_variable_stands_for_its_value_and_anything_else_is_refused():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", BD)
+    loss = mx.reduce_sum(w * w)
+    (by_op,) = mx.gradients(loss, graph.trainable_variables)  # Mesh-TensorFlow passes variables
+    (by_value,) = mx.gradients(loss, [w])
+    assert by_op is not None and by_op.shape == by_value.shape == w.shape
+    with pytest.raises(mx.GraphError, match="not a Tensor or a variable"):
+        mx.gradients(loss, ["w"])

@@ -4,6 +4,7 @@ Runs the entry point in a subprocess (it must set the number of virtual CPU devi
 starts), sections 1, 3, 4, 5 and 6 (section 2, the timed comparison with XLA, is left to the
 full run to keep this under a minute on two cores).
 """
+
 import json
 import os
 import subprocess
@@ -22,7 +23,12 @@ def results(tmp_path_factory):
     env.pop("JAX_NUM_CPU_DEVICES", None)
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks", "--quick", "--sections", "1,3,4,5,6", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (out.parent / "RESULTS.md").exists()  # --quick writes its summary next to the JSON
     return json.loads(out.read_text())

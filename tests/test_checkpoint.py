@@ -34,8 +34,9 @@ def build(impl, hidden=16, seed=0, optimizer=True, extra_variable=False):
 
 def train(fn, start, stop):
     """Losses of steps start+1 .. stop; the data and the seed depend only on the step."""
-    return [fn({"x": np.random.default_rng(s).normal(size=(8, 8)).astype(np.float32)}, seed=s)
-            for s in range(start, stop)]
+    return [
+        fn({"x": np.random.default_rng(s).normal(size=(8, 8)).astype(np.float32)}, seed=s) for s in range(start, stop)
+    ]
 
 
 def values(lowering):
@@ -93,11 +94,15 @@ def test_resume_is_exact(impl_cls, trained):
         np.testing.assert_array_equal(value, run.final[name], err_msg=name)
 
 
-@pytest.mark.parametrize("saved_by,impl_cls", [
-    (mx.SimdMeshImpl, mx.SimdMeshImpl),
-    (mx.SimdMeshImpl, mx.PlacementMeshImpl),
-    (mx.PlacementMeshImpl, mx.SimdMeshImpl),
-], ids=["simd-to-simd", "simd-to-placement", "placement-to-simd"])
+@pytest.mark.parametrize(
+    "saved_by,impl_cls",
+    [
+        (mx.SimdMeshImpl, mx.SimdMeshImpl),
+        (mx.SimdMeshImpl, mx.PlacementMeshImpl),
+        (mx.PlacementMeshImpl, mx.SimdMeshImpl),
+    ],
+    ids=["simd-to-simd", "simd-to-placement", "placement-to-simd"],
+)
 def test_restore_under_another_mesh_and_layout(trained, saved_by, impl_cls):
     run = trained(saved_by)
     lowering, fn = build(impl_cls("all:8", "hidden:all"), seed=1)
@@ -142,7 +147,7 @@ def test_no_checkpoint(tmp_path):
     lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
     missing = tmp_path / "missing"
     assert latest_step(missing) is None and latest_step(tmp_path) is None
-    with pytest.raises(FileNotFoundError, match="no checkpoint in .*missing"):
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint in .*missing"):
         restore_checkpoint(missing, lowering)
     with pytest.raises(FileNotFoundError, match="no checkpoint in"):
         restore_checkpoint(tmp_path, lowering)

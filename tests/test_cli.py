@@ -16,17 +16,50 @@ def test_plan_prints_layouts_and_report_without_running(capsys):
 
 
 def test_plan_works_for_a_mesh_larger_than_this_machine(capsys):
-    assert main(["plan", "mlp", "--mesh", "rows:16;cols:32", "--layout", "batch:rows;hidden:cols",
-                 "--batch-size", "512", "--hidden", "4096"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "mlp",
+                "--mesh",
+                "rows:16;cols:32",
+                "--layout",
+                "batch:rows;hidden:cols",
+                "--batch-size",
+                "512",
+                "--hidden",
+                "4096",
+            ]
+        )
+        == 0
+    )
     assert "allreduce" in capsys.readouterr().out
 
 
 def test_train_writes_metrics(tmp_path, capsys):
     metrics = tmp_path / "m.jsonl"
-    assert main(["train", "mlp", "--mesh", "all:8", "--layout", "batch:all", "--steps", "5", "--eval-every", "0",
-                 "--no-progress", "--metrics", str(metrics)]) == 0
-    lines = [json.loads(l) for l in metrics.read_text().splitlines()]
-    assert [l["step"] for l in lines[:5]] == [1, 2, 3, 4, 5]  # steps completed
+    assert (
+        main(
+            [
+                "train",
+                "mlp",
+                "--mesh",
+                "all:8",
+                "--layout",
+                "batch:all",
+                "--steps",
+                "5",
+                "--eval-every",
+                "0",
+                "--no-progress",
+                "--metrics",
+                str(metrics),
+            ]
+        )
+        == 0
+    )
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["step"] for line in lines[:5]] == [1, 2, 3, 4, 5]  # steps completed
     assert "eval" in lines[-1] and lines[-1]["eval"]["loss"] > 0
     assert "eval after step 5" in capsys.readouterr().out
 
@@ -45,8 +78,24 @@ def test_bad_input_is_reported_not_raised(capsys):
 
 
 def test_plan_of_a_paper_transformer_on_a_16x32_mesh(capsys):
-    assert main(["plan", "seq2seq", "--model", "paper-ff65536", "--mesh", "rows:16;cols:32", "--batch-size", "256",
-                 "--length", "256", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "seq2seq",
+                "--model",
+                "paper-ff65536",
+                "--mesh",
+                "rows:16;cols:32",
+                "--batch-size",
+                "256",
+                "--length",
+                "256",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert plan["parameters"] == 2_886_545_408
     per_device = (plan["parameters"] - plan["replicated_parameters"]) // 32 + plan["replicated_parameters"]
@@ -56,22 +105,56 @@ def test_plan_of_a_paper_transformer_on_a_16x32_mesh(capsys):
 
 def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
     ckpt = str(tmp_path / "ckpt")
-    common = ["--model", "tiny", "--source", "markov", "--batch-size", "8", "--length", "16", "--eval-every", "0",
-              "--no-progress", "--mesh", "all:8", "--layout", "batch:all"]
+    common = [
+        "--model",
+        "tiny",
+        "--source",
+        "markov",
+        "--batch-size",
+        "8",
+        "--length",
+        "16",
+        "--eval-every",
+        "0",
+        "--no-progress",
+        "--mesh",
+        "all:8",
+        "--layout",
+        "batch:all",
+    ]
     assert main(["train", "lm", *common, "--steps", "3", "--checkpoint-dir", ckpt]) == 0
-    assert main(["train", "lm", *common, "--steps", "5", "--resume", ckpt,
-                 "--metrics", str(tmp_path / "m.jsonl")]) == 0
+    assert main(["train", "lm", *common, "--steps", "5", "--resume", ckpt, "--metrics", str(tmp_path / "m.jsonl")]) == 0
     out = capsys.readouterr().out
     assert "resumed from step 3" in out
-    steps = [json.loads(l).get("step") for l in (tmp_path / "m.jsonl").read_text().splitlines()]
+    steps = [json.loads(line).get("step") for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert steps[:2] == [4, 5]
 
 
 def test_plan_with_a_gspmd_sharding_and_explain(capsys):
     """--sharding annotates the GSPMD paper's Table 1 tensors; --explain says where each layout
     came from (here: the embedding table's d_model follows BSM's y, by propagation)."""
-    assert main(["plan", "lm", "--model", "tiny", "--mesh", "x:2;y:4", "--layout", "", "--sharding",
-                 "gspmd-2d-finalized", "--batch-size", "8", "--length", "16", "--explain"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "lm",
+                "--model",
+                "tiny",
+                "--mesh",
+                "x:2;y:4",
+                "--layout",
+                "",
+                "--sharding",
+                "gspmd-2d-finalized",
+                "--batch-size",
+                "8",
+                "--length",
+                "16",
+                "--explain",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "reduce_scatter" in out and "allgather" in out
     lines = [line for line in out.splitlines() if line.startswith("transformer/embedding ")]

@@ -1,4 +1,5 @@
 """Communication counters, and (SIMD) their agreement with XLA's compiled HLO."""
+
 import inspect
 import os
 
@@ -6,16 +7,15 @@ import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import (B, D, H, IMPLS, IMPL_IDS, LAYOUTS, assert_close, lower, new_mesh,
-                            rand)
 from meshax.lower.counters import KINDS
+from tests.conftest import IMPL_IDS, IMPLS, LAYOUTS, B, D, H, assert_close, lower, new_mesh, rand
 
 impls = pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
 
-XV = rand([8, 4], seed=100)   # x[b, h]
-WV = rand([4, 8], seed=101)   # w[h, d]
-PV = rand([8, 8], seed=102)   # p[b, d]
-QV = rand([8, 8], seed=103)   # q[b, d]
+XV = rand([8, 4], seed=100)  # x[b, h]
+WV = rand([4, 8], seed=101)  # w[h, d]
+PV = rand([8, 8], seed=102)  # p[b, d]
+QV = rand([8, 8], seed=103)  # q[b, d]
 
 
 def _counts(counters):
@@ -48,6 +48,7 @@ def _source_line(source):
 
 # ---------------------------------------------- (1) einsum over a split dim
 
+
 def _einsum_graph():
     _, mesh = new_mesh()
     x = mx.placeholder(mesh, "x", [B, H])
@@ -60,7 +61,7 @@ def _einsum_graph():
 @impls
 def test_einsum_contracting_split_dim_allreduces_once(impl_cls):
     x, w, y, line = _einsum_graph()
-    lowering, fn = lower(y, impl_cls, layout="h:cols")
+    _lowering, fn = lower(y, impl_cls, layout="h:cols")
     feeds = {x: XV, w: WV}
     assert_close(fn(feeds), XV.astype(np.float64) @ WV)
     c = fn.counters
@@ -128,6 +129,7 @@ def test_lowering_counters_and_report(impl_cls):
 
 # ----------------------------------------- (2) shard of partial sums -> reduce_scatter
 
+
 @impls
 def test_shard_partial_einsum_reduce_scatters(impl_cls):
     """The einsum's result takes the annotation's layout (propagation); with a long contracted
@@ -151,6 +153,7 @@ def test_shard_partial_einsum_reduce_scatters(impl_cls):
 
 # --------------------------------------------------------------- (3) reshard
 
+
 @impls
 def test_reshard_rows_to_cols_moves_data(impl_cls):
     _, mesh = new_mesh()
@@ -169,13 +172,16 @@ def test_reshard_rows_to_cols_moves_data(impl_cls):
 
 
 @impls
-@pytest.mark.parametrize("rules,target", [
-    ("b:rows", "b:rows;b:cols"),
-    ("b:rows", "b:rows;d:cols"),
-    ("", "b:cols"),
-    ("", "b:rows;b:cols"),
-    ("b:cols", "b:cols;d:rows"),
-])
+@pytest.mark.parametrize(
+    "rules,target",
+    [
+        ("b:rows", "b:rows;b:cols"),
+        ("b:rows", "b:rows;d:cols"),
+        ("", "b:cols"),
+        ("", "b:rows;b:cols"),
+        ("b:cols", "b:cols;d:rows"),
+    ],
+)
 def test_reshard_to_finer_split_is_free(rules, target, impl_cls):
     _, mesh = new_mesh()
     p = mx.placeholder(mesh, "p", [B, D])
@@ -188,6 +194,7 @@ def test_reshard_to_finer_split_is_free(rules, target, impl_cls):
 
 
 # --------------------------------------------------------- (4) elementwise
+
 
 @impls
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
@@ -210,13 +217,17 @@ def test_elementwise_graph_has_no_collectives(layout, impl_cls):
 
 # ------------------------------------------------------------ (5) reductions
 
+
 @impls
-@pytest.mark.parametrize("layout,axes,values", [
-    ("b:rows", ("rows",), 8),
-    ("b:cols", ("cols",), 8),
-    ("b:rows;d:cols", ("rows",), 2),
-    ("b:rows;b:cols", ("rows", "cols"), 8),
-])
+@pytest.mark.parametrize(
+    "layout,axes,values",
+    [
+        ("b:rows", ("rows",), 8),
+        ("b:cols", ("cols",), 8),
+        ("b:rows;d:cols", ("rows",), 2),
+        ("b:rows;b:cols", ("rows", "cols"), 8),
+    ],
+)
 def test_reduce_sum_over_split_dim(layout, axes, values, impl_cls):
     _, mesh = new_mesh()
     p = mx.placeholder(mesh, "p", [B, D])
@@ -289,6 +300,7 @@ def test_counters_same_on_both_impls_for_reductions():
 
 
 # ---------------------------------------------------- a mixed graph (HLO check)
+
 
 @impls
 @pytest.mark.parametrize("layout", ["h:cols;b:rows", "b:rows;b:cols", "d:cols", "b:cols;h:rows"])

@@ -9,6 +9,7 @@ Every case runs on the SIMD backend; every `--fuzz-placement-every`-th case also
 slower placement backend. Each shard writes its cases, time and op-family coverage to
 DIR/shard-K.json when --fuzz-report is given.
 """
+
 import collections
 import json
 import os
@@ -33,7 +34,9 @@ def _run_case(data, impls, stats):
         try:
             fuzz.check(program, impl, rules)
         except Exception as err:
-            raise AssertionError(f"{impl.__name__}: {type(err).__name__}: {err}\n{fuzz.describe(program, rules)}") from err
+            raise AssertionError(
+                f"{impl.__name__}: {type(err).__name__}: {err}\n{fuzz.describe(program, rules)}"
+            ) from err
         stats[impl.__name__] += 1
     stats.update(program.families)
     stats["cases"] += 1

@@ -5,6 +5,7 @@ Notation as in the paper: B batch, S length, M d_model, H d_ff, N heads, D d_kv,
 mesh is (X, Y) with dims x and y. Only the tensors Table 1 names are annotated (six weights,
 and BSM, BSND, BSH activations); everything else is propagated.
 """
+
 import dataclasses
 import functools
 
@@ -22,16 +23,23 @@ M, H, N, D, V = 8192, 65536, 128, 256, 32000
 B, S = 128, 1024
 SHARDINGS = sorted(GSPMD_SHARDINGS)
 MESHES = [(8, 16), (16, 32), (32, 64)]
-KERNELS = ("self_attention/q", "self_attention/k", "self_attention/v", "self_attention/o", "ffn/wi/kernel",
-           "ffn/wo/kernel")
+KERNELS = (
+    "self_attention/q",
+    "self_attention/k",
+    "self_attention/v",
+    "self_attention/o",
+    "ffn/wi/kernel",
+    "ffn/wo/kernel",
+)
 
 
 @functools.cache
 def _plan(sharding: str, X: int, Y: int):
     config = dataclasses.replace(PRESETS["gspmd-64b"], num_layers=1, sharding=sharding)
     task = LmTask(model=config, batch_size=B, length=S, sharding=sharding)
-    lowering, outputs, updates = build(task, f"x:{X};y:{Y}", "", "simd", AdamWeightDecayOptimizer(1e-3), 0,
-                                       compile=False)
+    lowering, outputs, updates = build(
+        task, f"x:{X};y:{Y}", "", "simd", AdamWeightDecayOptimizer(1e-3), 0, compile=False
+    )
     counters = lowering.trace_step(outputs, updates)
     return lowering, counters, summarize(lowering, counters, outputs)
 
@@ -61,8 +69,11 @@ def test_weight_and_optimizer_memory_per_device(sharding, X, Y):
 
 def _annotated(lowering, sharding: str, kind: str):
     """The first tensor annotated as `kind` (BSM: the layer's input; BSND: q; BSH: relu's output)."""
-    names = {"BSM": ["batch", "length", "d_model"], "BSND": ["batch", "length", "heads", "d_kv"],
-             "BSH": ["batch", "length", "d_ff"]}[kind]
+    names = {
+        "BSM": ["batch", "length", "d_model"],
+        "BSND": ["batch", "length", "heads", "d_kv"],
+        "BSH": ["batch", "length", "d_ff"],
+    }[kind]
     for op in lowering.graph.operations:
         if getattr(op, "annotation", None) is not None and op.grad_of is None:
             (t,) = op.outputs
@@ -76,9 +87,11 @@ def _annotated(lowering, sharding: str, kind: str):
 def test_activation_memory_scales_as_table_1_says(sharding):
     """Per device: Attempt 1 holds BSM/X, BSND/Y, BSH/Y; Attempt 2 BSM/X and the others /(XY);
     finalized everything /(XY). From mesh (8,16) to (16,32) BSM/X halves and /(XY) quarters."""
-    split = {"gspmd-2d-attempt1": {"BSM": "X", "BSND": "Y", "BSH": "Y"},
-             "gspmd-2d-attempt2": {"BSM": "X", "BSND": "XY", "BSH": "XY"},
-             "gspmd-2d-finalized": {"BSM": "XY", "BSND": "XY", "BSH": "XY"}}[sharding]
+    split = {
+        "gspmd-2d-attempt1": {"BSM": "X", "BSND": "Y", "BSH": "Y"},
+        "gspmd-2d-attempt2": {"BSM": "X", "BSND": "XY", "BSH": "XY"},
+        "gspmd-2d-finalized": {"BSM": "XY", "BSND": "XY", "BSH": "XY"},
+    }[sharding]
     sizes = {"BSM": B * S * M, "BSND": B * S * N * D, "BSH": B * S * H}
     per_mesh = []
     for X, Y in MESHES[:2]:
@@ -92,8 +105,11 @@ def test_activation_memory_scales_as_table_1_says(sharding):
 
 
 def _sites(counters, op_name: str, kind: str | None = None, grad: bool = False):
-    return [(s.kind, s.mesh_axes, s.values) for s in counters.sites()
-            if (s.grad_of if grad else s.op_name) == op_name and (kind is None or s.kind == kind)]
+    return [
+        (s.kind, s.mesh_axes, s.values)
+        for s in counters.sites()
+        if (s.grad_of if grad else s.op_name) == op_name and (kind is None or s.kind == kind)
+    ]
 
 
 WI, WO = "transformer/decoder/0/ffn/wi", "transformer/decoder/0/ffn/wo"
@@ -125,21 +141,34 @@ def test_attempt2_gathers_weights_over_x_and_reduce_scatters_their_gradients(X, 
 @pytest.mark.parametrize("X,Y", MESHES[:2], ids=lambda v: str(v))
 def test_finalized_gathers_bsm_over_y_and_reduce_scatters_instead_of_allreducing(X, Y):
     _, c, _ = _plan("gspmd-2d-finalized", X, Y)
-    assert sorted(_sites(c, WI)) == [("allgather", ("x",), M * H // (X * Y)), ("allgather", ("y",), B * S * M // (X * Y))]
-    assert sorted(_sites(c, WO)) == [("allgather", ("x",), M * H // (X * Y)),
-                                     ("reduce_scatter", ("y",), B * S * M // X)]
+    assert sorted(_sites(c, WI)) == [
+        ("allgather", ("x",), M * H // (X * Y)),
+        ("allgather", ("y",), B * S * M // (X * Y)),
+    ]
+    assert sorted(_sites(c, WO)) == [
+        ("allgather", ("x",), M * H // (X * Y)),
+        ("reduce_scatter", ("y",), B * S * M // X),
+    ]
     for op in (WI, WO):
         assert ("reduce_scatter", ("x",), M * H // Y) in _sites(c, op, grad=True)
     # no activation-sized allreduce is left in the layers (the logits' sum over the embedding
     # table's M, which Table 1 does not name, is the one allreduce over y of that size)
-    layer_ar = [s for s in c.sites() if s.kind == "allreduce" and s.values >= B * S * M // (X * Y)
-                and "transformer.py" in s.source and s.op_name != "einsum_6"]
+    layer_ar = [
+        s
+        for s in c.sites()
+        if s.kind == "allreduce"
+        and s.values >= B * S * M // (X * Y)
+        and "transformer.py" in s.source
+        and s.op_name != "einsum_6"
+    ]
     assert layer_ar == []
     assert c["alltoall"].count == 0
 
 
-@pytest.mark.parametrize("name,billions", [("gspmd-64b", 64), ("gspmd-128b", 128), ("gspmd-256b", 256),
-                                           ("gspmd-512b", 512), ("gspmd-1t", 1024)])
+@pytest.mark.parametrize(
+    "name,billions",
+    [("gspmd-64b", 64), ("gspmd-128b", 128), ("gspmd-256b", 256), ("gspmd-512b", 512), ("gspmd-1t", 1024)],
+)
 def test_table_2_parameter_counts(name, billions):
     """Weights per model, embeddings (and the small norm and bias vectors) aside, in units of
     2^30: one layer built, times the layer count (a 64B layer holds 2^31 weights)."""
@@ -148,7 +177,9 @@ def test_table_2_parameter_counts(name, billions):
     mesh = mx.Mesh(graph, "mesh")
     ids = mx.placeholder(mesh, "ids", [mx.Dimension("batch", 2), mx.Dimension("length", 4)], dtype="int32")
     Transformer(config, mesh).language_model(ids)
-    per_layer = sum(v.value.size for v in graph.trainable_variables if v.value.shape.rank >= 2 and "embedding" not in v.name)
+    per_layer = sum(
+        v.value.size for v in graph.trainable_variables if v.value.shape.rank >= 2 and "embedding" not in v.name
+    )
     assert per_layer * PRESETS[name].num_layers == billions * 2**30
     if name == "gspmd-64b":
         assert per_layer == 2**31

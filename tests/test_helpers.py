@@ -1,4 +1,5 @@
 """The batched-case helper must report wrong results and broken cases."""
+
 import numpy as np
 import pytest
 
@@ -32,7 +33,7 @@ def test_check_cases_reports_wrong_values():
 
 
 def test_check_cases_reports_broken_builders():
-    with pytest.raises(AssertionError, match="broken.*boom"):
+    with pytest.raises(AssertionError, match=r"broken.*boom"):
         check_cases({"good": _good, "broken": _broken}, mx.SimdMeshImpl, "")
 
 
@@ -41,5 +42,6 @@ def test_check_cases_compares_dtypes_of_exact_results():
         x = mx.placeholder(mesh, "x", [B], dtype="int32")
         xv = np.arange(8, dtype=np.int32)
         return [(x, xv.astype(np.int64))], {x: xv}
+
     with pytest.raises(AssertionError):
         check_cases({"int": _int}, mx.SimdMeshImpl, "")

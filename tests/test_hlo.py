@@ -1,9 +1,11 @@
 """mx.hlo_collectives: the collectives (and values per device) in compiled HLO text."""
+
 import meshax as mx
 
 
 def count_collectives(text):
     return {k: v["count"] for k, v in mx.hlo_collectives(text).items()}
+
 
 SAMPLE = """
 ENTRY %main.0_spmd (param.2: f32[4,2], param.3: f32[4,2]) -> (f32[4,2], f32[4,2]) {
@@ -37,7 +39,11 @@ def test_count_collectives_sample():
 
 def test_count_collectives_empty():
     assert count_collectives("ENTRY %main () -> f32[] {\n ROOT %c = f32[] constant(1)\n}") == {
-        "allreduce": 0, "allgather": 0, "alltoall": 0, "reduce_scatter": 0, "permute": 0,
+        "allreduce": 0,
+        "allgather": 0,
+        "alltoall": 0,
+        "reduce_scatter": 0,
+        "permute": 0,
     }
 
 

@@ -1,11 +1,12 @@
 """Layout rules, tensor layouts, slices and processor numbering."""
+
 import itertools
 import re
 
 import pytest
 
 import meshax as mx
-from tests.conftest import IMPLS, IMPL_IDS
+from tests.conftest import IMPL_IDS, IMPLS
 
 IMAGE = [("batch", 100), ("rows", 28), ("cols", 28), ("channels", 3)]
 README_MESH = "processor_rows:2;processor_cols:4"
@@ -14,11 +15,11 @@ impls = pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
 
 
 def _axes(tl):
-    return [tuple(a) if isinstance(a, (list, tuple)) else a
-            for a in tl.tensor_axis_to_mesh_axis]
+    return [tuple(a) if isinstance(a, (list, tuple)) else a for a in tl.tensor_axis_to_mesh_axis]
 
 
 # --------------------------------------------------------------- layout rules
+
 
 def test_convert_to_layout_rules_forms():
     r1 = mx.convert_to_layout_rules("batch:rows;hidden:cols")
@@ -50,6 +51,7 @@ def test_malformed_layout_rules_raise():
 
 # ------------------------------------------------------------ mesh impl basics
 
+
 @impls
 def test_mesh_impl_shape_and_size(impl_cls):
     impl = impl_cls(README_MESH, "")
@@ -60,6 +62,7 @@ def test_mesh_impl_shape_and_size(impl_cls):
 
 
 # ------------------------------------------------------------- README examples
+
 
 @impls
 def test_readme_empty_layout(impl_cls):
@@ -143,6 +146,7 @@ def test_rules_for_absent_dims_are_ignored(impl_cls):
 
 # ----------------------------------------------------- multi-mesh-dim splits
 
+
 @impls
 def test_split_over_two_mesh_dims(impl_cls):
     impl = impl_cls("rows:2;cols:4", "batch:rows;batch:cols")
@@ -198,12 +202,16 @@ def test_scalar_layout(impl_cls):
 
 # --------------------------------------------------------- processor numbering
 
+
 @impls
-@pytest.mark.parametrize("mesh_shape,dims", [
-    ("rows:2;cols:4", [2, 4]),
-    ("a:2;b:3;c:4", [2, 3, 4]),
-    ("all:8", [8]),
-])
+@pytest.mark.parametrize(
+    "mesh_shape,dims",
+    [
+        ("rows:2;cols:4", [2, 4]),
+        ("a:2;b:3;c:4", [2, 3, 4]),
+        ("all:8", [8]),
+    ],
+)
 def test_pnum_coordinates_row_major(impl_cls, mesh_shape, dims):
     impl = impl_cls(mesh_shape, "")
     coords = list(itertools.product(*[range(n) for n in dims]))  # last dim fastest

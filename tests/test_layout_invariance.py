@@ -1,5 +1,6 @@
 """Six cases where the layout (or the backend) changed the numbers, found by a random-program
 fuzzer (issue 9). Each runs unsplit and split, on both backends, against NumPy / jax.grad."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,9 +11,15 @@ from tests.conftest import IMPL_IDS, IMPLS, assert_close, assert_equal, new_mesh
 
 impls = pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
 # no split / the dim under test split 8 ways / split over two mesh dims of a 2-D mesh
-LAYOUTS = pytest.mark.parametrize("mesh_shape,rules", [
-    ("all:8", ""), ("all:8", "v:all"), ("rows:2;cols:4", "v:rows;v:cols"), ("rows:2;cols:4", "v:cols;c:rows"),
-])
+LAYOUTS = pytest.mark.parametrize(
+    "mesh_shape,rules",
+    [
+        ("all:8", ""),
+        ("all:8", "v:all"),
+        ("rows:2;cols:4", "v:rows;v:cols"),
+        ("rows:2;cols:4", "v:cols;c:rows"),
+    ],
+)
 
 V = mx.Dimension("v", 8)
 C = mx.Dimension("c", 2)
@@ -39,8 +46,9 @@ def test_gather_with_indices_named_like_the_table_dim(impl_cls, mesh_shape, rule
 
 @impls
 @LAYOUTS
-@pytest.mark.parametrize("op,ref", [(mx.reduce_mean, np.mean), (mx.reduce_logsumexp, None),
-                                    (mx.reduce_sum, np.sum), (mx.reduce_max, np.max)])
+@pytest.mark.parametrize(
+    "op,ref", [(mx.reduce_mean, np.mean), (mx.reduce_logsumexp, None), (mx.reduce_sum, np.sum), (mx.reduce_max, np.max)]
+)
 def test_reductions_honour_the_order_of_output_shape(impl_cls, mesh_shape, rules, op, ref):
     """2. output_shape [c, b] gives dims [c, b] (and an array of that shape) for every reduction."""
     b = mx.Dimension("b", 4)
@@ -86,8 +94,16 @@ def test_integers_promote_in_true_division_and_transcendental_ops(impl_cls, mesh
     xv = np.arange(1, 9, dtype=np.int32)
     got = run(outs, impl_cls, mesh_shape, rules, feeds={x: xv})
     xs = jnp.asarray(xv)
-    want = [xs / 3, xs / xs, jnp.exp(xs), jnp.sqrt(xs), jax.nn.sigmoid(xs.astype(jnp.float32)), xs * 0.5, xs + 1,
-            jax.nn.softmax(xs.astype(jnp.float32))]
+    want = [
+        xs / 3,
+        xs / xs,
+        jnp.exp(xs),
+        jnp.sqrt(xs),
+        jax.nn.sigmoid(xs.astype(jnp.float32)),
+        xs * 0.5,
+        xs + 1,
+        jax.nn.softmax(xs.astype(jnp.float32)),
+    ]
     for g, w in zip(got, want):
         assert np.asarray(g).dtype == np.asarray(w).dtype
         assert_close(g, w)
@@ -98,6 +114,7 @@ def test_integers_promote_in_true_division_and_transcendental_ops(impl_cls, mesh
 def test_copying_weights_never_consumes_the_source(impl_cls, source_impl):
     """5. B.set_variable_value(vB, A.variable_state(vA)), then many B steps: A's array lives,
     and so does a NumPy array or jax.Array the user passed in."""
+
     def model(lr):
         graph, mesh = new_mesh()
         v = mx.get_variable(mesh, "v", [V, C], initializer=mx.initializers.normal())
@@ -122,7 +139,7 @@ def test_copying_weights_never_consumes_the_source(impl_cls, source_impl):
     assert_equal(np.asarray(a.variable_state(va)), before)
     assert_equal(np.asarray(user_jax), np.ones((8, 2), np.float32))
     assert_equal(user_np, np.full((8, 2), 3.0, np.float32))
-    assert_close(b.variable_value(vb), np.full((8, 2), 3.0 * 0.5 ** 4, np.float32))
+    assert_close(b.variable_value(vb), np.full((8, 2), 3.0 * 0.5**4, np.float32))
 
 
 @impls
@@ -156,8 +173,9 @@ def test_size_one_mesh_dims_are_left_out_of_partition_specs(impl_cls):
 
 
 @impls
-@pytest.mark.parametrize("mesh_shape,rules", [("all:8", ""), ("rows:2;cols:4", "v:cols"),
-                                              ("rows:2;cols:4", "c:rows;v:cols")])
+@pytest.mark.parametrize(
+    "mesh_shape,rules", [("all:8", ""), ("rows:2;cols:4", "v:cols"), ("rows:2;cols:4", "c:rows;v:cols")]
+)
 def test_gather_with_indices_named_like_the_table_dim_of_another_size(impl_cls, mesh_shape, rules):
     """ids over a "v" of size 4 into a table over "v" of size 8: forward and gradient (found by
     the fuzzer's long profile: the gradient's one_hot met two sizes of "v")."""

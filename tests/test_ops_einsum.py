@@ -1,9 +1,9 @@
 """einsum / matmul vs np.einsum (all cases run as one program per impl and layout)."""
+
 import numpy as np
 
 import meshax as mx
-from tests.conftest import (B, D, H, LAYOUTS, assert_close, check_cases, impls_and_layouts, names,
-                            new_mesh, rand, run)
+from tests.conftest import LAYOUTS, B, D, H, assert_close, check_cases, impls_and_layouts, names, new_mesh, rand, run
 
 K = mx.Dimension("k", 4)
 
@@ -53,6 +53,7 @@ def _case(name, seed):
         spec = ",".join(in_dims) + "->" + out_dims
         want = np.einsum(spec, *[v.astype(np.float64) for v in values])
         return [(y, want)], dict(zip(tensors, values))
+
     return build
 
 
@@ -72,8 +73,7 @@ def test_einsum_chain(layout, impl_cls):
     logits = mx.einsum(hidden, w2, output_shape=[B, K])
     loss = mx.reduce_sum(logits * logits)
     xv, w1v, w2v = rand([8, 4], 41), rand([4, 8], 42), rand([8, 4], 43)
-    got_logits, got_loss = run([logits, loss], impl_cls, layout=layout,
-                               feeds={x: xv, w1: w1v, w2: w2v})
+    got_logits, got_loss = run([logits, loss], impl_cls, layout=layout, feeds={x: xv, w1: w1v, w2: w2v})
     want = np.maximum(xv.astype(np.float64) @ w1v, 0.0) @ w2v
     assert_close(got_logits, want.astype(np.float32))
-    assert_close(got_loss, np.float32((want ** 2).sum()), rtol=1e-5, atol=1e-4)
+    assert_close(got_loss, np.float32((want**2).sum()), rtol=1e-5, atol=1e-4)

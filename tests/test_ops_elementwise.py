@@ -2,13 +2,14 @@
 
 Each test runs a whole family of cases as one program per (impl, layout), see
 `check_cases` in conftest.py; a failure message names the failing case(s)."""
+
 import math
 
 import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, check_cases, names, new_mesh, rand
+from tests.conftest import LAYOUTS, B, D, H, check_cases, names, new_mesh, rand
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 
@@ -64,6 +65,7 @@ def _unary_case(op, seed):
         assert y.dtype == np.float32
         xv = _input(domain, [8, 4, 8], seed)
         return [(y, np_fn(xv).astype(np.float32))], {x: xv}
+
     return build
 
 
@@ -92,8 +94,9 @@ def _cast_bool_to_float(mesh):
 
 
 UNARY_CASES = {op: _unary_case(op, seed) for seed, op in enumerate(sorted(UNARY))}
-UNARY_CASES.update({"logical_not": _logical_not, "cast-float-int32": _cast_float_to_int,
-                    "cast-bool-float32": _cast_bool_to_float})
+UNARY_CASES.update(
+    {"logical_not": _logical_not, "cast-float-int32": _cast_float_to_int, "cast-bool-float32": _cast_bool_to_float}
+)
 
 
 @layouts
@@ -136,10 +139,9 @@ def _binary_case(op, seed):
         pv = _input(dx, [8, 8], seed + 200)
         qv = _input(dy, [8, 8], seed + 300)
         vv = _input(dx, [8], seed + 400)
-        pairs = [(z0, np_fn(xv[:, :, None], yv[None, :, :])),
-                 (z1, np_fn(pv, qv)),
-                 (z2, np_fn(vv[:, None], qv.T))]
+        pairs = [(z0, np_fn(xv[:, :, None], yv[None, :, :])), (z1, np_fn(pv, qv)), (z2, np_fn(vv[:, None], qv.T))]
         return pairs, {x: xv, y: yv, p: pv, q: qv, v: vv}
+
     return build
 
 
@@ -166,6 +168,7 @@ def _compare_case(op, seed):
         xv = np.random.default_rng(seed).integers(0, 3, size=(8, 4)).astype(np.float32)
         yv = np.random.default_rng(seed + 1).integers(0, 3, size=(4, 8)).astype(np.float32)
         return [(z, np_fn(xv[:, :, None], yv[None, :, :]))], {x: xv, y: yv}
+
     return build
 
 
@@ -180,6 +183,7 @@ def _logical_case(op, seed):
         assert names(z) == ["b", "d"]
         xv, yv = rand([8, 8], seed=seed), rand([8], seed=seed + 1)
         return [(z, np_fn(xv > 0.0, (yv > 0.0)[None, :]))], {x: xv, y: yv}
+
     return build
 
 
@@ -218,7 +222,7 @@ OPERATORS = {
     "x-y": (lambda x, y: x - y, lambda x, y: x - y),
     "x*y": (lambda x, y: x * y, lambda x, y: x * y),
     "x/y": (lambda x, y: x / y, lambda x, y: x / y),
-    "x**2": (lambda x, y: x ** 2, lambda x, y: x ** 2),
+    "x**2": (lambda x, y: x**2, lambda x, y: x**2),
     "-x": (lambda x, y: -x, lambda x, y: -x),
     "x+3": (lambda x, y: x + 3.0, lambda x, y: x + 3.0),
     "3+x": (lambda x, y: 3.0 + x, lambda x, y: 3.0 + x),
@@ -228,10 +232,9 @@ OPERATORS = {
     "x*2": (lambda x, y: x * 2.0, lambda x, y: x * 2.0),
     "x/2": (lambda x, y: x / 2.0, lambda x, y: x / 2.0),
     "2/y": (lambda x, y: 2.0 / y, lambda x, y: 2.0 / y),
-    "2**x": (lambda x, y: 2.0 ** x, lambda x, y: 2.0 ** x),
-    "y**x": (lambda x, y: y ** x, lambda x, y: y ** x),
-    "mixed": (lambda x, y: (x * y - 1.5) / (y + 1.0) + -x,
-              lambda x, y: (x * y - 1.5) / (y + 1.0) + -x),
+    "2**x": (lambda x, y: 2.0**x, lambda x, y: 2.0**x),
+    "y**x": (lambda x, y: y**x, lambda x, y: y**x),
+    "mixed": (lambda x, y: (x * y - 1.5) / (y + 1.0) + -x, lambda x, y: (x * y - 1.5) / (y + 1.0) + -x),
 }
 
 
@@ -246,6 +249,7 @@ def _operator_case(expr):
         xv = rand([8, 8], 18, -2.0, 2.0)
         yv = rand([8, 8], 19, 0.5, 2.0)
         return [(z, np.asarray(np_fn(xv, yv), dtype=np.float32))], {x: xv, y: yv}
+
     return build
 
 

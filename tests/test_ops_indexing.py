@@ -1,10 +1,11 @@
 """one_hot, gather and top_k vs NumPy.
 
 All cases run as one program per (impl, layout), see `check_cases`."""
+
 import numpy as np
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, check_cases, impls_and_layouts, names, rand, randint
+from tests.conftest import LAYOUTS, B, D, H, check_cases, impls_and_layouts, names, rand, randint
 
 K = mx.Dimension("k", 4)
 # the canonical layouts on both impls, plus (SIMD only) one more layout
@@ -16,6 +17,7 @@ def np_one_hot(idx, n, on=1.0, off=0.0, dtype=np.float32):
 
 
 # ------------------------------------------------------------------- one_hot
+
 
 def _one_hot(mesh):
     i1 = mx.placeholder(mesh, "i1", [B], dtype="int32")
@@ -32,12 +34,12 @@ def _one_hot(mesh):
     v1 = randint([8], 8, seed=70)
     v2 = randint([8, 4], 8, seed=71)
     v3 = randint([8], 4, seed=72)
-    pairs = [(o1, np_one_hot(v1, 8)), (o2, np_one_hot(v2, 8, 2.0, -1.0)),
-             (o3, np_one_hot(v3, 4, dtype=np.int32))]
+    pairs = [(o1, np_one_hot(v1, 8)), (o2, np_one_hot(v2, 8, 2.0, -1.0)), (o3, np_one_hot(v3, 4, dtype=np.int32))]
     return pairs, {i1: v1, i2: v2, i3: v3}
 
 
 # -------------------------------------------------------------------- gather
+
 
 def np_gather(weights, w_names, indices, idx_names, dim_name):
     """np.take, then transpose to indices dims followed by the other weight dims."""
@@ -67,7 +69,7 @@ def _gather_case(name, seed):
     def build(mesh):
         w = mx.placeholder(mesh, "w", w_dims)
         i = mx.placeholder(mesh, "i", i_dims, dtype="int32")
-        dim = [d for d in w_dims if d.name == dim_name][0]
+        dim = next(d for d in w_dims if d.name == dim_name)
         y = mx.gather(w, i, dim)
         w_names = [d.name for d in w_dims]
         i_names = [d.name for d in i_dims]
@@ -75,6 +77,7 @@ def _gather_case(name, seed):
         wv = rand([d.size for d in w_dims], seed=seed)
         iv = randint([d.size for d in i_dims], dim.size, seed=seed + 1)
         return [(y, np_gather(wv, w_names, iv, i_names, dim_name))], {w: wv, i: iv}
+
     return build
 
 
@@ -88,6 +91,7 @@ def test_np_gather_reference():
 
 
 # --------------------------------------------------------------------- top_k
+
 
 def np_top_k(v, axis, k):
     order = np.argsort(-v, axis=axis, kind="stable")
@@ -108,14 +112,18 @@ def _top_k_case(dim, axis, k):
         xv = rand([8, 4, 8], seed=75)  # distinct values, no ties
         wv, wi = np_top_k(xv, axis, k)
         return [(values, wv), (indices, wi)], {x: xv}
+
     return build
 
 
 INDEX_CASES = {"one_hot": _one_hot}
-INDEX_CASES.update({"gather " + name: _gather_case(name, 73 + 2 * i)
-                    for i, name in enumerate(GATHERS)})
-INDEX_CASES.update({f"top_k {dim.name} k={k}": _top_k_case(dim, axis, k)
-                    for dim, axis, k in [(D, 2, 3), (B, 0, 2), (H, 1, 4), (D, 2, 1)]})
+INDEX_CASES.update({"gather " + name: _gather_case(name, 73 + 2 * i) for i, name in enumerate(GATHERS)})
+INDEX_CASES.update(
+    {
+        f"top_k {dim.name} k={k}": _top_k_case(dim, axis, k)
+        for dim, axis, k in [(D, 2, 3), (B, 0, 2), (H, 1, 4), (D, 2, 1)]
+    }
+)
 
 
 @layouts

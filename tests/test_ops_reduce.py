@@ -2,10 +2,11 @@
 
 Each test runs a family of cases as one program per (impl, layout), see
 `check_cases` in conftest.py."""
+
 import numpy as np
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, check_cases, impls_and_layouts, names, new_mesh, rand
+from tests.conftest import LAYOUTS, B, D, H, check_cases, impls_and_layouts, names, new_mesh, rand
 
 # the canonical layouts on both impls (see conftest.PLACEMENT_LAYOUTS), plus (SIMD only) one more layout
 layouts = impls_and_layouts(LAYOUTS, simd_extra=["d:rows;h:cols"])
@@ -51,6 +52,7 @@ def _reduce_case(op, shape_case, seed):
         xv = rand([8, 4, 8], seed=seed, low=-2.0, high=2.0)
         axes = tuple(AXIS[n] for n in reduced)
         return [(y, NP_REDUCE[op](xv.astype(np.float64), axes))], {x: xv}
+
     return build
 
 
@@ -59,8 +61,7 @@ def _bool_case(op, np_fn, thresh, seed):
         x = mx.placeholder(mesh, "x", [B, H, D])
         mx_fn = getattr(mx, op)
         c = x > thresh
-        outs = [mx_fn(c, reduced_dim=B), mx_fn(c, reduced_dim=[H, D]), mx_fn(c, reduced_dim=D),
-                mx_fn(c)]
+        outs = [mx_fn(c, reduced_dim=B), mx_fn(c, reduced_dim=[H, D]), mx_fn(c, reduced_dim=D), mx_fn(c)]
         assert [names(o) for o in outs] == [["h", "d"], ["b"], ["b", "h"], []]
         for o in outs:
             assert o.dtype == np.bool_
@@ -69,6 +70,7 @@ def _bool_case(op, np_fn, thresh, seed):
         want = [np_fn(cv, axis=0), np_fn(cv, axis=(1, 2)), np_fn(cv, axis=2), np.asarray(np_fn(cv))]
         assert want[2].any() and not want[2].all()  # the data is not degenerate
         return list(zip(outs, want)), {x: xv}
+
     return build
 
 
@@ -107,6 +109,7 @@ def test_reduce_all_is_scalar():
 
 # --------------------------------------------------- softmax / argmax family
 
+
 def np_softmax(x, axis):
     x = x.astype(np.float64)
     e = np.exp(x - x.max(axis=axis, keepdims=True))
@@ -123,6 +126,7 @@ def _softmax_case(dim, seed):
         xv = rand([8, 4, 8], seed=seed, low=-3.0, high=3.0)
         want = np_softmax(xv, AXIS[dim.name])
         return [(s, want), (ls, np.log(want))], {x: xv}
+
     return build
 
 
@@ -135,6 +139,7 @@ def _argmax_ties_case(dim, seed):
         # integer-valued floats with many ties: argmax must return the first index
         xv = np.random.default_rng(seed).integers(0, 3, size=(8, 4, 8)).astype(np.float32)
         return [(a, np.argmax(xv, axis=AXIS[dim.name]).astype(np.int32))], {x: xv}
+
     return build
 
 

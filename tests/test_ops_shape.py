@@ -1,12 +1,12 @@
 """reshape, rename_dimension, replace_dimensions, transpose, broadcast,
 tensor creation (import_tensor, constant, zeros, ones, range) and the
 Lowering/function interface, vs NumPy."""
+
 import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import (B, D, H, LAYOUTS, assert_close, check_cases, lower,
-                            names, new_mesh, rand)
+from tests.conftest import LAYOUTS, B, D, H, assert_close, check_cases, lower, names, new_mesh, rand
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 
@@ -19,32 +19,36 @@ def Dim(name, size):
 
 # name -> (builder(x[b,h,d]) -> tensor, expected names, numpy fn of XV)
 CASES = {
-    "reshape-merge": (lambda x: mx.reshape(x, [B, Dim("hd", 32)]), ["b", "hd"],
-                      lambda v: v.reshape(8, 32)),
-    "reshape-split": (lambda x: mx.reshape(x, [Dim("b1", 2), Dim("b2", 4), H, D]),
-                      ["b1", "b2", "h", "d"], lambda v: v.reshape(2, 4, 4, 8)),
+    "reshape-merge": (lambda x: mx.reshape(x, [B, Dim("hd", 32)]), ["b", "hd"], lambda v: v.reshape(8, 32)),
+    "reshape-split": (
+        lambda x: mx.reshape(x, [Dim("b1", 2), Dim("b2", 4), H, D]),
+        ["b1", "b2", "h", "d"],
+        lambda v: v.reshape(2, 4, 4, 8),
+    ),
     "reshape-flat": (lambda x: mx.reshape(x, [Dim("n", 256)]), ["n"], lambda v: v.reshape(256)),
-    "reshape-same-names-reordered": (lambda x: mx.reshape(x, [B, D, H]), ["b", "d", "h"],
-                                     lambda v: v.reshape(8, 8, 4)),
-    "reshape-leading-h": (lambda x: mx.reshape(x, [H, B, D]), ["h", "b", "d"],
-                          lambda v: v.reshape(4, 8, 8)),
-    "reshape-resize-split-dim": (lambda x: mx.reshape(x, [Dim("e", 16), Dim("d", 16)]),
-                                 ["e", "d"], lambda v: v.reshape(16, 16)),
-    "reshape-string-shape": (lambda x: mx.reshape(x, "b:8;m:2;n:16"), ["b", "m", "n"],
-                             lambda v: v.reshape(8, 2, 16)),
+    "reshape-same-names-reordered": (lambda x: mx.reshape(x, [B, D, H]), ["b", "d", "h"], lambda v: v.reshape(8, 8, 4)),
+    "reshape-leading-h": (lambda x: mx.reshape(x, [H, B, D]), ["h", "b", "d"], lambda v: v.reshape(4, 8, 8)),
+    "reshape-resize-split-dim": (
+        lambda x: mx.reshape(x, [Dim("e", 16), Dim("d", 16)]),
+        ["e", "d"],
+        lambda v: v.reshape(16, 16),
+    ),
+    "reshape-string-shape": (lambda x: mx.reshape(x, "b:8;m:2;n:16"), ["b", "m", "n"], lambda v: v.reshape(8, 2, 16)),
     "rename": (lambda x: mx.rename_dimension(x, "h", "k"), ["b", "k", "d"], lambda v: v),
-    "rename-split-dim": (lambda x: mx.rename_dimension(x, "b", "bb"), ["bb", "h", "d"],
-                         lambda v: v),
-    "replace-one": (lambda x: mx.replace_dimensions(x, H, Dim("k", 4)), ["b", "k", "d"],
-                    lambda v: v),
-    "replace-two-by-one": (lambda x: mx.replace_dimensions(x, [H, D], [Dim("hd", 32)]),
-                           ["b", "hd"], lambda v: v.reshape(8, 32)),
-    "replace-one-by-two": (lambda x: mx.replace_dimensions(x, D, [Dim("d1", 2), Dim("d2", 4)]),
-                           ["b", "h", "d1", "d2"], lambda v: v.reshape(8, 4, 2, 4)),
-    "transpose-dbh": (lambda x: mx.transpose(x, [D, B, H]), ["d", "b", "h"],
-                      lambda v: v.transpose(2, 0, 1)),
-    "transpose-hdb": (lambda x: mx.transpose(x, [H, D, B]), ["h", "d", "b"],
-                      lambda v: v.transpose(1, 2, 0)),
+    "rename-split-dim": (lambda x: mx.rename_dimension(x, "b", "bb"), ["bb", "h", "d"], lambda v: v),
+    "replace-one": (lambda x: mx.replace_dimensions(x, H, Dim("k", 4)), ["b", "k", "d"], lambda v: v),
+    "replace-two-by-one": (
+        lambda x: mx.replace_dimensions(x, [H, D], [Dim("hd", 32)]),
+        ["b", "hd"],
+        lambda v: v.reshape(8, 32),
+    ),
+    "replace-one-by-two": (
+        lambda x: mx.replace_dimensions(x, D, [Dim("d1", 2), Dim("d2", 4)]),
+        ["b", "h", "d1", "d2"],
+        lambda v: v.reshape(8, 4, 2, 4),
+    ),
+    "transpose-dbh": (lambda x: mx.transpose(x, [D, B, H]), ["d", "b", "h"], lambda v: v.transpose(2, 0, 1)),
+    "transpose-hdb": (lambda x: mx.transpose(x, [H, D, B]), ["h", "d", "b"], lambda v: v.transpose(1, 2, 0)),
     "transpose-identity": (lambda x: mx.transpose(x, [B, H, D]), ["b", "h", "d"], lambda v: v),
 }
 
@@ -58,6 +62,7 @@ def _shape_case(name):
         assert names(y) == out_names
         assert y.dtype == np.float32
         return [(y, np_fn(XV))], {x: XV}
+
     return build
 
 
@@ -87,6 +92,7 @@ def _bcast_case(name, seed):
         assert names(y) == [d.name for d in out_dims]
         xv = rand([d.size for d in in_dims], seed=seed)
         return [(y, np_fn(xv))], {x: xv}
+
     return build
 
 
@@ -101,6 +107,7 @@ def test_shape_ops(layout, impl_cls):
 
 
 # ------------------------------------------------------------------ creation
+
 
 def _import_tensor(mesh):
     x = mx.import_tensor(mesh, XV, [B, H, D], name="imported")
@@ -117,12 +124,14 @@ def _constants(mesh):
     zi = mx.zeros(mesh, [D], "int32")
     o = mx.ones(mesh, [H, D], "float32")
     assert ci.dtype == np.int32 and zi.dtype == np.int32 and o.dtype == np.float32
-    return [(c, np.full((8, 8), 2.5, np.float32)),
-            (ci, np.full((8,), 7, np.int32)),
-            (ca, XV[:, 0, :]),
-            (z, np.zeros((8, 4), np.float32)),
-            (zi, np.zeros((8,), np.int32)),
-            (o, np.ones((4, 8), np.float32))], {}
+    return [
+        (c, np.full((8, 8), 2.5, np.float32)),
+        (ci, np.full((8,), 7, np.int32)),
+        (ca, XV[:, 0, :]),
+        (z, np.zeros((8, 4), np.float32)),
+        (zi, np.zeros((8,), np.int32)),
+        (o, np.ones((4, 8), np.float32)),
+    ], {}
 
 
 def _range(mesh):
@@ -131,21 +140,23 @@ def _range(mesh):
     assert names(r) == ["b"]
     assert r.dtype == np.int32
     outer = mx.cast(r, "float32") * 10.0 + rf  # [b, d]
-    return [(r, np.arange(8, dtype=np.int32)),
-            (rf, np.arange(8, dtype=np.float32)),
-            (outer, np.arange(8)[:, None] * 10.0 + np.arange(8)[None, :])], {}
+    return [
+        (r, np.arange(8, dtype=np.int32)),
+        (rf, np.arange(8, dtype=np.float32)),
+        (outer, np.arange(8)[:, None] * 10.0 + np.arange(8)[None, :]),
+    ], {}
 
 
 @layouts
 def test_creation(layout, impl_cls):
-    check_cases({"import_tensor": _import_tensor, "constant/zeros/ones": _constants,
-                 "range": _range}, impl_cls, layout)
+    check_cases({"import_tensor": _import_tensor, "constant/zeros/ones": _constants, "range": _range}, impl_cls, layout)
 
 
 # ------------------------------------------------------ lowering / function API
 
+
 def test_tensor_attributes():
-    graph, mesh = new_mesh()
+    _graph, mesh = new_mesh()
     x = mx.placeholder(mesh, "x", [B, D])
     assert x.shape == mx.Shape([B, D])
     assert x.dtype == np.float32

@@ -3,11 +3,12 @@
 Sizes are chosen so that every result stays legal under every layout of
 LAYOUTS (split dims keep sizes divisible by their mesh dims).  Each test runs
 a family of cases as one program per (impl, layout), see `check_cases`."""
+
 import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, check_cases, names, rand
+from tests.conftest import LAYOUTS, B, D, H, check_cases, names, rand
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 
@@ -25,6 +26,7 @@ def _x(mesh):
 
 # ------------------------------------------------ slice / concat / split / pad
 
+
 def _slice_case(begin, size, dim_name):
     def build(mesh):
         x = _x(mesh)
@@ -34,6 +36,7 @@ def _slice_case(begin, size, dim_name):
         idx = [slice(None)] * 3
         idx[AXIS[dim_name]] = slice(begin, begin + size)
         return [(y, XV[tuple(idx)])], {x: XV}
+
     return build
 
 
@@ -56,8 +59,7 @@ def _concat_b_h(mesh):
     assert cb.shape.get_dim_by_name("b").size == 16
     assert ch.shape.get_dim_by_name("h").size == 8
     yv = rand([8, 4, 8], 63)
-    return [(cb, np.concatenate([XV, yv], axis=0)),
-            (ch, np.concatenate([XV, yv], axis=1))], {x: XV, y: yv}
+    return [(cb, np.concatenate([XV, yv], axis=0)), (ch, np.concatenate([XV, yv], axis=1))], {x: XV, y: yv}
 
 
 def _split_case(dim, sizes):
@@ -70,6 +72,7 @@ def _split_case(dim, sizes):
             assert p.shape.get_dim_by_name(dim.name).size == s
         want = np.split(XV, np.cumsum(sizes)[:-1], axis=AXIS[dim.name])
         return list(zip(parts, want)), {x: XV}
+
     return build
 
 
@@ -90,6 +93,7 @@ def _pad_case(paddings, dim_name):
         pad_width = [(0, 0)] * 3
         pad_width[axis] = tuple(paddings)
         return [(y, np.pad(XV, pad_width))], {x: XV}
+
     return build
 
 
@@ -120,6 +124,7 @@ def test_slice_concat_split_pad(layout, impl_cls):
 
 # ------------------------------------------------------------ stack / unstack
 
+
 def _stack_case(axis):
     def build(mesh):
         x = _x(mesh)
@@ -131,6 +136,7 @@ def _stack_case(axis):
         assert s.shape.get_dim_by_name("s").size == 3
         yv = rand([8, 4, 8], 64 + axis)
         return [(s, np.stack([XV, yv, XV * 2.0], axis=axis))], {x: XV, y: yv}
+
     return build
 
 
@@ -143,6 +149,7 @@ def _unstack_case(dim):
             assert names(p) == [n for n in ["b", "h", "d"] if n != dim.name]
         axis = AXIS[dim.name]
         return [(p, np.take(XV, i, axis=axis)) for i, p in enumerate(parts)], {x: XV}
+
     return build
 
 
@@ -156,6 +163,7 @@ def test_stack_unstack(layout, impl_cls):
 
 
 # ---------------------------------------------------------- shift / cumsum
+
 
 def np_shift(v, offset, axis, wrap):
     if wrap:
@@ -186,6 +194,7 @@ def _shift_case(dim, offset, wrap):
         y = mx.shift(x, offset, dim, wrap)
         assert names(y) == ["b", "h", "d"]
         return [(y, np_shift(XV, offset, AXIS[dim.name], wrap))], {x: XV}
+
     return build
 
 
@@ -199,6 +208,7 @@ def _cumsum_case(dim, exclusive):
         if exclusive:
             want = np_shift(want, 1, axis, wrap=False)
         return [(y, want)], {x: XV}
+
     return build
 
 

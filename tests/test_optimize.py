@@ -59,7 +59,7 @@ def test_adam_with_weight_decay():
         g = grad(w, t)
         m = 0.9 * m + 0.1 * g
         v = 0.999 * v + 0.001 * g * g
-        update = (m / (1 - 0.9 ** step)) / (np.sqrt(v / (1 - 0.999 ** step)) + 1e-8) + 0.01 * w
+        update = (m / (1 - 0.9**step)) / (np.sqrt(v / (1 - 0.999**step)) + 1e-8) + 0.01 * w
         w = w - 0.05 * update
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
 
@@ -70,10 +70,10 @@ def test_adafactor_factored(layout):
     vr, vc = np.zeros(8), np.zeros(4)  # factored over a (8, the largest) and b (4): vr is [a], vc is [b]
     for step, got in enumerate(hist, start=1):
         g = grad(w, t)
-        decay = 1 - step ** -0.8
+        decay = 1 - step**-0.8
         g2 = g * g + 1e-30
-        vr = decay * vr + (1 - decay) * g2.mean(1)   # shape minus d1 (b): over a
-        vc = decay * vc + (1 - decay) * g2.mean(0)   # shape minus d0 (a): over b
+        vr = decay * vr + (1 - decay) * g2.mean(1)  # shape minus d1 (b): over a
+        vc = decay * vc + (1 - decay) * g2.mean(0)  # shape minus d0 (a): over b
         x = g / np.sqrt(vr[:, None] / vr.mean()) / np.sqrt(vc[None, :])
         x = x / max(np.sqrt((x * x).mean()) / 1.0, 1.0)
         lr = min(0.01, 1 / np.sqrt(step)) * max(np.sqrt((w * w).mean()), 1e-3)
@@ -85,10 +85,13 @@ def test_schedules():
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "mesh")
     step = mx.placeholder(mesh, "step", [])
-    outs = [mx.optimize.linear_warmup(1.0, 10)(step), mx.optimize.rsqrt_decay(1.0, 10)(step),
-            mx.optimize.linear_decay(1.0, 10, 110)(step)]
+    outs = [
+        mx.optimize.linear_warmup(1.0, 10)(step),
+        mx.optimize.rsqrt_decay(1.0, 10)(step),
+        mx.optimize.linear_decay(1.0, 10, 110)(step),
+    ]
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function(outs)
-    expect = {0: (0.1, 0.1, 0.1), 4: (0.5, 0.5, 0.5), 9: (1, 1, 1), 39: (1, 0.5, 0.7), 109: (1, 10 ** 0.5 / 110 ** 0.5, 0)}
+    expect = {0: (0.1, 0.1, 0.1), 4: (0.5, 0.5, 0.5), 9: (1, 1, 1), 39: (1, 0.5, 0.7), 109: (1, 10**0.5 / 110**0.5, 0)}
     for s, want in expect.items():
         np.testing.assert_allclose(fn({"step": np.float32(s)}), want, rtol=1e-5, atol=1e-6)
 

@@ -21,8 +21,12 @@ LAYOUTS = [
     ("all:8", "batch:all", 2 * d_io * d_h, d_h + 1),
     ("all:8", "hidden:all", 2 * b * d_io, 0),
     ("rows:2;cols:4", "batch:rows;hidden:cols", 2 * b * d_io / 2 + 2 * d_io * d_h / 4, d_h / 4 + 1),
-    ("rows:2;cols:2;planes:2", "batch:rows;hidden:cols;io:planes",
-     2 * b * d_io / (2 * 2) + 2 * b * d_h / (2 * 2) + 2 * d_io * d_h / (2 * 2), d_h / 2 + 1),
+    (
+        "rows:2;cols:2;planes:2",
+        "batch:rows;hidden:cols;io:planes",
+        2 * b * d_io / (2 * 2) + 2 * b * d_h / (2 * 2) + 2 * d_io * d_h / (2 * 2),
+        d_h / 2 + 1,
+    ),
 ]
 
 
@@ -52,15 +56,15 @@ def numpy_reference(xv, gv, W, B, V):
 
 
 @pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
-@pytest.mark.parametrize("mesh_shape,layout,main,lower_order", LAYOUTS, ids=[l or "none" for _, l, _, _ in LAYOUTS])
+@pytest.mark.parametrize("mesh_shape,layout,main,lower_order", LAYOUTS, ids=[lay or "none" for _, lay, _, _ in LAYOUTS])
 def test_paper_example(impl_cls, mesh_shape, layout, main, lower_order):
-    graph, mesh, (x, g, w, bias, v, y, loss), grads, updates = build()
+    graph, mesh, (_x, _g, w, bias, v, y, loss), grads, updates = build()
     lowering = mx.Lowering(graph, {mesh: impl_cls(mesh_shape, layout)})
     W, B, V = (lowering.variable_value(t) for t in (w, bias, v))
     rng = np.random.default_rng(1)
     xv = rng.normal(size=(BATCH, IO)).astype(np.float32)
     gv = rng.normal(size=(BATCH, IO)).astype(np.float32)
-    fn = lowering.function([y, loss] + grads, updates=updates)
+    fn = lowering.function([y, loss, *grads], updates=updates)
     out = fn({"x": xv, "g": gv})
 
     y_ref, loss_ref, grads_ref = numpy_reference(xv, gv, W, B, V)
@@ -91,5 +95,5 @@ def test_table1_terms_come_from_the_backward_einsums():
 
 def test_hidden_and_batch_on_the_same_mesh_dim_is_illegal():
     graph, mesh, *_ = build()
-    with pytest.raises(mx.LayoutError, match="batch.*hidden|hidden.*batch"):
+    with pytest.raises(mx.LayoutError, match=r"batch.*hidden|hidden.*batch"):
         mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "hidden:all;batch:all")})

@@ -1,4 +1,5 @@
 """GSPMD's half: mesh_split annotations, sharding propagation, explain, weight-update sharding."""
+
 import numpy as np
 import pytest
 
@@ -45,7 +46,7 @@ def test_figure4_elementwise_first_gives_every_bd_tensor_the_same_sharding():
 
 def test_figure4_values_equal_numpy_on_both_backends(impl_cls):
     _, mesh = new_mesh()
-    bd, (x, w, bias) = _figure4(mesh)
+    bd, (_x, _w, _bias) = _figure4(mesh)
     xv, wv, bv = rand([8, 4], 1), rand([4, 8], 2), rand([8], 3)
     low = _lowering(bd[-1], impl_cls=impl_cls)
     got = low.function(bd[-1])({"x": xv, "w": wv, "bias": bv})
@@ -103,7 +104,7 @@ def _issue_example(rules="batch:rows;d_ff:cols", annotate=True):
 
 
 def test_issue_example_shards_the_variable_its_slots_and_its_update():
-    graph, mesh, w, loss, updates = _issue_example()
+    graph, mesh, _w, loss, updates = _issue_example()
     low = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows;d_ff:cols")})
     for name in ("w", "w/adam_m", "w/adam_v"):
         (var,) = [v for v in graph.all_variables if v.name == name]
@@ -114,13 +115,15 @@ def test_issue_example_shards_the_variable_its_slots_and_its_update():
     # its gradient, summed over the batch split over rows, is reduce-scattered (16*32/4 = 128
     # values in per device); nothing is gathered to write the update back.
     assert [(s.kind, s.mesh_axes, s.values) for s in c.sites() if s.kind != "allreduce"] == [
-        ("allgather", ("rows",), 64), ("reduce_scatter", ("rows",), 128)]
+        ("allgather", ("rows",), 64),
+        ("reduce_scatter", ("rows",), 128),
+    ]
     assert c["alltoall"].count == 0
     xv, yv = rand([8, 16], 7), rand([8, 32], 8)
     for i in range(3):
         step({"x": xv, "y": yv}, seed=i)
     # each device holds 1/8 of each slot
-    m = low.variable_state([v for v in graph.all_variables if v.name == "w/adam_m"][0])
+    m = low.variable_state(next(v for v in graph.all_variables if v.name == "w/adam_m"))
     assert {s.data.shape for s in m.addressable_shards} == {(8, 8)}
 
 
@@ -141,7 +144,7 @@ def test_gradient_of_an_annotated_tensor_carries_the_annotation():
     _, mesh = new_mesh()
     x = mx.placeholder(mesh, "x", [A, C])
     y = mx.mesh_split(x, ["x", mx.OPEN])
-    (gx,) = mx.gradients(mx.reduce_sum(mx.square(y)), [x])
+    (_gx,) = mx.gradients(mx.reduce_sum(mx.square(y)), [x])
     grads = [op for op in y.graph.operations if isinstance(op, mx.ops.layout_ops.ShardOperation)]
     assert len(grads) == 2 and grads[1].annotation == grads[0].annotation
     assert grads[1].grad_of is y.operation
@@ -149,14 +152,14 @@ def test_gradient_of_an_annotated_tensor_carries_the_annotation():
 
 # ---- explain --------------------------------------------------------------------------------
 def test_explain_names_origins_and_warns_about_replication_and_forced_reshards():
-    graph, mesh, w, loss, updates = _issue_example()
+    graph, mesh, _w, _loss, _updates = _issue_example()
     low = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows")})
     text = low.explain(threshold=100)
     lines = {line.split()[0]: line for line in text.splitlines() if line and not line.startswith(" ")}
     assert "d_model:rows;d_ff:cols" in lines["w"] and "d_model: propagated backward through" in lines["w"]
     assert "annotation at" in lines["shard"] and "test_propagation.py" in lines["shard"]
     assert "rule batch:rows" in lines["x"]
-    warn = text[text.index("warnings"):]
+    warn = text[text.index("warnings") :]
     assert "x [batch=8, d_model=16] (128 values" in warn and "replicated over mesh dim(s) cols" in warn
     assert "reshards" not in warn  # w arrives already in the annotated layout
     # an annotation that disagrees with its input's layout is a forced reshard, and says so
@@ -184,8 +187,11 @@ def test_mesh_split_errors_name_the_tensor_and_the_line():
     with pytest.raises(mx.LayoutError, match=r"entry 1 \('C'\) is 3"):
         mx.mesh_split(x, ["x", 3])
     mx.mesh_split(x, ["x", None])
-    with pytest.raises(mx.LayoutError, match=r"conflicting annotations on 'x'.*\['x', None\] at .*test_propagation"
-                                             r".py:\d+ and \[None, 'x'\] at .*test_propagation.py:\d+"):
+    with pytest.raises(
+        mx.LayoutError,
+        match=r"conflicting annotations on 'x'.*\['x', None\] at .*test_propagation"
+        r".py:\d+ and \[None, 'x'\] at .*test_propagation.py:\d+",
+    ):
         mx.mesh_split(x, [None, "x"])
     assert mx.mesh_split(x, ["x", None]) is mx.mesh_split(x, ("x", None))  # the same annotation twice is one
 
@@ -199,6 +205,7 @@ def test_unknown_mesh_dim_is_refused_at_lowering_with_the_line():
 
 def test_priorities_settle_lower_ones_first():
     """x's batch and w's f both ask for mesh dim x in h = x . w: the lower priority wins h."""
+
     def build(px, pw):
         _, mesh = new_mesh()
         b, d, f = mx.Dimension("batch", 8), mx.Dimension("d", 4), mx.Dimension("f", 8)
@@ -206,6 +213,7 @@ def test_priorities_settle_lower_ones_first():
         w = mx.mesh_split(mx.placeholder(mesh, "w", [d, f]), [None, "x"], priority=pw)
         h = mx.relu(mx.einsum(x, w, output_shape=[b, f]))
         return _lowering(h), h
+
     low, h = build(0, 1)
     assert low.layout_of(h) == "batch:x"
     low, h = build(1, 0)

@@ -1,10 +1,11 @@
 """Dimension, Shape and convert_to_shape."""
+
 import pytest
 
 import meshax as mx
 
-
 # ----------------------------------------------------------------- Dimension
+
 
 def test_dimension_attributes():
     d = mx.Dimension("batch", 100)
@@ -24,15 +25,21 @@ def test_dimension_equality_and_hash():
 
 # --------------------------------------------------------------------- Shape
 
+
 def _shape():
-    return mx.Shape([mx.Dimension("batch", 100), mx.Dimension("rows", 28),
-                     mx.Dimension("cols", 28), mx.Dimension("channels", 3)])
+    return mx.Shape(
+        [mx.Dimension("batch", 100), mx.Dimension("rows", 28), mx.Dimension("cols", 28), mx.Dimension("channels", 3)]
+    )
 
 
 def test_shape_properties():
     s = _shape()
-    assert list(s.dims) == [mx.Dimension("batch", 100), mx.Dimension("rows", 28),
-                            mx.Dimension("cols", 28), mx.Dimension("channels", 3)]
+    assert list(s.dims) == [
+        mx.Dimension("batch", 100),
+        mx.Dimension("rows", 28),
+        mx.Dimension("cols", 28),
+        mx.Dimension("channels", 3),
+    ]
     assert list(s.dimension_names) == ["batch", "rows", "cols", "channels"]
     assert list(s.to_integer_list) == [100, 28, 28, 3]
     assert s.size == 100 * 28 * 28 * 3
@@ -61,8 +68,9 @@ def test_shape_contains():
 def test_shape_equality():
     assert _shape() == _shape()
     assert _shape() != mx.Shape([mx.Dimension("batch", 100)])
-    reordered = mx.Shape([mx.Dimension("rows", 28), mx.Dimension("batch", 100),
-                          mx.Dimension("cols", 28), mx.Dimension("channels", 3)])
+    reordered = mx.Shape(
+        [mx.Dimension("rows", 28), mx.Dimension("batch", 100), mx.Dimension("cols", 28), mx.Dimension("channels", 3)]
+    )
     assert _shape() != reordered
 
 
@@ -84,14 +92,18 @@ def test_shape_repeated_name_raises():
 EXPECTED = mx.Shape([mx.Dimension("a", 2), mx.Dimension("bb", 4), mx.Dimension("c", 3)])
 
 
-@pytest.mark.parametrize("spec", [
-    "a:2;bb:4;c:3",
-    "a:2,bb:4,c:3",
-    "a:2.bb:4.c:3",
-    "a:2 bb:4 c:3",
-    "a:2; bb:4; c:3",
-    "  a:2  bb:4   c:3 ",
-], ids=["semicolon", "comma", "dot", "space", "semicolon-space", "extra-spaces"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "a:2;bb:4;c:3",
+        "a:2,bb:4,c:3",
+        "a:2.bb:4.c:3",
+        "a:2 bb:4 c:3",
+        "a:2; bb:4; c:3",
+        "  a:2  bb:4   c:3 ",
+    ],
+    ids=["semicolon", "comma", "dot", "space", "semicolon-space", "extra-spaces"],
+)
 def test_convert_to_shape_strings(spec):
     s = mx.convert_to_shape(spec)
     assert isinstance(s, mx.Shape)
@@ -113,26 +125,32 @@ def test_convert_to_shape_empty():
     assert mx.convert_to_shape("").rank == 0
 
 
-@pytest.mark.parametrize("spec,bad", [
-    ("alpha:2;betaz", "betaz"),
-    ("alpha:2;gamma:x7", "x7"),
-    ("alpha:2;delta:3:4", "3:4"),
-    ("alpha:2;:5", ":5"),
-    ("alpha:2;eps:-3", "-3"),
-    ("alpha:2;zeta:", "zeta"),
-])
+@pytest.mark.parametrize(
+    "spec,bad",
+    [
+        ("alpha:2;betaz", "betaz"),
+        ("alpha:2;gamma:x7", "x7"),
+        ("alpha:2;delta:3:4", "3:4"),
+        ("alpha:2;:5", ":5"),
+        ("alpha:2;eps:-3", "-3"),
+        ("alpha:2;zeta:", "zeta"),
+    ],
+)
 def test_convert_to_shape_malformed(spec, bad):
     with pytest.raises(ValueError) as info:
         mx.convert_to_shape(spec)
     assert bad in str(info.value)
 
 
-@pytest.mark.parametrize("spec", [
-    "a:2;a:3",
-    "a:2;b:4;a:2",
-    [("a", 2), ("a", 2)],
-    [mx.Dimension("q", 2), mx.Dimension("q", 5)],
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "a:2;a:3",
+        "a:2;b:4;a:2",
+        [("a", 2), ("a", 2)],
+        [mx.Dimension("q", 2), mx.Dimension("q", 5)],
+    ],
+)
 def test_convert_to_shape_repeated_name_raises(spec):
     with pytest.raises(ValueError):
         mx.convert_to_shape(spec)

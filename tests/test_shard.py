@@ -1,12 +1,12 @@
 """mx.shard: an identity that forces a per-tensor layout."""
+
 import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import B, D, H, LAYOUTS, assert_close, check_cases, names, new_mesh, rand, run
+from tests.conftest import LAYOUTS, B, D, H, assert_close, check_cases, names, new_mesh, rand, run
 
-SHARD_LAYOUTS = ["", "b:cols", "d:rows;b:cols", "b:rows;b:cols", "d:cols", "d:rows;d:cols",
-                 "b:rows;d:cols"]
+SHARD_LAYOUTS = ["", "b:cols", "d:rows;b:cols", "b:rows;b:cols", "d:cols", "d:rows;d:cols", "b:rows;d:cols"]
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 
@@ -19,6 +19,7 @@ def _shard_case(shard_layout, seed):
         z = y * 2.0 + 1.0  # follows the rules again
         xv = rand([8, 8], seed=seed)
         return [(y, xv), (z, xv * 2.0 + 1.0)], {x: xv}
+
     return build
 
 

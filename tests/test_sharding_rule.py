@@ -1,4 +1,5 @@
 """Op sharding rules as data: every op runs as its rule says, read in one place (`ctx.layouts`)."""
+
 import numpy as np
 import pytest
 
@@ -13,8 +14,15 @@ A, B, C = mx.Dimension("A", 8), mx.Dimension("B", 4), mx.Dimension("C", 8)
 K = mx.Dimension("K", 2)
 # Ops that read no operand (sources take their planned layout) or produce no tensor (an
 # assign writes its variable in the variable's planned layout).
-SOURCES_AND_SINKS = {"PlaceholderOperation", "ImportTensorOperation", "ConstantOperation", "RangeOperation",
-                     "RandomOperation", "VariableOperation", "AssignOperation"}
+SOURCES_AND_SINKS = {
+    "PlaceholderOperation",
+    "ImportTensorOperation",
+    "ConstantOperation",
+    "RangeOperation",
+    "RandomOperation",
+    "VariableOperation",
+    "AssignOperation",
+}
 
 
 def _op_classes() -> set[type]:
@@ -41,16 +49,16 @@ def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
     x = mx.placeholder(mesh, "x", [A, B])
     w = mx.placeholder(mesh, "w", [B, C])
     ids = mx.placeholder(mesh, "ids", [A], dtype="int32")
-    h = mx.einsum(x, w, output_shape=[A, C])                                      # einsum
-    h = mx.cast(mx.cast(mx.relu(h) * 2.0, "bfloat16"), "float32")               # unary, binary, cast
-    h = mx.transpose(mx.shard(h, "A:x"), [C, A])                                  # shard, transpose
+    h = mx.einsum(x, w, output_shape=[A, C])  # einsum
+    h = mx.cast(mx.cast(mx.relu(h) * 2.0, "bfloat16"), "float32")  # unary, binary, cast
+    h = mx.transpose(mx.shard(h, "A:x"), [C, A])  # shard, transpose
     h = mx.reshape(h, [mx.Dimension("C", 8), mx.Dimension("A2", 2), mx.Dimension("A3", 4)])
-    h = mx.reshape(h, [C, A])                                                     # reshape
-    h = mx.cumsum(mx.shift(h, 1, A, wrap=False), A)                               # shift, cumsum
+    h = mx.reshape(h, [C, A])  # reshape
+    h = mx.cumsum(mx.shift(h, 1, A, wrap=False), A)  # shift, cumsum
     h = mx.concat([mx.slice(h, 0, 4, "A"), mx.pad(mx.slice(h, 4, 2, "A"), [0, 2], "A")], "A")  # slice, pad, concat
-    g = mx.gather(h, ids, A)                                                      # gather
-    v, _ = mx.top_k(g, C, K)                                                      # top_k
-    out = mx.reduce_sum(mx.broadcast(v, [A, K, B]), output_shape=[B])            # broadcast, reduce
+    g = mx.gather(h, ids, A)  # gather
+    v, _ = mx.top_k(g, C, K)  # top_k
+    out = mx.reduce_sum(mx.broadcast(v, [A, K, B]), output_shape=[B])  # broadcast, reduce
     low = mx.Lowering(out.graph, {mesh: mx.SimdMeshImpl("x:2;y:4", "C:y")})
     low.function(out)
     expected = {c for c in _op_classes() if c.__name__ not in SOURCES_AND_SINKS}

@@ -14,15 +14,21 @@ from meshax.train.data import DataError, load_mnist
 def test_mnist_on_2x4_reaches_95_percent_and_matches_one_device():
     split = train(MnistTask(), "rows:2;cols:4", "batch:rows;hidden:cols", steps=300)
     single = train(MnistTask(), "all:1", "", steps=300)
-    (_, metrics), = split.evals
+    ((_, metrics),) = split.evals
     assert metrics["accuracy"] >= 0.95, metrics
     np.testing.assert_allclose(split.losses, single.losses, rtol=1e-4, atol=1e-5)
     assert split.losses[-1] < 0.3 * split.losses[0]
 
 
 def test_mlp_learns_the_identity_on_the_placement_backend():
-    result = train(MlpTask(batch_size=16, io=8, hidden=32), "rows:2;cols:4", "batch:rows;hidden:cols", steps=60,
-                   backend="placement", optimizer=AdamWeightDecayOptimizer(0.01))
+    result = train(
+        MlpTask(batch_size=16, io=8, hidden=32),
+        "rows:2;cols:4",
+        "batch:rows;hidden:cols",
+        steps=30,
+        backend="placement",
+        optimizer=AdamWeightDecayOptimizer(0.01),
+    )
     assert result.evals[-1][1]["loss"] < 0.5 * result.losses[0]
 
 
@@ -37,8 +43,12 @@ def test_mnist_idx_files_are_read(tmp_path, compress):
     rng = np.random.default_rng(0)
     imgs, labels = rng.integers(0, 256, (20, 28, 28)), rng.integers(0, 10, 20)
     suffix = ".gz" if compress else ""
-    for stem, arr in [("train-images-idx3-ubyte", imgs), ("train-labels-idx1-ubyte", labels),
-                      ("t10k-images-idx3-ubyte", imgs[:5]), ("t10k-labels-idx1-ubyte", labels[:5])]:
+    for stem, arr in [
+        ("train-images-idx3-ubyte", imgs),
+        ("train-labels-idx1-ubyte", labels),
+        ("t10k-images-idx3-ubyte", imgs[:5]),
+        ("t10k-labels-idx1-ubyte", labels[:5]),
+    ]:
         _write_idx(tmp_path / (stem + suffix), arr, compress)
     x, y, xt, yt = load_mnist(str(tmp_path))
     np.testing.assert_allclose(x, imgs / 255.0, rtol=1e-6)
@@ -49,8 +59,12 @@ def test_mnist_idx_files_are_read(tmp_path, compress):
 def test_mnist_errors_name_the_problem(tmp_path):
     with pytest.raises(DataError, match="train-images-idx3-ubyte"):
         load_mnist(str(tmp_path))
-    for stem in ("train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte",
-                 "t10k-labels-idx1-ubyte"):
+    for stem in (
+        "train-images-idx3-ubyte",
+        "train-labels-idx1-ubyte",
+        "t10k-images-idx3-ubyte",
+        "t10k-labels-idx1-ubyte",
+    ):
         (tmp_path / stem).write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x09abc")  # says 9 bytes, holds 3
     with pytest.raises(DataError, match="truncated"):
         load_mnist(str(tmp_path))

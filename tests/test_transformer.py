@@ -14,17 +14,21 @@ from meshax.train.loop import build
 
 # Small enough for the placement backend; heads, vocab and d_ff divide by 8 for the 8-way splits.
 SMALL = TransformerConfig(vocab_size=16, d_model=16, d_ff=32, num_heads=8, d_kv=4, num_layers=1)
-PAPER_LAYOUTS = [("all:8", "batch:all"), ("all:8", "vocab:all;d_ff:all;heads:all"),
-                 ("rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols")]
+PAPER_LAYOUTS = [
+    ("all:8", "batch:all"),
+    ("all:8", "vocab:all;d_ff:all;heads:all"),
+    ("rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols"),
+]
 
 
 @pytest.mark.parametrize("name", sorted(PAPER_PARAMETERS))
 def test_paper_presets_match_table_3(name):
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "mesh")
-    b, l = mx.Dimension("batch", 2), mx.Dimension("length", 4)
-    Transformer(PRESETS[name], mesh).encoder_decoder(mx.placeholder(mesh, "i", [b, l], "int32"),
-                                                     mx.placeholder(mesh, "t", [b, l], "int32"))
+    b, length = mx.Dimension("batch", 2), mx.Dimension("length", 4)
+    Transformer(PRESETS[name], mesh).encoder_decoder(
+        mx.placeholder(mesh, "i", [b, length], "int32"), mx.placeholder(mesh, "t", [b, length], "int32")
+    )
     built = sum(v.value.size for v in graph.trainable_variables)
     assert built == PRESETS[name].parameter_count()
     assert built / 1e9 == pytest.approx(PAPER_PARAMETERS[name], rel=0.05)
@@ -43,8 +47,9 @@ def test_paper_layouts_give_the_same_losses_as_no_layout():
     reference = _losses(task, "all:1", "", "simd", 20)
     assert reference[-1] < reference[0]
     for mesh, layout in PAPER_LAYOUTS:
-        np.testing.assert_allclose(_losses(task, mesh, layout, "simd", 20), reference, rtol=2e-4, atol=2e-5,
-                                   err_msg=f"simd {mesh} {layout}")
+        np.testing.assert_allclose(
+            _losses(task, mesh, layout, "simd", 20), reference, rtol=2e-4, atol=2e-5, err_msg=f"simd {mesh} {layout}"
+        )
 
 
 def test_encoder_decoder_under_the_2d_layout_matches():
@@ -73,25 +78,52 @@ def test_model_parallel_layout_costs():
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     task = LmTask(model=SMALL, source="markov", batch_size=8, length=8)
     straight = train(task, "rows:2;cols:4", "batch:rows;heads:cols", steps=8, optimizer=AdamWeightDecayOptimizer(3e-3))
-    train(task, "rows:2;cols:4", "batch:rows;heads:cols", steps=4, optimizer=AdamWeightDecayOptimizer(3e-3),
-          checkpoint_dir=str(tmp_path))
-    resumed = train(task, "rows:2;cols:4", "batch:rows;heads:cols", steps=8, optimizer=AdamWeightDecayOptimizer(3e-3),
-                    checkpoint_dir=str(tmp_path), resume=True)
+    train(
+        task,
+        "rows:2;cols:4",
+        "batch:rows;heads:cols",
+        steps=4,
+        optimizer=AdamWeightDecayOptimizer(3e-3),
+        checkpoint_dir=str(tmp_path),
+    )
+    resumed = train(
+        task,
+        "rows:2;cols:4",
+        "batch:rows;heads:cols",
+        steps=8,
+        optimizer=AdamWeightDecayOptimizer(3e-3),
+        checkpoint_dir=str(tmp_path),
+        resume=True,
+    )
     assert resumed.first_step == 4
     np.testing.assert_array_equal(resumed.losses, straight.losses[4:])
     # and onto another mesh and layout: the same run, to float tolerance
     moved = tmp_path / "moved"
-    train(task, "rows:2;cols:4", "batch:rows;heads:cols", steps=4, optimizer=AdamWeightDecayOptimizer(3e-3),
-          checkpoint_dir=str(moved))
-    continued = train(task, "all:8", "vocab:all;d_ff:all;heads:all", steps=8,
-                      optimizer=AdamWeightDecayOptimizer(3e-3), checkpoint_dir=str(moved), resume=True)
+    train(
+        task,
+        "rows:2;cols:4",
+        "batch:rows;heads:cols",
+        steps=4,
+        optimizer=AdamWeightDecayOptimizer(3e-3),
+        checkpoint_dir=str(moved),
+    )
+    continued = train(
+        task,
+        "all:8",
+        "vocab:all;d_ff:all;heads:all",
+        steps=8,
+        optimizer=AdamWeightDecayOptimizer(3e-3),
+        checkpoint_dir=str(moved),
+        resume=True,
+    )
     np.testing.assert_allclose(continued.losses, straight.losses[4:], rtol=2e-4, atol=2e-5)
 
 
 def test_plan_of_the_largest_paper_model_on_16x32():
     task = Seq2SeqTask(model="paper-ff65536", batch_size=256, length=256)
-    lowering, outputs, updates = build(task, "rows:16;cols:32", "batch:rows;vocab:cols;d_ff:cols;heads:cols",
-                                       compile=False)
+    lowering, outputs, updates = build(
+        task, "rows:16;cols:32", "batch:rows;vocab:cols;d_ff:cols;heads:cols", compile=False
+    )
     s = summarize(lowering, lowering.trace_step(outputs, updates), outputs)
     assert s.parameters == PRESETS["paper-ff65536"].parameter_count()
     per_device = (s.parameters - s.replicated_parameters) // 32 + s.replicated_parameters
@@ -113,13 +145,16 @@ def test_padding_mask_hides_padded_inputs():
     config = dataclasses.replace(SMALL, num_encoder_layers=1)
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "mesh")
-    b, l = mx.Dimension("batch", 2), mx.Dimension("length", 8)
-    inputs, targets_in = mx.placeholder(mesh, "inputs", [b, l], "int32"), mx.placeholder(mesh, "t", [b, l], "int32")
+    b, length = mx.Dimension("batch", 2), mx.Dimension("length", 8)
+    inputs = mx.placeholder(mesh, "inputs", [b, length], "int32")
+    targets_in = mx.placeholder(mesh, "t", [b, length], "int32")
     logits = Transformer(config, mesh).encoder_decoder(inputs, targets_in, pad_id=0)
     lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows;heads:cols")})
     fn = lowering.function(logits)
-    feeds = {"inputs": np.array([[3, 4, 5, 0, 0, 0, 0, 0], [6, 7, 8, 9, 10, 11, 0, 0]], np.int32),
-             "t": np.array([[1, 5, 4, 3, 2, 2, 2, 2]] * 2, np.int32)}
+    feeds = {
+        "inputs": np.array([[3, 4, 5, 0, 0, 0, 0, 0], [6, 7, 8, 9, 10, 11, 0, 0]], np.int32),
+        "t": np.array([[1, 5, 4, 3, 2, 2, 2, 2]] * 2, np.int32),
+    }
     before = fn(feeds)
     table = next(v for v in graph.all_variables if v.name == "transformer/input_embedding")
     value = lowering.variable_value(table)
@@ -133,8 +168,9 @@ def test_padding_mask_hides_padded_inputs():
 
 def test_learned_positions_untied_gelu_and_dropout_under_the_paper_layouts():
     """Dropout masks are keyed by global position, so even with dropout every layout trains alike."""
-    config = dataclasses.replace(SMALL, positions="learned", max_length=8, tie_embeddings=False, dropout=0.1,
-                                 activation="gelu")
+    config = dataclasses.replace(
+        SMALL, positions="learned", max_length=8, tie_embeddings=False, dropout=0.1, activation="gelu"
+    )
     task = LmTask(model=config, source="markov", batch_size=8, length=8)
     reference = _losses(task, "all:1", "", "simd", 5)
     for mesh, layout in PAPER_LAYOUTS:

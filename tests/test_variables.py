@@ -8,9 +8,13 @@ from tests.conftest import IMPL_IDS, IMPLS
 
 io, hidden = mx.Dimension("io", 8), mx.Dimension("hidden", 16)
 INITS = {
-    "zeros": mx.initializers.zeros(), "ones": mx.initializers.ones(), "normal": mx.initializers.normal(0.5),
-    "truncated_normal": mx.initializers.truncated_normal(0.5), "uniform": mx.initializers.uniform(-2, 2),
-    "glorot_uniform": mx.initializers.glorot_uniform(), "glorot_normal": mx.initializers.glorot_normal(),
+    "zeros": mx.initializers.zeros(),
+    "ones": mx.initializers.ones(),
+    "normal": mx.initializers.normal(0.5),
+    "truncated_normal": mx.initializers.truncated_normal(0.5),
+    "uniform": mx.initializers.uniform(-2, 2),
+    "glorot_uniform": mx.initializers.glorot_uniform(),
+    "glorot_normal": mx.initializers.glorot_normal(),
 }
 
 
@@ -25,8 +29,12 @@ def one_var(init=None, dtype="float32"):
 def test_initial_values_do_not_depend_on_the_layout(name):
     values = []
     for impl_cls in IMPLS:
-        for mesh_shape, layout in [("all:1", ""), ("all:8", "hidden:all"), ("rows:2;cols:4", "io:rows;hidden:cols"),
-                                   ("rows:2;cols:4", "hidden:rows;hidden:cols")]:
+        for mesh_shape, layout in [
+            ("all:1", ""),
+            ("all:8", "hidden:all"),
+            ("rows:2;cols:4", "io:rows;hidden:cols"),
+            ("rows:2;cols:4", "hidden:rows;hidden:cols"),
+        ]:
             graph, mesh, w = one_var(INITS[name])
             values.append(mx.Lowering(graph, {mesh: impl_cls(mesh_shape, layout)}).variable_value(w))
     for v in values[1:]:

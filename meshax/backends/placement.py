@@ -112,8 +112,9 @@ class PlacementMeshImpl(MeshImpl):
     def to_global(self, value, spec):
         # each device's array is exactly its shard of the layout's NamedSharding over these devices
         shape, _, layout = spec
-        return jax.make_array_from_single_device_arrays(tuple(shape.to_integer_list), self.named_sharding(layout),
-                                                        list(value))
+        return jax.make_array_from_single_device_arrays(
+            tuple(shape.to_integer_list), self.named_sharding(layout), list(value)
+        )
 
     def put(self, array, spec):
         shape, _, layout = spec
@@ -145,8 +146,11 @@ class PlacementMeshImpl(MeshImpl):
             inputs = [[next(it) for _ in range(self.size)] for _ in in_specs]
             body(inputs, [seed] * self.size)
 
-        flat = [jax.ShapeDtypeStruct(tuple(slice_shape(s, l, self.shape)), d)
-                for s, d, l in in_specs for _ in range(self.size)]
+        flat = [
+            jax.ShapeDtypeStruct(tuple(slice_shape(s, lay, self.shape)), d)
+            for s, d, lay in in_specs
+            for _ in range(self.size)
+        ]
         return jax.make_jaxpr(run)(jax.ShapeDtypeStruct((), jnp.uint32), *flat)
 
     def compile(self, body, in_specs, out_specs, donate=()):

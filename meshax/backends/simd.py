@@ -25,6 +25,7 @@ class SimdMeshImpl(MeshImpl):
 
     @property
     def abstract_mesh(self) -> AbstractMesh:
+        """The mesh as a `jax.sharding.AbstractMesh` (shapes and names, no devices), for tracing."""
         return AbstractMesh(tuple(self.shape.to_integer_list), self.axis_names)
 
     # ---- primitives ------------------------------------------------------------------------
@@ -76,32 +77,47 @@ class SimdMeshImpl(MeshImpl):
     def _local(self, body: Callable) -> Callable:
         def local(seed, *args):
             return tuple(o[0] for o in body([[a] for a in args], [seed]))
+
         return local
 
     def trace(self, body, in_specs):
-        fn = jax.shard_map(self._local(body), mesh=self.abstract_mesh,
-                           in_specs=(P(),) + tuple(self.partition_spec(l) for _, _, l in in_specs),
-                           out_specs=P(), check_vma=False)
+        fn = jax.shard_map(
+            self._local(body),
+            mesh=self.abstract_mesh,
+            in_specs=(P(), *tuple(self.partition_spec(lay) for _, _, lay in in_specs)),
+            out_specs=P(),
+            check_vma=False,
+        )
+
         # The outputs matter only for what tracing records in the counters: return none of them.
         # Each argument carries its sharding (on the abstract mesh): newer JAX checks shard_map's
         # in_specs against the arguments' own shardings.
-        mesh = self.abstract_mesh
+        def on_mesh(spec):
+            return NamedSharding(self.abstract_mesh, spec)
+
         return jax.make_jaxpr(lambda seed, *a: (fn(seed, *a), None)[1])(
-            jax.ShapeDtypeStruct((), jnp.uint32, sharding=NamedSharding(mesh, P())),
-            *[jax.ShapeDtypeStruct(tuple(s.to_integer_list), d, sharding=NamedSharding(mesh, self.partition_spec(l)))
-              for s, d, l in in_specs])
+            jax.ShapeDtypeStruct((), jnp.uint32, sharding=on_mesh(P())),
+            *[
+                jax.ShapeDtypeStruct(tuple(s.to_integer_list), d, sharding=on_mesh(self.partition_spec(lay)))
+                for s, d, lay in in_specs
+            ],
+        )
 
     def compile(self, body, in_specs, out_specs, donate=()):
-        in_sh = [self.named_sharding(l) for _, _, l in in_specs]
+        in_sh = [self.named_sharding(lay) for _, _, lay in in_specs]
         # Explicit in_shardings: host arrays go straight to their shards, and values already laid
         # out (the variables) are passed through without a copy, by JAX's C++ dispatch path.
-        fn = jax.jit(jax.shard_map(
-            self._local(body), mesh=self.jax_mesh,
-            in_specs=(P(),) + tuple(s.spec for s in in_sh),
-            out_specs=tuple(self.partition_spec(l) for _, _, l in out_specs),
-            check_vma=False),
+        fn = jax.jit(
+            jax.shard_map(
+                self._local(body),
+                mesh=self.jax_mesh,
+                in_specs=(P(), *tuple(s.spec for s in in_sh)),
+                out_specs=tuple(self.partition_spec(lay) for _, _, lay in out_specs),
+                check_vma=False,
+            ),
             in_shardings=(NamedSharding(self.jax_mesh, P()), *in_sh),
-            donate_argnums=tuple(1 + i for i in donate))
+            donate_argnums=tuple(1 + i for i in donate),
+        )
         return _SimdRunner(fn)
 
 

@@ -8,25 +8,34 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 from typing import TYPE_CHECKING
 
+import ml_dtypes  # noqa: F401 (registers bfloat16 and friends as NumPy dtypes; ships with jax)
 import numpy as np
 
 from meshax.core.errors import GraphError
 from meshax.core.shape import Shape, convert_to_shape
-
-try:  # bfloat16 and friends as NumPy dtypes (ml_dtypes ships with jax)
-    import ml_dtypes  # noqa: F401
-except ImportError:  # pragma: no cover
-    pass
 
 if TYPE_CHECKING:
     from meshax.lower.context import LoweringContext
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The library's machinery; frames in models/, train/, examples and user code are "the user's".
-_INTERNAL = tuple(os.path.join(_PACKAGE_DIR, p) for p in (
-    "core", "layout", "lower", "ops", "backends", "autodiff.py", "layers.py", "optimize.py", "initializers.py"))
+_INTERNAL = tuple(
+    os.path.join(_PACKAGE_DIR, p)
+    for p in (
+        "core",
+        "layout",
+        "lower",
+        "ops",
+        "backends",
+        "autodiff.py",
+        "layers.py",
+        "optimize.py",
+        "initializers.py",
+    )
+)
 
 
 def as_dtype(dtype) -> np.dtype:
@@ -45,9 +54,11 @@ def is_floating(dtype) -> bool:
 
 def user_source() -> str:
     """'file:line' of the first stack frame outside meshax's machinery: where the user built it."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
-        filename = os.path.abspath(frame.f_code.co_filename)
+        filename = frame.f_code.co_filename
+        if not filename.startswith("<"):  # "<string>", "<stdin>": no file to point at
+            filename = os.path.abspath(filename)
         if not filename.startswith(_INTERNAL):
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
@@ -63,8 +74,10 @@ class Graph:
         self.trainable_variables: list = []
         self.all_variables: list = []
         self.memo: dict = {}  # identical computations built once (e.g. two max-reductions of one tensor)
+        self.random_ops = 0  # random ops built so far: each gets its own seed
 
     def unique_name(self, name: str) -> str:
+        """`name`, or `name_1`, `name_2` ... if it was taken: op and tensor names are unique in a graph."""
         n = self._names.get(name, 0)
         self._names[name] = n + 1
         return name if n == 0 else f"{name}_{n}"
@@ -87,10 +100,13 @@ class Mesh:
 def _operator(fn_name: str, reflected: bool = False):
     """A Tensor operator method calling meshax.ops.elementwise.<fn_name> (imported late: ops sit
     above core)."""
+
     def method(self, other):
         from meshax.ops import elementwise
+
         fn = getattr(elementwise, fn_name)
         return fn(other, self) if reflected else fn(self, other)
+
     method.__name__ = f"__{'r' if reflected else ''}{fn_name}__"
     return method
 
@@ -107,14 +123,17 @@ class Tensor:
 
     @property
     def mesh(self) -> Mesh:
+        """The mesh the tensor lives on (its operation's)."""
         return self.operation.mesh
 
     @property
     def graph(self) -> Graph:
+        """The graph the tensor belongs to."""
         return self.operation.graph
 
     @property
     def size(self) -> int:
+        """The number of elements of the whole (logical) tensor."""
         return self.shape.size
 
     def __repr__(self) -> str:
@@ -132,6 +151,7 @@ class Tensor:
 
     def __neg__(self):
         from meshax.ops import elementwise
+
         return elementwise.negative(self)
 
     __hash__ = object.__hash__
@@ -147,6 +167,9 @@ class Operation:
 
     #: Whether gradients flow through this op (placeholders and integer ops say no).
     differentiable = True
+    #: Dims of the outputs that layouts never split (internal size-1 pieces, see slicing._whole).
+    replicated_dims: frozenset[str] | set[str] = frozenset()
+    name: str
 
     def __init__(self, inputs: list[Tensor], mesh: Mesh | None = None, name: str | None = None):
         inputs = list(inputs)
@@ -179,6 +202,7 @@ class Operation:
 
     @property
     def outputs_tensor(self) -> Tensor:
+        """The first output (Mesh-TensorFlow's `op.outputs[0]` shorthand)."""
         return self.outputs[0]
 
     def lower(self, ctx: LoweringContext) -> None:

@@ -55,18 +55,22 @@ class Shape:
 
     @property
     def dims(self) -> list[Dimension]:
+        """The dims, in order (a new list)."""
         return list(self._dims)
 
     @property
     def dimension_names(self) -> list[str]:
+        """The dims' names, in order."""
         return [d.name for d in self._dims]
 
     @property
     def to_integer_list(self) -> list[int]:
+        """The dims' sizes, in order."""
         return [d.size for d in self._dims]
 
     @property
     def size(self) -> int:
+        """The number of elements: the product of the dims' sizes (1 for a scalar)."""
         n = 1
         for d in self._dims:
             n *= d.size
@@ -74,9 +78,11 @@ class Shape:
 
     @property
     def rank(self) -> int:
+        """The number of dims."""
         return len(self._dims)
 
     def get_dim_by_name(self, name: str) -> Dimension:
+        """The dim called `name`; KeyError if the shape has none."""
         for d in self._dims:
             if d.name == name:
                 return d
@@ -165,7 +171,9 @@ def _parse_pairs(text: str, what: str, integer_values: bool) -> list[tuple]:
         key, value = parts
         if integer_values:
             if not value.isdigit():
-                raise ValueError(f"bad {what} token {token!r} in {text!r}: size {value!r} is not a non-negative integer")
+                raise ValueError(
+                    f"bad {what} token {token!r} in {text!r}: size {value!r} is not a non-negative integer"
+                )
             value = int(value)
         pairs.append((key, value))
     return pairs

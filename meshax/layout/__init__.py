@@ -1,6 +1,5 @@
 """Mesh shapes, layout rules and per-tensor layouts."""
 
-from meshax.layout.sharding_rule import ShardingRule, iteration, rule_of
 from meshax.layout.mesh_shape import (
     convert_to_mesh_shape,
     pnum_to_processor_coordinates,
@@ -18,9 +17,23 @@ from meshax.layout.rules import (
     tensor_layout,
     validate_layout,
 )
+from meshax.layout.sharding_rule import ShardingRule, iteration, rule_of
 
 __all__ = [
-    "OPEN", "LayoutRules", "ShardingRule", "iteration", "rule_of", "TensorLayout", "convert_to_layout_rules", "convert_to_mesh_shape",
-    "pnum_to_processor_coordinates", "processor_coordinates_to_pnum", "slice_begin", "slice_index",
-    "slice_shape", "split_factor", "tensor_layout", "validate_layout",
+    "OPEN",
+    "LayoutRules",
+    "ShardingRule",
+    "TensorLayout",
+    "convert_to_layout_rules",
+    "convert_to_mesh_shape",
+    "iteration",
+    "pnum_to_processor_coordinates",
+    "processor_coordinates_to_pnum",
+    "rule_of",
+    "slice_begin",
+    "slice_index",
+    "slice_shape",
+    "split_factor",
+    "tensor_layout",
+    "validate_layout",
 ]

@@ -41,7 +41,8 @@ OPEN = _Open()
 def annotation_layout(t, mesh_shape: Shape) -> tuple[list, list[bool]]:
     """(per-dim mesh axes, per-dim fixed?) from the annotation on t's op, validated."""
     op = t.operation
-    axes, fixed = [], []
+    axes: list[tuple[int, ...] | None] = []
+    fixed: list[bool] = []
     for d, entry in zip(t.shape, op.annotation):
         if entry is OPEN:
             axes.append(None)
@@ -49,8 +50,10 @@ def annotation_layout(t, mesh_shape: Shape) -> tuple[list, list[bool]]:
             continue
         for m in entry:
             if m not in mesh_shape:
-                raise LayoutError(f"annotation on {t.name!r} {t.shape} at {op.source}: dim {d.name!r} names mesh dim "
-                                  f"{m!r}, but the mesh has only {mesh_shape.dimension_names}")
+                raise LayoutError(
+                    f"annotation on {t.name!r} {t.shape} at {op.source}: dim {d.name!r} names mesh dim "
+                    f"{m!r}, but the mesh has only {mesh_shape.dimension_names}"
+                )
         axes.append(tuple(mesh_shape.index(m) for m in entry))
         fixed.append(True)
     try:
@@ -75,8 +78,11 @@ class Propagation:
             for t in op.outputs:
                 if getattr(op, "priority", 0) > 0:
                     later.setdefault(op.priority, []).append(t)
-                    self.axes[t], self.fixed[t], self.origin[t] = ([None] * t.shape.rank, [False] * t.shape.rank,
-                                                                   [""] * t.shape.rank)
+                    self.axes[t], self.fixed[t], self.origin[t] = (
+                        [None] * t.shape.rank,
+                        [False] * t.shape.rank,
+                        [""] * t.shape.rank,
+                    )
                 else:
                     self._initial(t, rules)
         self._rules = {op: rule_of(op) for op in self.operations}
@@ -92,11 +98,13 @@ class Propagation:
             self._annotate(t)
             return
         whole = getattr(op, "replicated_dims", ())
-        ruled = tensor_layout(t.shape, LayoutRules([(d, m) for d, m in rules if d not in whole]), self.mesh_shape,
-                              t.name)
+        ruled = tensor_layout(
+            t.shape, LayoutRules([(d, m) for d, m in rules if d not in whole]), self.mesh_shape, t.name
+        )
         named = set(rules.tensor_dim_names)
         self.axes[t], self.fixed[t], self.origin[t] = [], [], []
         for d, a in zip(t.shape, ruled.axes):
+            state: tuple[tuple[int, ...] | None, bool, str]
             if d.name in whole:
                 state = ((), True, f"kept whole by {type(op).__name__}")
             elif d.name in named:
@@ -126,8 +134,11 @@ class Propagation:
         """factor -> (mesh axes, the tensor it came from): the finest compatible split among the
         op's tensors that may reach `target` at this level, fixed ones first, then in
         operand/result order."""
-        tensors = [(t, fs) for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
-                   if t in self.axes and self._level(rule, fs, target, to_results) <= level]
+        tensors = [
+            (t, fs)
+            for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
+            if t in self.axes and self._level(rule, fs, target, to_results) <= level
+        ]
         found: dict[str, tuple] = {}
         for want_fixed in (True, False):
             for t, factors in tensors:
@@ -136,7 +147,7 @@ class Propagation:
                     if f is None or f in rule.whole or not a or self.fixed[t][i] != want_fixed:
                         continue
                     have = found.get(f)
-                    if have is None or (len(a) > len(have[0]) and a[:len(have[0])] == have[0]):
+                    if have is None or (len(a) > len(have[0]) and a[: len(have[0])] == have[0]):
                         found[f] = (a, t)
         return found
 
@@ -144,7 +155,7 @@ class Propagation:
         """The longest prefix of `want` that t's dim i can take: mesh axes its other dims do not
         use, and a split that divides the dim."""
         used = {m for j, a in enumerate(self.axes[t]) if j != i and a for m in a}
-        size, take = t.shape[i].size, []
+        size, take = t.shape[i].size, list[int]()
         for m in want:
             if m in used or size % (math.prod(self.mesh_shape[k].size for k in take) * self.mesh_shape[m].size):
                 break
@@ -164,11 +175,12 @@ class Propagation:
                     continue
                 cur = self.axes[t][i] or ()
                 new = self._refine(t, i, splits[f][0])
-                if len(new) > len(cur) and new[:len(cur)] == cur:
+                if len(new) > len(cur) and new[: len(cur)] == cur:
                     self.axes[t][i] = new
                     source = splits[f][1]
-                    self.origin[t][i] = (f"propagated {'forward' if to_results else 'backward'} through "
-                                         f"{op.name} from {source.name}")
+                    self.origin[t][i] = (
+                        f"propagated {'forward' if to_results else 'backward'} through {op.name} from {source.name}"
+                    )
                     changed = True
         return changed
 

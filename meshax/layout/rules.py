@@ -34,6 +34,7 @@ class LayoutRules:
 
     @property
     def tensor_dim_names(self) -> list[str]:
+        """The tensor dim names the rules split, each once, in order of first appearance."""
         return list(dict.fromkeys(t for t, _ in self.pairs))
 
     def __iter__(self):
@@ -72,7 +73,7 @@ class TensorLayout:
     __slots__ = ("axes",)
 
     def __init__(self, axes: Iterable):
-        norm = []
+        norm: list[tuple[int, ...]] = []
         for a in axes:
             if a is None:
                 norm.append(())
@@ -89,13 +90,16 @@ class TensorLayout:
 
     @property
     def mesh_axes_used(self) -> set[int]:
+        """The mesh axes (indices) that split some dim of the tensor."""
         return {m for a in self.axes for m in a}
 
     @property
     def is_fully_replicated(self) -> bool:
+        """True when no dim is split: every device holds the whole tensor."""
         return not any(self.axes)
 
     def mesh_axis_to_tensor_axis(self, mesh_ndims: int) -> list[int | None]:
+        """Per mesh axis, the tensor dim (index) it splits, or None (Mesh-TensorFlow's view of a layout)."""
         out: list[int | None] = [None] * mesh_ndims
         for i, a in enumerate(self.axes):
             for m in a:
@@ -126,8 +130,7 @@ def tensor_layout(shape, rules: LayoutRules, mesh_shape: Shape, name: str | None
         for m in rules.mesh_dims_for(d.name):
             if m not in mesh_shape:
                 raise LayoutError(
-                    f"layout rule {d.name}:{m} names mesh dim {m!r}, but the mesh has only "
-                    f"{mesh_shape.dimension_names}"
+                    f"layout rule {d.name}:{m} names mesh dim {m!r}, but the mesh has only {mesh_shape.dimension_names}"
                 )
             idx.append(mesh_shape.index(m))
         axes.append(tuple(idx))
@@ -144,8 +147,11 @@ def validate_layout(shape: Shape, layout: TensorLayout, mesh_shape: Shape, name:
             mname = mesh_shape[m].name
             if m in owner:
                 other = owner[m]
-                what = f"dimension {d.name!r} is split over mesh dim {mname!r} twice" if other == d.name else (
-                    f"dims {other!r} and {d.name!r} are both split over mesh dim {mname!r}")
+                what = (
+                    f"dimension {d.name!r} is split over mesh dim {mname!r} twice"
+                    if other == d.name
+                    else (f"dims {other!r} and {d.name!r} are both split over mesh dim {mname!r}")
+                )
                 raise LayoutError(
                     f"{_describe(name, shape)}: {what}; a mesh dim can split at most one dim of a tensor. "
                     "Drop one of the rules, or split one of the dims over another mesh dim"

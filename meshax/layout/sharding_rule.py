@@ -40,17 +40,23 @@ class ShardingRule:
     @staticmethod
     def by_name(inputs: Sequence[Shape], outputs: Sequence[Shape], whole=(), windows=()) -> ShardingRule:
         """The rule of an op whose dims relate by name (most ops)."""
-        return ShardingRule(tuple(tuple(s.dimension_names) for s in inputs),
-                            tuple(tuple(s.dimension_names) for s in outputs), frozenset(whole), tuple(windows))
+        return ShardingRule(
+            tuple(tuple(s.dimension_names) for s in inputs),
+            tuple(tuple(s.dimension_names) for s in outputs),
+            frozenset(whole),
+            tuple(windows),
+        )
 
     @property
     def factors(self) -> list[str]:
+        """Every factor the rule names, each once, operands first."""
         seen: dict[str, None] = {}
         for fs in (*self.operands, *self.results):
             seen.update((f, None) for f in fs if f is not None)
         return list(seen)
 
     def kind(self, factor: str) -> str:
+        """ "passed", "reduced", "whole" or "windowed": what splitting `factor` means for the op (see the module)."""
         if factor in self.whole:
             return "whole"
         if factor in dict(self.windows):
@@ -71,16 +77,21 @@ ORDERS = (("results", "operands"), ("reduced", "results", "operands"), ("operand
 LATENCY = 4096
 
 
-def iteration(rule: ShardingRule, layouts: Sequence[TensorLayout], planned: Sequence[TensorLayout],
-              order: Sequence[str] = ORDERS[0], sizes: Mapping[str, int] | None = None,
-              mesh_shape: Shape | None = None) -> dict[str, tuple[int, ...]]:
+def iteration(
+    rule: ShardingRule,
+    layouts: Sequence[TensorLayout],
+    planned: Sequence[TensorLayout],
+    order: Sequence[str],
+    sizes: Mapping[str, int],
+    mesh_shape: Shape,
+) -> dict[str, tuple[int, ...]]:
     """factor -> mesh axes an op runs with: each mesh axis splits at most one factor.
 
     `planned` are the results' planned layouts, `layouts` the operands'. Factors take their
     split where its mesh axes are still free, from the groups in `order`: "results" (their
     planned split), "reduced" (operands' splits of reduced factors only) and "operands" (all
     operands' splits). Whole factors are never split; a windowed factor only where its halo
-    fits (one mesh dim, slices at least the window wide: needs `sizes`, factor -> size)."""
+    fits (one mesh dim, slices at least the window wide; `sizes`: factor -> its size)."""
     assign: dict[str, tuple[int, ...]] = {}
     used: set[int] = set()
     windows = dict(rule.windows)
@@ -92,8 +103,12 @@ def iteration(rule: ShardingRule, layouts: Sequence[TensorLayout], planned: Sequ
                 continue
             if f in rule.whole or used & set(axes):
                 axes = ()
-            if f in windows and axes and windows[f] and (
-                    len(axes) > 1 or windows[f] > sizes[f] // split_factor(axes, mesh_shape)):
+            if (
+                f in windows
+                and axes
+                and windows[f]
+                and (len(axes) > 1 or windows[f] > sizes[f] // split_factor(axes, mesh_shape))
+            ):
                 axes = ()
             assign[f] = tuple(axes)
             used |= set(axes)
@@ -111,17 +126,23 @@ def owed(rule: ShardingRule, assign: Mapping[str, tuple[int, ...]]) -> frozenset
     return frozenset(m for f in rule.factors if rule.kind(f) == "reduced" for m in assign.get(f, ()))
 
 
-def moved(rule: ShardingRule, operands: Sequence[tuple[Shape, TensorLayout]], results: Sequence[tuple[Shape, TensorLayout]],
-          assign: Mapping[str, tuple[int, ...]], mesh_shape: Shape) -> int:
+def moved(
+    rule: ShardingRule,
+    operands: Sequence[tuple[Shape, TensorLayout]],
+    results: Sequence[tuple[Shape, TensorLayout]],
+    assign: Mapping[str, tuple[int, ...]],
+    mesh_shape: Shape,
+) -> int:
     """Values one device sends to run the op with `assign`, from its operands' (shape, layout)
     to its results' (shape, planned layout), plus `LATENCY` per mesh dim communicated over:
     reshards, the allreduce of owed sums, halo exchanges. An estimate to compare choices by
     (the lowering's counters record what really runs)."""
+
     def local(shape, layout) -> int:
         return math.prod(slice_shape(shape, layout, mesh_shape))
 
     def reshard(shape, have: TensorLayout, want: TensorLayout) -> int:
-        if all(w[:len(h)] == h for h, w in zip(have.axes, want.axes)):
+        if all(w[: len(h)] == h for h, w in zip(have.axes, want.axes)):
             return 0  # a free allsplit
         moved_axes = {m for h, w in zip(have.axes, want.axes) for m in set(h) ^ set(w)}
         return local(shape, want) + LATENCY * len(moved_axes)
@@ -133,7 +154,7 @@ def moved(rule: ShardingRule, operands: Sequence[tuple[Shape, TensorLayout]], re
         if pending:
             total += local(shape, got) + LATENCY * len(pending)
         for d, f, axes in zip(shape, factors, got.axes):
-            if windows.get(f) and axes:  # the halo: `width` rows of the slice, to one neighbour
+            if f is not None and windows.get(f) and axes:  # the halo: `width` rows of the slice, to one neighbour
                 total += local(shape, got) // (d.size // split_factor(axes, mesh_shape)) * windows[f] + LATENCY
         total += reshard(shape, got, planned)
     return total
@@ -148,19 +169,26 @@ def choose(op, layouts_in: Sequence[TensorLayout], planned: Sequence[TensorLayou
     batch split over the mesh dim that also splits the weight is reduce-scattered, not the
     activations gathered."""
     rule = rule_of(op)
-    sizes = {f: t.shape[i].size for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
-             for i, f in enumerate(fs) if f is not None}
+    sizes = {
+        f: t.shape[i].size
+        for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
+        for i, f in enumerate(fs)
+        if f is not None
+    }
     first, *others = [iteration(rule, layouts_in, planned, order, sizes, mesh_shape) for order in ORDERS]
     if any(o != first for o in others):
         operands = [(t.shape, layout) for t, layout in zip(op.inputs, layouts_in)]
         results = [(t.shape, layout) for t, layout in zip(op.outputs, planned)]
-        first = min([*others, first], key=lambda a: moved(rule, operands, results, a, mesh_shape))  # keeps the earliest of ties
+        first = min(
+            [*others, first], key=lambda a: moved(rule, operands, results, a, mesh_shape)
+        )  # keeps the earliest of ties
     return Run(first, layouts(rule.operands, first), layouts(rule.results, first), owed(rule, first))
 
 
 class Run(NamedTuple):
     """How an op runs: factor -> mesh axes, the layouts its operands are fetched in and its
     results come out in, and the mesh axes its results are partial sums over."""
+
     assign: dict[str, tuple[int, ...]]
     operands: list[TensorLayout]
     results: list[TensorLayout]
@@ -174,5 +202,9 @@ def rule_of(op) -> ShardingRule:
     own = getattr(op, "sharding_rule", None)
     if own is not None:
         return own()
-    return ShardingRule.by_name([t.shape for t in op.inputs], [t.shape for t in op.outputs],
-                                getattr(op, "whole_dims", ()), getattr(op, "windows", ()))
+    return ShardingRule.by_name(
+        [t.shape for t in op.inputs],
+        [t.shape for t in op.outputs],
+        getattr(op, "whole_dims", ()),
+        getattr(op, "windows", ()),
+    )

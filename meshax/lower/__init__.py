@@ -3,7 +3,16 @@
 from meshax.lower.counters import CollectiveRecord, Counters, Site
 from meshax.lower.hlo import hlo_collectives
 from meshax.lower.laid_out import LaidOutTensor
-from meshax.lower.lowering import Lowering, LoweredFunction
+from meshax.lower.lowering import LoweredFunction, Lowering
 from meshax.lower.mesh_impl import MeshImpl
 
-__all__ = ["CollectiveRecord", "Counters", "LaidOutTensor", "Lowering", "LoweredFunction", "MeshImpl", "Site", "hlo_collectives"]
+__all__ = [
+    "CollectiveRecord",
+    "Counters",
+    "LaidOutTensor",
+    "LoweredFunction",
+    "Lowering",
+    "MeshImpl",
+    "Site",
+    "hlo_collectives",
+]

@@ -48,21 +48,22 @@ class LoweringContext:
         key = (t, layout, allow_partial)
         if key not in self._cache:
             from meshax.lower.reshard import reshard
-            self._cache[key] = reshard(self, self.values[t], layout, keep_partial=allow_partial,
-                                       producer=t.operation)
+
+            self._cache[key] = reshard(self, self.values[t], layout, keep_partial=allow_partial, producer=t.operation)
         return self._cache[key]
 
     def set_output(self, t: Tensor, slices: list, layout: TensorLayout | None = None, pending=()) -> None:
         got = np.dtype(slices[0].dtype)
         if got != t.dtype:  # the dtype policy's promise: declared at build time == produced
-            raise TypeError(f"internal error: {t.name} is declared {t.dtype} but {type(t.operation).__name__}'s "
-                            f"lowering produced {got}; please report it")
+            raise TypeError(
+                f"internal error: {t.name} is declared {t.dtype} but {type(t.operation).__name__}'s "
+                f"lowering produced {got}; please report it"
+            )
         self.values[t] = LaidOutTensor(list(slices), layout or self.plan[t], frozenset(pending))
 
     def slicewise(self, fn: Callable, *args) -> list:
         """fn applied to each instance's slices; LaidOutTensor args become their slices."""
-        args = [a.slices if isinstance(a, LaidOutTensor) else a for a in args]
-        return self.impl.slicewise(fn, *args)
+        return self.impl.slicewise(fn, *[a.slices if isinstance(a, LaidOutTensor) else a for a in args])
 
     def pcoord(self, axis: int) -> list:
         return self.impl.pcoord(axis)
@@ -70,7 +71,7 @@ class LoweringContext:
     def slice_begins(self, shape, layout: TensorLayout) -> list[list | int]:
         """Per tensor dim, each instance's global offset of its slice (0 where not split)."""
         sizes = slice_shape(shape, layout, self.mesh_shape)
-        begins = []
+        begins: list[list | int] = []
         for size, axes in zip(sizes, layout.axes):
             if not axes:
                 begins.append(0)
@@ -78,8 +79,9 @@ class LoweringContext:
             index = None
             for m in axes:
                 c = self.pcoord(m)
-                index = c if index is None else self.slicewise(
-                    lambda i, c, n=self.mesh_shape[m].size: i * n + c, index, c)
+                index = (
+                    c if index is None else self.slicewise(lambda i, c, n=self.mesh_shape[m].size: i * n + c, index, c)
+                )
             begins.append(self.slicewise(lambda i, s=size: i * s, index))
         return begins
 
@@ -108,16 +110,18 @@ class LoweringContext:
 
     def _record(self, kind: str, axes: Sequence[int], values: int, dtype) -> None:
         op = self.blamed or self.op
-        self.counters.add(Site(
-            kind=kind,
-            mesh_axes=tuple(self.mesh_shape[m].name for m in axes),
-            values=int(values),
-            bytes=int(values) * np.dtype(dtype).itemsize,
-            op_name=op.name if op else "<input>",
-            op_type=type(op).__name__ if op else "",
-            source=op.source if op else "",
-            grad_of=op.grad_of.name if op is not None and op.grad_of is not None else "",
-        ))
+        self.counters.add(
+            Site(
+                kind=kind,
+                mesh_axes=tuple(self.mesh_shape[m].name for m in axes),
+                values=int(values),
+                bytes=int(values) * np.dtype(dtype).itemsize,
+                op_name=op.name if op else "<input>",
+                op_type=type(op).__name__ if op else "",
+                source=op.source if op else "",
+                grad_of=op.grad_of.name if op is not None and op.grad_of is not None else "",
+            )
+        )
 
     def _live(self, axes: Sequence[int]) -> list[int]:
         """Mesh axes of size > 1: a collective over a size-1 axis moves nothing and is not run."""
@@ -171,4 +175,3 @@ class LoweringContext:
             return jax.lax.dynamic_slice(x, [jnp.asarray(s, jnp.int32) for s in start], sizes)
 
         return self.slicewise(take, xs, self.pcoord(axis))
-

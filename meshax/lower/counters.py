@@ -58,18 +58,22 @@ class Counters(Mapping):
         self.op_types: dict[str, str] = {}  # op name -> op class name
 
     def add(self, site: Site) -> None:
+        """Record one collective (the lowering calls this as it emits each one)."""
         self._records[site.kind].sites.append(site)
 
     def add_flops(self, op_name: str, flops: int, op_type: str = "") -> None:
+        """Add `flops` floating-point operations (per device) to the op called `op_name`."""
         self.flops[op_name] = self.flops.get(op_name, 0) + int(flops)
         self.op_types[op_name] = op_type
 
     @property
     def total_flops(self) -> int:
+        """Floating-point operations per device and run, all ops together."""
         return sum(self.flops.values())
 
     @property
     def total_values(self) -> int:
+        """Values each device puts into collectives per run, all kinds together."""
         return sum(r.values for r in self._records.values())
 
     def __getitem__(self, kind: str) -> CollectiveRecord:
@@ -84,6 +88,7 @@ class Counters(Mapping):
         return len(KINDS)
 
     def sites(self) -> list[Site]:
+        """Every recorded collective, grouped by kind (allreduce, allgather, ...), in emission order."""
         return [s for k in KINDS for s in self._records[k].sites]
 
     def __repr__(self) -> str:

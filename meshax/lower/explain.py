@@ -14,7 +14,7 @@ from meshax.layout import TensorLayout
 
 
 def layout_string(shape: Shape, layout: TensorLayout, mesh_shape: Shape) -> str:
-    """"batch:rows;d_ff:cols" (a dim split over two mesh dims appears twice); "" when replicated."""
+    """ "batch:rows;d_ff:cols" (a dim split over two mesh dims appears twice); "" when replicated."""
     return ";".join(f"{d.name}:{mesh_shape[m].name}" for d, axes in zip(shape, layout.axes) for m in axes)
 
 
@@ -42,21 +42,33 @@ def warnings(lowering, threshold: int) -> list[str]:
             layout = lowering.plan[t]
             idle = [m.name for i, m in enumerate(mesh_shape) if m.size > 1 and i not in layout.mesh_axes_used]
             if t.size >= threshold and idle:
-                out.append(f"{t.name} {_dims(t.shape)} ({t.size:,} values, built at {op.source}) is replicated over "
-                           f"mesh dim(s) {', '.join(idle)}")
+                out.append(
+                    f"{t.name} {_dims(t.shape)} ({t.size:,} values, built at {op.source}) is replicated over "
+                    f"mesh dim(s) {', '.join(idle)}"
+                )
         if getattr(op, "annotation", None) is not None:
             (x,), (y,) = op.inputs, op.outputs
             before, after = lowering.plan[x], lowering.plan[y]
             if before != after:
-                out.append(f"the annotation at {op.source} reshards {x.name} from "
-                           f"{layout_string(x.shape, before, mesh_shape)!r} to {layout_string(y.shape, after, mesh_shape)!r}")
+                out.append(
+                    f"the annotation at {op.source} reshards {x.name} from "
+                    f"{layout_string(x.shape, before, mesh_shape)!r} to {layout_string(y.shape, after, mesh_shape)!r}"
+                )
     return out
 
 
 def explain(lowering, threshold: int = 1 << 20) -> str:
     mesh_shape = lowering.impl.shape
-    rows = [(t.name, _dims(t.shape), layout_string(t.shape, lowering.plan[t], mesh_shape) or "(replicated)",
-             _origin(lowering, t)) for op in lowering.graph.operations for t in op.outputs]
+    rows = [
+        (
+            t.name,
+            _dims(t.shape),
+            layout_string(t.shape, lowering.plan[t], mesh_shape) or "(replicated)",
+            _origin(lowering, t),
+        )
+        for op in lowering.graph.operations
+        for t in op.outputs
+    ]
     widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(("tensor", "shape", "layout"))]
     lines = [f"{'tensor':<{widths[0]}}  {'shape':<{widths[1]}}  {'layout':<{widths[2]}}  from"]
     lines += [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]

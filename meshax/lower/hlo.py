@@ -20,11 +20,14 @@ import re
 from meshax.lower.counters import KINDS
 
 _OPCODES = {
-    "all-reduce": "allreduce", "all-reduce-start": "allreduce",
-    "all-gather": "allgather", "all-gather-start": "allgather",
+    "all-reduce": "allreduce",
+    "all-reduce-start": "allreduce",
+    "all-gather": "allgather",
+    "all-gather-start": "allgather",
     "all-to-all": "alltoall",
     "reduce-scatter": "reduce_scatter",
-    "collective-permute": "permute", "collective-permute-start": "permute",
+    "collective-permute": "permute",
+    "collective-permute-start": "permute",
 }
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+"

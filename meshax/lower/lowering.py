@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -20,6 +21,9 @@ from meshax.layout.plan import make_plan
 from meshax.lower.context import LoweringContext
 from meshax.lower.counters import Counters
 from meshax.lower.mesh_impl import MeshImpl
+
+if TYPE_CHECKING:
+    from meshax.ops.variables import AssignOperation, VariableOperation
 
 
 def _needed_ops(graph: Graph, roots: Sequence[Operation]) -> list[Operation]:
@@ -51,7 +55,7 @@ class Lowering:
                 f"Lowering takes exactly one mesh and its implementation, got {len(mesh_to_impl)}; "
                 "meshax lowers one mesh per graph"
             )
-        (self.mesh, self.impl), = mesh_to_impl.items()
+        ((self.mesh, self.impl),) = mesh_to_impl.items()
         if not isinstance(self.impl, MeshImpl):
             raise TypeError(f"the implementation of mesh {self.mesh.name!r} must be a MeshImpl, got {self.impl!r}")
         self.graph = graph
@@ -67,7 +71,7 @@ class Lowering:
     def _spec(self, t: Tensor) -> tuple:
         return (t.shape, t.dtype, self.plan[t])
 
-    def initialize(self, variables: Sequence[Operation] | None = None) -> None:
+    def initialize(self, variables: Sequence[VariableOperation] | None = None) -> None:
         """Give variables (default: all) that have no value yet their initial values, sharded on
         the devices. Keyed by (seed, variable name), so the values do not depend on the layout."""
         todo = [v for v in (self.graph.all_variables if variables is None else variables) if v not in self._variables]
@@ -77,7 +81,7 @@ class Lowering:
                 key = jax.random.fold_in(base, zlib.crc32(v.name.encode()))
                 self._variables[v] = self.impl.initialize(v.initializer, key, self._spec(v.outputs[0]))
 
-    def _variable_state(self, var: Operation):
+    def _variable_state(self, var: VariableOperation):
         """The variable's current value, initialized (sharded, on the devices) on first use."""
         if var not in self._variables:
             self.initialize([var])
@@ -94,8 +98,9 @@ class Lowering:
         var = _variable(var)
         t = var.outputs[0]
         if list(np.shape(value)) != t.shape.to_integer_list:
-            raise ValueError(f"variable {var.name} has shape {t.shape.to_integer_list} ({t.shape}); "
-                             f"got {list(np.shape(value))}")
+            raise ValueError(
+                f"variable {var.name} has shape {t.shape.to_integer_list} ({t.shape}); got {list(np.shape(value))}"
+            )
         spec = self._spec(t)
         if isinstance(value, jax.Array):
             # Always a copy (may_alias=False): the next step donates the variable's buffer, which
@@ -137,8 +142,8 @@ class Lowering:
 
         return body
 
-    def _program(self, outputs: list[Tensor], updates: list[Operation], counters: Counters):
-        ops = _needed_ops(self.graph, [t.operation for t in outputs] + updates)
+    def _program(self, outputs: list[Tensor], updates: list[AssignOperation], counters: Counters):
+        ops = _needed_ops(self.graph, [*(t.operation for t in outputs), *updates])
         inputs = self._inputs_of(ops)
         updated = [u.variable for u in updates]
         return ops, inputs, updated, self._body(ops, inputs, outputs, updated, counters)
@@ -147,8 +152,10 @@ class Lowering:
     def counters(self) -> Counters:
         """The collectives and FLOPs of the whole graph (every tensor computed once)."""
         if self._counters is None:
-            self._counters = self.trace_step([t for op in self.graph.operations for t in op.outputs],
-                                             [op for op in self.graph.operations if hasattr(op, "variable")])
+            self._counters = self.trace_step(
+                [t for op in self.graph.operations for t in op.outputs],
+                [op for op in self.graph.operations if hasattr(op, "variable")],
+            )
         return self._counters
 
     def trace_step(self, outputs: Sequence[Tensor] = (), updates: Sequence = ()) -> Counters:
@@ -168,15 +175,20 @@ class Lowering:
         return LoweredFunction(self, outputs, updates)
 
     def report(self, counters: Counters | None = None) -> str:
+        """The cost report: every collective with its op and source line, values, bytes and
+        FLOPs, then totals per kind (default: of the whole graph, `Lowering.counters`)."""
         from meshax.lower.report import format_report
+
         return format_report(self, counters or self.counters)
 
     def tensor_layout(self, t: Tensor):
+        """t's planned layout, as a TensorLayout (mesh axis indices per dim); `layout_of` gives it as a string."""
         return self.plan[t]
 
     def layout_of(self, t: Tensor) -> str:
         """t's final layout as rules, e.g. "batch:rows;d_ff:cols" ("" when replicated)."""
         from meshax.lower.explain import layout_string
+
         return layout_string(t.shape, self.plan[t], self.impl.shape)
 
     def explain(self, threshold: int = 1 << 20) -> str:
@@ -184,6 +196,7 @@ class Lowering:
         propagated from which tensor through which op), then warnings: tensors of at least
         `threshold` values left replicated over a mesh dim, and reshards that annotations force."""
         from meshax.lower.explain import explain
+
         return explain(self, threshold)
 
 
@@ -224,6 +237,7 @@ class LoweredFunction:
 
     @property
     def placeholders(self) -> list[Tensor]:
+        """The placeholders the program reads: each must be fed, by name, when it is called."""
         return [t for t in self.inputs if getattr(t.operation, "is_placeholder", False)]
 
     def _arguments(self, feeds: Mapping | None) -> list:
@@ -239,16 +253,20 @@ class LoweredFunction:
                 raise ValueError(f"cannot feed {key!r}: only placeholders (or their names) can be fed")
             if t is not None:  # placeholders this function does not need are ignored
                 resolved[t] = value
-        args = []
+        args: list = []
         for t in self.inputs:
             op = t.operation
             if getattr(op, "is_placeholder", False):
                 if t not in resolved:
-                    raise ValueError(f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}")
+                    raise ValueError(
+                        f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}"
+                    )
                 value = np.asarray(resolved[t])
                 if list(value.shape) != t.shape.to_integer_list:
-                    raise ValueError(f"placeholder {t.name!r} expects shape {t.shape.to_integer_list} ({t.shape}), "
-                                     f"got an array of shape {list(value.shape)}")
+                    raise ValueError(
+                        f"placeholder {t.name!r} expects shape {t.shape.to_integer_list} ({t.shape}), "
+                        f"got an array of shape {list(value.shape)}"
+                    )
                 args.append(value.astype(t.dtype, copy=False))
             elif getattr(op, "is_variable", False):
                 args.append(self.lowering._variable_state(op))

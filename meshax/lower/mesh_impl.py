@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import jax
 import numpy as np
@@ -35,6 +36,16 @@ def _initializer_program(init: Callable, shape: tuple, dtype, sharding):
     return jax.jit(lambda key: init(key, shape, dtype), out_shardings=sharding)
 
 
+class Runner(Protocol):
+    """A compiled program (`MeshImpl.compile`)."""
+
+    def __call__(self, args: list, seed: int) -> list: ...
+
+    def compiled_text(self, args: list, seed: int) -> str:
+        """The program as the backend compiled it (HLO for SIMD), for checking what runs."""
+        ...
+
+
 class MeshImpl:
     """Base class of `SimdMeshImpl` and `PlacementMeshImpl`."""
 
@@ -43,21 +54,22 @@ class MeshImpl:
         self.layout_rules = convert_to_layout_rules(layout)
         self._devices = list(devices) if devices is not None else None
         if self._devices is not None and len(self._devices) != self.size:
-            raise ValueError(
-                f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given"
-            )
+            raise ValueError(f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given")
 
     # ---- geometry -------------------------------------------------------------------------
     @property
     def size(self) -> int:
+        """The number of devices (processors) in the mesh."""
         return self.shape.size
 
     @property
     def ndims(self) -> int:
+        """The number of mesh dims."""
         return self.shape.rank
 
     @property
     def axis_names(self) -> tuple[str, ...]:
+        """The mesh dims' names, in order."""
         return tuple(self.shape.dimension_names)
 
     @property
@@ -94,6 +106,7 @@ class MeshImpl:
         return P(*spec)
 
     def named_sharding(self, layout: TensorLayout) -> NamedSharding:
+        """The `jax.sharding.NamedSharding` of a tensor laid out as `layout` on this mesh."""
         return NamedSharding(self.jax_mesh, self.partition_spec(layout))
 
     def tensor_layout(self, x, name: str | None = None) -> TensorLayout:
@@ -103,18 +116,22 @@ class MeshImpl:
         return tensor_layout(shape, self.layout_rules, self.shape, name)
 
     def slice_shape(self, x, layout: TensorLayout | None = None) -> list[int]:
+        """The shape of one device's slice of `x` (a Tensor, or a shape with `layout`)."""
         shape = x.shape if hasattr(x, "operation") else convert_to_shape(x)
         return slice_shape(shape, layout or self.tensor_layout(x), self.shape)
 
     def slice_begin(self, x, pnum: int, layout: TensorLayout | None = None) -> list[int]:
+        """Where device `pnum`'s slice of `x` begins, per dim."""
         shape = x.shape if hasattr(x, "operation") else convert_to_shape(x)
         coords = self.pnum_to_processor_coordinates(pnum)
         return slice_begin(shape, layout or self.tensor_layout(x), self.shape, coords)
 
     def pnum_to_processor_coordinates(self, pnum: int) -> list[int]:
+        """A device number's coordinates on the mesh (row-major: the last mesh dim fastest)."""
         return pnum_to_processor_coordinates(self.shape, pnum)
 
     def processor_coordinates_to_pnum(self, coords) -> int:
+        """The device number at mesh coordinates `coords`."""
         return processor_coordinates_to_pnum(self.shape, coords)
 
     # ---- primitives on slice lists, provided by each backend ----------------------------------
@@ -127,15 +144,20 @@ class MeshImpl:
         raise NotImplementedError
 
     def allreduce(self, xs: list, axes: Sequence[int], op: str) -> list:
+        """Each slice replaced by the `op` ("sum", "max", "min") of the slices across mesh `axes`."""
         raise NotImplementedError
 
     def allgather(self, xs: list, axis: int, dim: int) -> list:
+        """The slices along mesh `axis` concatenated along tensor dim `dim`."""
         raise NotImplementedError
 
     def alltoall(self, xs: list, axis: int, split_dim: int, concat_dim: int) -> list:
+        """Each slice split along `split_dim` into as many parts as mesh `axis` has, the parts
+        exchanged, and concatenated along `concat_dim`."""
         raise NotImplementedError
 
     def reduce_scatter(self, xs: list, axis: int, dim: int) -> list:
+        """The sum across mesh `axis`, each device keeping its stripe of tensor dim `dim`."""
         raise NotImplementedError
 
     def shift(self, xs: list, axis: int, offset: int, wrap: bool) -> list:
@@ -168,7 +190,7 @@ class MeshImpl:
         raise NotImplementedError
 
     # ---- execution, provided by each backend -------------------------------------------------
-    def compile(self, body: Callable, in_specs: list, out_specs: list, donate: Sequence[int] = ()) -> Callable:
+    def compile(self, body: Callable, in_specs: list, out_specs: list, donate: Sequence[int] = ()) -> Runner:
         """A runner: `runner(values, seed) -> values`, running `body` on the slices.
 
         `body(list of input slice lists, seed slices) -> list of output slice lists`; specs are
@@ -181,4 +203,6 @@ class MeshImpl:
         raise NotImplementedError
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({';'.join(f'{d.name}:{d.size}' for d in self.shape)!r}, {str(self.layout_rules)!r})"
+        return (
+            f"{type(self).__name__}({';'.join(f'{d.name}:{d.size}' for d in self.shape)!r}, {str(self.layout_rules)!r})"
+        )

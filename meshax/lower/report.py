@@ -27,16 +27,25 @@ def _who(site) -> str:
 def format_report(lowering, counters: Counters, width: int = 132) -> str:
     impl = lowering.impl
     mesh = ";".join(f"{d.name}:{d.size}" for d in impl.shape)
-    table = Table(title=escape(f"meshax cost report: mesh {mesh!r}, layout {str(impl.layout_rules)!r}, "
-                               "per device and run"), title_justify="left")
+    table = Table(
+        title=escape(f"meshax cost report: mesh {mesh!r}, layout {str(impl.layout_rules)!r}, per device and run"),
+        title_justify="left",
+    )
     for col in ("op", "where", "collective", "mesh dims", "values", "bytes", "FLOPs"):
         table.add_column(col, justify="right" if col in ("values", "bytes", "FLOPs") else "left")
     shown = set()
     for site in counters.sites():
         flops = counters.flops.get(site.op_name, 0) if site.op_name not in shown else 0
         shown.add(site.op_name)
-        table.add_row(escape(_who(site)), _short(site.source), site.kind,
-                      ",".join(site.mesh_axes), _human(site.values), _human(site.bytes), _human(flops) if flops else "")
+        table.add_row(
+            escape(_who(site)),
+            _short(site.source),
+            site.kind,
+            ",".join(site.mesh_axes),
+            _human(site.values),
+            _human(site.bytes),
+            _human(flops) if flops else "",
+        )
     table.add_section()
     for kind in KINDS:
         r = counters[kind]

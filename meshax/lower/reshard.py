@@ -22,8 +22,7 @@ def _next_axis(cur: tuple, target: tuple):
     return None
 
 
-def reshard(ctx, x: LaidOutTensor, target: TensorLayout, keep_partial: bool = False,
-            producer=None) -> LaidOutTensor:
+def reshard(ctx, x: LaidOutTensor, target: TensorLayout, keep_partial: bool = False, producer=None) -> LaidOutTensor:
     """x in layout `target`. Sums owed are blamed on `producer` (the op that summed); moves on
     the op being lowered, or on the producer when the program's outputs are being gathered."""
     with ctx.blame(producer):
@@ -44,7 +43,7 @@ def _settle(ctx, x: LaidOutTensor, target: TensorLayout, keep_partial: bool) -> 
         for i in range(len(cur)):
             if _next_axis(tuple(cur[i]), want[i]) == m:
                 slices = ctx.reduce_scatter(slices, m, i)
-                cur[i] = tuple(cur[i]) + (m,)
+                cur[i] = (*tuple(cur[i]), m)
                 pending.discard(m)
                 break
     rest = sorted(pending & must_settle)
@@ -76,7 +75,7 @@ def _move(ctx, x: LaidOutTensor, target: TensorLayout) -> LaidOutTensor:
         if choice:
             i, m, j = choice
             slices = ctx.alltoall(slices, m, split_dim=j, concat_dim=i)
-            cur[j] = tuple(cur[j]) + (m,)
+            cur[j] = (*tuple(cur[j]), m)
         else:
             i = todo[0]
             m = cur[i][-1]
@@ -85,7 +84,7 @@ def _move(ctx, x: LaidOutTensor, target: TensorLayout) -> LaidOutTensor:
 
     # 3. Add axes: each instance keeps its own stripe.
     for i in range(len(cur)):
-        for m in want[i][len(cur[i]):]:
+        for m in want[i][len(cur[i]) :]:
             slices = ctx.allsplit(slices, m, i)
         cur[i] = want[i]
 

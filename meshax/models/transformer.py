@@ -58,8 +58,11 @@ class TransformerConfig:
         ffn = 2 * d * f + f + d  # kernels and biases
         norm = 2 * d
         enc = self.num_encoder_layers * (attention + ffn + 2 * norm) + (norm if self.num_encoder_layers else 0)
-        dec = self.num_layers * (attention * (2 if self.num_encoder_layers else 1) + ffn
-                                 + norm * (3 if self.num_encoder_layers else 2)) + norm
+        dec = (
+            self.num_layers
+            * (attention * (2 if self.num_encoder_layers else 1) + ffn + norm * (3 if self.num_encoder_layers else 2))
+            + norm
+        )
         embeddings = self.vocab_size * d * (2 if self.num_encoder_layers else 1)
         softmax_weights = 0 if self.tie_embeddings else self.vocab_size * d
         positions = self.max_length * d * (2 if self.num_encoder_layers else 1) if self.positions == "learned" else 0
@@ -68,8 +71,16 @@ class TransformerConfig:
 
 def _paper(d_ff, heads, d_kv=128):  # (the table's last row, d_kv 64, states 0.21B for what counts 0.24B here)
     """Table 3 of the paper: WMT14 encoder-decoder, d_model 1024, 6 + 6 layers, 32k vocab."""
-    return TransformerConfig(vocab_size=32768, d_model=1024, d_ff=d_ff, num_heads=heads, d_kv=d_kv, num_layers=6,
-                             num_encoder_layers=6, max_length=256)
+    return TransformerConfig(
+        vocab_size=32768,
+        d_model=1024,
+        d_ff=d_ff,
+        num_heads=heads,
+        d_kv=d_kv,
+        num_layers=6,
+        num_encoder_layers=6,
+        max_length=256,
+    )
 
 
 _WEIGHTS = {"d_model": "x", "heads": "y", "d_ff": "y"}  # W_Q, W_K, W_V (MND), W_O (NDM), W_in (MH), W_out (HM)
@@ -77,20 +88,28 @@ _WEIGHTS = {"d_model": "x", "heads": "y", "d_ff": "y"}  # W_Q, W_K, W_V (MND), W
 # mesh with dims x and y. Each entry annotates one kind of tensor; whatever it does not name is
 # replicated, and every tensor the table does not name is left to propagation.
 GSPMD_SHARDINGS: dict[str, dict[str, dict[str, str]]] = {
-    "gspmd-2d-attempt1": {"weights": _WEIGHTS, "BSM": {"d_model": "x"}, "BSND": {"heads": "y"},
-                          "BSH": {"d_ff": "y"}},
-    "gspmd-2d-attempt2": {"weights": _WEIGHTS, "BSM": {"batch": "x"}, "BSND": {"batch": "x", "heads": "y"},
-                          "BSH": {"batch": "x", "d_ff": "y"}},
-    "gspmd-2d-finalized": {"weights": _WEIGHTS, "BSM": {"batch": "x", "d_model": "y"},
-                           "BSND": {"batch": "x", "heads": "y"}, "BSH": {"batch": "x", "d_ff": "y"}},
+    "gspmd-2d-attempt1": {"weights": _WEIGHTS, "BSM": {"d_model": "x"}, "BSND": {"heads": "y"}, "BSH": {"d_ff": "y"}},
+    "gspmd-2d-attempt2": {
+        "weights": _WEIGHTS,
+        "BSM": {"batch": "x"},
+        "BSND": {"batch": "x", "heads": "y"},
+        "BSH": {"batch": "x", "d_ff": "y"},
+    },
+    "gspmd-2d-finalized": {
+        "weights": _WEIGHTS,
+        "BSM": {"batch": "x", "d_model": "y"},
+        "BSND": {"batch": "x", "heads": "y"},
+        "BSH": {"batch": "x", "d_ff": "y"},
+    },
 }
 
 
 def _gspmd(layers: int, d_model: int, d_ff: int, heads: int = 128) -> TransformerConfig:
     """Table 2 of the GSPMD paper: D 256, vocab 32000; each layer holds 4MND + 2MH weights (2^31
     for M 8192, H 65536, N 128; the 1T model's 2^33 needs N 256 beside its M and H)."""
-    return TransformerConfig(vocab_size=32000, d_model=d_model, d_ff=d_ff, num_heads=heads, d_kv=256,
-                             num_layers=layers, max_length=1024)
+    return TransformerConfig(
+        vocab_size=32000, d_model=d_model, d_ff=d_ff, num_heads=heads, d_kv=256, num_layers=layers, max_length=1024
+    )
 
 
 PRESETS: dict[str, TransformerConfig] = {
@@ -109,8 +128,14 @@ PRESETS: dict[str, TransformerConfig] = {
     "gspmd-1t": _gspmd(128, 16384, 131072, heads=256),
 }
 # Parameters (billions) of Table 3, next to each paper preset.
-PAPER_PARAMETERS = {"paper-ff2048": 0.15, "paper-ff4096": 0.24, "paper-ff8192": 0.42, "paper-ff16384": 0.77,
-                    "paper-ff32768": 1.48, "paper-ff65536": 2.89}
+PAPER_PARAMETERS = {
+    "paper-ff2048": 0.15,
+    "paper-ff4096": 0.24,
+    "paper-ff8192": 0.42,
+    "paper-ff16384": 0.77,
+    "paper-ff32768": 1.48,
+    "paper-ff65536": 2.89,
+}
 
 
 class Transformer:
@@ -128,8 +153,10 @@ class Transformer:
         self.vocab = Dimension("vocab", c.vocab_size)
         self._vars: dict[str, Tensor] = {}
         if c.sharding and c.sharding not in GSPMD_SHARDINGS:
-            raise ValueError(f"unknown sharding {c.sharding!r}; choose one of {sorted(GSPMD_SHARDINGS)} or '' "
-                             "(the layout rules alone)")
+            raise ValueError(
+                f"unknown sharding {c.sharding!r}; choose one of {sorted(GSPMD_SHARDINGS)} or '' "
+                "(the layout rules alone)"
+            )
         self._sharding = GSPMD_SHARDINGS.get(c.sharding, {})
 
     def annotate(self, x: Tensor, kind: str) -> Tensor:
@@ -154,16 +181,23 @@ class Transformer:
         return self._var(name, [self.vocab, self.d_model], initializers.normal(1.0 / math.sqrt(self.config.d_model)))
 
     def embed(self, ids: Tensor, table_name: str, length: Dimension) -> Tensor:
+        """ids [batch, length] -> embeddings [batch, length, d_model]: scaled by sqrt(d_model),
+        plus positions, then dropout."""
         x = gather(self._table(table_name), ids, self.vocab) * math.sqrt(self.config.d_model)
         return self._drop(x + self.positions(length, table_name))
 
     def positions(self, length: Dimension, prefix: str) -> Tensor:
+        """The position encodings [length, d_model]: learned (a table per prefix) or sinusoidal, per the config."""
         if self.config.positions == "learned":
             if length.size > self.config.max_length:
                 raise ValueError(f"sequence length {length.size} exceeds max_length {self.config.max_length}")
-            table = self._var(f"{prefix}_positions", [Dimension("max_length", self.config.max_length), self.d_model],
-                              initializers.normal(0.02))
+            table = self._var(
+                f"{prefix}_positions",
+                [Dimension("max_length", self.config.max_length), self.d_model],
+                initializers.normal(0.02),
+            )
             from meshax.ops.slicing import slice as mslice
+
             return rename_dimension(mslice(table, 0, length.size, "max_length"), "max_length", length.name)
         pos = np.arange(length.size)[:, None]
         i = np.arange(self.config.d_model // 2)[None, :]
@@ -179,8 +213,11 @@ class Transformer:
         wq = weight(f"{name}/q", dims, initializers.normal(std / math.sqrt(self.config.d_kv)))
         wk = weight(f"{name}/k", dims, initializers.normal(std))
         wv = weight(f"{name}/v", dims, initializers.normal(std))
-        wo = weight(f"{name}/o", [self.heads, self.d_kv, self.d_model],
-                    initializers.normal(1.0 / math.sqrt(self.config.num_heads * self.config.d_kv)))
+        wo = weight(
+            f"{name}/o",
+            [self.heads, self.d_kv, self.d_model],
+            initializers.normal(1.0 / math.sqrt(self.config.num_heads * self.config.d_kv)),
+        )
         q = self.annotate(einsum(x, wq, reduced_dims=[self.d_model]), "BSND")
         k = self.annotate(einsum(memory, wk, reduced_dims=[self.d_model]), "BSND")
         v = self.annotate(einsum(memory, wv, reduced_dims=[self.d_model]), "BSND")
@@ -192,21 +229,33 @@ class Transformer:
         return einsum(out, wo, reduced_dims=[self.heads, self.d_kv])
 
     def feed_forward(self, x: Tensor, name: str) -> Tensor:
+        """The feed-forward block: dense to d_ff with the activation, then back to d_model."""
         act = ew.relu if self.config.activation == "relu" else ew.gelu
         weights = lambda w: self.annotate(w, "weights")  # noqa: E731
-        h = dense(x, self.d_ff, reduced_dims=[self.d_model], activation=act, name=f"{self.name}/{name}/wi",
-                  kernel_annotation=weights)
+        h = dense(
+            x,
+            self.d_ff,
+            reduced_dims=[self.d_model],
+            activation=act,
+            name=f"{self.name}/{name}/wi",
+            kernel_annotation=weights,
+        )
         h = self._drop(self.annotate(h, "BSH"))
-        return dense(h, self.d_model, reduced_dims=[self.d_ff], name=f"{self.name}/{name}/wo", kernel_annotation=weights)
+        return dense(
+            h, self.d_model, reduced_dims=[self.d_ff], name=f"{self.name}/{name}/wo", kernel_annotation=weights
+        )
 
     def norm(self, x: Tensor, name: str) -> Tensor:
+        """Layer norm over d_model, with its scale and bias named after `name`."""
         return layer_norm(x, self.d_model, self.config.layer_norm_epsilon, name=f"{self.name}/{name}")
 
     @staticmethod
     def as_memory(x: Tensor) -> Tensor:
+        """x with its `length` dim renamed `memory_length`: the keys and values of attention."""
         return rename_dimension(x, "length", "memory_length")
 
     def causal_bias(self, length: Dimension) -> Tensor:
+        """[memory_length, length]: -inf where a key is in a query's future, else 0."""
         memory_length = Dimension("memory_length", length.size)
         future = ew.greater(mrange(self.mesh, memory_length), mrange(self.mesh, length))
         return ew.where(future, NEG_INF, 0.0)
@@ -216,6 +265,8 @@ class Transformer:
         return ew.where(ew.equal(self.as_memory(ids), pad_id), NEG_INF, 0.0)
 
     def stack(self, x: Tensor, layers: int, prefix: str, self_bias, memory=None, memory_bias=None) -> Tensor:
+        """`layers` Transformer layers: self-attention (with `self_bias`), cross-attention to
+        `memory` if given, and feed-forward, each pre-normed and with a residual."""
         for i in range(layers):
             x = self.annotate(x, "BSM")
             y = self.norm(x, f"{prefix}/{i}/self_attention_norm")
@@ -228,6 +279,7 @@ class Transformer:
         return self.norm(x, f"{prefix}/final_norm")
 
     def logits(self, x: Tensor, table_name: str) -> Tensor:
+        """x [..., d_model] -> logits [..., vocab]: the embedding table (tied) or a softmax weight."""
         if self.config.tie_embeddings:
             return einsum(x, self._table(table_name), reduced_dims=[self.d_model])
         w = self._var("softmax", [self.d_model, self.vocab], initializers.normal(1.0 / math.sqrt(self.config.d_model)))
@@ -259,4 +311,3 @@ class Transformer:
 
 
 __all__ = ["GSPMD_SHARDINGS", "PAPER_PARAMETERS", "PRESETS", "Transformer", "TransformerConfig"]
-

@@ -65,4 +65,3 @@ def kernel_dtype(op: str, fn, *dtypes) -> np.dtype:
 def sum_dtype(dtype) -> np.dtype:
     """What a sum of `dtype` values is: bools count as int32, small ints widen (as jnp.sum)."""
     return kernel_dtype("a sum", jnp.sum, dtype)
-

@@ -16,6 +16,7 @@ def align(x, from_shape: Shape, to_shape: Shape):
     """Reorder a slice's axes from `from_shape` order to `to_shape` order, with size-1 axes for
     dims it lacks, so that NumPy broadcasting lines it up with a `to_shape` slice."""
     import jax.numpy as jnp
+
     names = from_shape.dimension_names
     present = [d.name for d in to_shape if d.name in names]
     perm = [names.index(n) for n in present]
@@ -38,6 +39,7 @@ def as_tensor(value, mesh: Mesh, like: np.dtype) -> Tensor:
         return value
     if isinstance(value, numbers.Number | np.number | np.bool_):
         from meshax.ops.inputs import constant
+
         return constant(mesh, value, [], scalar_dtype(value, like))
     raise GraphError(f"expected a meshax Tensor or a scalar, got {type(value).__name__}: {value!r}")
 

@@ -17,12 +17,12 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Shape, convert_to_shape
 from meshax.ops._dtypes import result_type
-from meshax.ops.elementwise import union_shape
 from meshax.ops._util import as_dims
+from meshax.ops.elementwise import union_shape
 
 
 def _subscripts(shapes: list[Shape], out: Shape) -> str:
-    letters = {}
+    letters: dict[str, str] = {}
     for s in [*shapes, out]:
         for d in s:
             if d.name not in letters:
@@ -50,12 +50,12 @@ class EinsumOperation(Operation):
         out = self.outputs[0]
         run = ctx.layouts(self)
         used = {m for a in run.assign.values() for m in a}
-        vals = [ctx.get(t, l, allow_partial=True) for t, l in zip(self.inputs, run.operands)]
+        vals = [ctx.get(t, lay, allow_partial=True) for t, lay in zip(self.inputs, run.operands)]
         # The einsum is linear in one partial input, if the others are whole and its owed axes
         # split nothing here; otherwise settle the sums first.
         partial = [i for i, v in enumerate(vals) if v.pending]
         if len(partial) > 1 or (partial and vals[partial[0]].pending & used):
-            vals = [ctx.get(t, l) for t, l in zip(self.inputs, run.operands)]
+            vals = [ctx.get(t, lay) for t, lay in zip(self.inputs, run.operands)]
         pending = set().union(run.pending, *[v.pending for v in vals])
         local = {d.name: d.size for t in self.inputs for d in t.shape}
         for name, axes in run.assign.items():
@@ -71,6 +71,7 @@ class EinsumOperation(Operation):
         if g is None:
             return [None] * len(self.inputs)
         from meshax.ops.shape_ops import broadcast
+
         grads = []
         for i, x in enumerate(self.inputs):
             others = [g] + [t for j, t in enumerate(self.inputs) if j != i]
@@ -107,4 +108,5 @@ def einsum(*xs, output_shape=None, reduced_dims=None, name=None) -> Tensor:
 
 
 def matmul(a: Tensor, b: Tensor, output_shape=None, reduced_dims=None, name=None) -> Tensor:
+    """`einsum([a, b], ...)`: the product of two tensors, summing the dims not in the output."""
     return einsum([a, b], output_shape=output_shape, reduced_dims=reduced_dims, name=name)

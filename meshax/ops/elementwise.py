@@ -15,18 +15,32 @@ import numpy as np
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
-from meshax.core.shape import Shape
+from meshax.core.shape import Dimension, Shape
 from meshax.ops._dtypes import inexact, kernel_dtype, result_type
 from meshax.ops._util import align, as_tensor
 
 # ---- unary ----------------------------------------------------------------------------------
 _UNARY = {
-    "negative": jnp.negative, "abs": jnp.abs, "exp": jnp.exp, "log": jnp.log, "sqrt": jnp.sqrt,
-    "rsqrt": jax.lax.rsqrt, "square": jnp.square, "reciprocal": jnp.reciprocal, "sin": jnp.sin,
-    "cos": jnp.cos, "tanh": jnp.tanh, "sigmoid": jax.nn.sigmoid, "relu": jax.nn.relu,
-    "gelu": lambda x: jax.nn.gelu(x, approximate=False), "softplus": jax.nn.softplus,
-    "sign": jnp.sign, "logical_not": jnp.logical_not, "identity": lambda x: x,
-    "erf": jax.scipy.special.erf, "stop_gradient": lambda x: x,
+    "negative": jnp.negative,
+    "abs": jnp.abs,
+    "exp": jnp.exp,
+    "log": jnp.log,
+    "sqrt": jnp.sqrt,
+    "rsqrt": jax.lax.rsqrt,
+    "square": jnp.square,
+    "reciprocal": jnp.reciprocal,
+    "sin": jnp.sin,
+    "cos": jnp.cos,
+    "tanh": jnp.tanh,
+    "sigmoid": jax.nn.sigmoid,
+    "relu": jax.nn.relu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "softplus": jax.nn.softplus,
+    "sign": jnp.sign,
+    "logical_not": jnp.logical_not,
+    "identity": lambda x: x,
+    "erf": jax.scipy.special.erf,
+    "stop_gradient": lambda x: x,
 }
 _LINEAR_UNARY = {"negative", "identity", "stop_gradient"}
 # Computed in floating point, as jnp's transcendental functions are: integers and bools promote.
@@ -36,6 +50,7 @@ _INEXACT = {"exp", "log", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tanh", "
 def _promoting(fn):
     def kernel(x):
         return fn(x.astype(inexact(x.dtype)))
+
     return kernel
 
 
@@ -110,13 +125,14 @@ class UnaryOperation(Operation):
 def _unary(fn):
     def op(x: Tensor, name=None) -> Tensor:
         return UnaryOperation(x, fn, name).outputs[0]
-    op.__name__ = fn
+
+    op.__name__ = op.__qualname__ = fn
     op.__doc__ = f"Elementwise {fn}."
     return op
 
 
 negative = _unary("negative")
-abs = _unary("abs")  # noqa: A001
+abs = _unary("abs")
 exp = _unary("exp")
 log = _unary("log")
 sqrt = _unary("sqrt")
@@ -158,6 +174,7 @@ class CastOperation(Operation):
 
 
 def cast(x: Tensor, dtype, name=None) -> Tensor:
+    """x converted to `dtype` (x itself if it already has it)."""
     if as_dtype(dtype) == x.dtype:
         return x
     return CastOperation(x, dtype, name).outputs[0]
@@ -165,11 +182,21 @@ def cast(x: Tensor, dtype, name=None) -> Tensor:
 
 # ---- binary (and where), broadcasting by dimension name -------------------------------------
 _BINARY = {
-    "add": jnp.add, "subtract": jnp.subtract, "multiply": jnp.multiply, "divide": jnp.divide,
-    "maximum": jnp.maximum, "minimum": jnp.minimum, "pow": jnp.power,
-    "equal": jnp.equal, "not_equal": jnp.not_equal, "less": jnp.less, "less_equal": jnp.less_equal,
-    "greater": jnp.greater, "greater_equal": jnp.greater_equal,
-    "logical_and": jnp.logical_and, "logical_or": jnp.logical_or,
+    "add": jnp.add,
+    "subtract": jnp.subtract,
+    "multiply": jnp.multiply,
+    "divide": jnp.divide,
+    "maximum": jnp.maximum,
+    "minimum": jnp.minimum,
+    "pow": jnp.power,
+    "equal": jnp.equal,
+    "not_equal": jnp.not_equal,
+    "less": jnp.less,
+    "less_equal": jnp.less_equal,
+    "greater": jnp.greater,
+    "greater_equal": jnp.greater_equal,
+    "logical_and": jnp.logical_and,
+    "logical_or": jnp.logical_or,
 }
 _COMPARISONS = {"equal", "not_equal", "less", "less_equal", "greater", "greater_equal"}
 _LOGICAL = {"logical_and", "logical_or"}
@@ -177,11 +204,13 @@ _LOGICAL = {"logical_and", "logical_or"}
 
 def union_shape(*shapes: Shape) -> Shape:
     """Dims of the first shape in order, then each later shape's new dims in its order."""
-    dims: dict[str, object] = {}
+    dims: dict[str, Dimension] = {}
     for s in shapes:
         for d in s:
             if d.name in dims and dims[d.name] != d:
-                raise GraphError(f"dimension {d.name!r} has size {dims[d.name].size} in one input and {d.size} in another")
+                raise GraphError(
+                    f"dimension {d.name!r} has size {dims[d.name].size} in one input and {d.size} in another"
+                )
             dims.setdefault(d.name, d)
     return Shape(list(dims.values()))
 
@@ -190,6 +219,7 @@ def _sum_to(g: Tensor, x: Tensor) -> Tensor:
     """Reduce a broadcast gradient back to x's shape (summing the dims x lacks)."""
     from meshax.ops.reduce import reduce_sum
     from meshax.ops.shape_ops import transpose
+
     extra = [d for d in g.shape if d not in x.shape]
     if extra:
         g = reduce_sum(g, reduced_dim=extra)
@@ -218,9 +248,12 @@ class ElementwiseOperation(Operation):
             vals = [ctx.get(t, lay) for t, lay in zip(self.inputs, run.operands)]
         shapes = [t.shape for t in self.inputs]
         ctx.add_flops(ctx.local_size(out, layout))
-        ctx.set_output(out, ctx.slicewise(
-            lambda *xs: self._impl(*[align(a, s, out.shape) for a, s in zip(xs, shapes)]), *vals),
-            layout, vals[0].pending)
+        ctx.set_output(
+            out,
+            ctx.slicewise(lambda *xs: self._impl(*[align(a, s, out.shape) for a, s in zip(xs, shapes)]), *vals),
+            layout,
+            vals[0].pending,
+        )
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
@@ -266,9 +299,11 @@ def _binary(fn):
         t = x if isinstance(x, Tensor) else y
         x = as_tensor(x, t.mesh, t.dtype)
         y = as_tensor(y, t.mesh, t.dtype)
-        return ElementwiseOperation([x, y], fn, _BINARY[fn], _binary_dtype(fn, x, y),
-                                    linear=fn in ("add", "subtract"), name=name).outputs[0]
-    op.__name__ = fn
+        return ElementwiseOperation(
+            [x, y], fn, _BINARY[fn], _binary_dtype(fn, x, y), linear=fn in ("add", "subtract"), name=name
+        ).outputs[0]
+
+    op.__name__ = op.__qualname__ = fn
     op.__doc__ = f"Elementwise {fn} with broadcasting by dimension name; the output has the union of dims."
     return op
 
@@ -279,7 +314,7 @@ multiply = _binary("multiply")
 divide = _binary("divide")
 maximum = _binary("maximum")
 minimum = _binary("minimum")
-pow = _binary("pow")  # noqa: A001
+pow = _binary("pow")
 equal = _binary("equal")
 not_equal = _binary("not_equal")
 less = _binary("less")
@@ -300,6 +335,11 @@ def where(condition: Tensor, x, y, name=None) -> Tensor:
         like = result_type(x, y)
     x = as_tensor(x, condition.mesh, like)
     y = as_tensor(y, condition.mesh, like)
-    return ElementwiseOperation([condition, x, y], "where", jnp.where,
-                                kernel_dtype("where", jnp.where, condition.dtype, x.dtype, y.dtype),
-                                linear=False, name=name).outputs[0]
+    return ElementwiseOperation(
+        [condition, x, y],
+        "where",
+        jnp.where,
+        kernel_dtype("where", jnp.where, condition.dtype, x.dtype, y.dtype),
+        linear=False,
+        name=name,
+    ).outputs[0]

@@ -23,6 +23,7 @@ def one_hot(indices: Tensor, output_dim: Dimension, on_value=1.0, off_value=0.0,
     """indices' dims + [output_dim]: on_value where the position equals the index."""
     from meshax.ops.inputs import constant
     from meshax.ops.inputs import range as mrange
+
     if not np.issubdtype(indices.dtype, np.integer):
         raise GraphError(f"one_hot needs integer indices, {indices.name} is {indices.dtype}")
     if output_dim in indices.shape:
@@ -51,8 +52,10 @@ class GatherOperation(Operation):
         "vocab" is the indices')."""
         (w, idx), (out,) = self.inputs, self.outputs
         rows = f"{self.dim.name} (table rows)"
-        return ShardingRule((tuple(rows if d == self.dim else d.name for d in w.shape), tuple(idx.shape.dimension_names)),
-                            (tuple(out.shape.dimension_names),))
+        return ShardingRule(
+            (tuple(rows if d == self.dim else d.name for d in w.shape), tuple(idx.shape.dimension_names)),
+            (tuple(out.shape.dimension_names),),
+        )
 
     def lower(self, ctx):
         (w, idx), (out,) = self.inputs, self.outputs
@@ -82,6 +85,7 @@ class GatherOperation(Operation):
             return [None, None]
         from meshax.ops.einsum import einsum
         from meshax.ops.shape_ops import rename_dimension
+
         w, idx = self.inputs
         if self.dim.name in idx.shape:  # the indices use the table's dim name (any size): rename it there
             tmp = self.dim.name + "_index"
@@ -120,6 +124,7 @@ class TopKOperation(Operation):
         if g is None:
             return [None]
         from meshax.ops.einsum import einsum
+
         x = self.inputs[0]
         hot = one_hot(self.outputs[1], self.dim, dtype=g.dtype)
         return [einsum([hot, g], output_shape=x.shape)]

@@ -81,10 +81,12 @@ class RangeOperation(Operation):
 
 
 def placeholder(mesh: Mesh, name: str, shape, dtype="float32") -> Tensor:
+    """A tensor fed when the program runs: `fn({name: array})`, the whole (logical) array."""
     return PlaceholderOperation(mesh, name, shape, dtype).outputs[0]
 
 
 def import_tensor(mesh: Mesh, array, shape, name=None) -> Tensor:
+    """A constant tensor holding `array` (a host array of `shape`'s sizes), split as its layout says."""
     return ImportTensorOperation(mesh, array, shape, name).outputs[0]
 
 
@@ -97,20 +99,25 @@ def constant(mesh: Mesh, value, shape=(), dtype="float32", name=None) -> Tensor:
 
 
 def zeros(mesh: Mesh, shape, dtype="float32") -> Tensor:
+    """A tensor of zeros."""
     return constant(mesh, 0, shape, dtype, name="zeros")
 
 
 def ones(mesh: Mesh, shape, dtype="float32") -> Tensor:
+    """A tensor of ones."""
     return constant(mesh, 1, shape, dtype, name="ones")
 
 
 def zeros_like(x: Tensor) -> Tensor:
+    """Zeros with x's shape and dtype."""
     return zeros(x.mesh, x.shape, x.dtype)
 
 
 def ones_like(x: Tensor) -> Tensor:
+    """Ones with x's shape and dtype."""
     return ones(x.mesh, x.shape, x.dtype)
 
 
-def range(mesh: Mesh, dim: Dimension, dtype="int32", name=None) -> Tensor:  # noqa: A001 (the paper's name)
+def range(mesh: Mesh, dim: Dimension, dtype="int32", name=None) -> Tensor:
+    """The 1-D tensor 0, 1, ..., dim.size - 1 over `dim` (each device makes its own slice)."""
     return RangeOperation(mesh, dim, dtype, name).outputs[0]

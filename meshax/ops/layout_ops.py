@@ -44,8 +44,10 @@ def _entry(x: Tensor, i: int, entry, where: str):
         return ()
     names = (entry,) if isinstance(entry, str) else tuple(entry) if isinstance(entry, Sequence) else None
     if names is None or not all(isinstance(m, str) for m in names):
-        raise LayoutError(f"mesh_split of {x.name!r} {x.shape} at {where}: entry {i} ({x.shape[i].name!r}) is "
-                          f"{entry!r}; give a mesh dim name, a tuple of names, None (replicated) or mx.OPEN")
+        raise LayoutError(
+            f"mesh_split of {x.name!r} {x.shape} at {where}: entry {i} ({x.shape[i].name!r}) is "
+            f"{entry!r}; give a mesh dim name, a tuple of names, None (replicated) or mx.OPEN"
+        )
     return names
 
 
@@ -53,16 +55,20 @@ def _annotate(x: Tensor, annotation: Annotation, priority: int, name, where: str
     used = [m for e in annotation if e is not OPEN for m in e]
     twice = sorted({m for m in used if used.count(m) > 1})
     if twice:
-        raise LayoutError(f"annotation of {x.name!r} {x.shape} at {where}: mesh dim(s) {twice} used more than "
-                          "once; a mesh dim can split at most one dim of a tensor")
+        raise LayoutError(
+            f"annotation of {x.name!r} {x.shape} at {where}: mesh dim(s) {twice} used more than "
+            "once; a mesh dim can split at most one dim of a tensor"
+        )
     key = ("annotation", x)
     seen = x.graph.memo.get(key)
     if seen is not None:
         if (seen.annotation, seen.priority) == (annotation, priority):
             return seen.outputs[0]
-        raise LayoutError(f"conflicting annotations on {x.name!r} {x.shape}: {_show(seen.annotation)} at "
-                          f"{seen.source} and {_show(annotation)} at {where}; annotate it once (to lay it "
-                          "out two ways, annotate a copy: mx.identity(x))")
+        raise LayoutError(
+            f"conflicting annotations on {x.name!r} {x.shape}: {_show(seen.annotation)} at "
+            f"{seen.source} and {_show(annotation)} at {where}; annotate it once (to lay it "
+            "out two ways, annotate a copy: mx.identity(x))"
+        )
     if not (isinstance(priority, int) and priority >= 0):
         raise LayoutError(f"annotation of {x.name!r} at {where}: priority must be an int >= 0, got {priority!r}")
     op = ShardOperation(x, annotation, priority, name)
@@ -71,8 +77,13 @@ def _annotate(x: Tensor, annotation: Annotation, priority: int, name, where: str
 
 
 def _show(annotation: Annotation) -> str:
-    return "[" + ", ".join("OPEN" if e is OPEN else (repr(e[0]) if len(e) == 1 else repr(e)) if e else "None"
-                           for e in annotation) + "]"
+    return (
+        "["
+        + ", ".join(
+            "OPEN" if e is OPEN else (repr(e[0]) if len(e) == 1 else repr(e)) if e else "None" for e in annotation
+        )
+        + "]"
+    )
 
 
 def mesh_split(x: Tensor, dims_mapping, priority: int = 0, name=None) -> Tensor:
@@ -82,12 +93,16 @@ def mesh_split(x: Tensor, dims_mapping, priority: int = 0, name=None) -> Tensor:
     p0, p1), so e.g. the batch split can be settled before the model's."""
     where = user_source()
     if isinstance(dims_mapping, str) or not isinstance(dims_mapping, Sequence):
-        raise LayoutError(f"mesh_split of {x.name!r} at {where}: dims_mapping must be a list with one "
-                          f"entry per dim of {x.shape}, got {dims_mapping!r}")
+        raise LayoutError(
+            f"mesh_split of {x.name!r} at {where}: dims_mapping must be a list with one "
+            f"entry per dim of {x.shape}, got {dims_mapping!r}"
+        )
     if len(dims_mapping) != x.shape.rank:
-        raise LayoutError(f"mesh_split of {x.name!r} {x.shape} at {where}: dims_mapping has "
-                          f"{len(dims_mapping)} entries for {x.shape.rank} dims; give one per dim, in order "
-                          f"({x.shape.dimension_names})")
+        raise LayoutError(
+            f"mesh_split of {x.name!r} {x.shape} at {where}: dims_mapping has "
+            f"{len(dims_mapping)} entries for {x.shape.rank} dims; give one per dim, in order "
+            f"({x.shape.dimension_names})"
+        )
     return _annotate(x, tuple(_entry(x, i, e, where) for i, e in enumerate(dims_mapping)), priority, name, where)
 
 
@@ -98,6 +113,8 @@ def shard(x: Tensor, layout, priority: int = 0, name=None) -> Tensor:
     rules = convert_to_layout_rules(layout)
     unknown = [d for d in rules.tensor_dim_names if d not in x.shape]
     if unknown:
-        raise LayoutError(f"layout {str(rules)!r} for tensor {x.name!r} at {where} names dim(s) {unknown} "
-                          f"that it does not have (its dims: {x.shape.dimension_names})")
+        raise LayoutError(
+            f"layout {str(rules)!r} for tensor {x.name!r} at {where} names dim(s) {unknown} "
+            f"that it does not have (its dims: {x.shape.dimension_names})"
+        )
     return _annotate(x, tuple(tuple(rules.mesh_dims_for(d.name)) for d in x.shape), priority, name, where)

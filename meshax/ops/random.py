@@ -21,8 +21,8 @@ from meshax.layout import slice_shape
 
 def _next_seed(mesh: Mesh) -> int:
     graph = mesh.graph
-    graph._random_ops = getattr(graph, "_random_ops", 0) + 1
-    return 0x5EED + 7919 * graph._random_ops
+    graph.random_ops += 1
+    return 0x5EED + 7919 * graph.random_ops
 
 
 class RandomOperation(Operation):
@@ -42,7 +42,7 @@ class RandomOperation(Operation):
         layout = ctx.layout(out)
         local = slice_shape(out.shape, layout, ctx.mesh_shape)
         begins = ctx.slice_begins(out.shape, layout)
-        strides = [int(np.prod(out.shape.to_integer_list[i + 1:], dtype=np.int64)) for i in range(out.shape.rank)]
+        strides = [int(np.prod(out.shape.to_integer_list[i + 1 :], dtype=np.int64)) for i in range(out.shape.rank)]
         kind, a, b, seed = self.kind, self.a, self.b, self.seed
 
         def draw(run_seed, *offsets):
@@ -66,10 +66,12 @@ class RandomOperation(Operation):
 
 
 def random_uniform(mesh: Mesh, shape, minval=0.0, maxval=1.0, dtype="float32", seed=None, name=None) -> Tensor:
+    """Uniform values in [minval, maxval); the same values whatever the layout (each device draws its own slice)."""
     return RandomOperation(mesh, shape, "uniform", minval, maxval, dtype, seed, name).outputs[0]
 
 
 def random_normal(mesh: Mesh, shape, mean=0.0, stddev=1.0, dtype="float32", seed=None, name=None) -> Tensor:
+    """Normal values (mean, stddev); the same values whatever the layout (each device draws its own slice)."""
     return RandomOperation(mesh, shape, "normal", mean, stddev, dtype, seed, name).outputs[0]
 
 
@@ -78,9 +80,12 @@ def dropout(x: Tensor, rate: float, noise_shape=None, seed=None, name=None) -> T
 
     noise_shape (a subset of x's dims) shares one draw across the dims it leaves out."""
     from meshax.ops import elementwise as ew
+
     if not is_floating(x.dtype):
-        raise GraphError(f"dropout scales values by 1 / (1 - rate), so it needs a float tensor; {x.name} is "
-                         f"{x.dtype} (cast it first)")
+        raise GraphError(
+            f"dropout scales values by 1 / (1 - rate), so it needs a float tensor; {x.name} is "
+            f"{x.dtype} (cast it first)"
+        )
     if not 0.0 <= rate < 1.0:
         raise GraphError(f"dropout rate must be in [0, 1), got {rate}")
     if rate == 0.0:

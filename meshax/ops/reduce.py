@@ -27,8 +27,9 @@ class ReduceOperation(Operation):
         self.kind = kind
         self.reduced = reduced
         if kind != "sum" and x.dtype == np.bool_:
-            raise GraphError(f"reduce_{kind} of bool tensor {x.name}: use mx.reduce_any / mx.reduce_all, "
-                             "or cast it to int32 first")
+            raise GraphError(
+                f"reduce_{kind} of bool tensor {x.name}: use mx.reduce_any / mx.reduce_all, or cast it to int32 first"
+            )
         # A sum of bools counts them (int32), and small ints widen, as in jnp.sum.
         dtype = sum_dtype(x.dtype) if kind == "sum" else x.dtype
         self._add_output([d for d in x.shape if d not in reduced], dtype)
@@ -52,6 +53,7 @@ class ReduceOperation(Operation):
         if g is None:
             return [None]
         from meshax.ops.shape_ops import broadcast
+
         gb = broadcast(g, x.shape)
         if self.kind == "sum":
             return [gb]
@@ -89,6 +91,7 @@ def _in_order(y: Tensor, output_shape) -> Tensor:
     if output_shape is None or y.shape == convert_to_shape(output_shape):
         return y
     from meshax.ops.shape_ops import transpose
+
     return transpose(y, output_shape)
 
 
@@ -96,8 +99,11 @@ def _reduce(kind):
     def op(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
         reduced = _reduced_dims(x, reduced_dim, output_shape)
         return _in_order(_reduction(x, reduced, kind, name) if reduced else x, output_shape)
-    op.__name__ = f"reduce_{kind}"
-    op.__doc__ = f"reduce_{kind} over `reduced_dim` (a Dimension or list), or down to `output_shape`; neither: all dims."
+
+    op.__name__ = op.__qualname__ = f"reduce_{kind}"
+    op.__doc__ = (
+        f"reduce_{kind} over `reduced_dim` (a Dimension or list), or down to `output_shape`; neither: all dims."
+    )
     return op
 
 
@@ -121,6 +127,7 @@ def reduce_mean(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Te
 
 
 def reduce_logsumexp(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+    """log(sum(exp(x))) over the reduced dims, computed stably (the max is subtracted first)."""
     reduced = _reduced_dims(x, reduced_dim, output_shape)
     x = _floating(x)
     if not reduced:
@@ -145,6 +152,7 @@ def reduce_all(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Ten
 
 
 def softmax(x: Tensor, dim, name=None) -> Tensor:
+    """softmax along `dim`: exp(x - max) / sum; a split `dim` costs one max and one sum allreduce."""
     d = dim_of(x, dim)
     x = _floating(x)
     e = ew.exp(x - ew.stop_gradient(reduce_max(x, reduced_dim=d)))
@@ -152,12 +160,14 @@ def softmax(x: Tensor, dim, name=None) -> Tensor:
 
 
 def log_softmax(x: Tensor, dim, name=None) -> Tensor:
+    """log(softmax(x)) along `dim`, computed stably."""
     return x - reduce_logsumexp(x, reduced_dim=dim_of(x, dim))
 
 
 def argmax(x: Tensor, dim, name=None) -> Tensor:
     """Index of the largest value along `dim` (the first one on ties), as int32."""
     from meshax.ops.inputs import range as mrange
+
     d = dim_of(x, dim)
     if x.dtype == np.bool_:
         x = ew.cast(x, "int32")

@@ -18,7 +18,7 @@ from meshax.ops._util import align, as_dims
 
 def _aligned(a: Shape, b: Shape) -> dict[int, int]:
     """Positions i -> j of dims of `a` and `b` with equal size and equal prefix product."""
-    prefix_b = {}
+    prefix_b: dict[tuple[int, int], int] = {}
     p = 1
     for j, d in enumerate(b):
         prefix_b.setdefault((p, d.size), j)
@@ -47,8 +47,10 @@ class ReshapeOperation(Operation):
         (x,), (out,) = self.inputs, self.outputs
         pairs = _aligned(x.shape, out.shape)
         back = {j: i for i, j in pairs.items()}
-        return ShardingRule((tuple(d.name if i in pairs else None for i, d in enumerate(x.shape)),),
-                            (tuple(x.shape[back[j]].name if j in back else None for j in range(out.shape.rank)),))
+        return ShardingRule(
+            (tuple(d.name if i in pairs else None for i, d in enumerate(x.shape)),),
+            (tuple(x.shape[back[j]].name if j in back else None for j in range(out.shape.rank)),),
+        )
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
@@ -64,6 +66,7 @@ class ReshapeOperation(Operation):
 
 
 def reshape(x: Tensor, new_shape, name=None) -> Tensor:
+    """x with `new_shape` (same number of elements, row-major order); dims that line up keep their split."""
     new_shape = convert_to_shape(new_shape)
     if new_shape == x.shape:
         return x
@@ -71,6 +74,7 @@ def reshape(x: Tensor, new_shape, name=None) -> Tensor:
 
 
 def rename_dimension(x: Tensor, old_name: str, new_name: str, name=None) -> Tensor:
+    """x with dim `old_name` called `new_name` (a free relabel; the split follows the dim)."""
     if old_name not in x.shape:
         raise GraphError(f"rename_dimension: {x.name} {x.shape} has no dimension {old_name!r}")
     dims = [d._replace(name=new_name) if d.name == old_name else d for d in x.shape]
@@ -88,7 +92,7 @@ def replace_dimensions(x: Tensor, old_dims, new_dims, name=None) -> Tensor:
     if positions != list(range(positions[0], positions[0] + len(old))):
         raise GraphError(f"replace_dimensions: {[d.name for d in old]} are not adjacent in {x.shape}; transpose first")
     dims = x.shape.dims
-    return reshape(x, Shape(dims[: positions[0]] + new + dims[positions[-1] + 1:]), name=name or "replace_dimensions")
+    return reshape(x, Shape(dims[: positions[0]] + new + dims[positions[-1] + 1 :]), name=name or "replace_dimensions")
 
 
 class TransposeOperation(Operation):
@@ -112,6 +116,7 @@ class TransposeOperation(Operation):
 
 
 def transpose(x: Tensor, new_shape, name=None) -> Tensor:
+    """x with its dims reordered to `new_shape` (the same dims)."""
     new_shape = convert_to_shape(new_shape)
     if new_shape == x.shape:
         return x
@@ -139,10 +144,12 @@ class BroadcastOperation(Operation):
         if g is None:
             return [None]
         from meshax.ops.elementwise import _sum_to
+
         return [_sum_to(g, self.inputs[0])]
 
 
 def broadcast(x: Tensor, new_shape, name=None) -> Tensor:
+    """x repeated over the dims of `new_shape` it lacks (it must have no dim `new_shape` lacks)."""
     new_shape = convert_to_shape(new_shape)
     if new_shape == x.shape:
         return x

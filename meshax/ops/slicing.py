@@ -42,7 +42,7 @@ class SliceOperation(_OneDimOperation):
     def __init__(self, x: Tensor, begin: int, size: int, dim_name: str, name=None):
         super().__init__([x], name=name or "slice")
         d = dim_of(x, dim_name)
-        if not (0 <= begin and size >= 0 and begin + size <= d.size):
+        if not (begin >= 0 and size >= 0 and begin + size <= d.size):
             raise GraphError(f"slice [{begin}:{begin + size}] is outside dimension {d} of {x.name}")
         self.begin, self.size, self.dim_name = begin, size, dim_name
         self._add_output(_replace_dim(x.shape, dim_name, size), x.dtype)
@@ -50,8 +50,12 @@ class SliceOperation(_OneDimOperation):
     def lower(self, ctx):
         layout, (v,) = self._inputs_unsplit(ctx, allow_partial=True)
         axis = self.inputs[0].shape.index(self.dim_name)
-        ctx.set_output(self.outputs[0], ctx.slicewise(
-            lambda a: jax.lax.slice_in_dim(a, self.begin, self.begin + self.size, axis=axis), v), layout, v.pending)
+        ctx.set_output(
+            self.outputs[0],
+            ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, self.begin, self.begin + self.size, axis=axis), v),
+            layout,
+            v.pending,
+        )
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
@@ -102,8 +106,11 @@ class ConcatOperation(_OneDimOperation):
         layout, vals = self._inputs_unsplit(ctx)
         axis = self.inputs[0].shape.index(self.dim_name)
         dtype = self.outputs[0].dtype
-        ctx.set_output(self.outputs[0], ctx.slicewise(
-            lambda *a: jnp.concatenate([x.astype(dtype) for x in a], axis=axis), *vals), layout)
+        ctx.set_output(
+            self.outputs[0],
+            ctx.slicewise(lambda *a: jnp.concatenate([x.astype(dtype) for x in a], axis=axis), *vals),
+            layout,
+        )
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
@@ -144,6 +151,7 @@ class CumsumOperation(_OneDimOperation):
             return [None]
         from meshax.ops.reduce import reduce_sum
         from meshax.ops.shape_ops import broadcast
+
         d = self.inputs[0].shape.get_dim_by_name(self.dim_name)
         total = broadcast(reduce_sum(g, reduced_dim=d), g.shape)
         # d/dx_i of sum_j y_j: the sum of g_j over j >= i (j > i when exclusive).
@@ -180,8 +188,9 @@ class ShiftOperation(Operation):
         k = abs(self.offset)
         v = ctx.get(x, run.operands[0], allow_partial=True)
         if not axes or k == 0:
-            ctx.set_output(out, ctx.slicewise(lambda a: self._local_shift(a, self.offset, axis, self.wrap), v),
-                           layout, v.pending)
+            ctx.set_output(
+                out, ctx.slicewise(lambda a: self._local_shift(a, self.offset, axis, self.wrap), v), layout, v.pending
+            )
             return
         (m,) = axes
         n = local_n
@@ -189,12 +198,14 @@ class ShiftOperation(Operation):
             edge = ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, n - k, n, axis=axis), v)
             halo = ctx.shift(edge, m, 1, self.wrap)
             result = ctx.slicewise(
-                lambda a, h: jnp.concatenate([h, jax.lax.slice_in_dim(a, 0, n - k, axis=axis)], axis=axis), v, halo)
+                lambda a, h: jnp.concatenate([h, jax.lax.slice_in_dim(a, 0, n - k, axis=axis)], axis=axis), v, halo
+            )
         else:
             edge = ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, 0, k, axis=axis), v)
             halo = ctx.shift(edge, m, -1, self.wrap)
             result = ctx.slicewise(
-                lambda a, h: jnp.concatenate([jax.lax.slice_in_dim(a, k, n, axis=axis), h], axis=axis), v, halo)
+                lambda a, h: jnp.concatenate([jax.lax.slice_in_dim(a, k, n, axis=axis), h], axis=axis), v, halo
+            )
         ctx.set_output(out, result, layout, v.pending)
 
     def gradient(self, grad_outputs):
@@ -208,15 +219,18 @@ def _whole(t: Tensor, dim_name: str) -> Tensor:
     return t
 
 
-def slice(x: Tensor, begin: int, size: int, dim_name: str, name=None) -> Tensor:  # noqa: A001
+def slice(x: Tensor, begin: int, size: int, dim_name: str, name=None) -> Tensor:
+    """The `size` entries of dim `dim_name` from `begin` on."""
     return SliceOperation(x, int(begin), int(size), dim_name, name).outputs[0]
 
 
 def pad(x: Tensor, paddings, dim_name: str, name=None) -> Tensor:
+    """x with `paddings = [before, after]` zeros added along dim `dim_name`."""
     return PadOperation(x, paddings, dim_name, name).outputs[0]
 
 
 def concat(xs: list[Tensor], dim_name: str, name=None) -> Tensor:
+    """The tensors joined along dim `dim_name` (they agree on every other dim)."""
     xs = list(xs)
     if not xs:
         raise GraphError("concat needs at least one tensor")
@@ -242,18 +256,21 @@ def split(x: Tensor, dim, sizes, name=None) -> list[Tensor]:
 def stack(xs: list[Tensor], dim_name: str, axis: int = 0, name=None) -> Tensor:
     """Stack same-shaped tensors along a new dim of size len(xs), placed at position `axis`."""
     from meshax.ops.shape_ops import reshape
+
     xs = list(xs)
     if not xs:
         raise GraphError("stack needs at least one tensor")
     dims = xs[0].shape.dims
     if not 0 <= axis <= len(dims):
         raise GraphError(f"stack axis {axis} is outside 0..{len(dims)}")
-    one = Shape(dims[:axis] + [Dimension(dim_name, 1)] + dims[axis:])
+    one = Shape([*dims[:axis], Dimension(dim_name, 1), *dims[axis:]])
     return concat([_whole(reshape(t, one), dim_name) for t in xs], dim_name, name=name)
 
 
 def unstack(x: Tensor, dim, name=None) -> list[Tensor]:
+    """The slices of x at each index of `dim`, without that dim."""
     from meshax.ops.shape_ops import reshape
+
     d = dim_of(x, dim)
     rest = Shape([e for e in x.shape if e != d])
     return [reshape(_whole(slice(x, i, 1, d.name), d.name), rest) for i in range(d.size)]
@@ -265,4 +282,5 @@ def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
 
 
 def cumsum(x: Tensor, dim, exclusive: bool = False, name=None) -> Tensor:
+    """The running sum along `dim` (exclusive: each entry leaves out its own value)."""
     return CumsumOperation(x, dim_of(x, dim), exclusive, name).outputs[0]

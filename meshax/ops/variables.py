@@ -21,6 +21,7 @@ class VariableOperation(Operation):
             raise GraphError(f"a variable named {name!r} already exists in this graph; variable names must be unique")
         super().__init__([], mesh=mesh, name=name)
         from meshax import initializers
+
         self.initializer = initializer if initializer is not None else initializers.zeros()
         self.trainable = trainable
         self._add_output(convert_to_shape(shape), dtype, name=name)
@@ -90,10 +91,20 @@ def _assign(kind):
         v = _variable_of(var)
         if not isinstance(value, Tensor):
             from meshax.ops.inputs import constant
-            value = constant(v.mesh, value, v.shape, v.dtype) if np.ndim(value) == 0 else constant(
-                v.mesh, np.asarray(value), v.shape, v.dtype)
+
+            value = (
+                constant(v.mesh, value, v.shape, v.dtype)
+                if np.ndim(value) == 0
+                else constant(v.mesh, np.asarray(value), v.shape, v.dtype)
+            )
         return AssignOperation(v, value, kind, name)
-    op.__name__ = kind
+
+    op.__name__ = op.__qualname__ = kind
+    what = {"assign": "set to", "assign_add": "increased by", "assign_sub": "decreased by"}[kind]
+    op.__doc__ = (
+        f"An update: when the program runs (`lowering.function(..., updates=[...])`), the variable is "
+        f"{what} `value` (a tensor of its shape, or a scalar), after every read of it in that run."
+    )
     return op
 
 

@@ -47,11 +47,14 @@ def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, k
     state = {var.name: lowering.variable_state(var) for var in lowering.graph.all_variables}
     meta = {"step": int(step), "extra": dict(extra or {})}
     with _manager(directory, keep) as manager:
-        saved = manager.save(int(step), args=ocp.args.Composite(
-            state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta)))
+        saved = manager.save(
+            int(step), args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
+        )
         if not saved:
-            raise ValueError(f"checkpoint step {step} not saved: {directory} already has steps "
-                             f"{list(manager.all_steps())} (steps must increase)")
+            raise ValueError(
+                f"checkpoint step {step} not saved: {directory} already has steps "
+                f"{list(manager.all_steps())} (steps must increase)"
+            )
         return os.fspath(manager.directory / str(int(step)))
 
 
@@ -77,28 +80,43 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
             raise FileNotFoundError(f"no checkpoint in {directory}")
     with _manager(directory) as manager:
         if step not in manager.all_steps():
-            raise FileNotFoundError(f"no checkpoint of step {step} in {directory} "
-                                    f"(it has steps {sorted(manager.all_steps())})")
+            raise FileNotFoundError(
+                f"no checkpoint of step {step} in {directory} (it has steps {sorted(manager.all_steps())})"
+            )
         saved = manager.item_metadata(step)["state"]
         variables = {var.name: var for var in lowering.graph.all_variables}
         errors = [f"variable {name!r} is not in the checkpoint" for name in variables if name not in saved]
-        errors += [f"variable {name!r} has shape {var.shape.to_integer_list} in the graph but "
-                   f"{list(saved[name].shape)} in the checkpoint"
-                   for name, var in variables.items()
-                   if name in saved and list(saved[name].shape) != var.shape.to_integer_list]
+        errors += [
+            f"variable {name!r} has shape {var.shape.to_integer_list} in the graph but "
+            f"{list(saved[name].shape)} in the checkpoint"
+            for name, var in variables.items()
+            if name in saved and list(saved[name].shape) != var.shape.to_integer_list
+        ]
         if errors:
             raise ValueError(f"cannot restore step {step} from {directory}: " + "; ".join(errors))
         unused = sorted(set(saved) - set(variables))
         if unused:
-            warnings.warn(f"checkpoint {directory} step {step} has variables the graph lacks, "
-                          f"not restored: {unused}", stacklevel=2)
-        target = {name: jax.ShapeDtypeStruct(tuple(var.shape.to_integer_list), np.dtype(var.dtype),
-                                             sharding=lowering.impl.named_sharding(lowering.plan[var.value]))
-                  for name, var in variables.items()}
-        restored = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
-                                         partial_restore=True),
-            meta=ocp.args.JsonRestore()))
+            warnings.warn(
+                f"checkpoint {directory} step {step} has variables the graph lacks, not restored: {unused}",
+                stacklevel=2,
+            )
+        target = {
+            name: jax.ShapeDtypeStruct(
+                tuple(var.shape.to_integer_list),
+                np.dtype(var.dtype),
+                sharding=lowering.impl.named_sharding(lowering.plan[var.value]),
+            )
+            for name, var in variables.items()
+        }
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(
+                    target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+                ),
+                meta=ocp.args.JsonRestore(),
+            ),
+        )
     for name, var in variables.items():
         lowering.set_variable_value(var, restored["state"][name])  # already laid out as the plan says
     meta = restored["meta"]

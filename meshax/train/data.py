@@ -27,14 +27,16 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2):
     x = (d.images / 16.0).astype(np.float32)
     y = d.target.astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(x))
-    n_test = int(round(len(x) * test_fraction))
+    n_test = round(len(x) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return x[train], y[train], x[test], y[test]
 
 
 _MNIST_FILES = {
-    "train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
-    "test_images": "t10k-images-idx3-ubyte", "test_labels": "t10k-labels-idx1-ubyte",
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
 }
 
 
@@ -47,7 +49,7 @@ def _read_idx(path: str) -> np.ndarray:
     dtype_code, ndim = data[2], data[3]
     if dtype_code != 0x08:
         raise DataError(f"{path}: expected unsigned bytes (type 0x08), found type {dtype_code:#x}")
-    dims = struct.unpack(f">{ndim}I", data[4: 4 + 4 * ndim])
+    dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(dims)):
         raise DataError(f"{path}: header says {dims} but holds {body.size} bytes; the file is truncated")
@@ -65,10 +67,16 @@ def load_mnist(folder: str):
                 arrays[key] = _read_idx(path)
                 break
         else:
-            raise DataError(f"MNIST file {stem}[.gz] not found in {folder!r}; it needs the four standard files "
-                            f"{sorted(_MNIST_FILES.values())}")
-    return (arrays["train_images"].astype(np.float32) / 255.0, arrays["train_labels"].astype(np.int32),
-            arrays["test_images"].astype(np.float32) / 255.0, arrays["test_labels"].astype(np.int32))
+            raise DataError(
+                f"MNIST file {stem}[.gz] not found in {folder!r}; it needs the four standard files "
+                f"{sorted(_MNIST_FILES.values())}"
+            )
+    return (
+        arrays["train_images"].astype(np.float32) / 255.0,
+        arrays["train_labels"].astype(np.int32),
+        arrays["test_images"].astype(np.float32) / 255.0,
+        arrays["test_labels"].astype(np.int32),
+    )
 
 
 def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int):
@@ -79,18 +87,18 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int):
     while True:
         order = rng.permutation(len(x))
         for i in range(0, len(x) - batch_size + 1, batch_size):
-            idx = order[i: i + batch_size]
+            idx = order[i : i + batch_size]
             yield x[idx], y[idx]
 
 
 def padded_batches(x: np.ndarray, y: np.ndarray, batch_size: int):
     """One pass in order; the last batch is padded, with weights 0 on the padding."""
     for i in range(0, len(x), batch_size):
-        xb, yb = x[i: i + batch_size], y[i: i + batch_size]
+        xb, yb = x[i : i + batch_size], y[i : i + batch_size]
         n = len(xb)
         w = np.zeros(batch_size, np.float32)
         w[:n] = 1.0
         if n < batch_size:
-            xb = np.concatenate([xb, np.zeros((batch_size - n,) + xb.shape[1:], xb.dtype)])
-            yb = np.concatenate([yb, np.zeros((batch_size - n,) + yb.shape[1:], yb.dtype)])
+            xb = np.concatenate([xb, np.zeros((batch_size - n, *xb.shape[1:]), xb.dtype)])
+            yb = np.concatenate([yb, np.zeros((batch_size - n, *yb.shape[1:]), yb.dtype)])
         yield xb, yb, w

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
 from meshax.core.graph import Graph, Mesh
-from meshax.lower.lowering import Lowering
+from meshax.lower.lowering import LoweredFunction, Lowering
 from meshax.optimize import AdamWeightDecayOptimizer, Optimizer
 from meshax.train.tasks import Task
 
@@ -36,13 +36,20 @@ class Program:
     """A task's graph laid out on a mesh, with its compiled train and eval steps."""
 
     lowering: Lowering
-    train_fn: object
-    eval_fn: object
+    train_fn: LoweredFunction
+    eval_fn: LoweredFunction
     metric_names: list[str]
 
 
-def build(task: Task, mesh_shape: str, layout: str, backend: str = "simd", optimizer: Optimizer | None = None,
-          seed: int = 0, compile: bool = True):
+def build(
+    task: Task,
+    mesh_shape: str,
+    layout: str,
+    backend: str = "simd",
+    optimizer: Optimizer | None = None,
+    seed: int = 0,
+    compile: bool = True,
+):
     """The task's graph with gradients and optimizer updates, laid out on the mesh."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
@@ -71,12 +78,23 @@ def evaluate(task: Task, program: Program) -> dict[str, float]:
     return task.summarize(sums)
 
 
-def train(task: Task, mesh_shape: str = "all:1", layout: str = "", steps: int = 100, backend: str = "simd",
-          optimizer: Optimizer | None = None, seed: int = 0, eval_every: int = 0,
-          on_step: Callable[[int, float, float], None] | None = None,
-          on_eval: Callable[[int, dict], None] | None = None, program: Program | None = None,
-          checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: bool = False,
-          metrics_path: str | None = None) -> TrainResult:
+def train(
+    task: Task,
+    mesh_shape: str = "all:1",
+    layout: str = "",
+    steps: int = 100,
+    backend: str = "simd",
+    optimizer: Optimizer | None = None,
+    seed: int = 0,
+    eval_every: int = 0,
+    on_step: Callable[[int, float, float], None] | None = None,
+    on_eval: Callable[[int, dict], None] | None = None,
+    program: Program | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    metrics_path: str | None = None,
+) -> TrainResult:
     """Train `task` up to step `steps`; evaluate every `eval_every` steps and at the end.
 
     With `checkpoint_dir`, save every `checkpoint_every` steps and at the end; with `resume`,
@@ -87,52 +105,56 @@ def train(task: Task, mesh_shape: str = "all:1", layout: str = "", steps: int = 
         if not checkpoint_dir:
             raise ValueError("resume needs a checkpoint directory")
         from meshax.train.checkpoint import latest_step, restore_checkpoint
+
         if latest_step(checkpoint_dir) is not None:
             first = int(restore_checkpoint(checkpoint_dir, program.lowering)["step"])
-    log = open(metrics_path, "a") if metrics_path else None
 
     def record(entry):
-        if log:
-            log.write(json.dumps(entry) + "\n")
-            log.flush()
+        if metrics_path:  # one line per record, appended and closed: a killed run loses nothing
+            with open(metrics_path, "a") as log:
+                log.write(json.dumps(entry) + "\n")
 
     def save(step):
         from meshax.train.checkpoint import save_checkpoint
+
         impl = program.lowering.impl
-        save_checkpoint(checkpoint_dir, program.lowering, step,
-                        {"mesh": str(";".join(f"{d.name}:{d.size}" for d in impl.shape)),
-                         "layout": str(impl.layout_rules), "task": task.name})
+        save_checkpoint(
+            checkpoint_dir,
+            program.lowering,
+            step,
+            {
+                "mesh": str(";".join(f"{d.name}:{d.size}" for d in impl.shape)),
+                "layout": str(impl.layout_rules),
+                "task": task.name,
+            },
+        )
 
     losses, evals, times = [], [], []
-    try:
-        for step in range(first, steps):
-            feeds = task.train_batch(step)
-            start = time.perf_counter()
-            loss, *_ = program.train_fn(feeds, seed=step)
-            seconds = time.perf_counter() - start
-            times.append(seconds)
-            losses.append(float(loss))
-            entry = {"step": step + 1, "loss": losses[-1], "step_seconds": seconds}
-            if task.tokens_per_batch:
-                entry["tokens_per_second"] = task.tokens_per_batch / seconds
-            record(entry)
-            if on_step:
-                on_step(step, losses[-1], seconds)
-            done = step + 1
-            if eval_every and done % eval_every == 0 and done < steps:
-                evals.append((done, evaluate(task, program)))
-                record({"step": done, "eval": evals[-1][1]})
-                if on_eval:
-                    on_eval(*evals[-1])
-            if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0 and done < steps:
-                save(done)
-        evals.append((steps, evaluate(task, program)))
-        record({"step": steps, "eval": evals[-1][1]})
-        if on_eval:
-            on_eval(*evals[-1])
-        if checkpoint_dir:
-            save(steps)
-    finally:
-        if log:
-            log.close()
+    for step in range(first, steps):
+        feeds = task.train_batch(step)
+        start = time.perf_counter()
+        loss, *_ = program.train_fn(feeds, seed=step)
+        seconds = time.perf_counter() - start
+        times.append(seconds)
+        losses.append(float(loss))
+        entry = {"step": step + 1, "loss": losses[-1], "step_seconds": seconds}
+        if task.tokens_per_batch:
+            entry["tokens_per_second"] = task.tokens_per_batch / seconds
+        record(entry)
+        if on_step:
+            on_step(step, losses[-1], seconds)
+        done = step + 1
+        if eval_every and done % eval_every == 0 and done < steps:
+            evals.append((done, evaluate(task, program)))
+            record({"step": done, "eval": evals[-1][1]})
+            if on_eval:
+                on_eval(*evals[-1])
+        if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0 and done < steps:
+            save(done)
+    evals.append((steps, evaluate(task, program)))
+    record({"step": steps, "eval": evals[-1][1]})
+    if on_eval:
+        on_eval(*evals[-1])
+    if checkpoint_dir:
+        save(steps)
     return TrainResult(losses, evals, program.lowering, times, first)

@@ -16,7 +16,7 @@ class MarkovSource:
     def __init__(self, vocab: int = 16, order: int = 2, alpha: float = 0.1, seed: int = 0):
         rng = np.random.default_rng(seed)
         self.vocab, self.order = vocab, order
-        self.n_contexts = vocab ** order
+        self.n_contexts = vocab**order
         self.probs = rng.dirichlet(np.full(vocab, alpha), size=self.n_contexts)
         self.cum = np.cumsum(self.probs, axis=1)
         self.cum[:, -1] = 1.0

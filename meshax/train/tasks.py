@@ -99,8 +99,10 @@ class MlpTask(Task):
         return Built(loss=loss_sum / count, metrics={"loss_sum": loss_sum, "count": count})
 
     def _feeds(self, rng, val):
-        return {"x": rng.normal(size=(self.batch_size, self.io)).astype(np.float32),
-                "weights": np.ones(self.batch_size, np.float32)}
+        return {
+            "x": rng.normal(size=(self.batch_size, self.io)).astype(np.float32),
+            "weights": np.ones(self.batch_size, np.float32),
+        }
 
 
 @dataclasses.dataclass
@@ -124,7 +126,7 @@ class MnistTask(Task):
         batch = Dimension("batch", self.batch_size)
         pix = [Dimension("pixel_rows", rows), Dimension("pixel_cols", cols)]
         classes = Dimension("classes", 10)
-        images = placeholder(mesh, "images", [batch] + pix)
+        images = placeholder(mesh, "images", [batch, *pix])
         labels = placeholder(mesh, "labels", [batch], dtype="int32")
         w = placeholder(mesh, "weights", [batch])
         logits = mnist_classifier(images, pix, Dimension("hidden", self.hidden), classes)
@@ -134,9 +136,12 @@ class MnistTask(Task):
         per_epoch = len(self.x_train) // self.batch_size
         epoch, i = divmod(step, per_epoch)
         order = _rng(self.seed, epoch).permutation(len(self.x_train))
-        idx = order[i * self.batch_size: (i + 1) * self.batch_size]
-        return {"images": self.x_train[idx], "labels": self.y_train[idx],
-                "weights": np.ones(self.batch_size, np.float32)}
+        idx = order[i * self.batch_size : (i + 1) * self.batch_size]
+        return {
+            "images": self.x_train[idx],
+            "labels": self.y_train[idx],
+            "weights": np.ones(self.batch_size, np.float32),
+        }
 
     def eval_batches(self):
         for xb, yb, w in data.padded_batches(self.x_test, self.y_test, self.batch_size):
@@ -171,13 +176,16 @@ class LmTask(Task):
         if self.source == "text":
             self.config = _config(self.model, num_encoder_layers=0, sharding=self.sharding)
             if self.config.vocab_size < 256:
-                raise ValueError(f"byte-level text needs a vocab of at least 256, the model has {self.config.vocab_size}")
+                raise ValueError(
+                    f"byte-level text needs a vocab of at least 256, the model has {self.config.vocab_size}"
+                )
             if self.text_path and not os.path.exists(self.text_path):
                 raise data.DataError(f"text path {self.text_path!r} does not exist; give a text file or a folder")
             self._bytes = None  # read on first use: planning needs no data
         elif self.source == "markov":
-            self.config = _config(self.model, num_encoder_layers=0, vocab_size=self.markov_vocab,
-                                  sharding=self.sharding)
+            self.config = _config(
+                self.model, num_encoder_layers=0, vocab_size=self.markov_vocab, sharding=self.sharding
+            )
             self.markov = synthetic.MarkovSource(self.markov_vocab, self.markov_order, seed=self.seed)
         else:
             raise ValueError(f"unknown source {self.source!r}: use 'text' or 'markov'")
@@ -235,8 +243,9 @@ class Seq2SeqTask(Task):
         if self.problem not in ("reverse", "sort"):
             raise ValueError(f"unknown problem {self.problem!r}: use 'reverse' or 'sort'")
         config = _config(self.model)
-        self.config = _config(config, num_encoder_layers=config.num_encoder_layers or self.num_encoder_layers,
-                              sharding=self.sharding)
+        self.config = _config(
+            config, num_encoder_layers=config.num_encoder_layers or self.num_encoder_layers, sharding=self.sharding
+        )
         if self.config.vocab_size < self.vocab:
             raise ValueError(f"the task's {self.vocab} tokens do not fit the model's vocab of {self.config.vocab_size}")
         self.tokens_per_batch = self.batch_size * self.length
@@ -258,8 +267,12 @@ class Seq2SeqTask(Task):
     def _feeds(self, rng, val):
         make = synthetic.reversal_batch if self.problem == "reverse" else synthetic.sorting_batch
         inputs, targets_in, targets = make(self.batch_size, self.length, self.vocab, rng)
-        return {"inputs": inputs, "targets_in": targets_in, "targets": targets,
-                "weights": np.ones((self.batch_size, self.length), np.float32)}
+        return {
+            "inputs": inputs,
+            "targets_in": targets_in,
+            "targets": targets,
+            "weights": np.ones((self.batch_size, self.length), np.float32),
+        }
 
     def summarize(self, sums):
         out = super().summarize(sums)

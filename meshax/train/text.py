@@ -30,8 +30,9 @@ def _files(path: str) -> list[str]:
     return out
 
 
-def load_bytes(path: str | None = None, validation_fraction: float = 0.05,
-               max_bytes: int = 64 << 20) -> tuple[np.ndarray, np.ndarray]:
+def load_bytes(
+    path: str | None = None, validation_fraction: float = 0.05, max_bytes: int = 64 << 20
+) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) uint8 arrays; a file goes to validation by a hash of its name, so the
     split is the same on every machine with the same files. A single file is split 95/5."""
     path = path or default_corpus()
@@ -40,7 +41,9 @@ def load_bytes(path: str | None = None, validation_fraction: float = 0.05,
         data = np.fromfile(files[0], dtype=np.uint8)[:max_bytes]
         cut = int(len(data) * (1 - validation_fraction))
         return data[:cut], data[cut:]
-    train, val, total = [], [], 0
+    train: list[np.ndarray] = []
+    val: list[np.ndarray] = []
+    total = 0
     for f in files:
         try:
             data = np.fromfile(f, dtype=np.uint8)
@@ -61,4 +64,4 @@ def windows(data: np.ndarray, batch: int, length: int, rng: np.random.Generator)
     if len(data) <= length + 1:
         raise DataError(f"the text has {len(data)} bytes, too few for sequences of {length}")
     starts = rng.integers(0, len(data) - length - 1, size=batch)
-    return np.stack([data[s: s + length + 1] for s in starts]).astype(np.int32)
+    return np.stack([data[s : s + length + 1] for s in starts]).astype(np.int32)
