@@ -13,15 +13,25 @@ import re
 from mkdocs.exceptions import PluginError
 
 # Modules whose public names the reference documents: meshax's flat API and the library around it.
-DOCUMENTED = ("meshax", "meshax.layers", "meshax.optimize", "meshax.initializers", "meshax.models.transformer")
+DOCUMENTED = (
+    "meshax",
+    "meshax.layers",
+    "meshax.optimize",
+    "meshax.initializers",
+    "meshax.models.transformer",
+)
 
 
 def _public(module) -> list[tuple[str, object]]:
-    names = getattr(module, "__all__", None) or [n for n in vars(module) if not n.startswith("_")]
+    names = getattr(module, "__all__", None) or [
+        n for n in vars(module) if not n.startswith("_")
+    ]
     out = []
     for n in names:
         obj = getattr(module, n)
-        if inspect.ismodule(obj) or not (inspect.isclass(obj) or inspect.isfunction(obj) or callable(obj)):
+        if inspect.ismodule(obj) or not (
+            inspect.isclass(obj) or inspect.isfunction(obj) or callable(obj)
+        ):
             continue
         if not getattr(obj, "__module__", "").startswith("meshax"):
             continue  # re-exported from elsewhere (typing, dataclasses ...)
@@ -40,9 +50,13 @@ def undocumented() -> list[str]:
             if not inspect.isclass(obj):
                 continue
             for member, value in vars(obj).items():
-                if member.startswith("_") or not (callable(value) or isinstance(value, property | staticmethod)):
+                if member.startswith("_") or not (
+                    callable(value) or isinstance(value, property | staticmethod)
+                ):
                     continue
-                if not inspect.getdoc(getattr(obj, member)):  # (inherits the overridden method's docstring)
+                if not inspect.getdoc(
+                    getattr(obj, member)
+                ):  # (inherits the overridden method's docstring)
                     missing.append(f"{module_name}.{name}.{member}")
     return sorted(set(missing))
 
@@ -61,7 +75,10 @@ def _help(argv: list[str]) -> str:
     from meshax.cli import _parser
 
     out = io.StringIO()
-    width, os.environ["COLUMNS"] = os.environ.get("COLUMNS"), "100"  # argparse wraps to the terminal
+    width, os.environ["COLUMNS"] = (
+        os.environ.get("COLUMNS"),
+        "100",
+    )  # argparse wraps to the terminal
     try:
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
             _parser().parse_args([*argv, "--help"])
@@ -80,7 +97,9 @@ def on_page_markdown(markdown: str, page, **kwargs) -> str:
     sections = []
     for argv in ([], ["train", "mlp"], ["plan", "mlp"]):
         command = " ".join(["meshax", *argv[:1]])
-        sections.append(f"## `{command}`\n\n```text\n$ {command} --help\n{_help(argv[:1])}```\n")
+        sections.append(
+            f"## `{command}`\n\n```text\n$ {command} --help\n{_help(argv[:1])}```\n"
+        )
     return markdown.replace(marker, "\n".join(sections))
 
 
@@ -94,5 +113,7 @@ def on_page_content(html: str, page, **kwargs) -> str:
     modules = {n for n in meshax.__all__ if inspect.ismodule(getattr(meshax, n))}
     missing = sorted(set(meshax.__all__) - modules - rendered)
     if missing:
-        raise PluginError(f"the API reference does not render {missing}: give them a docstring and a real name")
+        raise PluginError(
+            f"the API reference does not render {missing}: give them a docstring and a real name"
+        )
     return html
