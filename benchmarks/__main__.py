@@ -2,9 +2,9 @@
 
 Runs the benchmark sections in one process on the embedded default (virtual CPU devices; 8
 unless --devices says otherwise), prints a table, writes one JSON record per measurement to
---out (default benchmarks/out/results.json) and the markdown summary (default
-benchmarks/RESULTS.md; with --quick, RESULTS.md next to --out, so a quick run never overwrites
-the full results).
+--out (default benchmarks/out/results.json) and the markdown summary (default: RESULTS.md next
+to --out, in a folder git ignores; `--markdown benchmarks/RESULTS.md` updates the committed
+results).
 """
 
 from __future__ import annotations
@@ -38,11 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if bad:
         p.error(f"unknown sections {bad}; the sections are {list(ALL_SECTIONS)}")
     if args.markdown is None:
-        args.markdown = (
-            os.path.join(os.path.dirname(os.path.abspath(args.out)), "RESULTS.md")
-            if args.quick
-            else os.path.join(HERE, "RESULTS.md")
-        )
+        args.markdown = os.path.join(os.path.dirname(os.path.abspath(args.out)), "RESULTS.md")
     return args
 
 

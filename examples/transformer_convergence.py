@@ -1,4 +1,4 @@
-"""Issue 4's convergence checks, on the CPU in a few minutes each.
+"""Convergence checks of the Transformer, on the CPU in a few minutes each.
 
 1. Markov source: a small LM's validation cross-entropy against the source's entropy rate
    (target: within 5%).

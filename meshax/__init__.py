@@ -15,11 +15,14 @@ from meshax import initializers, layers, optimize
 from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
 from meshax.core import (
+    ConfigError,
     Dimension,
     Graph,
     GraphError,
     LayoutError,
+    LayoutWarning,
     Mesh,
+    MeshaxError,
     Operation,
     Shape,
     Tensor,
@@ -33,6 +36,7 @@ from meshax.runtime import use_cpu_devices
 
 __version__ = "0.1.0"
 __all__ = [
+    "ConfigError",
     "Counters",
     "Dimension",
     "Graph",
@@ -40,10 +44,12 @@ __all__ = [
     "LaidOutTensor",
     "LayoutError",
     "LayoutRules",
+    "LayoutWarning",
     "LoweredFunction",
     "Lowering",
     "Mesh",
     "MeshImpl",
+    "MeshaxError",
     "OPEN",
     "Operation",
     "PlacementMeshImpl",

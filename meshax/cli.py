@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 
 DEFAULT_LAYOUTS = {
@@ -20,13 +22,41 @@ DEFAULT_LAYOUTS = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line on stderr (exit 2) that names the flag and the value."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind, low: float, what: str):
+    """An argparse type: a `kind` (int or float) >= low, finite."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not math.isfinite(value) or value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in its message
+    return parse
+
+
+_COUNT = _number(int, 1, "a whole number >= 1")
+_NATURAL = _number(int, 0, "a whole number >= 0")
+_RATE = _number(float, 0.0, "a number >= 0")
+
+
 def _parser() -> argparse.ArgumentParser:
+    from meshax import __version__
     from meshax.models.transformer import GSPMD_SHARDINGS
 
-    p = argparse.ArgumentParser(
-        prog="meshax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="meshax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"meshax {__version__}")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, helptext in (("train", "train a model"), ("plan", "print layouts and costs; run nothing")):
         s = sub.add_parser(name, help=helptext)
         s.add_argument(
@@ -50,28 +80,32 @@ def _parser() -> argparse.ArgumentParser:
             "let propagation lay out the rest; the layout rules still apply",
         )
         s.add_argument(
-            "--model", default="tiny", help="lm/seq2seq: a preset (tiny, small, paper-ff2048 .. paper-ff65536)"
+            "--model",
+            default=None,
+            help="lm/seq2seq: a preset (default tiny; small, paper-ff2048 .. paper-ff65536, gspmd-64b .. gspmd-1t)",
         )
-        s.add_argument("--batch-size", type=int, default=None)
-        s.add_argument("--length", type=int, default=None, help="lm/seq2seq: sequence length")
-        s.add_argument("--hidden", type=int, default=None, help="mlp/mnist: hidden units")
+        s.add_argument("--batch-size", type=_COUNT, default=None)
+        s.add_argument("--length", type=_COUNT, default=None, help="lm/seq2seq: sequence length")
+        s.add_argument("--hidden", type=_COUNT, default=None, help="mlp/mnist: hidden units")
         s.add_argument("--data", default=None, help="mnist: a folder with the four MNIST IDX files (default: digits)")
         s.add_argument(
             "--source", choices=["text", "markov"], default="text", help="lm: bytes of text or a Markov chain"
         )
         s.add_argument("--text", default=None, help="lm: a text file or folder (default: Python's standard library)")
         s.add_argument("--problem", choices=["reverse", "sort"], default="reverse", help="seq2seq task")
-        s.add_argument("--seed", type=int, default=0)
+        s.add_argument("--seed", type=_NATURAL, default=0)
+        s.add_argument("--debug", action="store_true", help="show the traceback of an error")
         if name == "train":
-            s.add_argument("--steps", type=int, default=300)
+            s.add_argument("--steps", type=_NATURAL, default=300)
             s.add_argument("--optimizer", choices=["adam", "adafactor"], default="adam")
-            s.add_argument("--lr", type=float, default=None, help="peak learning rate (adam: 1e-3; adafactor: its own)")
-            s.add_argument("--warmup", type=int, default=0, help="linear warmup steps, then linear decay to 0")
-            s.add_argument("--eval-every", type=int, default=100)
+            s.add_argument("--lr", type=_RATE, default=None, help="peak learning rate (adam: 1e-3; adafactor: its own)")
+            s.add_argument("--warmup", type=_NATURAL, default=0, help="linear warmup steps, then linear decay to 0")
+            s.add_argument("--eval-every", type=_NATURAL, default=100, help="0: only at the end")
             s.add_argument("--metrics", default=None, help="append metrics as JSON lines to this file")
             s.add_argument("--checkpoint-dir", default=None, help="save orbax checkpoints here")
-            s.add_argument("--checkpoint-every", type=int, default=0)
+            s.add_argument("--checkpoint-every", type=_NATURAL, default=0)
             s.add_argument("--resume", default=None, metavar="DIR", help="continue from the latest checkpoint in DIR")
+            s.add_argument("--tensorboard", default=None, metavar="DIR", help="also write TensorBoard event files here")
             s.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
         else:
             s.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -80,21 +114,68 @@ def _parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="also list every tensor's layout and where it came from, with warnings",
             )
+    s = sub.add_parser("plot", help="draw loss and throughput curves of runs to a PNG")
+    s.add_argument("metrics", nargs="+", help="JSON-lines files written by meshax train --metrics")
+    s.add_argument("--out", default="metrics.png", help="the PNG to write (default metrics.png)")
+    s.add_argument("--debug", action="store_true", help="show the traceback of an error")
     return p
+
+
+# Flags that only some tasks read: giving one to another task is a mistake, not a no-op.
+_ONLY_FOR = {
+    "sharding": ("lm", "seq2seq"),
+    "model": ("lm", "seq2seq"),
+    "length": ("lm", "seq2seq"),
+    "hidden": ("mlp", "mnist"),
+    "data": ("mnist",),
+    "text": ("lm",),
+}
+
+
+def _check(args) -> None:
+    """Flags that contradict each other or point at nothing: a ConfigError naming them."""
+    from meshax.core.errors import ConfigError
+
+    for flag, tasks in _ONLY_FOR.items():
+        if getattr(args, flag) not in (None, "") and args.task not in tasks:
+            raise ConfigError(f"--{flag} applies to {' and '.join(tasks)}, not to {args.task}")
+    if args.text and args.source != "text":
+        raise ConfigError(f"--text gives the text for --source text, but --source is {args.source}")
+    if args.data and not os.path.isdir(args.data):
+        raise ConfigError(f"--data {args.data!r} is not a folder: give the folder with the four MNIST IDX files")
+    if args.command != "train":
+        return
+    if args.warmup > args.steps:
+        raise ConfigError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
+    if args.checkpoint_every and not (args.checkpoint_dir or args.resume):
+        raise ConfigError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir DIR (or --resume DIR)")
+    if args.resume and args.checkpoint_dir and os.path.abspath(args.resume) != os.path.abspath(args.checkpoint_dir):
+        raise ConfigError(
+            f"--resume {args.resume!r} and --checkpoint-dir {args.checkpoint_dir!r} differ: a resumed run "
+            "keeps saving where it resumed from; give one of them"
+        )
+    if args.resume:
+        from meshax.train.checkpoint import latest_step
+
+        if latest_step(args.resume) is None:
+            raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (start with --checkpoint-dir)")
+    if args.metrics and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
+        raise ConfigError(f"--metrics {args.metrics!r}: its folder does not exist")
 
 
 def _task(args):
     from meshax.train import LmTask, MlpTask, MnistTask, Seq2SeqTask
 
-    batch = {"batch_size": args.batch_size} if args.batch_size else {}
-    length = {"length": args.length} if args.length else {}
+    batch = {"batch_size": args.batch_size} if args.batch_size is not None else {}
+    length = {"length": args.length} if args.length is not None else {}
+    model = args.model or "tiny"
     if args.task == "mlp":
         return MlpTask(hidden=args.hidden or 128, seed=args.seed, **batch)
     if args.task == "mnist":
         return MnistTask(hidden=args.hidden or 1024, data_dir=args.data, seed=args.seed, **batch)
     if args.task == "lm":
         return LmTask(
-            model=args.model,
+            model=model,
             source=args.source,
             text_path=args.text,
             seed=args.seed,
@@ -102,20 +183,19 @@ def _task(args):
             **batch,
             **length,
         )
-    return Seq2SeqTask(
-        model=args.model, problem=args.problem, seed=args.seed, sharding=args.sharding, **batch, **length
-    )
+    return Seq2SeqTask(model=model, problem=args.problem, seed=args.seed, sharding=args.sharding, **batch, **length)
 
 
 def _optimizer(args):
     from meshax import optimize
 
     steps = getattr(args, "steps", 1000)
-    if getattr(args, "optimizer", "adam") == "adafactor":
-        lr = args.lr and (optimize.linear_decay(args.lr, args.warmup, steps) if args.warmup else args.lr)
-        return optimize.AdafactorOptimizer(lr)
-    lr = getattr(args, "lr", None) or 1e-3
-    warmup = getattr(args, "warmup", 0)
+    lr, warmup = getattr(args, "lr", None), getattr(args, "warmup", 0)
+    if getattr(args, "optimizer", "adam") == "adafactor":  # no --lr: Adafactor's own schedule
+        return optimize.AdafactorOptimizer(
+            None if lr is None else optimize.linear_decay(lr, warmup, steps) if warmup else lr
+        )
+    lr = 1e-3 if lr is None else lr
     return optimize.AdamWeightDecayOptimizer(optimize.linear_decay(lr, warmup, steps) if warmup else lr)
 
 
@@ -142,42 +222,79 @@ def _layout_table(lowering):
 
 
 def main(argv=None) -> int:
+    """Run the command line; returns the exit status (2: bad input, said in one line on stderr)."""
+    from meshax.core.errors import LayoutWarning
+
     args = _parser().parse_args(argv)
-    if args.layout is None:
-        args.layout = DEFAULT_LAYOUTS[args.task]
-    from meshax.core.shape import convert_to_shape
-    from meshax.layout import convert_to_layout_rules
-
     try:
-        mesh_shape = convert_to_shape(args.mesh)
-        convert_to_layout_rules(args.layout)
-        if args.command == "train":
-            from meshax.runtime import use_cpu_devices
-
-            use_cpu_devices(mesh_shape.size)
-    except (ValueError, RuntimeError) as e:
-        print(f"meshax: {e}", file=sys.stderr)
+        return _run(args)
+    except (ValueError, RuntimeError, LayoutWarning) as e:  # MeshaxError is a ValueError
+        if args.debug:
+            raise
+        message = " ".join(str(e).split())
+        print(f"meshax: error: {message} (--debug shows where)", file=sys.stderr)
         return 2
 
-    from rich.console import Console
-    from rich.markup import escape
 
-    from meshax.core.errors import GraphError, LayoutError
-    from meshax.train.data import DataError
+def _console():
+    """Rich output on stdout; when stdout is a file or a pipe, as wide as the text (no cut names)."""
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=1000, no_color=True)
+
+
+def _run(args) -> int:
+    import warnings
+
+    from meshax.core.errors import LayoutWarning
+    from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
     from meshax.train.loop import build
 
-    console = Console()
-    try:
+    if args.command == "plot":
+        return _plot(args)
+    if args.layout is None:
+        args.layout = DEFAULT_LAYOUTS[args.task]
+    mesh_shape = convert_to_mesh_shape(args.mesh)
+    convert_to_layout_rules(args.layout)
+    _quiet_dependencies()
+    if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
+        from meshax.runtime import use_cpu_devices
+
+        use_cpu_devices(mesh_shape.size)
+    _check(args)
+    console = _console()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", LayoutWarning)  # a rule that splits nothing is a typo here
         task = _task(args)
         if args.command == "plan":
             return _plan(args, task, console)
         program = build(task, args.mesh, args.layout, args.backend, _optimizer(args), args.seed)
-    except (LayoutError, GraphError, DataError, ValueError) as e:
-        console.print(f"[red]meshax:[/red] {escape(str(e))}")
-        return 2
     console.print(_layout_table(program.lowering))
-    print(program.lowering.report(program.train_fn.counters), end="", flush=True)
+    print(program.lowering.report(program.train_fn.counters, width=console.width), end="", flush=True)
     return _train(args, task, program, console)
+
+
+def _plot(args) -> int:
+    from meshax.core.errors import ConfigError
+    from meshax.train.metrics import plot_metrics
+
+    if not args.out.endswith(".png"):
+        raise ConfigError(f"--out {args.out!r}: give a .png file")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ConfigError("meshax plot needs matplotlib: pip install 'meshax[plot]' (or matplotlib)") from None
+    print(plot_metrics(args.metrics, args.out))
+    return 0
+
+
+def _quiet_dependencies() -> None:
+    """Keep out what dependencies log that means nothing to a user (absl's notes from Orbax)."""
+    try:
+        from absl import logging as absl_logging
+    except ImportError:  # pragma: no cover
+        return
+    absl_logging.set_verbosity(absl_logging.ERROR)
 
 
 def _plan(args, task, console) -> int:
@@ -193,7 +310,7 @@ def _plan(args, task, console) -> int:
         print(json.dumps(summary.as_dict(), indent=1))
         return 0
     console.print(_layout_table(lowering))
-    print(lowering.report(counters), end="")
+    print(lowering.report(counters, width=console.width), end="")
     print(format_summary(summary), end="", flush=True)
     if args.explain:
         print("\n" + lowering.explain(), end="", flush=True)
@@ -201,18 +318,23 @@ def _plan(args, task, console) -> int:
 
 
 def _train(args, task, program, console) -> int:
+    from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from meshax.train.loop import train
 
     checkpoint_dir = args.resume or args.checkpoint_dir
-    with Progress(
+    if args.resume:
+        from meshax.train.checkpoint import latest_step
+
+        console.print(f"resuming from step {latest_step(args.resume)} of {args.resume}")
+    with Progress(  # on stderr, and only on a terminal: logs get the eval lines, not a bar
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),
         TextColumn("{task.fields[status]}"),
         TimeRemainingColumn(),
-        console=console,
-        disable=args.no_progress,
+        console=Console(stderr=True),
+        disable=args.no_progress or not sys.stderr.isatty(),
     ) as progress:
         bar = progress.add_task("train", total=args.steps, status="")
 
@@ -221,9 +343,9 @@ def _train(args, task, program, console) -> int:
             progress.update(bar, completed=step + 1, status=f"loss {loss:.4f}  {seconds * 1e3:.1f} ms/step{speed}")
 
         def on_eval(step, metrics):
-            progress.console.print(f"eval after step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            console.print(f"eval after step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
-        result = train(
+        train(
             task,
             steps=args.steps,
             seed=args.seed,
@@ -235,9 +357,8 @@ def _train(args, task, program, console) -> int:
             checkpoint_every=args.checkpoint_every,
             resume=bool(args.resume),
             metrics_path=args.metrics,
+            tensorboard_dir=args.tensorboard,
         )
-    if result.first_step:
-        console.print(f"resumed from step {result.first_step}")
     return 0
 
 

@@ -7,8 +7,10 @@ as their parameter, so they are laid out like it: a split parameter has split sl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
+from meshax.core.errors import ConfigError
 from meshax.core.graph import Tensor
 from meshax.ops import elementwise as ew
 from meshax.ops.reduce import reduce_mean, reduce_sum
@@ -53,7 +55,21 @@ def linear_decay(learning_rate: float, warmup_steps: int, total_steps: int) -> S
 
 
 def _as_schedule(lr) -> Schedule:
-    return lr if callable(lr) else constant_schedule(float(lr))
+    if callable(lr):
+        return lr
+    try:
+        value = float(lr)
+    except (TypeError, ValueError):
+        raise ConfigError(f"learning_rate {lr!r} is not a number or a schedule (a function of the step)") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(f"learning_rate {lr!r} must be a finite number >= 0")
+    return constant_schedule(value)
+
+
+def _fraction(name: str, value: float) -> float:
+    if not 0.0 <= value < 1.0:
+        raise ConfigError(f"{name} {value!r} must be in [0, 1)")
+    return value
 
 
 class Optimizer:
@@ -119,7 +135,7 @@ class MomentumOptimizer(Optimizer):
 
     def __init__(self, learning_rate, momentum: float = 0.9):
         super().__init__(learning_rate)
-        self.momentum = momentum
+        self.momentum = _fraction("momentum", momentum)
 
     def apply_grad(self, grad, var, lr, step):
         m = self._slot(var, "momentum")
@@ -141,7 +157,7 @@ class AdamWeightDecayOptimizer(Optimizer):
     ):
         super().__init__(learning_rate)
         self.weight_decay_rate = weight_decay_rate
-        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.beta_1, self.beta_2, self.epsilon = _fraction("beta_1", beta_1), _fraction("beta_2", beta_2), epsilon
         self.exclude = tuple(exclude_from_weight_decay)
 
     def apply_grad(self, grad, var, lr, step):

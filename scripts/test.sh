@@ -12,3 +12,4 @@ ruff format --check meshax tests benchmarks examples docs README.md
 mypy
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
 python -m pytest tests -q -p no:cacheprovider -n auto --dist worksteal "$@"
+python -m pytest tests -q -p no:cacheprovider -n auto --dist worksteal -m slow "$@"

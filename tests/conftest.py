@@ -36,6 +36,7 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "fuzz: the fuzzer's long profile (pytest -m fuzz --fuzz-cases N)")
+    config.addinivalue_line("markers", "slow: an end-to-end test left out of the default run (pytest -m slow)")
 
 
 # The placement backend compiles a program per device (~10-20 s per case set here): where a test

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # end-to-end, in subprocesses: run with `pytest -m slow`
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = ("section", "name", "config", "value", "unit")
 

@@ -68,13 +68,13 @@ def test_bad_input_is_reported_not_raised(capsys):
     assert main(["plan", "mlp", "--mesh", "rows:2;cols", "--layout", ""]) == 2
     assert "cols" in capsys.readouterr().err
     assert main(["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;hidden:all"]) == 2
-    assert "both split over mesh dim 'all'" in capsys.readouterr().out
+    assert "both split over mesh dim 'all'" in capsys.readouterr().err
     assert main(["plan", "mlp", "--mesh", "all:8", "--layout", "batch:nowhere"]) == 2
-    assert "nowhere" in capsys.readouterr().out
+    assert "nowhere" in capsys.readouterr().err
     assert main(["plan", "lm", "--text", "/no/such/corpus"]) == 2
-    assert "/no/such/corpus" in capsys.readouterr().out
+    assert "/no/such/corpus" in capsys.readouterr().err
     assert main(["plan", "lm", "--model", "huge"]) == 2
-    assert "unknown model 'huge'" in capsys.readouterr().out
+    assert "unknown model 'huge'" in capsys.readouterr().err
 
 
 def test_plan_of_a_paper_transformer_on_a_16x32_mesh(capsys):
@@ -125,7 +125,7 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
     assert main(["train", "lm", *common, "--steps", "3", "--checkpoint-dir", ckpt]) == 0
     assert main(["train", "lm", *common, "--steps", "5", "--resume", ckpt, "--metrics", str(tmp_path / "m.jsonl")]) == 0
     out = capsys.readouterr().out
-    assert "resumed from step 3" in out
+    assert "resuming from step 3" in out
     steps = [json.loads(line).get("step") for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert steps[:2] == [4, 5]
 
@@ -166,3 +166,26 @@ def test_unknown_sharding_is_refused(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "lm", "--sharding", "gspmd-3d"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_tensorboard_files_hold_the_losses_and_plot_draws_the_runs(tmp_path, capsys):
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = []
+    for layout in ("batch:all", "hidden:all"):
+        metrics, board = tmp_path / f"{layout.split(':')[0]}.jsonl", tmp_path / f"tb-{layout.split(':')[0]}"
+        argv = ["train", "mlp", "--mesh", "all:8", "--layout", layout, "--steps", "4", "--eval-every", "2"]
+        assert main([*argv, "--no-progress", "--metrics", str(metrics), "--tensorboard", str(board)]) == 0
+        logged = [json.loads(line) for line in metrics.read_text().splitlines()]
+        events = EventAccumulator(str(board))
+        events.Reload()
+        read = {e.step: e.value for e in events.Scalars("train/loss")}
+        assert read == pytest.approx({r["step"]: r["loss"] for r in logged if "loss" in r})
+        assert [e.step for e in events.Scalars("eval/loss")] == [2, 4]
+        runs.append(str(metrics))
+    out = tmp_path / "curves.png"
+    assert main(["plot", *runs, "--out", str(out)]) == 0
+    assert Image.open(out).size == (1200, 400)  # 12 x 4 inches at 100 dpi
+    assert main(["plot", str(tmp_path / "missing.jsonl")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -34,7 +34,14 @@ def test_the_block_finder_sees_marked_and_unmarked_blocks():
     assert python_blocks(text) == (["x = 1\n"], ["needs a GPU"])
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+SLOW = {"transformer.md"}  # trains a Transformer under four layouts: run with `pytest -m slow`
+
+
+@pytest.mark.parametrize(
+    "page",
+    [pytest.param(p, marks=pytest.mark.slow) if p.name in SLOW else p for p in PAGES],
+    ids=[str(p.relative_to(ROOT)) for p in PAGES],
+)
 def test_python_blocks_run(page, tmp_path):
     run, skipped = python_blocks(page.read_text())
     assert all(skipped), f"{page.name}: a block marked not run gives no reason"

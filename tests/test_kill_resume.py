@@ -9,6 +9,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow  # end-to-end, in subprocesses: run with `pytest -m slow`
 
 ARGS = [
     "train",
@@ -30,9 +33,8 @@ ARGS = [
     "--no-progress",
     "--steps",
     "40",
-    "--checkpoint-every",
-    "4",
 ]
+SAVING = ["--checkpoint-every", "4"]
 
 
 def _cli(args, **kw):
@@ -53,7 +55,7 @@ def _losses(path):
 
 def test_killed_run_resumes_exactly(tmp_path):
     ckpt, killed_log, full_log = tmp_path / "ckpt", tmp_path / "killed.jsonl", tmp_path / "full.jsonl"
-    proc = _cli([*ARGS, "--checkpoint-dir", str(ckpt), "--metrics", str(killed_log)])
+    proc = _cli([*ARGS, *SAVING, "--checkpoint-dir", str(ckpt), "--metrics", str(killed_log)])
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
         if killed_log.exists() and len(_losses(killed_log)) >= 10:
@@ -65,7 +67,7 @@ def test_killed_run_resumes_exactly(tmp_path):
     done_before_kill = len(_losses(killed_log))
     assert 10 <= done_before_kill < 40
 
-    resumed = _cli([*ARGS, "--resume", str(ckpt), "--metrics", str(killed_log)])
+    resumed = _cli([*ARGS, *SAVING, "--resume", str(ckpt), "--metrics", str(killed_log)])
     full = _cli([*ARGS, "--metrics", str(full_log)])
     assert resumed.wait(timeout=300) == 0, resumed.stderr.read().decode()
     assert full.wait(timeout=300) == 0, full.stderr.read().decode()

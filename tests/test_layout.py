@@ -228,3 +228,21 @@ def test_pnum_examples(impl_cls):
     assert list(impl.pnum_to_processor_coordinates(7)) == [0, 1, 3]
     assert list(impl.pnum_to_processor_coordinates(12)) == [1, 0, 0]
     assert impl.processor_coordinates_to_pnum([1, 1, 1]) == 12 + 4 + 1
+
+
+def test_a_rule_that_splits_nothing_warns_with_the_closest_name():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    x = mx.placeholder(mesh, "x", [mx.Dimension("batch", 8), mx.Dimension("hidden", 4)])
+    with pytest.warns(
+        mx.LayoutWarning, match="no tensor of the graph has a dim 'hiden' \\(did you mean 'hidden'\\?\\)"
+    ):
+        mx.Lowering(x.graph, {mesh: mx.SimdMeshImpl("all:8", "batch:all;hiden:all")})
+
+
+def test_a_rule_for_a_mesh_dim_the_mesh_lacks_is_an_error_with_the_closest_name():
+    with pytest.raises(mx.LayoutError, match="did you mean 'rows'"):
+        mx.SimdMeshImpl("rows:2;cols:4", "batch:row")
+    for bad, message in [("", "has no dims"), ("rows:2;rows:4", "twice"), ("rows:0", "at least one device")]:
+        with pytest.raises(mx.ConfigError, match=message):
+            mx.SimdMeshImpl(bad, "")

@@ -1,15 +1,18 @@
 """The IR: dimensions, shapes, graphs, meshes, tensors, operations. No JAX here."""
 
-from meshax.core.errors import GraphError, LayoutError
+from meshax.core.errors import ConfigError, GraphError, LayoutError, LayoutWarning, MeshaxError
 from meshax.core.graph import Graph, Mesh, Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Dimension, Shape, convert_to_shape
 
 __all__ = [
+    "ConfigError",
     "Dimension",
     "Graph",
     "GraphError",
     "LayoutError",
+    "LayoutWarning",
     "Mesh",
+    "MeshaxError",
     "Operation",
     "Shape",
     "Tensor",

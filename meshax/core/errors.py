@@ -1,10 +1,32 @@
-"""Exception classes users can catch by kind."""
+"""Exception classes users can catch by kind; all of them are `MeshaxError`s (and ValueErrors)."""
+
+from __future__ import annotations
+
+import difflib
 
 
-class LayoutError(ValueError):
+class MeshaxError(ValueError):
+    """A bad input to meshax: the message says what is wrong, the value given, and how to fix it."""
+
+
+class LayoutError(MeshaxError):
     """A layout that cannot be realised: two dims of one tensor on one mesh dim, or a split that
     does not divide. The message names the tensor, its dims and the mesh dim."""
 
 
-class GraphError(ValueError):
+class GraphError(MeshaxError):
     """An operation built with inputs that do not fit (wrong dims, mixed meshes, ...)."""
+
+
+class ConfigError(MeshaxError):
+    """A bad setting: a mesh shape, layout rules, an option of a task, optimizer or command."""
+
+
+class LayoutWarning(UserWarning):
+    """Layout rules that split nothing: they name a tensor dim no tensor of the graph has."""
+
+
+def did_you_mean(name: str, choices) -> str:
+    """' (did you mean 'x'?)' for the closest of `choices`, or ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -11,6 +11,8 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
+from meshax.core.errors import ConfigError
+
 
 class Dimension(NamedTuple):
     """A named tensor (or mesh) dimension. Equal by name and size, hashable."""
@@ -24,15 +26,19 @@ class Dimension(NamedTuple):
 
 def _as_dimension(x) -> Dimension:
     if isinstance(x, Dimension):
+        if not (isinstance(x.name, str) and x.name) or isinstance(x.size, bool) or not isinstance(x.size, int):
+            raise ConfigError(f"{x!r}: a dimension is a non-empty name and a whole-number size")
+        if x.size < 0:
+            raise ConfigError(f"dimension {x.name!r}: size {x.size} is negative")
         return x
     if isinstance(x, tuple | list) and len(x) == 2 and isinstance(x[0], str):
         name, size = x
         try:
             size = int(size)
         except (TypeError, ValueError):
-            raise ValueError(f"dimension {name!r}: size {size!r} is not an integer") from None
+            raise ConfigError(f"dimension {name!r}: size {size!r} is not an integer") from None
         if size < 0:
-            raise ValueError(f"dimension {name!r}: size {size} is negative")
+            raise ConfigError(f"dimension {name!r}: size {size} is negative")
         return Dimension(name, size)
     raise TypeError(f"cannot make a Dimension from {x!r}: give Dimension(name, size) or (name, size)")
 
@@ -47,7 +53,7 @@ class Shape:
         names = [d.name for d in dims]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise ValueError(
+            raise ConfigError(
                 f"shape {_fmt(dims)} repeats the dimension name(s) {repeated}: "
                 "each dimension of a tensor needs its own name (rename one, e.g. 'length' -> 'memory_length')"
             )
@@ -94,9 +100,9 @@ class Shape:
         for i, d in enumerate(self._dims):
             if d.name == name:
                 if not isinstance(dim, str) and d != dim:
-                    raise ValueError(f"shape {self} has {d}, not {dim}")
+                    raise ConfigError(f"shape {self} has {d}, not {dim}")
                 return i
-        raise ValueError(f"shape {self} has no dimension {name!r}")
+        raise ConfigError(f"shape {self} has no dimension {name!r}")
 
     def __contains__(self, x) -> bool:
         if isinstance(x, str):
@@ -149,17 +155,20 @@ def convert_to_shape(x) -> Shape:
     Strings may separate dims with ';', ',', '.' or whitespace; each token is `name:size`.
     """
     if x is None:
-        raise ValueError("a shape is required, got None")
+        raise ConfigError("a shape is required, got None")
     if isinstance(x, Shape):
         return x
     if isinstance(x, Dimension):
         return Shape([x])
     if isinstance(x, str):
-        return Shape(_parse_pairs(x, what="shape", integer_values=True))
+        return Shape(_parse_pairs(x, what="shape", integer_values=True, example="batch:8"))
     return Shape(x)
 
 
-def _parse_pairs(text: str, what: str, integer_values: bool) -> list[tuple]:
+_FORMS = {"shape": "dim_name:size", "mesh": "mesh_dim:devices", "layout": "tensor_dim:mesh_dim"}
+
+
+def _parse_pairs(text: str, what: str, integer_values: bool, example: str) -> list[tuple]:
     """Parse "k:v;k:v" (any of ; , . or spaces between) into pairs, naming a bad token."""
     pairs = []
     for token in _SEPARATORS.split(text.strip()):
@@ -167,13 +176,12 @@ def _parse_pairs(text: str, what: str, integer_values: bool) -> list[tuple]:
             continue
         parts = token.split(":")
         if len(parts) != 2 or not parts[0] or not parts[1]:
-            raise ValueError(f"bad {what} token {token!r} in {text!r}: expected name:value, e.g. 'batch:8'")
+            form = _FORMS.get(what, "name:value")
+            raise ConfigError(f"bad {what} entry {token!r} in {text!r}: write {form} pairs, e.g. {example!r}")
         key, value = parts
         if integer_values:
             if not value.isdigit():
-                raise ValueError(
-                    f"bad {what} token {token!r} in {text!r}: size {value!r} is not a non-negative integer"
-                )
+                raise ConfigError(f"bad {what} entry {token!r} in {text!r}: size {value!r} is not a whole number >= 0")
             value = int(value)
         pairs.append((key, value))
     return pairs

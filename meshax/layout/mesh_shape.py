@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
-from meshax.core.shape import Shape, convert_to_shape
+from meshax.core.errors import ConfigError
+from meshax.core.shape import Shape, _parse_pairs, convert_to_shape
 
 
 def convert_to_mesh_shape(x) -> Shape:
+    """A mesh shape from a Shape or "rows:2;cols:4": named mesh dims, each of at least one device."""
+    if isinstance(x, str):
+        pairs = _parse_pairs(x, what="mesh", integer_values=True, example="rows:2;cols:4")
+        names = [n for n, _ in pairs]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ConfigError(
+                f"mesh {x!r} names mesh dim(s) {repeated} twice: give each mesh dim once, e.g. 'rows:2;cols:4'"
+            )
+        x = pairs
     shape = convert_to_shape(x)
+    if shape.rank == 0:
+        raise ConfigError(f"the mesh {x!r} has no dims: name at least one, e.g. 'all:8' or 'rows:2;cols:4'")
     for d in shape:
         if d.size < 1:
-            raise ValueError(f"mesh dim {d.name!r} has size {d.size}; every mesh dim needs at least one device")
+            raise ConfigError(f"mesh dim {d.name!r} has size {d.size}: every mesh dim needs at least one device")
     return shape
 
 

@@ -63,7 +63,7 @@ def convert_to_layout_rules(x) -> LayoutRules:
     if isinstance(x, LayoutRules):
         return x
     if isinstance(x, str):
-        return LayoutRules(_parse_pairs(x, what="layout", integer_values=False))
+        return LayoutRules(_parse_pairs(x, what="layout", integer_values=False, example="batch:rows;hidden:cols"))
     return LayoutRules(x)
 
 

@@ -9,6 +9,7 @@ live here, between runs, in the backend's own form (a sharded global jax.Array f
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from meshax.core.errors import LayoutWarning, did_you_mean
 from meshax.core.graph import Graph, Mesh, Operation, Tensor
 from meshax.layout.plan import make_plan
 from meshax.lower.context import LoweringContext
@@ -46,6 +48,19 @@ def _variable(x):
     return op
 
 
+def _warn_unused_rules(graph: Graph, impl: MeshImpl) -> None:
+    """A rule for a dim no tensor has splits nothing: most likely a typo, so say so."""
+    names = {d.name for op in graph.operations for t in op.outputs for d in t.shape}
+    for tensor_dim in impl.layout_rules.tensor_dim_names:
+        if tensor_dim not in names:
+            warnings.warn(
+                f"layout rule {tensor_dim}:{','.join(impl.layout_rules.mesh_dims_for(tensor_dim))} splits nothing: "
+                f"no tensor of the graph has a dim {tensor_dim!r}{did_you_mean(tensor_dim, names)}",
+                LayoutWarning,
+                stacklevel=3,
+            )
+
+
 class Lowering:
     """Lays out a graph on its mesh, keeps its variables, and builds SPMD programs from it."""
 
@@ -62,6 +77,7 @@ class Lowering:
         for op in graph.operations:
             if op.mesh is not self.mesh:
                 raise ValueError(f"op {op.name} is on mesh {op.mesh.name!r}, which has no implementation")
+        _warn_unused_rules(graph, self.impl)
         self.plan = make_plan(graph.operations, self.impl.layout_rules, self.impl.shape)
         self.seed = seed
         self._variables: dict[Operation, object] = {}  # variable op -> backend value
@@ -174,12 +190,13 @@ class Lowering:
         """A compiled program computing `outputs` and applying `updates` (assign ops)."""
         return LoweredFunction(self, outputs, updates)
 
-    def report(self, counters: Counters | None = None) -> str:
+    def report(self, counters: Counters | None = None, width: int = 132) -> str:
         """The cost report: every collective with its op and source line, values, bytes and
-        FLOPs, then totals per kind (default: of the whole graph, `Lowering.counters`)."""
+        FLOPs, then totals per kind (default: of the whole graph, `Lowering.counters`), as a
+        table at most `width` characters wide."""
         from meshax.lower.report import format_report
 
-        return format_report(self, counters or self.counters)
+        return format_report(self, counters or self.counters, width)
 
     def tensor_layout(self, t: Tensor):
         """t's planned layout, as a TensorLayout (mesh axis indices per dim); `layout_of` gives it as a string."""

@@ -18,6 +18,7 @@ from jax.sharding import Mesh as JaxMesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from meshax.core.errors import LayoutError, did_you_mean
 from meshax.core.shape import Shape, convert_to_shape
 from meshax.layout import (
     TensorLayout,
@@ -52,6 +53,14 @@ class MeshImpl:
     def __init__(self, shape, layout=None, devices: Sequence | None = None):
         self.shape: Shape = convert_to_mesh_shape(shape)
         self.layout_rules = convert_to_layout_rules(layout)
+        names = self.shape.dimension_names
+        for tensor_dim, mesh_dim in self.layout_rules:
+            if mesh_dim not in names:
+                raise LayoutError(
+                    f"layout rule {tensor_dim}:{mesh_dim} names mesh dim {mesh_dim!r}, but the mesh "
+                    f"{';'.join(f'{d.name}:{d.size}' for d in self.shape)!r} has only {names}"
+                    + did_you_mean(mesh_dim, names)
+                )
         self._devices = list(devices) if devices is not None else None
         if self._devices is not None and len(self._devices) != self.size:
             raise ValueError(f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given")

@@ -8,8 +8,10 @@ import struct
 
 import numpy as np
 
+from meshax.core.errors import MeshaxError
 
-class DataError(ValueError):
+
+class DataError(MeshaxError):
     """Data that cannot be found or read; the message says what to install or where to point."""
 
 

@@ -8,7 +8,6 @@ function of it), so `resume` continues exactly, on the same or another mesh and 
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import Callable
 
@@ -17,6 +16,7 @@ from meshax.backends import PlacementMeshImpl, SimdMeshImpl
 from meshax.core.graph import Graph, Mesh
 from meshax.lower.lowering import LoweredFunction, Lowering
 from meshax.optimize import AdamWeightDecayOptimizer, Optimizer
+from meshax.train.metrics import MetricsWriter
 from meshax.train.tasks import Task
 
 BACKENDS = {"simd": SimdMeshImpl, "placement": PlacementMeshImpl}
@@ -94,11 +94,13 @@ def train(
     checkpoint_every: int = 0,
     resume: bool = False,
     metrics_path: str | None = None,
+    tensorboard_dir: str | None = None,
 ) -> TrainResult:
     """Train `task` up to step `steps`; evaluate every `eval_every` steps and at the end.
 
     With `checkpoint_dir`, save every `checkpoint_every` steps and at the end; with `resume`,
-    start from the latest checkpoint there (restored onto this run's mesh and layout)."""
+    start from the latest checkpoint there (restored onto this run's mesh and layout). Metrics
+    go to `metrics_path` (JSON lines) and `tensorboard_dir` (TensorBoard event files)."""
     program = program or build(task, mesh_shape, layout, backend, optimizer, seed)
     first = 0
     if resume:
@@ -109,10 +111,8 @@ def train(
         if latest_step(checkpoint_dir) is not None:
             first = int(restore_checkpoint(checkpoint_dir, program.lowering)["step"])
 
-    def record(entry):
-        if metrics_path:  # one line per record, appended and closed: a killed run loses nothing
-            with open(metrics_path, "a") as log:
-                log.write(json.dumps(entry) + "\n")
+    writer = MetricsWriter(metrics_path, tensorboard_dir)
+    record = writer.record
 
     def save(step):
         from meshax.train.checkpoint import save_checkpoint
@@ -157,4 +157,5 @@ def train(
         on_eval(*evals[-1])
     if checkpoint_dir:
         save(steps)
+    writer.close()
     return TrainResult(losses, evals, program.lowering, times, first)

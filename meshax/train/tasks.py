@@ -13,6 +13,7 @@ import os
 
 import numpy as np
 
+from meshax.core.errors import ConfigError, did_you_mean
 from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension
 from meshax.layers import softmax_cross_entropy_with_logits
@@ -55,6 +56,13 @@ class Task:
         raise NotImplementedError
 
     eval_batches_count: int = 8
+
+    def __post_init__(self):
+        """Sizes are whole numbers >= 1 (a ConfigError names the option and the value)."""
+        for field in ("batch_size", "length", "hidden", "io", "eval_batches_count"):
+            value = getattr(self, field, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{type(self).__name__}: {field}={value!r} must be a whole number >= 1")
 
     def _feeds(self, rng: np.random.Generator, val: bool) -> dict:
         """A batch of synthetic (or sampled) feeds drawn with `rng`; `val`: from held-out data."""
@@ -116,6 +124,7 @@ class MnistTask(Task):
     name = "mnist"
 
     def __post_init__(self):
+        super().__post_init__()
         load = (lambda: data.load_mnist(self.data_dir)) if self.data_dir else (lambda: data.load_digits(self.seed))
         self.x_train, self.y_train, self.x_test, self.y_test = load()
         if len(self.x_train) < self.batch_size:
@@ -152,7 +161,7 @@ def _config(model: str | TransformerConfig, **overrides) -> TransformerConfig:
     if isinstance(model, TransformerConfig):
         return dataclasses.replace(model, **overrides) if overrides else model
     if model not in PRESETS:
-        raise ValueError(f"unknown model {model!r}; the presets are {sorted(PRESETS)}")
+        raise ConfigError(f"unknown model {model!r}{did_you_mean(model, PRESETS)}: the presets are {sorted(PRESETS)}")
     return dataclasses.replace(PRESETS[model], **overrides)
 
 
@@ -173,6 +182,7 @@ class LmTask(Task):
     name = "lm"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.source == "text":
             self.config = _config(self.model, num_encoder_layers=0, sharding=self.sharding)
             if self.config.vocab_size < 256:
@@ -240,8 +250,9 @@ class Seq2SeqTask(Task):
     name = "seq2seq"
 
     def __post_init__(self):
+        super().__post_init__()
         if self.problem not in ("reverse", "sort"):
-            raise ValueError(f"unknown problem {self.problem!r}: use 'reverse' or 'sort'")
+            raise ConfigError(f"unknown problem {self.problem!r}: use 'reverse' or 'sort'")
         config = _config(self.model)
         self.config = _config(
             config, num_encoder_layers=config.num_encoder_layers or self.num_encoder_layers, sharding=self.sharding

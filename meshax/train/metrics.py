@@ -1,0 +1,93 @@
+"""Where training metrics go: JSON lines, TensorBoard event files, and plots of them.
+
+Each record is `{"step": n, "loss": ..., "step_seconds": ..., "tokens_per_second": ...}` for a
+training step, or `{"step": n, "eval": {metric: value}}` for an evaluation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from meshax.core.errors import ConfigError
+
+
+class MetricsWriter:
+    """Appends each record to a JSON-lines file (written and closed at once: a killed run loses
+    nothing it reported) and, with `tensorboard_dir`, to TensorBoard event files (tensorboardX)."""
+
+    def __init__(self, metrics_path: str | None = None, tensorboard_dir: str | None = None):
+        self.metrics_path = metrics_path
+        self._board = None
+        if tensorboard_dir:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:
+                raise ConfigError(
+                    "--tensorboard needs tensorboardX: pip install 'meshax[tensorboard]' (or tensorboardX)"
+                ) from None
+            self._board = SummaryWriter(tensorboard_dir)
+
+    def record(self, entry: dict) -> None:
+        if self.metrics_path:
+            with open(self.metrics_path, "a") as log:
+                log.write(json.dumps(entry) + "\n")
+        if self._board is not None:
+            step = entry["step"]
+            for key, value in entry.items():
+                if key == "eval":
+                    for name, v in value.items():
+                        self._board.add_scalar(f"eval/{name}", v, step)
+                elif key != "step":
+                    self._board.add_scalar(f"train/{key}", value, step)
+            self._board.flush()
+
+    def close(self) -> None:
+        if self._board is not None:
+            self._board.close()
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The records of a JSON-lines metrics file; a ConfigError naming the file and line if bad."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"metrics file {path!r} does not exist (write one with meshax train --metrics FILE)")
+    records = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if line.strip():
+                try:
+                    records.append(json.loads(line))
+                except json.JSONDecodeError:
+                    raise ConfigError(f"{path}:{number} is not a JSON line of meshax metrics") from None
+    return records
+
+
+def plot_metrics(paths: list[str], out: str, width: float = 12.0, height: float = 4.0, dpi: int = 100) -> str:
+    """Training loss (and evaluation loss, dashed) and throughput against the step, one line
+    per run (labelled by file name), side by side in a PNG of width x height inches at `dpi`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {os.path.splitext(os.path.basename(p))[0]: read_metrics(p) for p in paths}
+    fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(width, height), dpi=dpi)
+    for name, records in runs.items():
+        steps = [r for r in records if "loss" in r]
+        line = loss_ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], label=name)[0]
+        evals = [r for r in records if "loss" in r.get("eval", {})]
+        if evals:
+            loss_ax.plot([r["step"] for r in evals], [r["eval"]["loss"] for r in evals], "--", color=line.get_color())
+        key = "tokens_per_second" if any("tokens_per_second" in r for r in steps) else "step_seconds"
+        values = [r[key] if key == "tokens_per_second" else 1.0 / r[key] for r in steps if key in r]
+        speed_ax.plot([r["step"] for r in steps if key in r], values, label=name, color=line.get_color())
+        speed_ax.set_ylabel("tokens / s" if key == "tokens_per_second" else "steps / s")
+    loss_ax.set(xlabel="step", ylabel="loss (dashed: evaluation)", title="loss")
+    speed_ax.set(xlabel="step", title="throughput")
+    for ax in (loss_ax, speed_ax):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out

@@ -1,0 +1,113 @@
+"""A catalogue of bad command lines: each exits 2 with one line on stderr that names the flag or
+the value, no traceback, and nothing written."""
+
+import os
+
+import pytest
+
+from meshax.cli import main
+
+MLP = ["--mesh", "all:8", "--layout", "batch:all"]
+CASES = [  # (argv, a piece of the message)
+    (["plan", "lm", "--mesh", "all:8", "--layout", "vocab:all;d_ff:all;heads:all"], "heads"),
+    (["plan", "mlp", "--mesh", "rows:2;cols:4", "--layout", "batch:rows;hiden:cols"], "did you mean 'hidden'"),
+    (["plan", "mlp", *MLP, "--layout", "batch:al"], "did you mean 'all'"),
+    (["plan", "mlp", *MLP, "--batch-size", "-8"], "--batch-size"),
+    (["plan", "mlp", *MLP, "--batch-size", "0"], "'0' is not a whole number >= 1"),
+    (["plan", "mlp", *MLP, "--batch-size", "abc"], "'abc'"),
+    (["plan", "mlp", *MLP, "--batch-size", "1.5"], "'1.5'"),
+    (["train", "mlp", *MLP, "--steps", "-5"], "--steps"),
+    (["plan", "mlp", "--mesh", "rows:0;cols:4", "--layout", ""], "size 0"),
+    (["plan", "mlp", "--mesh", "", "--layout", ""], "has no dims"),
+    (["plan", "mlp", "--mesh", "rows:2;rows:4", "--layout", ""], "twice"),
+    (["plan", "mlp", "--mesh", "rows:2;cols", "--layout", ""], "'cols'"),
+    (["plan", "mlp", "--mesh", "rows:two", "--layout", ""], "'two'"),
+    (["plan", "mlp", "--mesh", "all:8", "--layout", "batch=all"], "e.g. 'batch:rows;hidden:cols'"),
+    (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:nowhere"], "'nowhere'"),
+    (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;hidden:all"], "both split over mesh dim 'all'"),
+    (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;batch:all"], "twice"),
+    (["plan", "mlp", "--mesh", "all:3", "--layout", "batch:all"], "evenly"),
+    (["plan", "mlp", "--mesh", "rows:2;cols:4", "--layout", "batch:rows;hidden:rows"], "'rows'"),
+    (["plan", "lm", "--length", "0"], "--length"),
+    (["plan", "mlp", *MLP, "--hidden", "-1"], "--hidden"),
+    (["plan", "mlp", *MLP, "--seed", "-1"], "--seed"),
+    (["train", "mlp", *MLP, "--lr", "-0.1"], "--lr"),
+    (["train", "mlp", *MLP, "--lr", "nan"], "'nan'"),
+    (["train", "mlp", *MLP, "--lr", "fast"], "'fast'"),
+    (["train", "mlp", *MLP, "--warmup", "-1"], "--warmup"),
+    (["train", "mlp", *MLP, "--steps", "100", "--warmup", "500"], "--warmup 500"),
+    (["train", "mlp", *MLP, "--eval-every", "-1"], "--eval-every"),
+    (["train", "mlp", *MLP, "--checkpoint-every", "-2"], "--checkpoint-every"),
+    (["train", "mlp", *MLP, "--checkpoint-every", "5"], "--checkpoint-dir"),
+    (["train", "mlp", *MLP, "--resume", "no_such_dir"], "no checkpoint"),
+    (["train", "mlp", *MLP, "--resume", "a", "--checkpoint-dir", "b"], "differ"),
+    (["train", "mlp", *MLP, "--metrics", "no/such/dir/m.jsonl"], "--metrics"),
+    (["train", "mlp", *MLP, "--optimizer", "sgd"], "'sgd'"),
+    (["plan", "mlp", *MLP, "--backend", "gpu"], "'gpu'"),
+    (["plan", "lm", "--sharding", "gspmd-3d"], "'gspmd-3d'"),
+    (["plan", "mlp", *MLP, "--sharding", "gspmd-2d-finalized"], "--sharding"),
+    (["plan", "lm", "--model", "huge"], "unknown model 'huge'"),
+    (["plan", "lm", "--model", "tinny"], "did you mean 'tiny'"),
+    (["plan", "mnist", *MLP, "--model", "tiny"], "--model"),
+    (["plan", "lm", "--hidden", "64"], "--hidden"),
+    (["plan", "mnist", *MLP, "--length", "8"], "--length"),
+    (["plan", "mnist", *MLP, "--data", "no/such/folder"], "no/such/folder"),
+    (["plan", "lm", "--data", "."], "--data"),
+    (["plan", "lm", "--text", "/no/such/corpus"], "/no/such/corpus"),
+    (["plan", "lm", "--source", "markov", "--text", "corpus.txt"], "--source"),
+    (["plan", "seq2seq", "--problem", "shuffle"], "'shuffle'"),
+    (["plan", "lm", "--source", "web"], "'web'"),
+    (["plan", "cnn"], "'cnn'"),
+    (["train"], "task"),
+    (["fly"], "'fly'"),
+]
+
+
+def _exit_code(argv) -> int:
+    try:
+        return main(argv)
+    except SystemExit as e:  # argparse's own errors
+        return e.code
+
+
+def test_the_catalogue_is_long_enough():
+    assert len(CASES) >= 40
+
+
+@pytest.mark.parametrize("argv,expected", CASES, ids=[" ".join(a)[:60] for a, _ in CASES])
+def test_bad_input_is_one_line_on_stderr(argv, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code = _exit_code(argv)
+    out, err = capsys.readouterr()
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert expected in lines[0], lines[0]
+    assert "Traceback" not in err and "Traceback" not in out
+    assert os.listdir(tmp_path) == []  # nothing written: no metrics, no checkpoint
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(Exception, match="did you mean 'hidden'"):
+        main(["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;hiden:all", "--debug"])
+
+
+LIBRARY = [  # (a call that builds something from a bad value, a piece of the message)
+    (lambda mx: mx.Shape([mx.Dimension("batch", -1)]), "negative"),
+    (lambda mx: mx.Shape([mx.Dimension("", 4)]), "non-empty name"),
+    (lambda mx: mx.optimize.SgdOptimizer(-0.1), "learning_rate -0.1"),
+    (lambda mx: mx.optimize.SgdOptimizer("fast"), "not a number"),
+    (lambda mx: mx.optimize.AdamWeightDecayOptimizer(1e-3, beta_1=1.0), "beta_1 1.0"),
+    (lambda mx: mx.optimize.MomentumOptimizer(0.1, momentum=-0.5), "momentum -0.5"),
+    (lambda mx: __import__("meshax.train", fromlist=["MlpTask"]).MlpTask(batch_size=0), "batch_size=0"),
+    (lambda mx: __import__("meshax.train", fromlist=["LmTask"]).LmTask(length=-3), "length=-3"),
+    (lambda mx: mx.SimdMeshImpl("rows:2;cols:4", "batch=rows"), "tensor_dim:mesh_dim"),
+]
+
+
+@pytest.mark.parametrize("build,expected", LIBRARY, ids=[m for _, m in LIBRARY])
+def test_bad_values_in_the_library_are_meshax_errors(build, expected):
+    import meshax as mx
+
+    with pytest.raises(mx.MeshaxError, match=expected):
+        build(mx)
