@@ -22,7 +22,11 @@ NEEDS_8 = {1, 2, 5, 7}  # the paper's layouts run on 8 devices
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[1])
-    p.add_argument("--quick", action="store_true", help="small sizes, few steps (the smoke test; < 60 s)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, few steps (the smoke test; about a minute and a half on 2 cores)",
+    )
     p.add_argument(
         "--sections", default=",".join(map(str, ALL_SECTIONS)), help="comma-separated sections to run (default: all)"
     )

@@ -29,15 +29,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _number(kind, low: float, what: str):
-    """An argparse type: a `kind` (int or float) >= low, finite."""
+def _number(kind, low: float, high: float, what: str):
+    """An argparse type: a `kind` (int or float) in [low, high)."""
 
     def parse(text: str):
         try:
             value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-        if not math.isfinite(value) or value < low:
+            ok = math.isfinite(value) and low <= value < high
+        except (ValueError, OverflowError):
+            ok = False
+        if not ok:
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
         return value
 
@@ -45,9 +46,10 @@ def _number(kind, low: float, what: str):
     return parse
 
 
-_COUNT = _number(int, 1, "a whole number >= 1")
-_NATURAL = _number(int, 0, "a whole number >= 0")
-_RATE = _number(float, 0.0, "a number >= 0")
+_COUNT = _number(int, 1, 2**31, "a whole number from 1 to 2**31 - 1")
+_NATURAL = _number(int, 0, 2**31, "a whole number from 0 to 2**31 - 1")
+_SEED = _number(int, 0, 2**32, "a whole number from 0 to 2**32 - 1")
+_RATE = _number(float, 0.0, math.inf, "a number >= 0")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -89,11 +91,13 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--hidden", type=_COUNT, default=None, help="mlp/mnist: hidden units")
         s.add_argument("--data", default=None, help="mnist: a folder with the four MNIST IDX files (default: digits)")
         s.add_argument(
-            "--source", choices=["text", "markov"], default="text", help="lm: bytes of text or a Markov chain"
+            "--source", choices=["text", "markov"], default=None, help="lm: bytes of text (default) or a Markov chain"
         )
         s.add_argument("--text", default=None, help="lm: a text file or folder (default: Python's standard library)")
-        s.add_argument("--problem", choices=["reverse", "sort"], default="reverse", help="seq2seq task")
-        s.add_argument("--seed", type=_NATURAL, default=0)
+        s.add_argument(
+            "--problem", choices=["reverse", "sort"], default=None, help="seq2seq: reverse (default) or sort"
+        )
+        s.add_argument("--seed", type=_SEED, default=0)
         s.add_argument("--debug", action="store_true", help="show the traceback of an error")
         if name == "train":
             s.add_argument("--steps", type=_NATURAL, default=300)
@@ -123,6 +127,8 @@ def _parser() -> argparse.ArgumentParser:
 
 # Flags that only some tasks read: giving one to another task is a mistake, not a no-op.
 _ONLY_FOR = {
+    "source": ("lm",),
+    "problem": ("seq2seq",),
     "sharding": ("lm", "seq2seq"),
     "model": ("lm", "seq2seq"),
     "length": ("lm", "seq2seq"),
@@ -139,12 +145,13 @@ def _check(args) -> None:
     for flag, tasks in _ONLY_FOR.items():
         if getattr(args, flag) not in (None, "") and args.task not in tasks:
             raise ConfigError(f"--{flag} applies to {' and '.join(tasks)}, not to {args.task}")
-    if args.text and args.source != "text":
-        raise ConfigError(f"--text gives the text for --source text, but --source is {args.source}")
+    if args.text and args.source == "markov":
+        raise ConfigError("--text gives the text for --source text, but --source is markov")
     if args.data and not os.path.isdir(args.data):
         raise ConfigError(f"--data {args.data!r} is not a folder: give the folder with the four MNIST IDX files")
     if args.command != "train":
         return
+    _check_paths(args)
     if args.warmup > args.steps:
         raise ConfigError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
     if args.checkpoint_every and not (args.checkpoint_dir or args.resume):
@@ -154,13 +161,37 @@ def _check(args) -> None:
             f"--resume {args.resume!r} and --checkpoint-dir {args.checkpoint_dir!r} differ: a resumed run "
             "keeps saving where it resumed from; give one of them"
         )
-    if args.resume:
-        from meshax.train.checkpoint import latest_step
+    from meshax.train.checkpoint import latest_step
 
-        if latest_step(args.resume) is None:
+    if args.resume:
+        last = latest_step(args.resume)
+        if last is None:
             raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (start with --checkpoint-dir)")
-    if args.metrics and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
-        raise ConfigError(f"--metrics {args.metrics!r}: its folder does not exist")
+        if args.steps <= last:
+            raise ConfigError(f"--resume {args.resume!r} is at step {last}: give --steps beyond it")
+    elif args.checkpoint_dir and latest_step(args.checkpoint_dir) is not None:
+        raise ConfigError(
+            f"--checkpoint-dir {args.checkpoint_dir!r} already holds the checkpoint of step "
+            f"{latest_step(args.checkpoint_dir)}: continue it with --resume, or give an empty folder"
+        )
+
+
+def _check_paths(args) -> None:
+    """Every path train writes to can be written, before anything runs."""
+    from meshax.core.errors import ConfigError
+
+    for flag, path in (
+        ("--checkpoint-dir", args.checkpoint_dir),
+        ("--resume", args.resume),
+        ("--tensorboard", args.tensorboard),
+    ):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"{flag} {path!r} is a file, not a folder")
+    if args.metrics:
+        if os.path.isdir(args.metrics):
+            raise ConfigError(f"--metrics {args.metrics!r} is a folder: give a file to append JSON lines to")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
+            raise ConfigError(f"--metrics {args.metrics!r}: its folder does not exist")
 
 
 def _task(args):
@@ -176,14 +207,16 @@ def _task(args):
     if args.task == "lm":
         return LmTask(
             model=model,
-            source=args.source,
+            source=args.source or "text",
             text_path=args.text,
             seed=args.seed,
             sharding=args.sharding,
             **batch,
             **length,
         )
-    return Seq2SeqTask(model=model, problem=args.problem, seed=args.seed, sharding=args.sharding, **batch, **length)
+    return Seq2SeqTask(
+        model=model, problem=args.problem or "reverse", seed=args.seed, sharding=args.sharding, **batch, **length
+    )
 
 
 def _optimizer(args):
@@ -228,7 +261,7 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     try:
         return _run(args)
-    except (ValueError, RuntimeError, LayoutWarning) as e:  # MeshaxError is a ValueError
+    except (ValueError, RuntimeError, OSError, LayoutWarning) as e:  # MeshaxError is a ValueError
         if args.debug:
             raise
         message = " ".join(str(e).split())
@@ -246,15 +279,21 @@ def _console():
 def _run(args) -> int:
     import warnings
 
-    from meshax.core.errors import LayoutWarning
+    from meshax.core.errors import ConfigError, LayoutWarning
     from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
     from meshax.train.loop import build
 
     if args.command == "plot":
         return _plot(args)
-    if args.layout is None:
-        args.layout = DEFAULT_LAYOUTS[args.task]
     mesh_shape = convert_to_mesh_shape(args.mesh)
+    if args.layout is None:  # the task's default rules; with a GSPMD sharding, the annotations alone
+        args.layout = "" if args.sharding else DEFAULT_LAYOUTS[args.task]
+        missing = [m for _, m in convert_to_layout_rules(args.layout) if m not in mesh_shape.dimension_names]
+        if missing:
+            raise ConfigError(
+                f"no --layout given, and the default layout of {args.task}, {args.layout!r}, splits over mesh "
+                f'dims {sorted(set(missing))} that --mesh {args.mesh!r} does not have: give --layout ("" for none)'
+            )
     convert_to_layout_rules(args.layout)
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
@@ -280,6 +319,8 @@ def _plot(args) -> int:
 
     if not args.out.endswith(".png"):
         raise ConfigError(f"--out {args.out!r}: give a .png file")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise ConfigError(f"--out {args.out!r}: its folder does not exist")
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -13,7 +13,7 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mlp", "--mesh", "rows:2;cols:4", "--layout", "batch:rows;hiden:cols"], "did you mean 'hidden'"),
     (["plan", "mlp", *MLP, "--layout", "batch:al"], "did you mean 'all'"),
     (["plan", "mlp", *MLP, "--batch-size", "-8"], "--batch-size"),
-    (["plan", "mlp", *MLP, "--batch-size", "0"], "'0' is not a whole number >= 1"),
+    (["plan", "mlp", *MLP, "--batch-size", "0"], "'0' is not a whole number from 1"),
     (["plan", "mlp", *MLP, "--batch-size", "abc"], "'abc'"),
     (["plan", "mlp", *MLP, "--batch-size", "1.5"], "'1.5'"),
     (["train", "mlp", *MLP, "--steps", "-5"], "--steps"),
@@ -60,6 +60,21 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "cnn"], "'cnn'"),
     (["train"], "task"),
     (["fly"], "'fly'"),
+    (["plan", "mlp", *MLP, "--seed", "9223372036854775808"], "--seed"),
+    (["plan", "mlp", *MLP, "--batch-size", "9" * 400], "--batch-size"),
+    (["plan", "lm", "--problem", "sort"], "--problem applies to seq2seq"),
+    (["plan", "seq2seq", "--source", "markov"], "--source applies to lm"),
+    (["plan", "mnist", "--mesh", "all:8"], "no --layout given"),
+    (["plot", "missing.jsonl"], "does not exist"),
+]
+
+# Cases that need a file and a folder to exist first ("afile", "adir"): nothing else may appear.
+WITH_PATHS = [
+    (["train", "mlp", *MLP, "--checkpoint-dir", "afile"], "is a file"),
+    (["train", "mlp", *MLP, "--tensorboard", "afile"], "is a file"),
+    (["train", "mlp", *MLP, "--metrics", "adir"], "is a folder"),
+    (["plot", "afile"], "not a line of meshax metrics"),
+    (["plot", "afile", "--out", "nodir/x.png"], "its folder does not exist"),
 ]
 
 
@@ -85,6 +100,30 @@ def test_bad_input_is_one_line_on_stderr(argv, expected, tmp_path, monkeypatch, 
     assert expected in lines[0], lines[0]
     assert "Traceback" not in err and "Traceback" not in out
     assert os.listdir(tmp_path) == []  # nothing written: no metrics, no checkpoint
+
+
+@pytest.mark.parametrize("argv,expected", WITH_PATHS, ids=[" ".join(a)[:60] for a, _ in WITH_PATHS])
+def test_bad_paths_are_one_line_on_stderr(argv, expected, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("[1, 2]\n")
+    (tmp_path / "adir").mkdir()
+    assert _exit_code(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and expected in err, err
+    assert sorted(os.listdir(tmp_path)) == ["adir", "afile"] and os.listdir(tmp_path / "adir") == []
+
+
+def test_a_used_checkpoint_folder_is_refused_before_training(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "mlp", *MLP, "--steps", "2", "--eval-every", "0", "--no-progress", "--checkpoint-dir", "ck"]
+    assert main([*run, "--metrics", "first.jsonl"]) == 0
+    capsys.readouterr()
+    assert _exit_code([*run, "--metrics", "second.jsonl"]) == 2  # without --resume: it would be overwritten
+    assert "already holds the checkpoint of step 2" in capsys.readouterr().err
+    resumed = ["train", "mlp", *MLP, "--steps", "2", "--resume", "ck", "--metrics", "second.jsonl"]
+    assert _exit_code(resumed) == 2  # nothing left to train
+    assert "give --steps beyond it" in capsys.readouterr().err
+    assert not os.path.exists("second.jsonl")
 
 
 def test_debug_shows_the_traceback():

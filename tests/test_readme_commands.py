@@ -1,5 +1,5 @@
-"""Every command of the README runs (fast variants: fewer steps), or is listed here with the
-reason it is not; a command added to the README without either fails here."""
+"""Every command in the README's code blocks runs (fast variants: fewer steps), or is listed
+here with the reason it is not; a command added to a code block without either fails here."""
 
 import shlex
 import subprocess

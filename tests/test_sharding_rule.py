@@ -36,15 +36,22 @@ def _op_classes() -> set[type]:
 
 
 def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
-    """A new op that derives its layout in its kernel (not through `ctx.layouts`) fails here."""
-    asked: set[type] = set()
-    real = LoweringContext.layouts
+    """A new op that derives its layout in its kernel (does not ask `ctx.layouts`, or asks and
+    then lays its results out another way) fails here."""
+    runs: dict = {}
+    produced: dict = {}
+    real_layouts, real_set_output = LoweringContext.layouts, LoweringContext.set_output
 
     def spy(self, op):
-        asked.add(type(op))
-        return real(self, op)
+        runs[op] = real_layouts(self, op)
+        return runs[op]
+
+    def spy_output(self, t, slices, layout=None, pending=()):
+        produced[t] = layout or self.plan[t]
+        return real_set_output(self, t, slices, layout, pending)
 
     monkeypatch.setattr(LoweringContext, "layouts", spy)
+    monkeypatch.setattr(LoweringContext, "set_output", spy_output)
     _, mesh = new_mesh()
     x = mx.placeholder(mesh, "x", [A, B])
     w = mx.placeholder(mesh, "w", [B, C])
@@ -63,7 +70,9 @@ def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
     low.function(out)
     expected = {c for c in _op_classes() if c.__name__ not in SOURCES_AND_SINKS}
     assert len(expected) >= 15
-    assert expected - asked == set(), "these ops derive their layout outside their sharding rule"
+    assert expected - {type(op) for op in runs} == set(), "these ops derive their layout outside their sharding rule"
+    for op, run in runs.items():
+        assert [produced[t] for t in op.outputs] == run.results, f"{op.name} lays its results out another way"
 
 
 def _shift_counters(offset, layout, mesh_shape="x:2;y:4"):

@@ -161,10 +161,11 @@ def moved(
 
 
 def choose(op, layouts_in: Sequence[TensorLayout], planned: Sequence[TensorLayout], mesh_shape: Shape) -> Run:
-    """How `op` runs, read from its sharding rule: of the splits taken from the results' plan
-    first, from the operands' reduced factors first, or from the operands first, the one that
-    moves the fewest values (on a tie, the earlier of the latter two: they keep the operands,
-    usually activations, in place; without a conflict all three are one). Taking a reduced
+    """How `op` runs, read from its sharding rule: of the splits taken from the operands'
+    reduced factors first, from the operands first, or from the results' plan first, the one
+    that moves the fewest values by `moved` (on a tie, the earliest of these three; for an op
+    without reduced factors the first is the results' plan; without a conflict all three are
+    one). (The lowering passes the operands' planned layouts.) Taking a reduced
     factor's split first is GSPMD's weight-update sharding: a weight's gradient summed over a
     batch split over the mesh dim that also splits the weight is reduce-scattered, not the
     activations gathered."""

@@ -56,9 +56,12 @@ def read_metrics(path: str) -> list[dict]:
         for number, line in enumerate(f, 1):
             if line.strip():
                 try:
-                    records.append(json.loads(line))
+                    record = json.loads(line)
                 except json.JSONDecodeError:
-                    raise ConfigError(f"{path}:{number} is not a JSON line of meshax metrics") from None
+                    record = None
+                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+                    raise ConfigError(f"{path}:{number} is not a line of meshax metrics (a JSON object with a step)")
+                records.append(record)
     return records
 
 
