@@ -169,11 +169,13 @@ def _check(args) -> None:
             raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (start with --checkpoint-dir)")
         if args.steps <= last:
             raise ConfigError(f"--resume {args.resume!r} is at step {last}: give --steps beyond it")
-    elif args.checkpoint_dir and latest_step(args.checkpoint_dir) is not None:
-        raise ConfigError(
-            f"--checkpoint-dir {args.checkpoint_dir!r} already holds the checkpoint of step "
-            f"{latest_step(args.checkpoint_dir)}: continue it with --resume, or give an empty folder"
-        )
+    elif args.checkpoint_dir:
+        last = latest_step(args.checkpoint_dir)
+        if last is not None:
+            raise ConfigError(
+                f"--checkpoint-dir {args.checkpoint_dir!r} already holds the checkpoint of step {last}: "
+                "continue it with --resume, or give an empty folder"
+            )
 
 
 def _check_paths(args) -> None:
@@ -279,21 +281,23 @@ def _console():
 def _run(args) -> int:
     import warnings
 
-    from meshax.core.errors import ConfigError, LayoutWarning
-    from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
-    from meshax.train.loop import build
-
     if args.command == "plot":
         return _plot(args)
+    from meshax.core.errors import ConfigError, LayoutError, LayoutWarning
+    from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
+    from meshax.lower.mesh_impl import check_mesh_dims
+    from meshax.train.loop import build
+
     mesh_shape = convert_to_mesh_shape(args.mesh)
     if args.layout is None:  # the task's default rules; with a GSPMD sharding, the annotations alone
         args.layout = "" if args.sharding else DEFAULT_LAYOUTS[args.task]
-        missing = [m for _, m in convert_to_layout_rules(args.layout) if m not in mesh_shape.dimension_names]
-        if missing:
+        try:
+            check_mesh_dims(convert_to_layout_rules(args.layout), mesh_shape)
+        except LayoutError as e:
             raise ConfigError(
-                f"no --layout given, and the default layout of {args.task}, {args.layout!r}, splits over mesh "
-                f'dims {sorted(set(missing))} that --mesh {args.mesh!r} does not have: give --layout ("" for none)'
-            )
+                f"no --layout given, so {args.task}'s default layout {args.layout!r} applies: {e}; "
+                'give --layout ("" for none)'
+            ) from None
     convert_to_layout_rules(args.layout)
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)

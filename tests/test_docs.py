@@ -15,18 +15,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = sorted(p for p in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")] if "```python" in p.read_text())
-FENCE = re.compile(r"(?P<marker><!--\s*not run:(?P<reason>[^>]*)-->\s*\n)?^```python\n(?P<code>.*?)^```", re.M | re.S)
+NOT_RUN = re.compile(r"<!--\s*not run:([^>]*)-->")
+
+
+def fenced_blocks(text: str) -> list[tuple[str, str, str | None]]:
+    """(language, code, the reason of a `<!-- not run: ... -->` on the line before, or None) of
+    each fenced code block, its fences paired in order."""
+    blocks, code, language, reason, previous = [], None, "", None, ""
+    for line in text.splitlines():
+        if line.startswith("```"):
+            if code is None:
+                code, language = [], line[3:].strip()
+                marker = NOT_RUN.fullmatch(previous.strip())
+                reason = marker[1].strip() if marker else None
+            else:
+                blocks.append((language, "".join(code), reason))
+                code = None
+        elif code is not None:
+            code.append(line + "\n")
+        previous = line
+    return blocks
 
 
 def python_blocks(text: str) -> tuple[list[str], list[str]]:
     """(blocks to run, reasons of the blocks marked not run)."""
-    run, skipped = [], []
-    for m in FENCE.finditer(text):
-        if m["marker"]:
-            skipped.append(m["reason"].strip())
-        else:
-            run.append(m["code"])
-    return run, skipped
+    blocks = [(code, reason) for language, code, reason in fenced_blocks(text) if language == "python"]
+    return [code for code, reason in blocks if reason is None], [reason for _, reason in blocks if reason is not None]
 
 
 def test_the_block_finder_sees_marked_and_unmarked_blocks():

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from meshax.cli import main
+from tests.test_docs import fenced_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
 NOT_RUN = {  # command prefix -> why it is not run here
@@ -26,17 +27,8 @@ NOT_RUN = {  # command prefix -> why it is not run here
 def readme_commands() -> list[str]:
     """Each shell command in the README's non-Python code blocks (continuations joined, the
     parts of `a && b` apart, comments dropped)."""
-    blocks, current, language = [], None, ""
-    for line in (ROOT / "README.md").read_text().splitlines():
-        if line.startswith("```"):
-            if current is None:
-                current, language = [], line[3:].strip()
-            else:
-                if language in ("", "console", "bash", "sh"):
-                    blocks.append("\n".join(current))
-                current = None
-        elif current is not None:
-            current.append(line)
+    shell = ("", "console", "bash", "sh")
+    blocks = [code for language, code, _ in fenced_blocks((ROOT / "README.md").read_text()) if language in shell]
     commands = []
     for block in blocks:
         for line in block.replace("\\\n", " ").splitlines():

@@ -170,12 +170,8 @@ def choose(op, layouts_in: Sequence[TensorLayout], planned: Sequence[TensorLayou
     batch split over the mesh dim that also splits the weight is reduce-scattered, not the
     activations gathered."""
     rule = rule_of(op)
-    sizes = {
-        f: t.shape[i].size
-        for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
-        for i, f in enumerate(fs)
-        if f is not None
-    }
+    tensors = [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
+    sizes = {f: t.shape[i].size for t, fs in tensors for i, f in enumerate(fs) if f is not None} if rule.windows else {}
     first, *others = [iteration(rule, layouts_in, planned, order, sizes, mesh_shape) for order in ORDERS]
     if any(o != first for o in others):
         operands = [(t.shape, layout) for t, layout in zip(op.inputs, layouts_in)]

@@ -21,6 +21,7 @@ from jax.sharding import PartitionSpec as P
 from meshax.core.errors import LayoutError, did_you_mean
 from meshax.core.shape import Shape, convert_to_shape
 from meshax.layout import (
+    LayoutRules,
     TensorLayout,
     convert_to_layout_rules,
     convert_to_mesh_shape,
@@ -35,6 +36,17 @@ from meshax.layout import (
 @functools.lru_cache(maxsize=1024)
 def _initializer_program(init: Callable, shape: tuple, dtype, sharding):
     return jax.jit(lambda key: init(key, shape, dtype), out_shardings=sharding)
+
+
+def check_mesh_dims(rules: LayoutRules, shape: Shape) -> None:
+    """A LayoutError (with the closest name) for a rule that names a mesh dim the mesh lacks."""
+    names = shape.dimension_names
+    for tensor_dim, mesh_dim in rules:
+        if mesh_dim not in names:
+            raise LayoutError(
+                f"layout rule {tensor_dim}:{mesh_dim} names mesh dim {mesh_dim!r}, but the mesh "
+                f"{';'.join(f'{d.name}:{d.size}' for d in shape)!r} has only {names}" + did_you_mean(mesh_dim, names)
+            )
 
 
 class Runner(Protocol):
@@ -53,14 +65,7 @@ class MeshImpl:
     def __init__(self, shape, layout=None, devices: Sequence | None = None):
         self.shape: Shape = convert_to_mesh_shape(shape)
         self.layout_rules = convert_to_layout_rules(layout)
-        names = self.shape.dimension_names
-        for tensor_dim, mesh_dim in self.layout_rules:
-            if mesh_dim not in names:
-                raise LayoutError(
-                    f"layout rule {tensor_dim}:{mesh_dim} names mesh dim {mesh_dim!r}, but the mesh "
-                    f"{';'.join(f'{d.name}:{d.size}' for d in self.shape)!r} has only {names}"
-                    + did_you_mean(mesh_dim, names)
-                )
+        check_mesh_dims(self.layout_rules, self.shape)
         self._devices = list(devices) if devices is not None else None
         if self._devices is not None and len(self._devices) != self.size:
             raise ValueError(f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given")
