@@ -15,6 +15,7 @@ SECTION_TITLES = {
     5: "Counter truth (meshax counters vs compiled HLO)",
     6: "GPU",
     7: "GSPMD annotations: meshax propagation vs XLA's, same annotations",
+    8: "Spatial partitioning: halo exchange vs XLA's, same shardings",
 }
 
 

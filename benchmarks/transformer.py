@@ -102,7 +102,7 @@ class MeshaxLm:
             self._has_values = True
 
     def sharding(self, t):
-        return self.lowering.impl.named_sharding(self.lowering.plan[t])
+        return self.lowering.impl.global_sharding(t.shape, self.lowering.plan[t])  # (replicated where uneven)
 
     def var_shardings(self) -> dict:
         return {n: self.sharding(v.outputs[0]) for n, v in self.variables().items()}

@@ -1,6 +1,7 @@
 """The `meshax` command: train a model on any mesh and layout, or plan one without running it.
 
     meshax train mnist --mesh "rows:2;cols:4" --layout "batch:rows;hidden:cols" --steps 300
+    meshax train cnn --mesh "rows:2;cols:4" --layout "h:rows;w:cols" --steps 300
     meshax train lm --model tiny --mesh "all:8" --layout "batch:all" --steps 500
     meshax plan seq2seq --model paper-ff65536 --mesh "rows:16;cols:32" \\
         --layout "batch:rows;vocab:cols;d_ff:cols;heads:cols" --batch-size 256 --length 256
@@ -17,6 +18,8 @@ import sys
 DEFAULT_LAYOUTS = {
     "mlp": "batch:rows;hidden:cols",
     "mnist": "batch:rows;hidden:cols",
+    "cnn": "h:rows;w:cols",
+    "unet": "h:rows;w:cols",
     "lm": "batch:rows;vocab:cols;d_ff:cols;heads:cols",
     "seq2seq": "batch:rows;vocab:cols;d_ff:cols;heads:cols",
 }
@@ -64,7 +67,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument(
             "task",
             choices=list(DEFAULT_LAYOUTS),
-            help="mlp: the paper's two-layer net; mnist: the README's classifier; "
+            help="mlp: the paper's two-layer net; mnist: the README's classifier; cnn: a convolutional "
+            "digits classifier; unet: a U-Net segmenting synthetic images; "
             "lm: a Transformer language model; seq2seq: a Transformer encoder-decoder",
         )
         s.add_argument("--mesh", default="rows:2;cols:4", help='named mesh dims (default "rows:2;cols:4")')
@@ -89,7 +93,12 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--batch-size", type=_COUNT, default=None)
         s.add_argument("--length", type=_COUNT, default=None, help="lm/seq2seq: sequence length")
         s.add_argument("--hidden", type=_COUNT, default=None, help="mlp/mnist: hidden units")
-        s.add_argument("--data", default=None, help="mnist: a folder with the four MNIST IDX files (default: digits)")
+        s.add_argument(
+            "--data", default=None, help="mnist/cnn: a folder with the four MNIST IDX files (default: digits)"
+        )
+        s.add_argument("--channels", type=_COUNT, default=None, help="cnn/unet: channels of the first convolution")
+        s.add_argument("--image-size", type=_COUNT, default=None, help="unet: pixels per side (default 16)")
+        s.add_argument("--spatial-dims", type=int, choices=[2, 3], default=None, help="unet: 2-D images or 3-D volumes")
         s.add_argument(
             "--source", choices=["text", "markov"], default=None, help="lm: bytes of text (default) or a Markov chain"
         )
@@ -133,7 +142,10 @@ _ONLY_FOR = {
     "model": ("lm", "seq2seq"),
     "length": ("lm", "seq2seq"),
     "hidden": ("mlp", "mnist"),
-    "data": ("mnist",),
+    "data": ("mnist", "cnn"),
+    "channels": ("cnn", "unet"),
+    "image_size": ("unet",),
+    "spatial_dims": ("unet",),
     "text": ("lm",),
 }
 
@@ -144,7 +156,7 @@ def _check(args) -> None:
 
     for flag, tasks in _ONLY_FOR.items():
         if getattr(args, flag) not in (None, "") and args.task not in tasks:
-            raise ConfigError(f"--{flag} applies to {' and '.join(tasks)}, not to {args.task}")
+            raise ConfigError(f"--{flag.replace('_', '-')} applies to {' and '.join(tasks)}, not to {args.task}")
     if args.text and args.source == "markov":
         raise ConfigError("--text gives the text for --source text, but --source is markov")
     if args.data and not os.path.isdir(args.data):
@@ -197,7 +209,7 @@ def _check_paths(args) -> None:
 
 
 def _task(args):
-    from meshax.train import LmTask, MlpTask, MnistTask, Seq2SeqTask
+    from meshax.train import CnnTask, LmTask, MlpTask, MnistTask, Seq2SeqTask, UNetTask
 
     batch = {"batch_size": args.batch_size} if args.batch_size is not None else {}
     length = {"length": args.length} if args.length is not None else {}
@@ -206,6 +218,16 @@ def _task(args):
         return MlpTask(hidden=args.hidden or 128, seed=args.seed, **batch)
     if args.task == "mnist":
         return MnistTask(hidden=args.hidden or 1024, data_dir=args.data, seed=args.seed, **batch)
+    if args.task == "cnn":
+        return CnnTask(channels=args.channels or 16, data_dir=args.data, seed=args.seed, **batch)
+    if args.task == "unet":
+        return UNetTask(
+            channels=args.channels or 8,
+            image_size=args.image_size or 16,
+            spatial_dims=args.spatial_dims or 2,
+            seed=args.seed,
+            **batch,
+        )
     if args.task == "lm":
         return LmTask(
             model=model,

@@ -90,4 +90,207 @@ def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim
     return -reduce_sum(targets * log_softmax(logits, d), reduced_dim=d)
 
 
-__all__ = ["dense", "dropout", "embedding", "layer_norm", "softmax_cross_entropy_with_logits"]
+def _conv_layer(
+    op_name,
+    op,
+    x: Tensor,
+    output_dim: Dimension,
+    filter_size,
+    transpose: bool,
+    use_bias,
+    name,
+    init,
+    variable_dtype,
+    **kw,
+):
+    k = len(filter_size)
+    spatial = list(x.shape.dims[-k - 1 : -1]) if x.shape.rank > k else []
+    if len(spatial) != k:
+        raise GraphError(f"{op_name}: {x.name} {x.shape} needs [..., {k} spatial dims, channels]")
+    name = _name(x, name, op_name)
+    window = [Dimension(f"{d.name}_filter", int(f)) for d, f in zip(spatial, filter_size)]
+    channels = [output_dim, x.shape[-1]] if transpose else [x.shape[-1], output_dim]
+    fan_in = math.prod(filter_size) * x.shape[-1].size
+    kernel = get_variable(
+        x.mesh,
+        f"{name}/kernel",
+        Shape(window + channels),
+        initializer=init or initializers.glorot_uniform(fan_in, math.prod(filter_size) * output_dim.size),
+        dtype=variable_dtype,
+    )
+    y = op(x, ew.cast(kernel, x.dtype), name=name, **kw)
+    if use_bias:
+        y = y + ew.cast(get_variable(x.mesh, f"{name}/bias", [output_dim], dtype=variable_dtype), x.dtype)
+    return y
+
+
+def _sizes(value, k):
+    return (int(value),) * k if isinstance(value, int) else tuple(value)
+
+
+def conv1d(
+    x,
+    output_dim,
+    filter_size=3,
+    stride=1,
+    padding="SAME",
+    filter_initializer=None,
+    variable_dtype="float32",
+    name=None,
+    use_bias=True,
+):
+    """Mesh-TensorFlow's conv1d layer: x [..., length, channels] convolved with a learned
+    kernel [length_filter, channels, output_dim] (+ bias), stride and padding as `mx.conv1d`."""
+    from meshax.ops.conv import conv1d as op
+
+    return _conv_layer(
+        "conv1d",
+        op,
+        x,
+        output_dim,
+        _sizes(filter_size, 1),
+        False,
+        use_bias,
+        name,
+        filter_initializer,
+        variable_dtype,
+        stride=stride,
+        padding=padding,
+    )
+
+
+def conv2d(
+    x,
+    output_dim,
+    filter_size=(3, 3),
+    strides=(1, 1),
+    padding="SAME",
+    filter_initializer=None,
+    variable_dtype="float32",
+    name=None,
+    use_bias=True,
+):
+    """Mesh-TensorFlow's conv2d layer: x [..., h, w, channels] convolved with a learned kernel
+    [h_filter, w_filter, channels, output_dim] (+ bias); variables `<name>/kernel`, `<name>/bias`."""
+    from meshax.ops.conv import conv2d as op
+
+    return _conv_layer(
+        "conv2d",
+        op,
+        x,
+        output_dim,
+        _sizes(filter_size, 2),
+        False,
+        use_bias,
+        name,
+        filter_initializer,
+        variable_dtype,
+        strides=strides,
+        padding=padding,
+    )
+
+
+def conv3d(
+    x,
+    output_dim,
+    filter_size=(3, 3, 3),
+    strides=(1, 1, 1),
+    padding="SAME",
+    filter_initializer=None,
+    variable_dtype="float32",
+    name=None,
+    use_bias=True,
+):
+    """Mesh-TensorFlow's conv3d layer: x [..., d, h, w, channels], a learned 3-D kernel (+ bias)."""
+    from meshax.ops.conv import conv3d as op
+
+    return _conv_layer(
+        "conv3d",
+        op,
+        x,
+        output_dim,
+        _sizes(filter_size, 3),
+        False,
+        use_bias,
+        name,
+        filter_initializer,
+        variable_dtype,
+        strides=strides,
+        padding=padding,
+    )
+
+
+def conv2d_transpose(
+    x,
+    output_dim,
+    filter_size=(2, 2),
+    strides=(2, 2),
+    padding="SAME",
+    filter_initializer=None,
+    variable_dtype="float32",
+    name=None,
+    use_bias=True,
+):
+    """Mesh-TensorFlow's conv2d_transpose layer (upsampling): a learned kernel [h_filter,
+    w_filter, output_dim, channels] (+ bias); "SAME" multiplies h and w by the strides."""
+    from meshax.ops.conv import conv2d_transpose as op
+
+    return _conv_layer(
+        "conv2d_transpose",
+        op,
+        x,
+        output_dim,
+        _sizes(filter_size, 2),
+        True,
+        use_bias,
+        name,
+        filter_initializer,
+        variable_dtype,
+        strides=strides,
+        padding=padding,
+    )
+
+
+def conv3d_transpose(
+    x,
+    output_dim,
+    filter_size=(2, 2, 2),
+    strides=(2, 2, 2),
+    padding="SAME",
+    filter_initializer=None,
+    variable_dtype="float32",
+    name=None,
+    use_bias=True,
+):
+    """Mesh-TensorFlow's conv3d_transpose layer: a learned kernel [d_filter, h_filter, w_filter,
+    output_dim, channels] (+ bias)."""
+    from meshax.ops.conv import conv3d_transpose as op
+
+    return _conv_layer(
+        "conv3d_transpose",
+        op,
+        x,
+        output_dim,
+        _sizes(filter_size, 3),
+        True,
+        use_bias,
+        name,
+        filter_initializer,
+        variable_dtype,
+        strides=strides,
+        padding=padding,
+    )
+
+
+__all__ = [
+    "conv1d",
+    "conv2d",
+    "conv2d_transpose",
+    "conv3d",
+    "conv3d_transpose",
+    "dense",
+    "dropout",
+    "embedding",
+    "layer_norm",
+    "softmax_cross_entropy_with_logits",
+]

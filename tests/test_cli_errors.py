@@ -9,7 +9,7 @@ from meshax.cli import main
 
 MLP = ["--mesh", "all:8", "--layout", "batch:all"]
 CASES = [  # (argv, a piece of the message)
-    (["plan", "lm", "--mesh", "all:8", "--layout", "vocab:all;d_ff:all;heads:all"], "heads"),
+    (["plan", "lm", "--mesh", "all:8", "--layout", "vocab:all;d_model:all"], "both split over mesh dim 'all'"),
     (["plan", "mlp", "--mesh", "rows:2;cols:4", "--layout", "batch:rows;hiden:cols"], "did you mean 'hidden'"),
     (["plan", "mlp", *MLP, "--layout", "batch:al"], "did you mean 'all'"),
     (["plan", "mlp", *MLP, "--batch-size", "-8"], "--batch-size"),
@@ -26,7 +26,6 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:nowhere"], "'nowhere'"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;hidden:all"], "both split over mesh dim 'all'"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;batch:all"], "twice"),
-    (["plan", "mlp", "--mesh", "all:3", "--layout", "batch:all"], "evenly"),
     (["plan", "mlp", "--mesh", "rows:2;cols:4", "--layout", "batch:rows;hidden:rows"], "'rows'"),
     (["plan", "lm", "--length", "0"], "--length"),
     (["plan", "mlp", *MLP, "--hidden", "-1"], "--hidden"),
@@ -57,7 +56,11 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "lm", "--source", "markov", "--text", "corpus.txt"], "--source"),
     (["plan", "seq2seq", "--problem", "shuffle"], "'shuffle'"),
     (["plan", "lm", "--source", "web"], "'web'"),
-    (["plan", "cnn"], "'cnn'"),
+    (["plan", "convnet"], "'convnet'"),
+    (["plan", "mlp", *MLP, "--channels", "8"], "--channels applies to cnn and unet"),
+    (["plan", "cnn", "--image-size", "32"], "--image-size applies to unet"),
+    (["plan", "unet", "--spatial-dims", "4"], "--spatial-dims"),
+    (["plan", "unet", "--image-size", "18"], "image_size=18 must be a multiple of 2**depth = 4"),
     (["train"], "task"),
     (["fly"], "'fly'"),
     (["plan", "mlp", *MLP, "--seed", "9223372036854775808"], "--seed"),

@@ -12,6 +12,7 @@ from tests.conftest import IMPL_IDS, IMPLS, B, D, new_mesh, run
 
 DTYPES = ["float32", "bfloat16", "int32", "bool"]
 K = mx.Dimension("k", 2)
+KK = mx.Dimension("kk", 2)
 
 # op name -> builder(x [b, d] of the dtype under test, ids [b] int32, mesh) -> tensor(s)
 BUILDERS = {
@@ -25,6 +26,23 @@ BUILDERS = {
     "cast": lambda x, i, m: mx.cast(x, "float32"),
     "concat": lambda x, i, m: mx.concat([x, x], "d"),
     "constant": lambda x, i, m: mx.constant(m, 1, [B], x.dtype),
+    "conv1d": lambda x, i, m: mx.conv1d(x, mx.ones(m, "fb:3;d:8;o:2", x.dtype)),
+    "conv2d": lambda x, i, m: mx.conv2d(mx.broadcast(x, [K, B, D]), mx.ones(m, "fk:1;fb:3;d:8;o:2", x.dtype)),
+    "conv3d": lambda x, i, m: mx.conv3d(
+        mx.broadcast(x, [K, KK, B, D]), mx.ones(m, "fk:1;fkk:1;fb:3;d:8;o:2", x.dtype), 1
+    ),
+    "conv2d_transpose": lambda x, i, m: mx.conv2d_transpose(
+        mx.broadcast(x, [K, B, D]), mx.ones(m, "fk:1;fb:2;o:2;d:8", x.dtype), (1, 2)
+    ),
+    "conv3d_transpose": lambda x, i, m: mx.conv3d_transpose(
+        mx.broadcast(x, [K, KK, B, D]), mx.ones(m, "fk:1;fkk:1;fb:2;o:2;d:8", x.dtype), (1, 1, 2)
+    ),
+    "max_pool1d": lambda x, i, m: mx.max_pool1d(x, 2),
+    "max_pool2d": lambda x, i, m: mx.max_pool2d(mx.broadcast(x, [K, B, D]), (2, 2)),
+    "max_pool3d": lambda x, i, m: mx.max_pool3d(mx.broadcast(x, [K, KK, B, D]), (1, 2, 2)),
+    "avg_pool1d": lambda x, i, m: mx.avg_pool1d(x, 2),
+    "avg_pool2d": lambda x, i, m: mx.avg_pool2d(mx.broadcast(x, [K, B, D]), (2, 2)),
+    "avg_pool3d": lambda x, i, m: mx.avg_pool3d(mx.broadcast(x, [K, KK, B, D]), (1, 2, 2)),
     "cos": lambda x, i, m: mx.cos(x),
     "cumsum": lambda x, i, m: mx.cumsum(x, D),
     "divide": lambda x, i, m: mx.divide(x, 3),
@@ -139,9 +157,12 @@ def test_declared_dtype_is_produced_or_refused_at_build_time(impl_cls, dtype):
     expected = {
         "float32": logical | {"one_hot"},  # one_hot takes integer indices
         "bfloat16": logical | {"one_hot"},
-        "int32": logical | floats_only,
+        "int32": logical | floats_only | {"conv2d_transpose", "conv3d_transpose"},
         # bools are not numbers: no products, negation, sign, max or min (reduce_any/all are those)
-        "bool": floats_only | {"einsum", "matmul", "negative", "one_hot", "reduce_max", "reduce_min", "sign"},
+        "bool": floats_only
+        | {"einsum", "matmul", "negative", "one_hot", "reduce_max", "reduce_min", "sign"}
+        | {f"{op}{k}d" for op in ("conv", "max_pool", "avg_pool") for k in (1, 2, 3)}
+        | {"conv2d_transpose", "conv3d_transpose"},
     }
     assert sorted(refused) == sorted(expected[dtype])
 

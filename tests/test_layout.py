@@ -6,6 +6,7 @@ import re
 import pytest
 
 import meshax as mx
+from meshax.layout.rules import block_sizes, valid_size
 from tests.conftest import IMPL_IDS, IMPLS
 
 IMAGE = [("batch", 100), ("rows", 28), ("cols", 28), ("channels", 3)]
@@ -118,22 +119,16 @@ def test_readme_two_dims_same_mesh_dim_is_illegal(impl_cls):
 
 
 @impls
-def test_readme_non_divisible_is_illegal(impl_cls):
+def test_readme_non_divisible_is_padded(impl_cls):
+    """Mesh-TensorFlow's README calls this layout illegal; as in GSPMD, meshax pads: 3 channels
+    over 2 rows are 2 per device, the second device's second channel padding."""
     impl = impl_cls(README_MESH, "channels:processor_rows")
     shape = mx.convert_to_shape(IMAGE)
-    with pytest.raises(mx.LayoutError) as info:
-        impl.tensor_layout(shape)
-    msg = str(info.value)
-    assert "channels" in msg
-    assert "3" in msg
-    assert "2" in msg
-
-
-@impls
-def test_layout_error_on_slice_shape_too(impl_cls):
-    impl = impl_cls(README_MESH, "channels:processor_rows")
-    with pytest.raises(mx.LayoutError):
-        impl.slice_shape(mx.convert_to_shape(IMAGE))
+    assert list(impl.slice_shape(shape))[-1] == 2
+    rows = impl.tensor_layout(shape).axes[-1]
+    second = impl.processor_coordinates_to_pnum([1, 0])
+    assert impl.slice_begin(shape, second)[-1] == 2
+    assert valid_size(3, rows, impl.shape, [1, 0]) == 1
 
 
 @impls
@@ -171,14 +166,19 @@ def test_split_over_two_of_three_mesh_dims(impl_cls):
 
 @impls
 def test_split_over_two_mesh_dims_not_divisible(impl_cls):
-    # 12 is divisible by 2 and by 4, but not by 2*4.
+    """12 over rows:2 then cols:4 is padded at each level: blocks of 6, then of 2 (6 = 2+2+2+0),
+    so every device but the last of each row holds 2 values, and the last none."""
     impl = impl_cls("rows:2;cols:4", "batchy:rows;batchy:cols")
-    with pytest.raises(mx.LayoutError) as info:
-        impl.tensor_layout(mx.convert_to_shape("batchy:12"))
-    msg = str(info.value)
-    assert "batchy" in msg
-    assert "12" in msg
-    assert "8" in msg
+    shape = mx.convert_to_shape("batchy:12")
+    axes = impl.tensor_layout(shape).axes[0]
+    assert block_sizes(12, axes, impl.shape) == [12, 6, 2]
+    begins, valid = [], []
+    for p in range(8):
+        coords = impl.pnum_to_processor_coordinates(p)
+        begins.append(impl.slice_begin(shape, p)[0])
+        valid.append(valid_size(12, axes, impl.shape, coords))
+    assert begins == [0, 2, 4, 6, 6, 8, 10, 12]
+    assert valid == [2, 2, 2, 0, 2, 2, 2, 0]
 
 
 @impls

@@ -66,8 +66,15 @@ def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
     g = mx.gather(h, ids, A)  # gather
     v, _ = mx.top_k(g, C, K)  # top_k
     out = mx.reduce_sum(mx.broadcast(v, [A, K, B]), output_shape=[B])  # broadcast, reduce
-    low = mx.Lowering(out.graph, {mesh: mx.SimdMeshImpl("x:2;y:4", "C:y")})
-    low.function(out)
+    img = mx.placeholder(mesh, "img", [A, B, C])  # conv and pool, with their gradients
+    f = mx.placeholder(mesh, "f", "fb:3;C:8;o:2")
+    pooled = mx.max_pool1d(mx.conv1d(img, f, 1, "SAME"), 2)
+    out += mx.reduce_sum(
+        mx.conv2d_transpose(mx.broadcast(out, [A, B, mx.Dimension("o", 1)]), mx.ones(mesh, "fa:1;fb:2;C:2;o:1"), (1, 2))
+    )
+    grads = mx.gradients([mx.reduce_sum(pooled) + out], [img, f])
+    low = mx.Lowering(out.graph, {mesh: mx.SimdMeshImpl("x:2;y:4", "C:y;B:x")})
+    low.function([out, pooled, *grads])
     expected = {c for c in _op_classes() if c.__name__ not in SOURCES_AND_SINKS}
     assert len(expected) >= 15
     assert expected - {type(op) for op in runs} == set(), "these ops derive their layout outside their sharding rule"
@@ -93,9 +100,27 @@ def test_a_windowed_dim_stays_split_where_its_halo_fits(offset):
     assert c["permute"].values == abs(offset) * 4
 
 
-def test_a_windowed_dim_is_gathered_where_its_halo_does_not_fit():
-    assert _shift_counters(3, "A:y")["allgather"].count == 1  # 3 rows wanted, 2 held
+def test_a_halo_wider_than_a_slice_takes_several_hops():
+    c = _shift_counters(3, "A:y")  # 3 rows wanted, 2 held: 2 from the device before, 1 from the one before it
+    assert (c["permute"].count, c["allgather"].count) == (2, 0)
+    assert c["permute"].values == (2 + 1) * 4
+
+
+def test_a_windowed_dim_is_gathered_where_its_halo_cannot_be_exchanged():
     assert _shift_counters(1, "A:x;A:y")["allgather"].count >= 1  # split over two mesh dims
+    assert _shift_counters(8, "A:y")["allgather"].count == 1  # the whole dim
+
+
+def test_a_cyclic_window_stays_split_only_where_the_split_divides():
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [mx.Dimension("A", 7), B])
+    for wrap, halos in ((True, 0), (False, 1)):
+        y = mx.shift(x, 1, "A", wrap=wrap)
+        low = mx.Lowering(y.graph, {mesh: mx.SimdMeshImpl("y:4", "A:y")})
+        xv = rand([7, 4], 1)
+        want = np.roll(xv, 1, 0) if wrap else np.concatenate([np.zeros((1, 4)), xv[:-1]])
+        assert_close(low.function(y)({"x": xv}), want)
+        assert low.trace_step([y])["permute"].count == halos
 
 
 def test_gather_owes_a_sum_over_the_mesh_dims_that_split_the_table_rows():

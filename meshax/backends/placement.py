@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshax.layout import slice_begin, slice_shape
+from meshax.layout import slice_index, slice_shape
 from meshax.lower.mesh_impl import MeshImpl
 
 _REDUCE = {"sum": jnp.add, "max": jnp.maximum, "min": jnp.minimum}
@@ -105,40 +105,38 @@ class PlacementMeshImpl(MeshImpl):
         return out
 
     # ---- values: a list of per-device arrays, in pnum order ------------------------------------
-    def from_global(self, array, spec):
+    def from_padded(self, array, spec):
         by_device = {s.device: s.data for s in array.addressable_shards}
         return [by_device[d] for d in self.devices]
 
-    def to_global(self, value, spec):
+    def to_padded(self, value, spec):
         # each device's array is exactly its shard of the layout's NamedSharding over these devices
-        shape, _, layout = spec
         return jax.make_array_from_single_device_arrays(
-            tuple(shape.to_integer_list), self.named_sharding(layout), list(value)
+            self.padded_shape(spec), self.named_sharding(spec[2]), list(value)
         )
 
     def put(self, array, spec):
         shape, _, layout = spec
-        return self._split(np.asarray(array), shape, layout)
+        padded = self._pad(np.asarray(array), spec)
+        return [self._put(padded[where], p) for p, where in enumerate(self._stripes(shape, layout))]
 
     def fetch(self, value, spec):
-        return self._assemble(value, *spec)
+        shape, dtype, layout = spec
+        full = np.empty(self.padded_shape(spec), dtype=dtype)
+        for where, piece in zip(self._stripes(shape, layout), value):
+            full[where] = np.asarray(piece)
+        return self._unpad(full, spec)
 
     # ---- execution -------------------------------------------------------------------------
-    def _split(self, array, shape, layout) -> list:
+    def _stripes(self, shape, layout) -> list[tuple[slice, ...]]:
+        """Per device, where its slice lies in the padded global array."""
         size = slice_shape(shape, layout, self.shape)
         out = []
         for p in range(self.size):
-            begin = slice_begin(shape, layout, self.shape, self.pnum_to_processor_coordinates(p))
-            out.append(self._put(array[tuple(slice(b, b + s) for b, s in zip(begin, size))], p))
+            coords = self.pnum_to_processor_coordinates(p)
+            begin = [s * slice_index(a, coords, self.shape) for s, a in zip(size, layout.axes)]
+            out.append(tuple(slice(b, b + s) for b, s in zip(begin, size)))
         return out
-
-    def _assemble(self, slices, shape, dtype, layout) -> np.ndarray:
-        full = np.empty(shape.to_integer_list, dtype=dtype)
-        size = slice_shape(shape, layout, self.shape)
-        for p in range(self.size):
-            begin = slice_begin(shape, layout, self.shape, self.pnum_to_processor_coordinates(p))
-            full[tuple(slice(b, b + s) for b, s in zip(begin, size))] = np.asarray(slices[p])
-        return full
 
     def trace(self, body, in_specs):
         def run(seed, *flat):

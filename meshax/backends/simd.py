@@ -16,6 +16,7 @@ from jax.sharding import AbstractMesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from meshax.lower.mesh_impl import MeshImpl
+from meshax.lower.padding import padded_dims
 
 _REDUCERS = {"sum": jax.lax.psum, "max": jax.lax.pmax, "min": jax.lax.pmin}
 
@@ -61,17 +62,19 @@ class SimdMeshImpl(MeshImpl):
         return [jax.lax.ppermute(xs[0], self.axis_names[axis], perm)]
 
     # ---- values ----------------------------------------------------------------------------
-    def from_global(self, array, spec):
+    # A value is the padded global array (the logical one, where the layout's splits divide).
+    def from_padded(self, array, spec):
         return array
 
-    def to_global(self, value, spec):
+    def to_padded(self, value, spec):
         return value
 
     def put(self, array, spec):
-        return jax.device_put(array, self.named_sharding(spec[2]))
+        return jax.device_put(self._pad(array, spec), self.named_sharding(spec[2]))
 
     def fetch(self, value, spec):
-        return np.array(value)  # a writable copy, as the placement backend's assembled arrays are
+        # a writable copy, as the placement backend's assembled arrays are
+        return np.array(self._unpad(np.asarray(value), spec))
 
     # ---- execution -------------------------------------------------------------------------
     def _local(self, body: Callable) -> Callable:
@@ -98,7 +101,7 @@ class SimdMeshImpl(MeshImpl):
         return jax.make_jaxpr(lambda seed, *a: (fn(seed, *a), None)[1])(
             jax.ShapeDtypeStruct((), jnp.uint32, sharding=on_mesh(P())),
             *[
-                jax.ShapeDtypeStruct(tuple(s.to_integer_list), d, sharding=on_mesh(self.partition_spec(lay)))
+                jax.ShapeDtypeStruct(self.padded_shape((s, d, lay)), d, sharding=on_mesh(self.partition_spec(lay)))
                 for s, d, lay in in_specs
             ],
         )
@@ -118,15 +121,23 @@ class SimdMeshImpl(MeshImpl):
             in_shardings=(NamedSharding(self.jax_mesh, P()), *in_sh),
             donate_argnums=tuple(1 + i for i in donate),
         )
-        return _SimdRunner(fn)
+        uneven = {i: spec for i, spec in enumerate(in_specs) if padded_dims(spec[0], spec[2], self.shape)}
+        return _SimdRunner(fn, lambda args: self._padded_host_arrays(args, uneven))
+
+    def _padded_host_arrays(self, args: list, uneven: dict[int, tuple]) -> list:
+        """Host arrays (logical) padded where their layout's split does not divide."""
+        if not uneven:
+            return args
+        return [self._pad(a, uneven[i]) if i in uneven and isinstance(a, np.ndarray) else a for i, a in enumerate(args)]
 
 
 class _SimdRunner:
-    def __init__(self, fn):
+    def __init__(self, fn, prepare):
         self._fn = fn
+        self._prepare = prepare
 
     def __call__(self, args, seed):
-        return list(self._fn(np.uint32(seed), *args))
+        return list(self._fn(np.uint32(seed), *self._prepare(args)))
 
     def compiled_text(self, args, seed) -> str:
-        return self._fn.lower(np.uint32(seed), *args).compile().as_text()
+        return self._fn.lower(np.uint32(seed), *self._prepare(args)).compile().as_text()

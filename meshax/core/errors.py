@@ -10,8 +10,8 @@ class MeshaxError(ValueError):
 
 
 class LayoutError(MeshaxError):
-    """A layout that cannot be realised: two dims of one tensor on one mesh dim, or a split that
-    does not divide. The message names the tensor, its dims and the mesh dim."""
+    """A layout that cannot be realised: two dims of one tensor on one mesh dim, or a rule naming
+    a mesh dim the mesh lacks. The message names the tensor, its dims and the mesh dim."""
 
 
 class GraphError(MeshaxError):

@@ -140,7 +140,7 @@ def tensor_layout(shape, rules: LayoutRules, mesh_shape: Shape, name: str | None
 
 
 def validate_layout(shape: Shape, layout: TensorLayout, mesh_shape: Shape, name: str | None = None) -> None:
-    """Raise LayoutError if two dims share a mesh dim or a split does not divide."""
+    """Raise LayoutError if two dims share a mesh dim. (A split need not divide: see `block_sizes`.)"""
     owner: dict[int, str] = {}
     for d, axes in zip(shape, layout.axes):
         for m in axes:
@@ -157,15 +157,6 @@ def validate_layout(shape: Shape, layout: TensorLayout, mesh_shape: Shape, name:
                     "Drop one of the rules, or split one of the dims over another mesh dim"
                 )
             owner[m] = d.name
-        parts = 1
-        for m in axes:
-            parts *= mesh_shape[m].size
-        if parts and d.size % parts:
-            over = " x ".join(f"{mesh_shape[m].name}={mesh_shape[m].size}" for m in axes)
-            raise LayoutError(
-                f"{_describe(name, shape)}: dimension {d.name!r} of size {d.size} cannot be split evenly "
-                f"over mesh dim(s) {over} ({parts} parts); choose sizes that divide, or another layout"
-            )
 
 
 def split_factor(axes: tuple[int, ...], mesh_shape: Shape) -> int:
@@ -175,8 +166,30 @@ def split_factor(axes: tuple[int, ...], mesh_shape: Shape) -> int:
     return n
 
 
+def block_sizes(size: int, axes: tuple[int, ...], mesh_shape: Shape) -> list[int]:
+    """A dim of `size` split over `axes` (major to minor), one split at a time: [size, B1, ...],
+    each block ceil(previous / parts). Sizes that do not divide are padded at the end of each
+    block (GSPMD's uneven partitioning); nested splits pad each level, so that adding or removing
+    the minor split is always local (allsplit, allgather and alltoall stay exact)."""
+    blocks = [size]
+    for m in axes:
+        blocks.append(-(-blocks[-1] // mesh_shape[m].size))
+    return blocks
+
+
+def is_padded(size: int, axes: tuple[int, ...], mesh_shape: Shape) -> bool:
+    """Whether a dim of `size` split over `axes` carries padding (the split does not divide)."""
+    return block_sizes(size, axes, mesh_shape)[-1] * split_factor(axes, mesh_shape) != size
+
+
 def slice_shape(shape: Shape, layout: TensorLayout, mesh_shape: Shape) -> list[int]:
-    return [d.size // split_factor(a, mesh_shape) for d, a in zip(shape, layout.axes)]
+    """One device's slice (padded where a split does not divide): ceil(size / parts) per dim."""
+    return [block_sizes(d.size, a, mesh_shape)[-1] for d, a in zip(shape, layout.axes)]
+
+
+def padded_shape(shape: Shape, layout: TensorLayout, mesh_shape: Shape) -> list[int]:
+    """The shape of the padded global array the devices' slices tile."""
+    return [s * split_factor(a, mesh_shape) for s, a in zip(slice_shape(shape, layout, mesh_shape), layout.axes)]
 
 
 def slice_index(axes: tuple[int, ...], coords: list[int], mesh_shape: Shape) -> int:
@@ -188,5 +201,19 @@ def slice_index(axes: tuple[int, ...], coords: list[int], mesh_shape: Shape) -> 
 
 
 def slice_begin(shape: Shape, layout: TensorLayout, mesh_shape: Shape, coords: list[int]) -> list[int]:
-    sizes = slice_shape(shape, layout, mesh_shape)
-    return [s * slice_index(a, coords, mesh_shape) for s, a in zip(sizes, layout.axes)]
+    """The global index of the first value of the slice at `coords`, per dim (its values, where
+    not padding, are consecutive from there)."""
+    begins = []
+    for d, axes in zip(shape, layout.axes):
+        blocks = block_sizes(d.size, axes, mesh_shape)
+        begins.append(sum(coords[m] * b for m, b in zip(axes, blocks[1:])))
+    return begins
+
+
+def valid_size(size: int, axes: tuple[int, ...], mesh_shape: Shape, coords: list[int]) -> int:
+    """How many values of the slice at `coords` are not padding (0 for an all-padding slice)."""
+    blocks = block_sizes(size, axes, mesh_shape)
+    valid = size
+    for m, b in zip(axes, blocks[1:]):
+        valid = min(max(valid - coords[m] * b, 0), b)
+    return valid

@@ -6,9 +6,10 @@ result dim carrying one factor is split the same way when the op runs. Each fact
   passed    in a result (and maybe in operands): split it and no communication is needed;
   reduced   only in operands: a split leaves each device a partial result (a pending sum);
   whole     must not be split: the op gathers it first (slice, concat, cumsum, top_k ...);
-  windowed  in a result, each output value reads neighbours up to a width away (shift): it
-            stays split over one mesh dim whose slices are at least that wide, with a halo
-            exchange at the edges, and is gathered otherwise.
+  windowed  in a result, each output value reads neighbours up to a width away (shift,
+            convolutions): it stays split over one mesh dim, with a halo exchange at the edges
+            (several hops where the halo is wider than a slice); a *cyclic* one (a shift that
+            wraps around) only where the split divides it.
 
 A dim with factor `None` belongs to no factor: nothing ties it to another dim, and the op runs
 with it whole (reshape's dims that are not aligned). The lowering (`choose`: how an op runs,
@@ -25,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 from meshax.core.shape import Shape
-from meshax.layout.rules import TensorLayout, slice_shape, split_factor
+from meshax.layout.rules import TensorLayout, block_sizes, slice_shape, split_factor
 
 Factors = tuple[str | None, ...]  # per dim of one operand or result: its factor
 
@@ -36,15 +37,17 @@ class ShardingRule:
     results: tuple[Factors, ...]
     whole: frozenset[str] = frozenset()
     windows: tuple[tuple[str, int], ...] = ()  # windowed factor -> its halo width
+    cyclic: frozenset[str] = frozenset()  # windowed factors whose window wraps around
 
     @staticmethod
-    def by_name(inputs: Sequence[Shape], outputs: Sequence[Shape], whole=(), windows=()) -> ShardingRule:
+    def by_name(inputs: Sequence[Shape], outputs: Sequence[Shape], whole=(), windows=(), cyclic=()) -> ShardingRule:
         """The rule of an op whose dims relate by name (most ops)."""
         return ShardingRule(
             tuple(tuple(s.dimension_names) for s in inputs),
             tuple(tuple(s.dimension_names) for s in outputs),
             frozenset(whole),
             tuple(windows),
+            frozenset(cyclic),
         )
 
     @property
@@ -90,8 +93,9 @@ def iteration(
     `planned` are the results' planned layouts, `layouts` the operands'. Factors take their
     split where its mesh axes are still free, from the groups in `order`: "results" (their
     planned split), "reduced" (operands' splits of reduced factors only) and "operands" (all
-    operands' splits). Whole factors are never split; a windowed factor only where its halo
-    fits (one mesh dim, slices at least the window wide; `sizes`: factor -> its size)."""
+    operands' splits). Whole factors are never split; a windowed factor only over one mesh
+    dim and narrower than the whole dim, a cyclic one only where the split divides it
+    (`sizes`: factor -> its size)."""
     assign: dict[str, tuple[int, ...]] = {}
     used: set[int] = set()
     windows = dict(rule.windows)
@@ -107,7 +111,11 @@ def iteration(
                 f in windows
                 and axes
                 and windows[f]
-                and (len(axes) > 1 or windows[f] > sizes[f] // split_factor(axes, mesh_shape))
+                and (
+                    len(axes) > 1
+                    or windows[f] >= sizes[f]
+                    or (f in rule.cyclic and sizes[f] % split_factor(axes, mesh_shape))
+                )
             ):
                 axes = ()
             assign[f] = tuple(axes)
@@ -154,8 +162,9 @@ def moved(
         if pending:
             total += local(shape, got) + LATENCY * len(pending)
         for d, f, axes in zip(shape, factors, got.axes):
-            if f is not None and windows.get(f) and axes:  # the halo: `width` rows of the slice, to one neighbour
-                total += local(shape, got) // (d.size // split_factor(axes, mesh_shape)) * windows[f] + LATENCY
+            if f is not None and windows.get(f) and axes:  # the halo: `width` rows of the slice, in hops of a slice
+                block = block_sizes(d.size, axes, mesh_shape)[-1]
+                total += local(shape, got) // block * windows[f] + LATENCY * -(-windows[f] // block)
         total += reshard(shape, got, planned)
     return total
 
@@ -194,8 +203,8 @@ class Run(NamedTuple):
 
 def rule_of(op) -> ShardingRule:
     """The op's own rule (`op.sharding_rule()`), or the rule by dim name, with the dims it
-    names in `whole_dims` kept whole and those in `windows` ((name, halo width) pairs)
-    windowed."""
+    names in `whole_dims` kept whole, those in `windows` ((name, halo width) pairs) windowed,
+    and those in `cyclic` wrapping around."""
     own = getattr(op, "sharding_rule", None)
     if own is not None:
         return own()
@@ -204,4 +213,5 @@ def rule_of(op) -> ShardingRule:
         [t.shape for t in op.outputs],
         getattr(op, "whole_dims", ()),
         getattr(op, "windows", ()),
+        getattr(op, "cyclic", ()),
     )

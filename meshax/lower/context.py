@@ -8,6 +8,7 @@ so that every one of them is recorded in the counters with the op and source lin
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
@@ -16,7 +17,9 @@ import numpy as np
 
 from meshax.core.graph import Operation, Tensor
 from meshax.layout import TensorLayout, slice_shape
+from meshax.layout.rules import block_sizes, is_padded
 from meshax.layout.sharding_rule import Run, choose
+from meshax.lower import halo
 from meshax.lower.counters import Counters, Site
 from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.mesh_impl import MeshImpl
@@ -31,6 +34,7 @@ class LoweringContext:
         self.values: dict[Tensor, LaidOutTensor] = {}
         self.updates: dict[Operation, list] = {}  # variable op -> its new slices
         self._cache: dict[tuple, LaidOutTensor] = {}
+        self._memo: dict[tuple, tuple] = {}  # (what, id of the slices, args) -> (the slices, result)
         self.op: Operation | None = None  # the op being lowered
         self.blamed: Operation | None = None  # overrides `op` as the cause of collectives
 
@@ -49,7 +53,9 @@ class LoweringContext:
         if key not in self._cache:
             from meshax.lower.reshard import reshard
 
-            self._cache[key] = reshard(self, self.values[t], layout, keep_partial=allow_partial, producer=t.operation)
+            self._cache[key] = reshard(
+                self, self.values[t], layout, t.shape, keep_partial=allow_partial, producer=t.operation
+            )
         return self._cache[key]
 
     def set_output(self, t: Tensor, slices: list, layout: TensorLayout | None = None, pending=()) -> None:
@@ -69,21 +75,54 @@ class LoweringContext:
         return self.impl.pcoord(axis)
 
     def slice_begins(self, shape, layout: TensorLayout) -> list[list | int]:
-        """Per tensor dim, each instance's global offset of its slice (0 where not split)."""
-        sizes = slice_shape(shape, layout, self.mesh_shape)
+        """Per tensor dim, each instance's global index of its slice's first value (0 where not
+        split); the values of a slice that are not padding are consecutive from there."""
         begins: list[list | int] = []
-        for size, axes in zip(sizes, layout.axes):
-            if not axes:
-                begins.append(0)
-                continue
-            index = None
-            for m in axes:
-                c = self.pcoord(m)
-                index = (
-                    c if index is None else self.slicewise(lambda i, c, n=self.mesh_shape[m].size: i * n + c, index, c)
-                )
-            begins.append(self.slicewise(lambda i, s=size: i * s, index))
+        for d, axes in zip(shape, layout.axes):
+            begin: list | int = 0
+            for m, block in zip(axes, block_sizes(d.size, axes, self.mesh_shape)[1:]):
+                begin = self.slicewise(lambda b, c, s=block: b + c * s, begin, self.pcoord(m))
+            begins.append(begin)
         return begins
+
+    def valid_sizes(self, size: int, axes: tuple[int, ...]) -> list:
+        """Each instance's count of values that are not padding in its slice of a dim of `size`
+        split over `axes` (`layout.valid_size`)."""
+        valid: list | int = size
+        for m, block in zip(axes, block_sizes(size, axes, self.mesh_shape)[1:]):
+            valid = self.slicewise(lambda v, c, b=block: jnp.clip(v - c * b, 0, b), valid, self.pcoord(m))
+        assert isinstance(valid, list)
+        return valid
+
+    def _once(self, what: str, xs: list, args: tuple, make: Callable[[], list]) -> list:
+        """make(), computed once per (what, slices, args) in a program: a second op that needs
+        the same masked slices or halo (a convolution's gradient, say) reuses the first's, so
+        the counters record each collective once, as XLA runs it once."""
+        key = (what, tuple(id(x) for x in xs), args)
+        if key not in self._memo:
+            self._memo[key] = (xs, make())  # (xs kept alive: their ids stay theirs)
+        return self._memo[key][1]
+
+    def masked(self, x: LaidOutTensor, shape, dims, fill) -> LaidOutTensor:
+        """x with its padding along `dims` (names or Dimensions of `shape`) replaced by `fill`, as
+        a sum, max, min or contraction over them needs (the identity). No-op where even."""
+        names = tuple(sorted({getattr(n, "name", n) for n in dims}))
+        return dataclasses.replace(
+            x, slices=self._once("mask", x.slices, (names, fill), lambda: self._masked(x, shape, names, fill))
+        )
+
+    def _masked(self, x: LaidOutTensor, shape, names, fill) -> list:
+        slices = x.slices
+        for i, (d, axes) in enumerate(zip(shape, x.layout.axes)):
+            if d.name not in names or not is_padded(d.size, axes, self.mesh_shape):
+                continue
+
+            def keep(a, v, i=i):
+                inside = jax.lax.broadcasted_iota(jnp.int32, a.shape, i) < v
+                return jnp.where(inside, a, jnp.asarray(fill, a.dtype))
+
+            slices = self.slicewise(keep, slices, self.valid_sizes(d.size, axes))
+        return slices
 
     def layouts(self, op: Operation) -> Run:
         """How `op` runs (`sharding_rule.choose`): the layouts to fetch its operands in and its
@@ -139,19 +178,27 @@ class LoweringContext:
             return xs
         return self._run("allreduce", xs, axes, lambda: self.impl.allreduce(xs, axes, op))
 
-    def allgather(self, xs: list, axis: int, dim: int) -> list:
+    def allgather(self, xs: list, axis: int, dim: int, keep: int | None = None) -> list:
+        """The slices along mesh `axis` concatenated along `dim`; the first `keep` values of it
+        kept (the coarser block, where the split padded the dim)."""
         if not self._live([axis]):
             return xs
-        return self._run("allgather", xs, [axis], lambda: self.impl.allgather(xs, axis, dim))
+        out = self._run("allgather", xs, [axis], lambda: self.impl.allgather(xs, axis, dim))
+        return _trim(self, out, dim, keep)
 
-    def alltoall(self, xs: list, axis: int, split_dim: int, concat_dim: int) -> list:
+    def alltoall(self, xs: list, axis: int, split_dim: int, concat_dim: int, keep: int | None = None) -> list:
+        """`split_dim` split along mesh `axis` (padded to a multiple of its size first), the
+        parts exchanged and concatenated along `concat_dim`, of which `keep` values are kept."""
         if not self._live([axis]):
             return xs
-        return self._run("alltoall", xs, [axis], lambda: self.impl.alltoall(xs, axis, split_dim, concat_dim))
+        xs = _pad_to_parts(self, xs, split_dim, self.mesh_shape[axis].size)
+        out = self._run("alltoall", xs, [axis], lambda: self.impl.alltoall(xs, axis, split_dim, concat_dim))
+        return _trim(self, out, concat_dim, keep)
 
     def reduce_scatter(self, xs: list, axis: int, dim: int) -> list:
         if not self._live([axis]):
             return xs
+        xs = _pad_to_parts(self, xs, dim, self.mesh_shape[axis].size)
         return self._run("reduce_scatter", xs, [axis], lambda: self.impl.reduce_scatter(xs, axis, dim))
 
     def shift(self, xs: list, axis: int, offset: int, wrap: bool) -> list:
@@ -160,11 +207,22 @@ class LoweringContext:
             return xs if wrap or offset == 0 else self.slicewise(jnp.zeros_like, xs)
         return self._run("permute", xs, [axis], lambda: self.impl.shift(xs, axis, offset, wrap))
 
+    def halo(self, xs: list, axis: int, dim: int, left: int, right: int, wrap: bool = False) -> list:
+        """Slices extended by `left` and `right` neighbour values along `dim` (`lower.halo`)."""
+        return self._once(
+            "halo", xs, (axis, dim, left, right, wrap), lambda: halo.halo(self, xs, axis, dim, left, right, wrap)
+        )
+
+    def halo_transpose(self, ext: list, axis: int, dim: int, left: int, right: int, wrap: bool = False) -> list:
+        """`halo`'s adjoint: halo parts of a gradient added back onto their owners' slices."""
+        return halo.halo_transpose(self, ext, axis, dim, left, right, wrap)
+
     def allsplit(self, xs: list, axis: int, dim: int) -> list:
         """Keep this instance's stripe of `dim` along mesh `axis`: no communication."""
         parts = self.mesh_shape[axis].size
         if parts == 1:
             return xs
+        xs = _pad_to_parts(self, xs, dim, parts)
 
         def take(x, c):
             piece = x.shape[dim] // parts
@@ -175,3 +233,18 @@ class LoweringContext:
             return jax.lax.dynamic_slice(x, [jnp.asarray(s, jnp.int32) for s in start], sizes)
 
         return self.slicewise(take, xs, self.pcoord(axis))
+
+
+def _pad_to_parts(ctx: LoweringContext, xs: list, dim: int, parts: int) -> list:
+    """Slices padded at the end of `dim` to a multiple of `parts` (a local copy; none if even)."""
+    extra = -xs[0].shape[dim] % parts
+    if not extra:
+        return xs
+    return ctx.slicewise(lambda x: jnp.pad(x, [(0, extra if i == dim else 0) for i in range(x.ndim)]), xs)
+
+
+def _trim(ctx: LoweringContext, xs: list, dim: int, keep: int | None) -> list:
+    """The first `keep` values of `dim` (all when keep is None or no smaller)."""
+    if keep is None or keep >= xs[0].shape[dim]:
+        return xs
+    return ctx.slicewise(lambda x: jax.lax.slice_in_dim(x, 0, keep, axis=dim), xs)

@@ -121,14 +121,16 @@ class Lowering:
         if isinstance(value, jax.Array):
             # Always a copy (may_alias=False): the next step donates the variable's buffer, which
             # must never be the caller's array (another Lowering's state, a restored checkpoint).
-            array = jax.device_put(value.astype(t.dtype), self.impl.named_sharding(spec[2]), may_alias=False)
+            sharding = self.impl.global_sharding(t.shape, spec[2])  # (the layout's, where its splits divide)
+            array = jax.device_put(value.astype(t.dtype), sharding, may_alias=False)
             self._variables[var] = self.impl.from_global(array, spec)
         else:
             self._variables[var] = self.impl.put(np.asarray(value).astype(t.dtype, copy=False), spec)
 
     def variable_state(self, var) -> jax.Array:
         """The variable as a global jax.Array with its layout's NamedSharding, for either backend:
-        each device holds only its slice (checkpoints write it as it is). It is the live state,
+        each device holds only its slice (checkpoints write it as it is); a dim whose split does
+        not divide is replicated (`MeshImpl.global_sharding`). It is the live state,
         not a copy: a step that updates the variable consumes it (donation), so keep a copy
         (`jnp.copy`) or the value (`variable_value`) to hold it across steps."""
         var = _variable(var)

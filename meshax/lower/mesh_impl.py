@@ -31,11 +31,20 @@ from meshax.layout import (
     slice_shape,
     tensor_layout,
 )
+from meshax.layout.rules import padded_shape
+from meshax.lower.padding import pad, padded_dims, unpad
 
 
 @functools.lru_cache(maxsize=1024)
-def _initializer_program(init: Callable, shape: tuple, dtype, sharding):
-    return jax.jit(lambda key: init(key, shape, dtype), out_shardings=sharding)
+def _initializer_program(init: Callable, shape: Shape, dtype, layout: TensorLayout, mesh_shape: Shape, sharding):
+    # made at the logical shape, so the numbers do not depend on the layout, then padded
+    dims = tuple(shape.to_integer_list)
+    return jax.jit(lambda key: pad(init(key, dims, dtype), shape, layout, mesh_shape), out_shardings=sharding)
+
+
+@functools.lru_cache(maxsize=1024)
+def _padding_program(convert: Callable, shape: Shape, layout: TensorLayout, mesh_shape: Shape, sharding):
+    return jax.jit(lambda a: convert(a, shape, layout, mesh_shape), out_shardings=sharding)
 
 
 def check_mesh_dims(rules: LayoutRules, shape: Shape) -> None:
@@ -123,6 +132,41 @@ class MeshImpl:
         """The `jax.sharding.NamedSharding` of a tensor laid out as `layout` on this mesh."""
         return NamedSharding(self.jax_mesh, self.partition_spec(layout))
 
+    def global_sharding(self, shape: Shape, layout: TensorLayout) -> NamedSharding:
+        """The sharding of a tensor's logical global array (`to_global`): the layout's, except
+        that dims whose split does not divide are replicated (a jax.Array's shards divide it)."""
+        padded = padded_dims(shape, layout, self.shape)
+        return self.named_sharding(TensorLayout(() if i in padded else a for i, a in enumerate(layout.axes)))
+
+    def padded_shape(self, spec: tuple) -> tuple[int, ...]:
+        """The shape of the padded global array a tensor's slices tile (its shape, if even)."""
+        shape, _, layout = spec
+        return tuple(padded_shape(shape, layout, self.shape))
+
+    def _pad(self, array, spec: tuple):
+        """A logical array (NumPy or JAX) padded as the layout in `spec` needs."""
+        shape, _, layout = spec
+        return pad(array, shape, layout, self.shape)
+
+    def _unpad(self, array, spec: tuple):
+        """`_pad`'s inverse."""
+        shape, _, layout = spec
+        return unpad(array, shape, layout, self.shape)
+
+    def _pad_global(self, array: jax.Array, spec: tuple) -> jax.Array:
+        """A logical global jax.Array padded and laid out on the devices as `spec` says."""
+        shape, _, layout = spec
+        if not padded_dims(shape, layout, self.shape):
+            return array
+        return _padding_program(pad, shape, layout, self.shape, self.named_sharding(layout))(array)
+
+    def _unpad_global(self, array: jax.Array, spec: tuple) -> jax.Array:
+        """`_pad_global`'s inverse, with the `global_sharding`."""
+        shape, _, layout = spec
+        if not padded_dims(shape, layout, self.shape):
+            return array
+        return _padding_program(unpad, shape, layout, self.shape, self.global_sharding(shape, layout))(array)
+
     def tensor_layout(self, x, name: str | None = None) -> TensorLayout:
         """The layout the rules give a tensor (or a shape); raises LayoutError if illegal."""
         shape = x.shape if hasattr(x, "operation") else convert_to_shape(x)
@@ -135,7 +179,7 @@ class MeshImpl:
         return slice_shape(shape, layout or self.tensor_layout(x), self.shape)
 
     def slice_begin(self, x, pnum: int, layout: TensorLayout | None = None) -> list[int]:
-        """Where device `pnum`'s slice of `x` begins, per dim."""
+        """The global index where device `pnum`'s slice of `x` begins, per dim."""
         shape = x.shape if hasattr(x, "operation") else convert_to_shape(x)
         coords = self.pnum_to_processor_coordinates(pnum)
         return slice_begin(shape, layout or self.tensor_layout(x), self.shape, coords)
@@ -182,17 +226,25 @@ class MeshImpl:
     def initialize(self, init: Callable, key, spec: tuple):
         """A variable's first value: `init(key, shape, dtype)` under jit with the layout's sharding
         as output, so each device makes only its slice, and the numbers do not depend on the
-        layout (JAX's partitionable threefry). One compile per (init, shape, dtype, sharding)."""
+        layout (JAX's partitionable threefry). One compile per (init, shape, dtype, layout)."""
         shape, dtype, layout = spec
-        make = _initializer_program(init, tuple(shape.to_integer_list), np.dtype(dtype), self.named_sharding(layout))
-        return self.from_global(make(key), spec)
+        make = _initializer_program(init, shape, np.dtype(dtype), layout, self.shape, self.named_sharding(layout))
+        return self.from_padded(make(key), spec)
 
     def from_global(self, array: jax.Array, spec: tuple):
-        """The backend value of a global jax.Array laid out as spec says."""
-        raise NotImplementedError
+        """The backend value of a logical global jax.Array, laid out as spec says."""
+        return self.from_padded(self._pad_global(array, spec), spec)
 
     def to_global(self, value, spec: tuple) -> jax.Array:
-        """The global jax.Array (with the layout's NamedSharding) of a backend value."""
+        """The logical global jax.Array (with the `global_sharding`) of a backend value."""
+        return self._unpad_global(self.to_padded(value, spec), spec)
+
+    def from_padded(self, array: jax.Array, spec: tuple):
+        """The backend value of a padded global jax.Array with the layout's NamedSharding."""
+        raise NotImplementedError
+
+    def to_padded(self, value, spec: tuple) -> jax.Array:
+        """The padded global jax.Array (with the layout's NamedSharding) of a backend value."""
         raise NotImplementedError
 
     def put(self, array: np.ndarray, spec: tuple):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import io
+import math
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from meshax.layout.rules import is_padded, slice_shape, split_factor
 from meshax.lower.counters import KINDS, Counters
 
 
@@ -53,8 +55,47 @@ def format_report(lowering, counters: Counters, width: int = 132) -> str:
             table.add_row("total", "", f"{kind} x{r.count}", "", _human(r.values), _human(r.bytes), "")
     table.add_row("total", "", "compute", "", "", "", _human(counters.total_flops))
     out = io.StringIO()
-    Console(file=out, width=width, no_color=True, highlight=False).print(table)
+    console = Console(file=out, width=width, no_color=True, highlight=False)
+    console.print(table)
+    padded = _padded_table(lowering)
+    if padded is not None:
+        console.print(padded)
     return out.getvalue()
+
+
+def _padded_table(lowering) -> Table | None:
+    """Tensors whose layout pads a dim (uneven splits): values per device, with and without
+    padding, and the overhead; None when every split divides."""
+    impl, rows = lowering.impl, []
+    for op in lowering.graph.operations:
+        for t in op.outputs:
+            layout = lowering.plan[t]
+            padded = [
+                f"{d.name}={d.size}/{split_factor(a, impl.shape)}"
+                for d, a in zip(t.shape, layout.axes)
+                if is_padded(d.size, a, impl.shape)
+            ]
+            if padded:
+                held = math.prod(slice_shape(t.shape, layout, impl.shape))
+                values = t.shape.size / split_factor(tuple(layout.mesh_axes_used), impl.shape)
+                rows.append((held - values, t.name, ", ".join(padded), values, held))
+    if not rows:
+        return None
+    rows.sort(key=lambda r: -r[0])
+    table = Table(title="padded tensors (uneven splits): values per device, most padding first", title_justify="left")
+    for col in ("tensor", "padded dims (size/parts)", "values", "held", "overhead"):
+        table.add_column(col, justify="left" if col in ("tensor", "padded dims (size/parts)") else "right")
+    for _, name, dims, values, held in rows[:_PADDED_ROWS]:
+        table.add_row(escape(name), escape(dims), _human(values), _human(held), f"{held / values - 1:+.0%}")
+    if len(rows) > _PADDED_ROWS:
+        table.add_row(f"... {len(rows) - _PADDED_ROWS} more", "", "", "", "")
+    values, held = sum(r[3] for r in rows), sum(r[4] for r in rows)
+    table.add_section()
+    table.add_row(f"all {len(rows)}", "", _human(values), _human(held), f"{held / values - 1:+.0%}")
+    return table
+
+
+_PADDED_ROWS = 12
 
 
 def _short(source: str) -> str:

@@ -12,6 +12,7 @@ Per tensor dim, a layout is a tuple of mesh axes, major to minor. Going from `cu
 from __future__ import annotations
 
 from meshax.layout import TensorLayout
+from meshax.layout.rules import block_sizes
 from meshax.lower.laid_out import LaidOutTensor
 
 
@@ -22,13 +23,15 @@ def _next_axis(cur: tuple, target: tuple):
     return None
 
 
-def reshard(ctx, x: LaidOutTensor, target: TensorLayout, keep_partial: bool = False, producer=None) -> LaidOutTensor:
+def reshard(
+    ctx, x: LaidOutTensor, target: TensorLayout, shape, keep_partial: bool = False, producer=None
+) -> LaidOutTensor:
     """x in layout `target`. Sums owed are blamed on `producer` (the op that summed); moves on
     the op being lowered, or on the producer when the program's outputs are being gathered."""
     with ctx.blame(producer):
         x = _settle(ctx, x, target, keep_partial)
     with ctx.blame(producer if ctx.op is None else ctx.op):
-        return _move(ctx, x, target)
+        return _move(ctx, x, target, [d.size for d in shape])
 
 
 def _settle(ctx, x: LaidOutTensor, target: TensorLayout, keep_partial: bool) -> LaidOutTensor:
@@ -53,7 +56,7 @@ def _settle(ctx, x: LaidOutTensor, target: TensorLayout, keep_partial: bool) -> 
     return LaidOutTensor(slices, TensorLayout(cur), frozenset(pending))
 
 
-def _move(ctx, x: LaidOutTensor, target: TensorLayout) -> LaidOutTensor:
+def _move(ctx, x: LaidOutTensor, target: TensorLayout, sizes: list[int]) -> LaidOutTensor:
     cur = list(x.layout.axes)
     want = list(target.axes)
     slices = x.slices
@@ -72,14 +75,15 @@ def _move(ctx, x: LaidOutTensor, target: TensorLayout) -> LaidOutTensor:
                     break
             if choice:
                 break
+        i = choice[0] if choice else todo[0]
+        m = cur[i][-1]
+        keep = block_sizes(sizes[i], tuple(cur[i])[:-1], ctx.mesh_shape)[-1]  # (less, where the split padded)
         if choice:
-            i, m, j = choice
-            slices = ctx.alltoall(slices, m, split_dim=j, concat_dim=i)
+            j = choice[2]
+            slices = ctx.alltoall(slices, m, split_dim=j, concat_dim=i, keep=keep)
             cur[j] = (*tuple(cur[j]), m)
         else:
-            i = todo[0]
-            m = cur[i][-1]
-            slices = ctx.allgather(slices, m, i)
+            slices = ctx.allgather(slices, m, i, keep=keep)
         cur[i] = tuple(cur[i])[:-1]
 
     # 3. Add axes: each instance keeps its own stripe.

@@ -1,5 +1,18 @@
 """Operations, one module per family: shape inference, lowering and gradient side by side."""
 
+from meshax.ops.conv import (
+    avg_pool1d,
+    avg_pool2d,
+    avg_pool3d,
+    conv1d,
+    conv2d,
+    conv2d_transpose,
+    conv3d,
+    conv3d_transpose,
+    max_pool1d,
+    max_pool2d,
+    max_pool3d,
+)
 from meshax.ops.einsum import einsum, matmul
 from meshax.ops.elementwise import (
     abs,
@@ -67,10 +80,18 @@ __all__ = [
     "assign",
     "assign_add",
     "assign_sub",
+    "avg_pool1d",
+    "avg_pool2d",
+    "avg_pool3d",
     "broadcast",
     "cast",
     "concat",
     "constant",
+    "conv1d",
+    "conv2d",
+    "conv2d_transpose",
+    "conv3d",
+    "conv3d_transpose",
     "cos",
     "cumsum",
     "divide",
@@ -94,6 +115,9 @@ __all__ = [
     "logical_not",
     "logical_or",
     "matmul",
+    "max_pool1d",
+    "max_pool2d",
+    "max_pool3d",
     "maximum",
     "mesh_split",
     "minimum",

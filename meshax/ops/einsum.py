@@ -16,6 +16,7 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Shape, convert_to_shape
+from meshax.layout.rules import block_sizes
 from meshax.ops._dtypes import result_type
 from meshax.ops._util import as_dims
 from meshax.ops.elementwise import union_shape
@@ -56,11 +57,12 @@ class EinsumOperation(Operation):
         partial = [i for i, v in enumerate(vals) if v.pending]
         if len(partial) > 1 or (partial and vals[partial[0]].pending & used):
             vals = [ctx.get(t, lay) for t, lay in zip(self.inputs, run.operands)]
+        summed = [d for d in union_shape(*[t.shape for t in self.inputs]) if d not in out.shape]
+        vals = [ctx.masked(v, t.shape, summed, 0) for t, v in zip(self.inputs, vals)]  # (uneven splits' padding)
         pending = set().union(run.pending, *[v.pending for v in vals])
         local = {d.name: d.size for t in self.inputs for d in t.shape}
         for name, axes in run.assign.items():
-            for m in axes:
-                local[name] //= ctx.mesh_shape[m].size
+            local[name] = block_sizes(local[name], axes, ctx.mesh_shape)[-1]
         ctx.add_flops((2 if len(self.inputs) > 1 else 1) * int(np.prod(list(local.values()), dtype=np.int64)))
         spec = self._subscripts
         result = ctx.slicewise(lambda *xs: jnp.einsum(spec, *xs, preferred_element_type=out.dtype), *vals)

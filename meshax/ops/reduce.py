@@ -21,6 +21,15 @@ from meshax.ops._util import as_dims, dim_of
 _LOCAL = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
 
 
+def _identity(kind: str, dtype):
+    """The value that leaves a `kind` reduction unchanged."""
+    if kind == "sum":
+        return 0
+    if jnp.issubdtype(dtype, jnp.inexact):  # (bfloat16 included)
+        return -np.inf if kind == "max" else np.inf
+    return jnp.iinfo(dtype).min if kind == "max" else jnp.iinfo(dtype).max
+
+
 class ReduceOperation(Operation):
     def __init__(self, x: Tensor, reduced: list[Dimension], kind: str, name=None):
         super().__init__([x], name=name or f"reduce_{kind}")
@@ -39,6 +48,7 @@ class ReduceOperation(Operation):
         run = ctx.layouts(self)
         (in_layout,), (out_layout,) = run.operands, run.results
         v = ctx.get(x, in_layout, allow_partial=self.kind == "sum")
+        v = ctx.masked(v, x.shape, self.reduced, _identity(self.kind, x.dtype))  # (uneven splits' padding)
         axes = [i for i, d in enumerate(x.shape) if d in self.reduced]
         # cast before the local sum, so that the partial sums (and their allreduce) are counts
         local = ctx.slicewise(lambda a: _LOCAL[self.kind](a.astype(out.dtype), axis=tuple(axes)), v)

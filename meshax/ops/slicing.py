@@ -163,6 +163,7 @@ class ShiftOperation(Operation):
         super().__init__([x], name=name or "shift")
         self.offset, self.dim, self.wrap = int(offset), dim, bool(wrap)
         self.windows = ((dim.name, abs(self.offset)),)  # a halo of |offset| values (see ShardingRule)
+        self.cyclic = (dim.name,) if self.wrap else ()
         self._add_output(x.shape, x.dtype)
 
     @staticmethod
@@ -180,12 +181,11 @@ class ShiftOperation(Operation):
 
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
-        run = ctx.layouts(self)  # the dim stays split where its halo fits, else it is gathered
+        run = ctx.layouts(self)  # the dim stays split (a halo exchange) or is gathered, as the rule says
         (layout,) = run.results
         axis = x.shape.index(self.dim)
         axes = layout.axes[axis]
-        local_n = slice_shape(out.shape, layout, ctx.mesh_shape)[axis]
-        k = abs(self.offset)
+        k = min(abs(self.offset), self.dim.size)
         v = ctx.get(x, run.operands[0], allow_partial=True)
         if not axes or k == 0:
             ctx.set_output(
@@ -193,19 +193,11 @@ class ShiftOperation(Operation):
             )
             return
         (m,) = axes
-        n = local_n
-        if self.offset > 0:  # my last k values go to the next device; I take the previous one's
-            edge = ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, n - k, n, axis=axis), v)
-            halo = ctx.shift(edge, m, 1, self.wrap)
-            result = ctx.slicewise(
-                lambda a, h: jnp.concatenate([h, jax.lax.slice_in_dim(a, 0, n - k, axis=axis)], axis=axis), v, halo
-            )
-        else:
-            edge = ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, 0, k, axis=axis), v)
-            halo = ctx.shift(edge, m, -1, self.wrap)
-            result = ctx.slicewise(
-                lambda a, h: jnp.concatenate([jax.lax.slice_in_dim(a, k, n, axis=axis), h], axis=axis), v, halo
-            )
+        n = slice_shape(out.shape, layout, ctx.mesh_shape)[axis]
+        v = ctx.masked(v, x.shape, [self.dim], 0)  # values beyond the dim are the zeros shifted in
+        left, right = (k, 0) if self.offset > 0 else (0, k)
+        ext = ctx.halo(v.slices, m, axis, left, right, self.wrap)
+        result = ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, right, right + n, axis=axis), ext)
         ctx.set_output(out, result, layout, v.pending)
 
     def gradient(self, grad_outputs):

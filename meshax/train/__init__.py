@@ -1,6 +1,17 @@
 """Training: tasks (graph + data), the loop, and data sources."""
 
 from meshax.train.loop import TrainResult, train
-from meshax.train.tasks import TASKS, LmTask, MlpTask, MnistTask, Seq2SeqTask, Task
+from meshax.train.tasks import TASKS, CnnTask, LmTask, MlpTask, MnistTask, Seq2SeqTask, Task, UNetTask
 
-__all__ = ["TASKS", "LmTask", "MlpTask", "MnistTask", "Seq2SeqTask", "Task", "TrainResult", "train"]
+__all__ = [
+    "TASKS",
+    "CnnTask",
+    "LmTask",
+    "MlpTask",
+    "MnistTask",
+    "Seq2SeqTask",
+    "Task",
+    "TrainResult",
+    "UNetTask",
+    "train",
+]

@@ -104,7 +104,7 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
             name: jax.ShapeDtypeStruct(
                 tuple(var.shape.to_integer_list),
                 np.dtype(var.dtype),
-                sharding=lowering.impl.named_sharding(lowering.plan[var.value]),
+                sharding=lowering.impl.global_sharding(var.shape, lowering.plan[var.value]),
             )
             for name, var in variables.items()
         }

@@ -71,3 +71,19 @@ def sorting_batch(batch: int, length: int, vocab: int, rng: np.random.Generator,
 
 def _shift_right(targets: np.ndarray, bos: int) -> np.ndarray:
     return np.concatenate([np.full((len(targets), 1), bos, np.int32), targets[:, :-1]], axis=1)
+
+
+def segmentation_batch(batch: int, size: int, spatial: int, rng: np.random.Generator, noise: float = 0.6):
+    """Images of `spatial` (2 or 3) dims of `size`, each with 1-3 balls of radius size/8 to
+    size/4 at random centres; the answer is known: label 1 inside a ball, 0 outside. The image
+    is the label plus Gaussian noise of std `noise`, so a pixel alone is ambiguous and the model
+    must look at its neighbourhood. Returns (images [batch, *size, 1] float32, labels int32)."""
+    grid = np.stack(np.meshgrid(*[np.arange(size)] * spatial, indexing="ij"), axis=-1)
+    labels = np.zeros((batch,) + (size,) * spatial, np.int32)
+    for b in range(batch):
+        for _ in range(rng.integers(1, 4)):
+            centre = rng.uniform(0, size, spatial)
+            radius = rng.uniform(size / 8, size / 4)
+            labels[b] |= (np.linalg.norm(grid - centre, axis=-1) <= radius).astype(np.int32)
+    images = labels + rng.normal(0, noise, labels.shape)
+    return images[..., None].astype(np.float32), labels

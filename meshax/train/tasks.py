@@ -17,12 +17,14 @@ from meshax.core.errors import ConfigError, did_you_mean
 from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension
 from meshax.layers import softmax_cross_entropy_with_logits
+from meshax.models.cnn import cnn_classifier, unet
 from meshax.models.mlp import mnist_classifier, two_layer
 from meshax.models.transformer import PRESETS, Transformer, TransformerConfig
 from meshax.ops import elementwise as ew
 from meshax.ops.indexing import one_hot
 from meshax.ops.inputs import placeholder
 from meshax.ops.reduce import argmax, reduce_min, reduce_sum
+from meshax.ops.shape_ops import broadcast, reshape
 from meshax.train import data, synthetic, text
 
 
@@ -114,14 +116,12 @@ class MlpTask(Task):
 
 
 @dataclasses.dataclass
-class MnistTask(Task):
-    """The README's MNIST classifier; scikit-learn's digits unless `data_dir` has MNIST files."""
+class _DigitsTask(Task):
+    """Classifying scikit-learn's digits, or MNIST when `data_dir` has its files."""
 
     batch_size: int = 64
-    hidden: int = 1024
     data_dir: str | None = None
     seed: int = 0
-    name = "mnist"
 
     def __post_init__(self):
         super().__post_init__()
@@ -129,17 +129,6 @@ class MnistTask(Task):
         self.x_train, self.y_train, self.x_test, self.y_test = load()
         if len(self.x_train) < self.batch_size:
             raise data.DataError(f"{len(self.x_train)} training examples, fewer than the batch size {self.batch_size}")
-
-    def build(self, mesh):
-        _, rows, cols = self.x_train.shape
-        batch = Dimension("batch", self.batch_size)
-        pix = [Dimension("pixel_rows", rows), Dimension("pixel_cols", cols)]
-        classes = Dimension("classes", 10)
-        images = placeholder(mesh, "images", [batch, *pix])
-        labels = placeholder(mesh, "labels", [batch], dtype="int32")
-        w = placeholder(mesh, "weights", [batch])
-        logits = mnist_classifier(images, pix, Dimension("hidden", self.hidden), classes)
-        return _classification(logits, labels, w, classes)
 
     def train_batch(self, step):
         per_epoch = len(self.x_train) // self.batch_size
@@ -155,6 +144,91 @@ class MnistTask(Task):
     def eval_batches(self):
         for xb, yb, w in data.padded_batches(self.x_test, self.y_test, self.batch_size):
             yield {"images": xb, "labels": yb, "weights": w}
+
+
+@dataclasses.dataclass
+class MnistTask(_DigitsTask):
+    """The README's MNIST classifier; scikit-learn's digits unless `data_dir` has MNIST files."""
+
+    hidden: int = 1024
+    name = "mnist"
+
+    def build(self, mesh):
+        _, rows, cols = self.x_train.shape
+        batch = Dimension("batch", self.batch_size)
+        pix = [Dimension("pixel_rows", rows), Dimension("pixel_cols", cols)]
+        classes = Dimension("classes", 10)
+        images = placeholder(mesh, "images", [batch, *pix])
+        labels = placeholder(mesh, "labels", [batch], dtype="int32")
+        w = placeholder(mesh, "weights", [batch])
+        logits = mnist_classifier(images, pix, Dimension("hidden", self.hidden), classes)
+        return _classification(logits, labels, w, classes)
+
+
+@dataclasses.dataclass
+class CnnTask(_DigitsTask):
+    """A convolutional classifier of the digits (or MNIST) with named spatial dims h and w, so
+    that "h:rows;w:cols" partitions every activation in space (halo exchange)."""
+
+    channels: int = 16  # of the first convolution; the second has twice as many
+    name = "cnn"
+
+    def build(self, mesh):
+        _, rows, cols = self.x_train.shape
+        batch = Dimension("batch", self.batch_size)
+        images = placeholder(mesh, "images", [batch, Dimension("h", rows), Dimension("w", cols)])
+        labels = placeholder(mesh, "labels", [batch], dtype="int32")
+        w = placeholder(mesh, "weights", [batch])
+        classes = Dimension("classes", 10)
+        x = reshape(images, [*images.shape.dims, Dimension("channels", 1)])
+        logits = cnn_classifier(x, classes, (self.channels, 2 * self.channels))
+        return _classification(logits, labels, w, classes)
+
+
+@dataclasses.dataclass
+class UNetTask(Task):
+    """A U-Net segmenting noisy balls from background (`synthetic.segmentation_batch`, a known
+    answer) in 2-D images or 3-D volumes; the per-pixel cross-entropy and pixel accuracy."""
+
+    batch_size: int = 8
+    image_size: int = 16
+    spatial_dims: int = 2
+    channels: int = 8
+    depth: int = 2
+    seed: int = 0
+    eval_batches_count: int = 4
+    name = "unet"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.spatial_dims not in (2, 3):
+            raise ConfigError(f"UNetTask: spatial_dims={self.spatial_dims!r} must be 2 or 3")
+        if self.image_size % (1 << self.depth):
+            raise ConfigError(
+                f"UNetTask: image_size={self.image_size} must be a multiple of 2**depth = {1 << self.depth} "
+                "(each level halves it, and the way up doubles it back)"
+            )
+
+    def build(self, mesh):
+        batch = Dimension("batch", self.batch_size)
+        spatial = [Dimension(n, self.image_size) for n in "dhw"[-self.spatial_dims :]]
+        images = placeholder(mesh, "images", [batch, *spatial, Dimension("channels", 1)])
+        labels = placeholder(mesh, "labels", [batch, *spatial], dtype="int32")
+        w = placeholder(mesh, "weights", [batch])
+        classes = Dimension("classes", 2)
+        logits = unet(images, classes, self.channels, self.depth)
+        built = _classification(logits, labels, broadcast(w, labels.shape), classes)
+        built.metrics["examples"] = reduce_sum(w)
+        return built
+
+    def _feeds(self, rng, val):
+        images, labels = synthetic.segmentation_batch(self.batch_size, self.image_size, self.spatial_dims, rng)
+        return {"images": images, "labels": labels, "weights": np.ones(self.batch_size, np.float32)}
+
+    def summarize(self, sums):
+        out = super().summarize(sums)
+        out["pixel_accuracy"] = out.pop("accuracy")
+        return out
 
 
 def _config(model: str | TransformerConfig, **overrides) -> TransformerConfig:
@@ -291,4 +365,11 @@ class Seq2SeqTask(Task):
         return out
 
 
-TASKS = {"mlp": MlpTask, "mnist": MnistTask, "lm": LmTask, "seq2seq": Seq2SeqTask}
+TASKS = {
+    "mlp": MlpTask,
+    "mnist": MnistTask,
+    "cnn": CnnTask,
+    "unet": UNetTask,
+    "lm": LmTask,
+    "seq2seq": Seq2SeqTask,
+}

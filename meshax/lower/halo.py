@@ -1,0 +1,72 @@
+"""Halo exchange: each device's slice of a split dim, extended by its neighbours' edge values.
+
+GSPMD's windowed-op primitive (section 4.3): with a dim split over mesh axis `axis` in blocks of
+`b`, device c gets the `left` values before its slice (from devices c-1, c-2, ... : several
+hops when the halo is wider than a slice) and the `right` values after it, as one collective
+permute per hop and side, each sending only the values its receiver needs. Where no neighbour
+exists (the ends of a dim that does not wrap) the halo is zeros. `halo_transpose` is its
+adjoint, for gradients: the halo parts go back to their owners and are added there.
+
+The slices must hold zeros (or what the op treats as outside the dim) in their padding: the
+padding of an uneven split lies at the end of the dim, where the values beyond it belong.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def _pieces(width: int, block: int) -> list[int]:
+    """How many values hop h (1, 2, ...) carries, for a halo `width` wide over blocks of `block`."""
+    out = []
+    while width > 0:
+        out.append(min(width, block))
+        width -= block
+    return out
+
+
+def _take(xs, ctx, dim: int, start: int, size: int) -> list:
+    return ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, start, start + size, axis=dim), xs)
+
+
+def _cat(ctx, parts: list, dim: int) -> list:
+    return ctx.slicewise(lambda *a: jnp.concatenate(a, axis=dim), *parts) if len(parts) > 1 else parts[0]
+
+
+def halo(ctx, xs: list, axis: int, dim: int, left: int, right: int, wrap: bool = False) -> list:
+    """Slices along `dim` extended to [left halo, own slice, right halo] (see the module)."""
+    block = xs[0].shape[dim]
+    before: list[list] = []
+    after: list[list] = []
+    for h, w in enumerate(_pieces(left, block), start=1):  # the last w values of device c - h
+        before.insert(0, ctx.shift(_take(xs, ctx, dim, block - w, w), axis, h, wrap))
+    for h, w in enumerate(_pieces(right, block), start=1):  # the first w values of device c + h
+        after.append(ctx.shift(_take(xs, ctx, dim, 0, w), axis, -h, wrap))
+    return _cat(ctx, [*before, xs, *after], dim)
+
+
+def halo_transpose(ctx, ext: list, axis: int, dim: int, left: int, right: int, wrap: bool = False) -> list:
+    """`halo`'s adjoint: a gradient over extended slices summed back onto the owners' slices."""
+    block = ext[0].shape[dim] - left - right
+    own = _take(ext, ctx, dim, left, block)
+    offset = left
+    for h, w in enumerate(_pieces(left, block), start=1):  # came from device c - h's last w values
+        offset -= w
+        back = ctx.shift(_take(ext, ctx, dim, offset, w), axis, -h, wrap)
+        own = _add_at(ctx, own, back, dim, block - w)
+    offset = left + block
+    for h, w in enumerate(_pieces(right, block), start=1):  # came from device c + h's first w values
+        back = ctx.shift(_take(ext, ctx, dim, offset, w), axis, h, wrap)
+        own = _add_at(ctx, own, back, dim, 0)
+        offset += w
+    return own
+
+
+def _add_at(ctx, xs: list, part: list, dim: int, start: int) -> list:
+    def add(a, p):
+        widths = [(0, 0)] * a.ndim
+        widths[dim] = (start, a.shape[dim] - start - p.shape[dim])
+        return a + jnp.pad(p, widths)
+
+    return ctx.slicewise(add, xs, part)

@@ -1,0 +1,546 @@
+"""Convolutions and pooling over named spatial dims, with spatial dims split by halo exchange.
+
+`conv2d(x, conv_filter, strides, padding)` as in Mesh-TensorFlow: x is [..., h, w, in] (the
+spatial dims are the ones before the last, the channels), the filter [fh, fw, in, out]; the
+output keeps x's dim names, the spatial ones with their new sizes. Padding "SAME", "VALID" or
+explicit (lo, hi) pairs; strides and dilations per spatial dim.
+
+Lowering (GSPMD section 4.3): batch dims and `out` split freely; a split `in` leaves partial
+sums; a split spatial dim stays split: each device takes from its neighbours the halo its
+output block reads (`ctx.halo`, several hops where wider than a slice; where output and input
+blocks differ in size, as with strides, the window's start moves per device and the halo is
+the widest any device needs), and runs a VALID convolution on that window. Uneven splits: the
+input's padding is zeroed first, so it reads as the convolution's own zero padding. The input
+and filter gradients are two ops of their own, lowered the same way: the input gradient
+sends each halo back to its owner and adds it (`ctx.halo_transpose`), the filter gradient owes
+a sum over the mesh dims that split batch and spatial dims. `conv2d_transpose` is the input
+gradient of a strided convolution. Pooling (max, average) uses the same windows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Operation, Tensor
+from meshax.core.shape import Dimension, Shape
+from meshax.layout import ShardingRule, slice_shape
+from meshax.ops._dtypes import inexact
+from meshax.ops.elementwise import cast
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """A window over k spatial dims: its size, strides, dilations, (lo, hi) zero padding, and
+    the input and output sizes per dim."""
+
+    names: tuple[str, ...]
+    size: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+
+    def extent(self, i: int) -> int:
+        """Input values one output value reads along spatial dim i (the dilated window)."""
+        return self.dilations[i] * (self.size[i] - 1) + 1
+
+
+def _tuple(what: str, value, k: int, op: str, four: bool = False) -> tuple[int, ...]:
+    """k positive ints from an int, a k-sequence, or (for strides) tf.nn's [1, ..., 1] form."""
+    if isinstance(value, int | np.integer):
+        value = [int(value)] * k
+    value = list(value)
+    if four and len(value) == k + 2 and value[0] == value[-1] == 1:
+        value = value[1:-1]
+    if len(value) != k or any(not isinstance(v, int | np.integer) or v < 1 for v in value):
+        raise GraphError(
+            f"{op}: {what} must be {k} positive ints (one per spatial dim){' or [1, ..., 1]' if four else ''}, "
+            f"got {value!r}"
+        )
+    return tuple(int(v) for v in value)
+
+
+def make_window(op: str, spatial: Sequence[Dimension], size, strides, dilations, padding) -> Window:
+    """The window of an op over `spatial` dims, validated; output sizes as tf.nn computes them."""
+    k = len(spatial)
+    size = _tuple("the window size", size, k, op)
+    strides = _tuple("strides", strides, k, op, four=True)
+    dilations = _tuple("dilations", dilations, k, op, four=True)
+    n = [d.size for d in spatial]
+    extents = [dl * (f - 1) + 1 for f, dl in zip(size, dilations)]
+    if isinstance(padding, str) and padding.upper() in ("SAME", "VALID"):
+        if padding.upper() == "VALID":
+            pads = [(0, 0)] * k
+        else:
+            pads = []
+            for ni, e, s in zip(n, extents, strides):
+                total = max((-(-ni // s) - 1) * s + e - ni, 0)
+                pads.append((total // 2, total - total // 2))
+    else:
+        try:
+            pads = [(int(lo), int(hi)) for lo, hi in padding]
+        except (TypeError, ValueError):
+            pads = []
+        if len(pads) != k or any(lo < 0 or hi < 0 for lo, hi in pads):
+            raise GraphError(
+                f"{op}: padding must be 'SAME', 'VALID' or {k} (lo, hi) pairs of non-negative ints, got {padding!r}"
+            )
+    outputs = []
+    for d, ni, e, s, (lo, hi) in zip(spatial, n, extents, strides, pads):
+        if ni + lo + hi < e:
+            raise GraphError(
+                f"{op}: the window spans {e} values of {d.name} but the padded input has {ni + lo + hi} "
+                f"({d.name}={ni}, padding ({lo}, {hi})); use a smaller window or dilation, or more padding"
+            )
+        outputs.append((ni + lo + hi - e) // s + 1)
+    return Window(tuple(d.name for d in spatial), size, strides, dilations, tuple(pads), tuple(n), tuple(outputs))
+
+
+# ---- the windowed lowering, shared by every op here ----------------------------------------
+@dataclasses.dataclass
+class _Halo:
+    """One split spatial dim: its position in the input, mesh axis, halo widths, each device's
+    window start in the extended slice, and the window's length."""
+
+    dim: int
+    axis: int
+    left: int
+    right: int
+    start: list
+    length: int
+
+
+def _halos(ctx, w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout) -> list[_Halo]:
+    """The halo exchange each split spatial dim needs for output slices laid out as `y_layout`."""
+    out = []
+    x_blocks = slice_shape(x_shape, x_layout, ctx.mesh_shape)
+    y_blocks = slice_shape(y_shape, y_layout, ctx.mesh_shape)
+    for i, name in enumerate(w.names):
+        dx = x_shape.index(x_shape.get_dim_by_name(name))
+        axes = x_layout.axes[dx]
+        if not axes:
+            continue
+        (m,) = axes
+        bi, bo = x_blocks[dx], y_blocks[y_shape.index(y_shape.get_dim_by_name(name))]
+        s, lo, parts = w.strides[i], w.padding[i][0], ctx.mesh_shape[m].size
+        length = (bo - 1) * s + w.extent(i)
+        # device c reads input [c*bo*s - lo, ... + length) and holds [c*bi, (c+1)*bi)
+        lefts = [c * bi - (c * bo * s - lo) for c in range(parts)]
+        left = max(0, *lefts)
+        right = max(0, *[length - lc - bi for lc in lefts])
+        start = ctx.slicewise(
+            lambda c, bi=bi, bo=bo, s=s, lo=lo, left=left: left - (c * bi - (c * bo * s - lo)), ctx.pcoord(m)
+        )
+        out.append(_Halo(dx, m, left, right, start, length))
+    return out
+
+
+def _extend(ctx, slices: list, halos: list[_Halo]) -> list:
+    for h in halos:
+        slices = ctx.halo(slices, h.axis, h.dim, h.left, h.right)
+    return slices
+
+
+def _unextend(ctx, slices: list, halos: list[_Halo]) -> list:
+    for h in reversed(halos):
+        slices = ctx.halo_transpose(slices, h.axis, h.dim, h.left, h.right)
+    return slices
+
+
+def _window_of(ext, starts, halos: list[_Halo]):
+    """The part of the extended slice the device's outputs read (traced starts)."""
+    for h, start in zip(halos, starts):
+        ext = jax.lax.dynamic_slice_in_dim(ext, start, h.length, axis=h.dim)
+    return ext
+
+
+def _local_padding(w: Window, halos: list[_Halo], x_shape: Shape) -> list[tuple[int, int]]:
+    """Per spatial dim, the zero padding the local op adds: none where a halo brought it."""
+    split = {h.dim for h in halos}
+    return [
+        (0, 0) if x_shape.index(x_shape.get_dim_by_name(n)) in split else w.padding[i] for i, n in enumerate(w.names)
+    ]
+
+
+def _out_shape(x: Tensor, w: Window, channel: Dimension | None) -> Shape:
+    sizes = dict(zip(w.names, w.outputs))
+    dims = [Dimension(d.name, sizes[d.name]) if d.name in sizes else d for d in x.shape]
+    if channel is not None:
+        dims[-1] = channel
+    return Shape(dims)
+
+
+def _dimension_numbers(k: int) -> tuple[str, str, str]:
+    """conv_general_dilated's dimension numbers for [batch, spatial..., channel] (the leading
+    dims flattened into one batch dim) and a filter [spatial..., in, out]."""
+    sp = "DHW"[-k:]
+    return (f"N{sp}C", f"{sp}IO", f"N{sp}C")
+
+
+def _conv(x, f, w: Window, pads, k: int):
+    """The local convolution: x [batch..., spatial..., in], f [spatial..., in, out]."""
+    lead = x.shape[: x.ndim - k - 1]
+    flat = x.reshape((math.prod(lead), *x.shape[x.ndim - k - 1 :]))
+    y = jax.lax.conv_general_dilated(
+        flat,
+        f,
+        window_strides=w.strides,
+        padding=pads,
+        rhs_dilation=w.dilations,
+        dimension_numbers=_dimension_numbers(k),
+        preferred_element_type=x.dtype,
+    )
+    return y.reshape(lead + y.shape[1:])
+
+
+class _Windowed(Operation):
+    """Base of the ops here: by-name rules whose spatial dims are windowed and whose filter's
+    window dims (the first k of the filter, or of the filter gradient) are whole."""
+
+    window: Window
+
+    def _windowed_rule(self, filter_shape: Shape | None) -> ShardingRule:
+        k = len(self.window.names)
+        return ShardingRule.by_name(
+            [t.shape for t in self.inputs],
+            [t.shape for t in self.outputs],
+            whole=filter_shape.dimension_names[:k] if filter_shape is not None else (),
+            windows=[(n, self.window.extent(i) - 1) for i, n in enumerate(self.window.names)],
+        )
+
+
+class ConvOperation(_Windowed):
+    def __init__(self, x: Tensor, kernel: Tensor, window: Window, name=None):
+        super().__init__([x, kernel], name=name or "conv")
+        self.window = window
+        self._add_output(_out_shape(x, window, kernel.shape[-1]), x.dtype)
+
+    def sharding_rule(self) -> ShardingRule:
+        """By name; spatial dims windowed, the filter's window dims whole, `in` reduced."""
+        return self._windowed_rule(self.inputs[1].shape)
+
+    def lower(self, ctx):
+        (x, f), (y,) = self.inputs, self.outputs
+        run = ctx.layouts(self)
+        (xl, fl), (yl,) = run.operands, run.results
+        xv = ctx.masked(ctx.get(x, xl), x.shape, self.window.names, 0)
+        fv = ctx.get(f, fl)
+        halos = _halos(ctx, self.window, x.shape, xl, y.shape, yl)
+        pads = _local_padding(self.window, halos, x.shape)
+        k = len(self.window.names)
+        ext = _extend(ctx, xv.slices, halos)
+        result = ctx.slicewise(
+            lambda e, fk, *starts: _conv(_window_of(e, starts, halos), fk, self.window, pads, k),
+            ext,
+            fv,
+            *[h.start for h in halos],
+        )
+        ctx.add_flops(
+            2 * ctx.local_size(y, yl) * math.prod(self.window.size) * slice_shape(f.shape, fl, ctx.mesh_shape)[-2]
+        )
+        ctx.set_output(y, result, yl, run.pending)
+
+    def gradient(self, grad_outputs):
+        (g,), (x, f) = grad_outputs, self.inputs
+        if g is None:
+            return [None, None]
+        return [
+            ConvInputGradOperation(f, g, x.shape, self.window).outputs[0],
+            ConvFilterGradOperation(x, g, f.shape, self.window).outputs[0],
+        ]
+
+
+class ConvInputGradOperation(_Windowed):
+    """The gradient of a convolution with respect to its input x (also conv_transpose)."""
+
+    def __init__(self, kernel: Tensor, g: Tensor, x_shape: Shape, window: Window, name=None):
+        super().__init__([kernel, g], name=name or "conv_input_grad")
+        self.window = window
+        self._add_output(x_shape, g.dtype)
+
+    def sharding_rule(self) -> ShardingRule:
+        """By name; spatial dims windowed, the filter's window dims whole, `out` reduced."""
+        return self._windowed_rule(self.inputs[0].shape)
+
+    def lower(self, ctx):
+        (f, g), (dx,) = self.inputs, self.outputs
+        run = ctx.layouts(self)
+        (fl, gl), (dxl,) = run.operands, run.results
+        fv = ctx.get(f, fl)
+        gv = ctx.masked(ctx.get(g, gl), g.shape, self.window.names, 0)
+        halos = _halos(ctx, self.window, dx.shape, dxl, g.shape, gl)
+        pads = _local_padding(self.window, halos, dx.shape)
+        k = len(self.window.names)
+        local = slice_shape(dx.shape, dxl, ctx.mesh_shape)
+        for h in halos:
+            local[h.dim] += h.left + h.right
+
+        def transpose(fk, gk, *starts):
+            ext = jax.ShapeDtypeStruct(tuple(local), gk.dtype)
+            conv = jax.linear_transpose(lambda e: _conv(_window_of(e, starts, halos), fk, self.window, pads, k), ext)
+            return conv(gk)[0]
+
+        ext = ctx.slicewise(transpose, fv, gv, *[h.start for h in halos])
+        ctx.add_flops(
+            2 * ctx.local_size(g, gl) * math.prod(self.window.size) * slice_shape(f.shape, fl, ctx.mesh_shape)[-2]
+        )
+        ctx.set_output(dx, _unextend(ctx, ext, halos), dxl, run.pending)
+
+    def gradient(self, grad_outputs):
+        (c,), (f, g) = grad_outputs, self.inputs
+        if c is None:
+            return [None, None]
+        return [
+            ConvFilterGradOperation(c, g, f.shape, self.window).outputs[0],
+            ConvOperation(c, f, self.window).outputs[0],
+        ]
+
+
+class ConvFilterGradOperation(_Windowed):
+    """The gradient of a convolution with respect to its filter: a sum over batch and space."""
+
+    def __init__(self, x: Tensor, g: Tensor, f_shape: Shape, window: Window, name=None):
+        super().__init__([x, g], name=name or "conv_filter_grad")
+        self.window = window
+        self._add_output(f_shape, g.dtype)
+
+    def sharding_rule(self) -> ShardingRule:
+        """By name; spatial dims windowed (and summed: see `lower`), batch dims reduced."""
+        return self._windowed_rule(self.outputs[0].shape)
+
+    def lower(self, ctx):
+        (x, g), (df,) = self.inputs, self.outputs
+        run = ctx.layouts(self)
+        (xl, gl), (dfl,) = run.operands, run.results
+        xv = ctx.masked(ctx.get(x, xl), x.shape, self.window.names, 0)
+        gv = ctx.masked(ctx.get(g, gl), g.shape, self.window.names, 0)
+        halos = _halos(ctx, self.window, x.shape, xl, g.shape, gl)
+        pads = _local_padding(self.window, halos, x.shape)
+        k = len(self.window.names)
+        local = tuple(slice_shape(df.shape, dfl, ctx.mesh_shape))
+        ext = _extend(ctx, xv.slices, halos)
+
+        def transpose(e, gk, *starts):
+            win = _window_of(e, starts, halos)
+            conv = jax.linear_transpose(
+                lambda fk: _conv(win, fk, self.window, pads, k), jax.ShapeDtypeStruct(local, gk.dtype)
+            )
+            return conv(gk)[0]
+
+        result = ctx.slicewise(transpose, ext, gv, *[h.start for h in halos])
+        # the sum over space (split spatial dims are windowed, not reduced, in the rule) is owed too
+        spatial = {m for n in self.window.names for m in run.assign.get(n, ())}
+        ctx.add_flops(2 * ctx.local_size(g, gl) * math.prod(self.window.size) * local[-2])
+        ctx.set_output(df, result, dfl, run.pending | spatial)
+
+    def gradient(self, grad_outputs):
+        (c,), (x, g) = grad_outputs, self.inputs
+        if c is None:
+            return [None, None]
+        return [
+            ConvInputGradOperation(c, g, x.shape, self.window).outputs[0],
+            ConvOperation(x, c, self.window).outputs[0],
+        ]
+
+
+class PoolOperation(_Windowed):
+    def __init__(self, x: Tensor, window: Window, kind: str, name=None):
+        super().__init__([x], name=name or f"{kind}_pool")
+        self.window, self.kind = window, kind
+        self._add_output(_out_shape(x, window, None), x.dtype)
+
+    def sharding_rule(self) -> ShardingRule:
+        """By name; spatial dims windowed."""
+        return self._windowed_rule(None)
+
+    def lower(self, ctx):
+        (x,), (y,) = self.inputs, self.outputs
+        run = ctx.layouts(self)
+        (xl,), (yl,) = run.operands, run.results
+        xv = ctx.masked(ctx.get(x, xl), x.shape, self.window.names, 0)
+        halos = _halos(ctx, self.window, x.shape, xl, y.shape, yl)
+        pads = _local_padding(self.window, halos, x.shape)
+        ext = _extend(ctx, xv.slices, halos)
+        result = ctx.slicewise(
+            lambda e, *starts: _pool(_window_of(e, starts, halos), self.window, pads, self.kind, x.shape.rank),
+            ext,
+            *[h.start for h in halos],
+        )
+        ctx.add_flops(ctx.local_size(y, yl) * math.prod(self.window.size))
+        ctx.set_output(y, result, yl)
+
+    def gradient(self, grad_outputs):
+        (g,), (x,) = grad_outputs, self.inputs
+        return [None if g is None else PoolGradOperation(x, g, self.window, self.kind).outputs[0]]
+
+
+class PoolGradOperation(_Windowed):
+    """The gradient of a pooling op with respect to its input."""
+
+    def __init__(self, x: Tensor, g: Tensor, window: Window, kind: str, name=None):
+        super().__init__([x, g], name=name or f"{kind}_pool_grad")
+        self.window, self.kind = window, kind
+        self._add_output(x.shape, g.dtype)
+
+    def sharding_rule(self) -> ShardingRule:
+        """By name; spatial dims windowed."""
+        return self._windowed_rule(None)
+
+    def lower(self, ctx):
+        (x, g), (dx,) = self.inputs, self.outputs
+        run = ctx.layouts(self)
+        (xl, gl), (dxl,) = run.operands, run.results
+        xv = ctx.masked(ctx.get(x, xl), x.shape, self.window.names, 0)
+        gv = ctx.masked(ctx.get(g, gl), g.shape, self.window.names, 0)
+        halos = _halos(ctx, self.window, x.shape, xl, g.shape, gl)
+        pads = _local_padding(self.window, halos, x.shape)
+
+        def vjp(e, gk, *starts):
+            pool = lambda a: _pool(_window_of(a, starts, halos), self.window, pads, self.kind, x.shape.rank)  # noqa: E731
+            return jax.vjp(pool, e)[1](gk)[0]
+
+        ext = ctx.slicewise(vjp, _extend(ctx, xv.slices, halos), gv, *[h.start for h in halos])
+        ctx.add_flops(ctx.local_size(g, gl) * math.prod(self.window.size))
+        ctx.set_output(dx, _unextend(ctx, ext, halos), dxl)
+
+
+def _pool(x, w: Window, pads, kind: str, rank: int):
+    """The local pooling of x [..., spatial..., channel] (VALID windows of w)."""
+    k = len(w.names)
+    dims = (1,) * (rank - k - 1) + w.size + (1,)
+    strides = (1,) * (rank - k - 1) + w.strides + (1,)
+    dil = (1,) * (rank - k - 1) + w.dilations + (1,)
+    padding = [(0, 0)] * (rank - k - 1) + list(pads) + [(0, 0)]
+    if kind == "max":
+        # (a concrete init value, so that JAX knows the monoid and can differentiate it)
+        init = np.array(-np.inf if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.iinfo(x.dtype).min, x.dtype)
+        return jax.lax.reduce_window(x, init, jax.lax.max, dims, strides, padding, None, dil)
+    total = jax.lax.reduce_window(x, np.zeros((), x.dtype), jax.lax.add, dims, strides, padding, None, dil)
+    return total / math.prod(w.size)
+
+
+# ---- the public functions: Mesh-TensorFlow's names and argument order ------------------------
+def _spatial(op: str, x: Tensor, k: int) -> list[Dimension]:
+    """The k dims before x's last (channel) dim."""
+    if x.shape.rank < k + 1:
+        raise GraphError(f"{op}: {x.name} {x.shape} needs at least {k + 1} dims: [..., {k} spatial dims, channels]")
+    return list(x.shape.dims[-k - 1 : -1])
+
+
+def _numbers(op: str, *xs: Tensor) -> None:
+    bools = [t.name for t in xs if t.dtype == np.bool_]
+    if bools:
+        raise GraphError(f"{op} sums products, and {bools} are bool: cast them to int32 or a float first")
+
+
+def _conv_nd(op: str, k: int, x: Tensor, conv_filter: Tensor, strides, padding, dilations, name) -> Tensor:
+    spatial = _spatial(op, x, k)
+    f = conv_filter
+    _numbers(op, x, f)
+    if f.shape.rank != k + 2:
+        raise GraphError(f"{op}: the filter must be [{k} window dims, in, out], got {f.name} {f.shape}")
+    if f.shape[-2] != x.shape[-1]:
+        raise GraphError(
+            f"{op}: the filter's input channels {f.shape[-2]} must be x's last dim {x.shape[-1]} ({x.name} {x.shape})"
+        )
+    clash = [d.name for d in [*f.shape.dims[:k], f.shape[-1]] if d.name in x.shape.dimension_names]
+    if clash:
+        raise GraphError(f"{op}: filter dims {clash} are also dims of {x.name} {x.shape}; give them other names")
+    window = make_window(op, spatial, [d.size for d in f.shape.dims[:k]], strides, dilations, padding)
+    return ConvOperation(x, f, window, name or op).outputs[0]
+
+
+def conv1d(x: Tensor, conv_filter: Tensor, stride=1, padding="SAME", name=None, dilations=1) -> Tensor:
+    """1-D convolution: x [..., length, in], filter [fl, in, out] -> [..., length', out]."""
+    return _conv_nd("conv1d", 1, x, conv_filter, stride, padding, dilations, name)
+
+
+def conv2d(x: Tensor, conv_filter: Tensor, strides=(1, 1), padding="SAME", name=None, dilations=1) -> Tensor:
+    """2-D convolution as Mesh-TensorFlow's (and tf.nn's): x [..., h, w, in], filter [fh, fw,
+    in, out] -> [..., h', w', out]; strides (sh, sw) or [1, sh, sw, 1]; padding "SAME",
+    "VALID" or ((lo, hi), (lo, hi)). Split h and w over mesh dims: halos are exchanged."""
+    return _conv_nd("conv2d", 2, x, conv_filter, strides, padding, dilations, name)
+
+
+def conv3d(x: Tensor, conv_filter: Tensor, strides=(1, 1, 1), padding="SAME", name=None, dilations=1) -> Tensor:
+    """3-D convolution: x [..., d, h, w, in], filter [fd, fh, fw, in, out]."""
+    return _conv_nd("conv3d", 3, x, conv_filter, strides, padding, dilations, name)
+
+
+def _conv_transpose_nd(op: str, k: int, x: Tensor, conv_filter: Tensor, strides, padding, name) -> Tensor:
+    f = conv_filter
+    spatial = _spatial(op, x, k)
+    ints = [t.name for t in (x, f) if not jnp.issubdtype(t.dtype, jnp.inexact)]
+    if ints:
+        raise GraphError(f"{op} is the gradient of a convolution, taken in floats: cast {ints} to a float first")
+    if f.shape.rank != k + 2 or f.shape[-1] != x.shape[-1]:
+        raise GraphError(
+            f"{op}: the filter must be [{k} window dims, out, in] with in = {x.shape[-1]}, got {f.name} {f.shape}"
+        )
+    size = [d.size for d in f.shape.dims[:k]]
+    st = _tuple("strides", strides, k, op, four=True)
+    if not (isinstance(padding, str) and padding.upper() in ("SAME", "VALID")):
+        raise GraphError(f"{op}: padding must be 'SAME' or 'VALID', got {padding!r}")
+    same = padding.upper() == "SAME"
+    out = [Dimension(d.name, d.size * s if same else (d.size - 1) * s + f_) for d, s, f_ in zip(spatial, st, size)]
+    window = make_window(op, out, size, st, 1, padding)
+    dx_shape = Shape(list(x.shape.dims[: -k - 1]) + out + [f.shape[-2]])
+    return ConvInputGradOperation(f, x, dx_shape, window, name or op).outputs[0]
+
+
+def conv2d_transpose(x: Tensor, conv_filter: Tensor, strides=(1, 1), padding="SAME", name=None) -> Tensor:
+    """The transpose (gradient) of conv2d, as Mesh-TensorFlow's: x [..., h, w, in], filter
+    [fh, fw, out, in] -> [..., h*sh, w*sw, out] ("SAME") or [..., (h-1)*sh + fh, ...] ("VALID")."""
+    return _conv_transpose_nd("conv2d_transpose", 2, x, conv_filter, strides, padding, name)
+
+
+def conv3d_transpose(x: Tensor, conv_filter: Tensor, strides=(1, 1, 1), padding="SAME", name=None) -> Tensor:
+    """The transpose of conv3d: x [..., d, h, w, in], filter [fd, fh, fw, out, in]."""
+    return _conv_transpose_nd("conv3d_transpose", 3, x, conv_filter, strides, padding, name)
+
+
+def _pool_nd(op: str, kind: str, k: int, x: Tensor, ksize, name) -> Tensor:
+    window = make_window(op, _spatial(op, x, k), ksize, ksize, 1, "VALID")
+    if x.dtype == np.bool_:
+        raise GraphError(f"{op} of bool tensor {x.name}: cast it to int32 or a float first")
+    if kind == "avg":  # a mean: a float for integer inputs, as jnp.mean
+        x = cast(x, inexact(x.dtype))
+    return PoolOperation(x, window, kind, name or op).outputs[0]
+
+
+def max_pool1d(x: Tensor, ksize=2, name=None) -> Tensor:
+    """Max over windows of `ksize` along the dim before the last, stride ksize (VALID)."""
+    return _pool_nd("max_pool1d", "max", 1, x, ksize, name)
+
+
+def max_pool2d(x: Tensor, ksize=(2, 2), name=None) -> Tensor:
+    """Mesh-TensorFlow's max_pool2d: x [..., h, w, channels], windows ksize, stride ksize."""
+    return _pool_nd("max_pool2d", "max", 2, x, ksize, name)
+
+
+def max_pool3d(x: Tensor, ksize=(2, 2, 2), name=None) -> Tensor:
+    """Max over [..., d, h, w, channels] windows of ksize, stride ksize."""
+    return _pool_nd("max_pool3d", "max", 3, x, ksize, name)
+
+
+def avg_pool1d(x: Tensor, ksize=2, name=None) -> Tensor:
+    """Mean over windows of `ksize` along the dim before the last, stride ksize (VALID)."""
+    return _pool_nd("avg_pool1d", "avg", 1, x, ksize, name)
+
+
+def avg_pool2d(x: Tensor, ksize=(2, 2), name=None) -> Tensor:
+    """Mesh-TensorFlow's avg_pool2d: x [..., h, w, channels], windows ksize, stride ksize."""
+    return _pool_nd("avg_pool2d", "avg", 2, x, ksize, name)
+
+
+def avg_pool3d(x: Tensor, ksize=(2, 2, 2), name=None) -> Tensor:
+    """Mean over [..., d, h, w, channels] windows of ksize, stride ksize."""
+    return _pool_nd("avg_pool3d", "avg", 3, x, ksize, name)

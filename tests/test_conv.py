@@ -1,0 +1,201 @@
+"""Convolutions and pooling (issue 11) against jax.lax, forward and gradient, under random
+spatial, batch and channel splits, even and uneven; the halo each device sends; bad input."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshax as mx
+from tests.conftest import IMPL_IDS, IMPLS
+
+MESHES = ["r:2;c:4", "r:4;c:2", "r:8", "r:3;c:2"]
+SPATIAL = "hwz"
+
+
+def _dims(names_sizes):
+    return [mx.Dimension(n, s) for n, s in names_sizes]
+
+
+def _check(build, ref, feeds, shapes, mesh, rules, impl=mx.SimdMeshImpl, seed=0):
+    """Build y = build(*placeholders); compare y and the gradients of sum(y * r) with jax."""
+    rng = np.random.default_rng(seed)
+    g = mx.Graph()
+    m = mx.Mesh(g, "m")
+    xs = [mx.placeholder(m, f"p{i}", s) for i, s in enumerate(shapes)]
+    y = build(*xs)
+    r = rng.normal(size=y.shape.to_integer_list).astype(np.float32)
+    loss = mx.reduce_sum(y * mx.import_tensor(m, r, y.shape))
+    grads = mx.gradients([loss], xs)
+    low = mx.Lowering(g, {m: impl(mesh, rules)})
+    got = low.function([y, *grads])({f"p{i}": v for i, v in enumerate(feeds)})
+    want = [ref(*feeds), *jax.grad(lambda *a: jnp.sum(ref(*a) * r), argnums=tuple(range(len(feeds))))(*feeds)]
+    for i, (a, b) in enumerate(zip(got, want)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-4, err_msg=f"output {i} under {mesh} {rules}")
+    return low
+
+
+def _random_rules(rng, mesh, names):
+    """Each mesh dim splits one of `names` (or nothing): spatial splits, even or not."""
+    rules, taken = [], set()
+    for part in mesh.split(";"):
+        mname = part.split(":")[0]
+        free = [n for n in names if n not in taken]
+        if free and rng.random() < 0.85:
+            n = free[rng.integers(len(free))]
+            taken.add(n)
+            rules.append(f"{n}:{mname}")
+    return ";".join(rules)
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_conv_matches_lax_under_random_splits(case):
+    rng = np.random.default_rng(100 + case)
+    k = [1, 2, 2, 2, 3, 2, 1, 2][case]
+    sizes = [int(rng.integers(3, 12)) for _ in range(k)]
+    fsize = [int(rng.integers(1, 4)) for _ in range(k)]
+    strides = [int(rng.integers(1, 4)) for _ in range(k)]
+    dil = [int(rng.integers(1, 3)) for _ in range(k)]
+    pad = ["SAME", "VALID", [(int(rng.integers(0, 3)), int(rng.integers(0, 3))) for _ in range(k)]][case % 3]
+    if pad == "VALID":
+        sizes = [max(s, dl * (f - 1) + 1) for s, f, dl in zip(sizes, fsize, dil)]
+    spatial = list(zip(SPATIAL[:k], sizes))
+    x_shape = _dims([("b", 2), *spatial, ("i", 3)])
+    f_shape = _dims([*[(f"f{n}", s) for (n, _), s in zip(spatial, fsize)], ("i", 3), ("o", 4)])
+    x = np.random.default_rng(case).normal(size=[d.size for d in x_shape]).astype(np.float32)
+    f = np.random.default_rng(case + 1).normal(size=[d.size for d in f_shape]).astype(np.float32)
+    op = {1: mx.conv1d, 2: mx.conv2d, 3: mx.conv3d}[k]
+    sp = "DHW"[-k:]
+    numbers = (f"N{sp}C", f"{sp}IO", f"N{sp}C")
+
+    def ref(a, b):
+        return jax.lax.conv_general_dilated(a, b, strides, pad, rhs_dilation=dil, dimension_numbers=numbers)
+
+    mesh = MESHES[case % len(MESHES)]
+    rules = _random_rules(rng, mesh, [*SPATIAL[:k], "b", "i", "o"])
+    _check(lambda a, b: op(a, b, strides, pad, dilations=dil), ref, [x, f], [x_shape, f_shape], mesh, rules)
+
+
+@pytest.mark.parametrize("impl", IMPLS, ids=IMPL_IDS)
+def test_conv_both_backends_uneven_spatial_split(impl):
+    x_shape, f_shape = (
+        _dims([("b", 2), ("h", 7), ("w", 5), ("i", 2)]),
+        _dims([("fh", 3), ("fw", 3), ("i", 2), ("o", 3)]),
+    )
+    x = np.random.default_rng(0).normal(size=(2, 7, 5, 2)).astype(np.float32)
+    f = np.random.default_rng(1).normal(size=(3, 3, 2, 3)).astype(np.float32)
+
+    def ref(a, b):
+        return jax.lax.conv_general_dilated(a, b, (2, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    _check(
+        lambda a, b: mx.conv2d(a, b, [1, 2, 1, 1], "SAME"), ref, [x, f], [x_shape, f_shape], "r:4;c:2", "h:r;w:c", impl
+    )
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+@pytest.mark.parametrize("case", range(3))
+def test_pooling_matches_reduce_window(kind, case):
+    rng = np.random.default_rng(case)
+    k = [2, 1, 3][case]
+    ksize = [int(rng.integers(1, 4)) for _ in range(k)]
+    sizes = [int(rng.integers(f, 13)) for f in ksize]
+    x_shape = _dims([("b", 2), *zip(SPATIAL[:k], sizes), ("i", 3)])
+    x = rng.normal(size=[d.size for d in x_shape]).astype(np.float32)
+    op = getattr(mx, f"{kind}_pool{k}d")
+    dims = (1, *ksize, 1)
+
+    def ref(a):
+        if kind == "max":
+            return jax.lax.reduce_window(a, -jnp.inf, jax.lax.max, dims, dims, "VALID")
+        return jax.lax.reduce_window(a, 0.0, jax.lax.add, dims, dims, "VALID") / np.prod(ksize)
+
+    mesh = MESHES[case]
+    _check(lambda a: op(a, ksize), ref, [x], [x_shape], mesh, _random_rules(rng, mesh, [*SPATIAL[:k], "b", "i"]))
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+def test_conv2d_transpose_matches_lax(padding):
+    x_shape, f_shape = (
+        _dims([("b", 2), ("h", 5), ("w", 3), ("i", 3)]),
+        _dims([("fh", 3), ("fw", 2), ("o", 2), ("i", 3)]),
+    )
+    x = np.random.default_rng(0).normal(size=(2, 5, 3, 3)).astype(np.float32)
+    f = np.random.default_rng(1).normal(size=(3, 2, 2, 3)).astype(np.float32)
+
+    def ref(a, b):  # tf.nn.conv2d_transpose: the gradient of conv2d with filter [fh, fw, out, in]
+        out = (2, 5 * 2, 3 * 2, 2) if padding == "SAME" else (2, 4 * 2 + 3, 2 * 2 + 2, 2)
+        conv = lambda z: jax.lax.conv_general_dilated(  # noqa: E731
+            z, b, (2, 2), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        return jax.linear_transpose(conv, jax.ShapeDtypeStruct(out, jnp.float32))(a)[0]
+
+    _check(
+        lambda a, b: mx.conv2d_transpose(a, b, (2, 2), padding), ref, [x, f], [x_shape, f_shape], "r:4;c:2", "h:r;w:c"
+    )
+
+
+def test_halo_values_each_device_sends():
+    """A 3x3 SAME convolution (halo 1 on each side) of x [b=2, h=16, w=8, i=3] with h over
+    rows:4 and w over cols:2: per split spatial dim and direction, each device sends
+    halo x (the product of its slice's other dims): for h, 1 x (2 x 4 x 3) = 24 values per
+    direction; for w, after h's exchange, 1 x (2 x (4 + 2) x 3) = 36 (the corners ride along).
+    The forward pass exchanges 2 x 24 + 2 x 36 = 120 values in 4 collective permutes, exactly
+    the collective permutes in the compiled HLO."""
+    g = mx.Graph()
+    m = mx.Mesh(g, "m")
+    x = mx.placeholder(m, "x", "b:2;h:16;w:8;i:3")
+    f = mx.placeholder(m, "f", "fh:3;fw:3;i:3;o:4")
+    y = mx.conv2d(x, f, (1, 1), "SAME")
+    low = mx.Lowering(g, {m: mx.SimdMeshImpl("rows:4;cols:2", "h:rows;w:cols")})
+    c = low.trace_step([y])
+    assert (c["permute"].count, c["permute"].values) == (4, 2 * 1 * 2 * 4 * 3 + 2 * 1 * 2 * 6 * 3)
+    feeds = {"x": np.ones((2, 16, 8, 3), np.float32), "f": np.ones((3, 3, 3, 4), np.float32)}
+    hlo = mx.hlo_collectives(low.function(y).compiled_text(feeds))
+    assert hlo["permute"] == {"count": 4, "values": c["permute"].values}
+    # the same layout without halo exchange would allgather h and w instead
+    assert c["allgather"].count == 0
+
+
+def test_wide_and_uneven_halos_take_several_hops():
+    """A 7-tap filter over h=10 split 8 ways (slices of 2, the last ones padding) needs 3
+    values from each side: two hops per side."""
+    x_shape, f_shape = _dims([("b", 1), ("h", 10), ("i", 2)]), _dims([("fh", 7), ("i", 2), ("o", 2)])
+    x = np.random.default_rng(0).normal(size=(1, 10, 2)).astype(np.float32)
+    f = np.random.default_rng(1).normal(size=(7, 2, 2)).astype(np.float32)
+
+    def ref(a, b):
+        return jax.lax.conv_general_dilated(a, b, (1,), "SAME", dimension_numbers=("NHC", "HIO", "NHC"))
+
+    low = _check(lambda a, b: mx.conv1d(a, b, 1, "SAME"), ref, [x, f], [x_shape, f_shape], "r:8", "h:r")
+    y = next(t for op in low.graph.operations for t in op.outputs if t.operation.name.startswith("conv1d"))
+    assert low.trace_step([y])["permute"].count == 4
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda x, f: mx.conv2d(x, f, (1, 1, 1), "SAME"), "strides must be 2 positive ints"),
+        (lambda x, f: mx.conv2d(x, f, (0, 1), "SAME"), "strides must be 2 positive ints"),
+        (lambda x, f: mx.conv2d(x, f, (1, 1), "SAME", dilations=(1, 0)), "dilations must be 2 positive ints"),
+        (lambda x, f: mx.conv2d(x, f, (1, 1), "FULL"), "padding must be 'SAME', 'VALID' or 2 (lo, hi) pairs"),
+        (lambda x, f: mx.conv3d(x, f, 1, "SAME"), "needs at least 4 dims"),
+        (lambda x, f: mx.max_pool2d(x, (9, 1)), "the window spans 9 values of h but the padded input has 8"),
+    ],
+)
+def test_bad_input_is_a_clear_error(call, message):
+    g = mx.Graph()
+    m = mx.Mesh(g, "m")
+    x = mx.placeholder(m, "x", "h:8;w:8;i:3")
+    f = mx.placeholder(m, "f", "fh:3;fw:3;i:3;o:4")
+    with pytest.raises(mx.GraphError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        call(x, f)
+
+
+def test_a_filter_larger_than_the_padded_input_is_refused():
+    g = mx.Graph()
+    m = mx.Mesh(g, "m")
+    x = mx.placeholder(m, "x", "h:4;w:4;i:3")
+    f = mx.placeholder(m, "f", "fh:5;fw:3;i:3;o:4")
+    with pytest.raises(mx.GraphError, match="the window spans 5 values of h but the padded input has 4"):
+        mx.conv2d(x, f, (1, 1), "VALID")

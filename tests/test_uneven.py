@@ -1,0 +1,200 @@
+"""Uneven splits (issue 11): a dim of size n split k ways holds ceil(n/k) per device, padded,
+and every op stays exact. Property tests against jax.numpy (forward and gradient) for every op
+family along the padded dim, n in 1..17 split 2, 4 and 8 ways, on both backends; the
+Transformer under layouts that do not divide; checkpoints and values in the logical shape."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshax as mx
+from meshax.train import CnnTask, LmTask, UNetTask, train
+
+B = 3  # the other dim
+
+
+def _program(n: int):
+    """Ops of every family along dim `a` of size n; returns (graph, mesh, outputs, reference),
+    reference(x, table) -> the same outputs in jnp (dims in the meshax tensors' order)."""
+    g = mx.Graph()
+    mesh = mx.Mesh(g, "m")
+    a, b, c = mx.Dimension("a", n), mx.Dimension("b", B), mx.Dimension("c", 2)
+    x = mx.placeholder(mesh, "x", [a, b])
+    table = mx.placeholder(mesh, "table", [a, c])
+    ids = mx.import_tensor(mesh, (np.arange(5) * 7 % n).astype(np.int32), [mx.Dimension("i", 5)])
+    k = min(2, n)
+    outs = {
+        "sum": mx.reduce_sum(x, reduced_dim=a),
+        "max": mx.reduce_max(x, reduced_dim=a),
+        "min": mx.reduce_min(x, reduced_dim=a),
+        "mean": mx.reduce_mean(x, reduced_dim=a),
+        "softmax": mx.softmax(x, a),
+        "logsumexp": mx.reduce_logsumexp(x, reduced_dim=a),
+        "argmax": mx.argmax(x, a),
+        "top_k": mx.top_k(x, a, k)[0],
+        "einsum": mx.einsum(x, table, output_shape=[b, c]),
+        "cumsum": mx.cumsum(x, a),
+        "shift": mx.shift(x, 2, a, wrap=False),
+        "shift_back": mx.shift(x, -3, a, wrap=False),
+        "roll": mx.shift(x, 1, a, wrap=True),
+        "concat": mx.concat([x, x * 2.0], "a"),
+        "pad": mx.pad(x, [1, 2], "a"),
+        "reshape": mx.reshape(x, [mx.Dimension("ab", n * B)]),
+        "gather": mx.gather(table, ids, a),
+        "one_hot": mx.one_hot(ids, a, dtype="float32") * 1.5,
+        "range": mx.cast(mx.range(mesh, a, "int32"), "float32") + mx.reduce_sum(x, reduced_dim=b),
+        "cast": mx.cast(x > 0.0, "float32") * x,
+    }
+    if n > 1:
+        outs["slice"] = mx.slice(x, 1, n - 1, "a")
+
+    def reference(xv, tv):
+        i = np.arange(5) * 7 % n
+        r = {
+            "sum": xv.sum(0),
+            "max": xv.max(0),
+            "min": xv.min(0),
+            "mean": xv.mean(0),
+            "softmax": jax.nn.softmax(xv, 0),
+            "logsumexp": jax.scipy.special.logsumexp(xv, 0),
+            "argmax": jnp.argmax(xv, 0),
+            "top_k": jnp.moveaxis(jax.lax.top_k(xv.T, k)[0], -1, 0),
+            "einsum": xv.T @ tv,
+            "cumsum": jnp.cumsum(xv, 0),
+            "shift": jnp.concatenate([jnp.zeros((min(2, n), B)), xv[: max(n - 2, 0)]])[:n],
+            "shift_back": jnp.concatenate([xv[3:], jnp.zeros((min(3, n), B))])[-n:] if n > 3 else jnp.zeros((n, B)),
+            "roll": jnp.roll(xv, 1, 0),
+            "concat": jnp.concatenate([xv, xv * 2.0]),
+            "pad": jnp.pad(xv, [(1, 2), (0, 0)]),
+            "reshape": xv.reshape(-1),
+            "gather": tv[i],
+            "one_hot": jax.nn.one_hot(i, n) * 1.5,
+            "cast": (xv > 0) * xv,
+        }
+        r["range"] = jnp.arange(n, dtype=jnp.float32) + xv.sum(1)
+        if n > 1:
+            r["slice"] = xv[1:n]
+        return r
+
+    return g, mesh, outs, reference
+
+
+def _check(n: int, k: int, impl=mx.SimdMeshImpl):
+    g, mesh, outs, reference = _program(n)
+    rng = np.random.default_rng(n * 10 + k)
+    xv = rng.normal(size=(n, B)).astype(np.float32)
+    tv = rng.normal(size=(n, 2)).astype(np.float32)
+    names = sorted(outs)
+    weights = {m: rng.normal(size=outs[m].shape.to_integer_list).astype(np.float32) for m in names}
+    floats = [m for m in names if outs[m].dtype == np.float32]
+    x, table = (next(t for op in g.operations for t in op.outputs if t.name == nm) for nm in ("x", "table"))
+    loss = sum(
+        (mx.reduce_sum(outs[m] * mx.import_tensor(mesh, weights[m], outs[m].shape)) for m in floats[1:]),
+        mx.reduce_sum(outs[floats[0]] * mx.import_tensor(mesh, weights[floats[0]], outs[floats[0]].shape)),
+    )
+    gx, gt = mx.gradients([loss], [x, table])
+    low = mx.Lowering(g, {mesh: impl(f"all:{k}", "a:all")})
+    got = low.function([outs[m] for m in names] + [gx, gt])({"x": xv, "table": tv})
+    want = reference(xv, tv)
+
+    def ref_loss(xv, tv):
+        r = reference(xv, tv)
+        return sum(jnp.sum(r[m] * weights[m]) for m in floats)
+
+    want_gx, want_gt = jax.grad(ref_loss, argnums=(0, 1))(xv, tv)
+    for m, value in zip(names, got):
+        np.testing.assert_allclose(value, want[m], rtol=1e-5, atol=1e-5, err_msg=f"{m}, n={n}, k={k}")
+    np.testing.assert_allclose(got[-2], want_gx, rtol=1e-4, atol=1e-5, err_msg=f"d/dx, n={n}, k={k}")
+    np.testing.assert_allclose(got[-1], want_gt, rtol=1e-4, atol=1e-5, err_msg=f"d/dtable, n={n}, k={k}")
+
+
+# The default run: sizes that pad 2, 4 and 8 ways (and one that leaves whole slices of padding);
+# the slow run (`-m slow`, in .ci/run): every n in 1..17 by every k, on both backends.
+@pytest.mark.parametrize("n, k", [(1, 2), (5, 4), (7, 8)])
+def test_every_op_family_is_exact_on_padded_dims(n, k):
+    _check(n, k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.parametrize("n", range(1, 18))
+def test_every_op_family_is_exact_on_padded_dims_full_grid(n, k):
+    _check(n, k)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n, k", [(3, 2), (5, 4), (3, 8), (17, 8)])
+def test_every_op_family_is_exact_on_padded_dims_placement(n, k):
+    _check(n, k, mx.PlacementMeshImpl)
+
+
+def test_values_variables_and_checkpoints_have_the_logical_shape(tmp_path):
+    """A variable [a=5, b=3] split 4 ways: initial values as on one device, `variable_state` a
+    logical jax.Array, a checkpoint written under the uneven layout restores under another."""
+    from meshax.train import checkpoint
+
+    def make(layout, mesh_shape):
+        g = mx.Graph()
+        mesh = mx.Mesh(g, "m")
+        v = mx.get_variable(mesh, "v", "a:5;b:3", initializer=mx.initializers.normal(1.0))
+        return mx.Lowering(g, {mesh: mx.SimdMeshImpl(mesh_shape, layout)}), v
+
+    uneven, v = make("a:all", "all:4")
+    one, w = make("", "all:1")
+    np.testing.assert_array_equal(uneven.variable_value(v), one.variable_value(w))
+    state = uneven.variable_state(v)
+    assert state.shape == (5, 3)
+    uneven.set_variable_value(v, np.arange(15, dtype=np.float32).reshape(5, 3))
+    checkpoint.save_checkpoint(str(tmp_path), uneven, 1)
+    other, u = make("a:x;b:y", "x:2;y:2")
+    checkpoint.restore_checkpoint(str(tmp_path), other)
+    np.testing.assert_array_equal(other.variable_value(u), np.arange(15).reshape(5, 3))
+    assert "padded tensors" in uneven.report()
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, layout",
+    [
+        ("all:8", "vocab:all;d_ff:all;heads:all"),
+        pytest.param("all:3", "d_model:all", marks=pytest.mark.slow),
+        pytest.param("r:3;c:2", "batch:c;heads:r;vocab:r", marks=pytest.mark.slow),
+    ],
+)
+def test_the_tiny_transformer_trains_to_the_same_losses_under_uneven_layouts(mesh_shape, layout):
+    task = LmTask(model="tiny", source="markov", batch_size=6, length=16)
+    one = train(task, "all:1", "", steps=4).losses
+    split = train(task, mesh_shape, layout, steps=4).losses
+    np.testing.assert_allclose(split, one, rtol=2e-5, atol=2e-6)
+
+
+def test_the_cnn_trains_under_a_spatial_layout_to_the_same_losses():
+    task = CnnTask(channels=4)
+    one = train(task, "all:1", "", steps=10).losses
+    split = train(task, "rows:3;cols:2", "h:rows;w:cols", steps=10).losses
+    np.testing.assert_allclose(split, one, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_cnn_reaches_95_percent_on_the_digits_under_a_spatial_layout():
+    split = train(CnnTask(), "rows:2;cols:4", "h:rows;w:cols", steps=300)
+    one = train(CnnTask(), "all:1", "", steps=300)
+    np.testing.assert_allclose(split.losses, one.losses, rtol=1e-3, atol=1e-4)
+    assert split.evals[-1][1]["accuracy"] >= 0.95
+
+
+@pytest.mark.slow
+def test_the_unet_trains_under_a_spatial_layout_to_the_same_losses():
+    task = UNetTask(batch_size=2, image_size=8, channels=2)
+    one = train(task, "all:1", "", steps=3).losses
+    np.testing.assert_allclose(train(task, "rows:3;cols:2", "h:rows;w:cols", steps=3).losses, one, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_unet_segments_balls_under_spatial_layouts_like_on_one_device():
+    task = UNetTask()
+    one = train(task, "all:1", "", steps=150)
+    for mesh_shape, layout in (("rows:2;cols:4", "h:rows;w:cols"), ("rows:3;cols:2", "batch:cols;h:rows")):
+        split = train(task, mesh_shape, layout, steps=150)
+        np.testing.assert_allclose(split.losses, one.losses, rtol=1e-3, atol=1e-4)
+    assert split.evals[-1][1]["pixel_accuracy"] >= 0.9
