@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from benchmarks import hlo
+
 
 def record(
     section: int,
@@ -37,3 +39,40 @@ def record(
 
 def side(name: str, value, unit: str) -> dict:
     return {"name": name, "value": value, "unit": unit}
+
+
+def step_ratio(section: int, name: str, config: dict, t: dict, baseline: str, **extra: Any) -> dict:
+    """The record of an interleaved timing `t` (benchmarks.timing.interleaved): meshax's median
+    step over the baseline's, target <= 1.0."""
+    return record(
+        section,
+        name,
+        config,
+        t["ratio"],
+        "ratio",
+        target="<= 1.0",
+        met=t["ratio"] <= 1.0,
+        numerator=side("meshax step (median)", t["a_s"], "s"),
+        denominator=side(f"{baseline} step (median)", t["b_s"], "s"),
+        steps=t["steps"],
+        warmup=t["warmup"],
+        iqr_s={"meshax": t["a_iqr_s"], "xla": t["b_iqr_s"]},
+        **extra,
+    )
+
+
+def collectives_records(section: int, config: dict, compiled: dict[str, dict]) -> list[dict]:
+    """One record per program: its collectives ({kind: {"count", "values"}}, from its HLO)."""
+    return [
+        record(
+            section,
+            f"collectives: {who}",
+            config,
+            sum(v["count"] for v in c.values()),
+            "collectives",
+            values_per_device=sum(v["values"] for v in c.values()),
+            by_kind=c,
+            summary=hlo.summary(c),
+        )
+        for who, c in compiled.items()
+    ]

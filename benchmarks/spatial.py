@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from benchmarks import hlo
-from benchmarks.records import record, side
+from benchmarks.records import collectives_records, record, side, step_ratio
 from benchmarks.timing import interleaved
 
 MESH, LAYOUT = "rows:2;cols:4", "h:rows;w:cols"
@@ -128,19 +128,12 @@ def run(quick: bool) -> list[dict]:
         return [record(8, "step time meshax / XLA", cfg, None, "", status="not timed: first losses differ")]
     t = interleaved(lambda: m.step(x), lambda: j.step(x), p["steps"], p["warmup"])
     out.append(
-        record(
+        step_ratio(
             8,
             "step time meshax / XLA",
             cfg,
-            t["ratio"],
-            "ratio",
-            target="<= 1.0",
-            met=t["ratio"] <= 1.0,
-            numerator=side("meshax step (median)", t["a_s"], "s"),
-            denominator=side("jax.jit + NamedSharding step (median)", t["b_s"], "s"),
-            steps=t["steps"],
-            warmup=t["warmup"],
-            iqr_s={"meshax": t["a_iqr_s"], "xla": t["b_iqr_s"]},
+            t,
+            "jax.jit + NamedSharding",
             first_loss={"meshax": l_mx, "xla": l_jax, "agree": agree},
         )
     )
@@ -163,18 +156,8 @@ def run(quick: bool) -> list[dict]:
             counters_equal_hlo=compiled["permute"] == {"count": counters["permute"].count, "values": halo},
         )
     )
-    c_xla = hlo.collectives(j.compiled_text(x))
-    for who, cc in (("meshax (compiled HLO)", compiled), ("XLA partitioner (compiled HLO)", c_xla)):
-        out.append(
-            record(
-                8,
-                f"collectives: {who}",
-                cfg,
-                sum(v["count"] for v in cc.values()),
-                "collectives",
-                values_per_device=sum(v["values"] for v in cc.values()),
-                by_kind=cc,
-                summary=hlo.summary(cc),
-            )
-        )
-    return out
+    return out + collectives_records(
+        8,
+        cfg,
+        {"meshax (compiled HLO)": compiled, "XLA partitioner (compiled HLO)": hlo.collectives(j.compiled_text(x))},
+    )

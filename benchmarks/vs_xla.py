@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks import hlo
 from benchmarks import transformer as lm
-from benchmarks.records import record, side
+from benchmarks.records import collectives_records, record, step_ratio
 from benchmarks.timing import interleaved
 from benchmarks.two_layer import LAYOUTS, Size, feeds, jax_twin, model, params_agree
 
@@ -126,40 +126,25 @@ def run_transformer(tc: dict) -> list[dict]:
     }
     diff, where = lm.max_param_diff(m, j)
     out = [
-        record(
+        step_ratio(
             2,
             "step time meshax / XLA",
             cfg,
-            t["ratio"],
-            "ratio",
-            target="<= 1.0",
-            met=t["ratio"] <= 1.0,
-            numerator=side("meshax step (median)", t["a_s"], "s"),
-            denominator=side("jax.jit + NamedSharding step (median)", t["b_s"], "s"),
-            steps=t["steps"],
-            warmup=t["warmup"],
-            iqr_s={"meshax": t["a_iqr_s"], "xla": t["b_iqr_s"]},
+            t,
+            "jax.jit + NamedSharding",
             first_outputs=first,
             last_outputs=last,
             params_max_abs_diff_after={"value": diff, "variable": where, "steps": m.steps_run},
         )
     ]
-    c_mx = hlo.collectives(m.compiled_text())
-    c_xla = hlo.collectives(j.compiled_text())
-    for who, c in (("meshax (compiled HLO)", c_mx), ("XLA partitioner (compiled HLO)", c_xla)):
-        out.append(
-            record(
-                2,
-                f"collectives: {who}",
-                cfg,
-                sum(v["count"] for v in c.values()),
-                "collectives",
-                values_per_device=sum(v["values"] for v in c.values()),
-                by_kind=c,
-                summary=hlo.summary(c),
-            )
-        )
-    return out
+    return out + collectives_records(
+        2,
+        cfg,
+        {
+            "meshax (compiled HLO)": hlo.collectives(m.compiled_text()),
+            "XLA partitioner (compiled HLO)": hlo.collectives(j.compiled_text()),
+        },
+    )
 
 
 def run(quick: bool) -> list[dict]:
@@ -176,38 +161,21 @@ def run(quick: bool) -> list[dict]:
             agree = bool(np.isclose(l_mx, l_jax, rtol=1e-3, atol=1e-3))
             t = interleaved(lambda m=m, f=f: m.step(f), lambda j=j, f=f: j.step(f), p["steps"][s], p["warmup"])
             out.append(
-                record(
+                step_ratio(
                     2,
                     "step time meshax / XLA",
                     cfg,
-                    t["ratio"],
-                    "ratio",
-                    target="<= 1.0",
-                    met=t["ratio"] <= 1.0,
-                    numerator=side("meshax step (median)", t["a_s"], "s"),
-                    denominator=side("jax.jit + NamedSharding step (median)", t["b_s"], "s"),
-                    steps=t["steps"],
-                    warmup=t["warmup"],
-                    iqr_s={"meshax": t["a_iqr_s"], "xla": t["b_iqr_s"]},
+                    t,
+                    "jax.jit + NamedSharding",
                     first_loss={"meshax": l_mx, "xla": l_jax, "agree": agree},
                     params_agree_after=params_agree(m.params(), j.params()),
                 )
             )
-            c_mx = hlo.collectives(m.compiled_text("step"))
-            c_xla = hlo.collectives(j.compiled_text(f))
-            for who, c in (("meshax (compiled HLO)", c_mx), ("XLA partitioner (compiled HLO)", c_xla)):
-                out.append(
-                    record(
-                        2,
-                        f"collectives: {who}",
-                        cfg,
-                        sum(v["count"] for v in c.values()),
-                        "collectives",
-                        values_per_device=sum(v["values"] for v in c.values()),
-                        by_kind=c,
-                        summary=hlo.summary(c),
-                    )
-                )
+            compiled = {
+                "meshax (compiled HLO)": hlo.collectives(m.compiled_text("step")),
+                "XLA partitioner (compiled HLO)": hlo.collectives(j.compiled_text(f)),
+            }
+            out += collectives_records(2, cfg, compiled)
     for tc in transformer_configs(quick):
         out.extend(run_transformer(tc))
     return out

@@ -91,41 +91,34 @@ def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim
 
 
 def _conv_layer(
-    op_name,
-    op,
-    x: Tensor,
-    output_dim: Dimension,
-    filter_size,
-    transpose: bool,
-    use_bias,
-    name,
-    init,
-    variable_dtype,
-    **kw,
+    op_name: str, x: Tensor, output_dim: Dimension, filter_size, strides, padding, init, variable_dtype, name, use_bias
 ):
-    k = len(filter_size)
-    spatial = list(x.shape.dims[-k - 1 : -1]) if x.shape.rank > k else []
-    if len(spatial) != k:
+    """`meshax.ops.conv.<op_name>` of x with a learned kernel (+ bias); the kernel's window dims
+    are named after x's spatial dims (`h_filter`, ...)."""
+    from meshax.ops import conv
+
+    k = int(op_name[4])
+    transpose = op_name.endswith("_transpose")
+    filter_size = (int(filter_size),) * k if isinstance(filter_size, int) else tuple(filter_size)
+    if len(filter_size) != k:
+        raise GraphError(f"{op_name}: filter_size must be {k} ints (one per spatial dim), got {filter_size!r}")
+    if x.shape.rank < k + 1:
         raise GraphError(f"{op_name}: {x.name} {x.shape} needs [..., {k} spatial dims, channels]")
     name = _name(x, name, op_name)
-    window = [Dimension(f"{d.name}_filter", int(f)) for d, f in zip(spatial, filter_size)]
+    window = [Dimension(f"{d.name}_filter", int(f)) for d, f in zip(x.shape.dims[-k - 1 : -1], filter_size)]
     channels = [output_dim, x.shape[-1]] if transpose else [x.shape[-1], output_dim]
-    fan_in = math.prod(filter_size) * x.shape[-1].size
+    taps = math.prod(filter_size)
     kernel = get_variable(
         x.mesh,
         f"{name}/kernel",
         Shape(window + channels),
-        initializer=init or initializers.glorot_uniform(fan_in, math.prod(filter_size) * output_dim.size),
+        initializer=init or initializers.glorot_uniform(taps * x.shape[-1].size, taps * output_dim.size),
         dtype=variable_dtype,
     )
-    y = op(x, ew.cast(kernel, x.dtype), name=name, **kw)
+    y = getattr(conv, op_name)(x, ew.cast(kernel, x.dtype), strides, padding, name=name)
     if use_bias:
         y = y + ew.cast(get_variable(x.mesh, f"{name}/bias", [output_dim], dtype=variable_dtype), x.dtype)
     return y
-
-
-def _sizes(value, k):
-    return (int(value),) * k if isinstance(value, int) else tuple(value)
 
 
 def conv1d(
@@ -141,21 +134,8 @@ def conv1d(
 ):
     """Mesh-TensorFlow's conv1d layer: x [..., length, channels] convolved with a learned
     kernel [length_filter, channels, output_dim] (+ bias), stride and padding as `mx.conv1d`."""
-    from meshax.ops.conv import conv1d as op
-
     return _conv_layer(
-        "conv1d",
-        op,
-        x,
-        output_dim,
-        _sizes(filter_size, 1),
-        False,
-        use_bias,
-        name,
-        filter_initializer,
-        variable_dtype,
-        stride=stride,
-        padding=padding,
+        "conv1d", x, output_dim, filter_size, stride, padding, filter_initializer, variable_dtype, name, use_bias
     )
 
 
@@ -172,21 +152,8 @@ def conv2d(
 ):
     """Mesh-TensorFlow's conv2d layer: x [..., h, w, channels] convolved with a learned kernel
     [h_filter, w_filter, channels, output_dim] (+ bias); variables `<name>/kernel`, `<name>/bias`."""
-    from meshax.ops.conv import conv2d as op
-
     return _conv_layer(
-        "conv2d",
-        op,
-        x,
-        output_dim,
-        _sizes(filter_size, 2),
-        False,
-        use_bias,
-        name,
-        filter_initializer,
-        variable_dtype,
-        strides=strides,
-        padding=padding,
+        "conv2d", x, output_dim, filter_size, strides, padding, filter_initializer, variable_dtype, name, use_bias
     )
 
 
@@ -202,21 +169,8 @@ def conv3d(
     use_bias=True,
 ):
     """Mesh-TensorFlow's conv3d layer: x [..., d, h, w, channels], a learned 3-D kernel (+ bias)."""
-    from meshax.ops.conv import conv3d as op
-
     return _conv_layer(
-        "conv3d",
-        op,
-        x,
-        output_dim,
-        _sizes(filter_size, 3),
-        False,
-        use_bias,
-        name,
-        filter_initializer,
-        variable_dtype,
-        strides=strides,
-        padding=padding,
+        "conv3d", x, output_dim, filter_size, strides, padding, filter_initializer, variable_dtype, name, use_bias
     )
 
 
@@ -233,21 +187,17 @@ def conv2d_transpose(
 ):
     """Mesh-TensorFlow's conv2d_transpose layer (upsampling): a learned kernel [h_filter,
     w_filter, output_dim, channels] (+ bias); "SAME" multiplies h and w by the strides."""
-    from meshax.ops.conv import conv2d_transpose as op
-
     return _conv_layer(
         "conv2d_transpose",
-        op,
         x,
         output_dim,
-        _sizes(filter_size, 2),
-        True,
-        use_bias,
-        name,
+        filter_size,
+        strides,
+        padding,
         filter_initializer,
         variable_dtype,
-        strides=strides,
-        padding=padding,
+        name,
+        use_bias,
     )
 
 
@@ -264,21 +214,17 @@ def conv3d_transpose(
 ):
     """Mesh-TensorFlow's conv3d_transpose layer: a learned kernel [d_filter, h_filter, w_filter,
     output_dim, channels] (+ bias)."""
-    from meshax.ops.conv import conv3d_transpose as op
-
     return _conv_layer(
         "conv3d_transpose",
-        op,
         x,
         output_dim,
-        _sizes(filter_size, 3),
-        True,
-        use_bias,
-        name,
+        filter_size,
+        strides,
+        padding,
         filter_initializer,
         variable_dtype,
-        strides=strides,
-        padding=padding,
+        name,
+        use_bias,
     )
 
 

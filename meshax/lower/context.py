@@ -85,13 +85,13 @@ class LoweringContext:
             begins.append(begin)
         return begins
 
-    def valid_sizes(self, size: int, axes: tuple[int, ...]) -> list:
+    def valid_sizes(self, size: int, axes: tuple[int, ...]) -> list | int:
         """Each instance's count of values that are not padding in its slice of a dim of `size`
-        split over `axes` (`layout.valid_size`)."""
+        split over `axes`, as traced scalars (`layout.rules.valid_size` computes it for given
+        coordinates); `size` where the dim is not split. They are the first values of the slice."""
         valid: list | int = size
         for m, block in zip(axes, block_sizes(size, axes, self.mesh_shape)[1:]):
             valid = self.slicewise(lambda v, c, b=block: jnp.clip(v - c * b, 0, b), valid, self.pcoord(m))
-        assert isinstance(valid, list)
         return valid
 
     def _once(self, what: str, xs: list, args: tuple, make: Callable[[], list]) -> list:
@@ -106,23 +106,27 @@ class LoweringContext:
     def masked(self, x: LaidOutTensor, shape, dims, fill) -> LaidOutTensor:
         """x with its padding along `dims` (names or Dimensions of `shape`) replaced by `fill`, as
         a sum, max, min or contraction over them needs (the identity). No-op where even."""
-        names = tuple(sorted({getattr(n, "name", n) for n in dims}))
-        return dataclasses.replace(
-            x, slices=self._once("mask", x.slices, (names, fill), lambda: self._masked(x, shape, names, fill))
+        names = {getattr(n, "name", n) for n in dims}
+        padded = tuple(
+            i
+            for i, (d, axes) in enumerate(zip(shape, x.layout.axes))
+            if d.name in names and is_padded(d.size, axes, self.mesh_shape)
         )
+        if not padded:
+            return x
 
-    def _masked(self, x: LaidOutTensor, shape, names, fill) -> list:
-        slices = x.slices
-        for i, (d, axes) in enumerate(zip(shape, x.layout.axes)):
-            if d.name not in names or not is_padded(d.size, axes, self.mesh_shape):
-                continue
+        def mask() -> list:
+            slices = x.slices
+            for i in padded:
 
-            def keep(a, v, i=i):
-                inside = jax.lax.broadcasted_iota(jnp.int32, a.shape, i) < v
-                return jnp.where(inside, a, jnp.asarray(fill, a.dtype))
+                def keep(a, v, i=i):
+                    inside = jax.lax.broadcasted_iota(jnp.int32, a.shape, i) < v
+                    return jnp.where(inside, a, jnp.asarray(fill, a.dtype))
 
-            slices = self.slicewise(keep, slices, self.valid_sizes(d.size, axes))
-        return slices
+                slices = self.slicewise(keep, slices, self.valid_sizes(shape[i].size, x.layout.axes[i]))
+            return slices
+
+        return dataclasses.replace(x, slices=self._once("mask", x.slices, (padded, fill), mask))
 
     def layouts(self, op: Operation) -> Run:
         """How `op` runs (`sharding_rule.choose`): the layouts to fetch its operands in and its

@@ -31,7 +31,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import ShardingRule, slice_shape
-from meshax.ops._dtypes import inexact
+from meshax.ops._dtypes import inexact, result_type
 from meshax.ops.elementwise import cast
 
 
@@ -98,7 +98,8 @@ def make_window(op: str, spatial: Sequence[Dimension], size, strides, dilations,
         if ni + lo + hi < e:
             raise GraphError(
                 f"{op}: the window spans {e} values of {d.name} but the padded input has {ni + lo + hi} "
-                f"({d.name}={ni}, padding ({lo}, {hi})); use a smaller window or dilation, or more padding"
+                f"({d.name}={ni}, padding ({lo}, {hi})); use a smaller window"
+                + ("" if "pool" in op else " or dilation, or more padding")
             )
         outputs.append((ni + lo + hi - e) // s + 1)
     return Window(tuple(d.name for d in spatial), size, strides, dilations, tuple(pads), tuple(n), tuple(outputs))
@@ -141,6 +142,13 @@ def _halos(ctx, w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout) -
         )
         out.append(_Halo(dx, m, left, right, start, length))
     return out
+
+
+def _operand(ctx, t: Tensor, layout, out: Shape, window: Window):
+    """t fetched in `layout`, its padding zeroed along the spatial dims (it would read as data)
+    and along the dims the op sums over (those `out` lacks: channels contracted, batch summed)."""
+    summed = [d.name for d in t.shape if d.name not in out.dimension_names]
+    return ctx.masked(ctx.get(t, layout), t.shape, [*window.names, *summed], 0)
 
 
 def _extend(ctx, slices: list, halos: list[_Halo]) -> list:
@@ -231,8 +239,7 @@ class ConvOperation(_Windowed):
         (x, f), (y,) = self.inputs, self.outputs
         run = ctx.layouts(self)
         (xl, fl), (yl,) = run.operands, run.results
-        xv = ctx.masked(ctx.get(x, xl), x.shape, self.window.names, 0)
-        fv = ctx.get(f, fl)
+        xv, fv = _operand(ctx, x, xl, y.shape, self.window), _operand(ctx, f, fl, y.shape, self.window)
         halos = _halos(ctx, self.window, x.shape, xl, y.shape, yl)
         pads = _local_padding(self.window, halos, x.shape)
         k = len(self.window.names)
@@ -274,8 +281,7 @@ class ConvInputGradOperation(_Windowed):
         (f, g), (dx,) = self.inputs, self.outputs
         run = ctx.layouts(self)
         (fl, gl), (dxl,) = run.operands, run.results
-        fv = ctx.get(f, fl)
-        gv = ctx.masked(ctx.get(g, gl), g.shape, self.window.names, 0)
+        fv, gv = _operand(ctx, f, fl, dx.shape, self.window), _operand(ctx, g, gl, dx.shape, self.window)
         halos = _halos(ctx, self.window, dx.shape, dxl, g.shape, gl)
         pads = _local_padding(self.window, halos, dx.shape)
         k = len(self.window.names)
@@ -320,8 +326,7 @@ class ConvFilterGradOperation(_Windowed):
         (x, g), (df,) = self.inputs, self.outputs
         run = ctx.layouts(self)
         (xl, gl), (dfl,) = run.operands, run.results
-        xv = ctx.masked(ctx.get(x, xl), x.shape, self.window.names, 0)
-        gv = ctx.masked(ctx.get(g, gl), g.shape, self.window.names, 0)
+        xv, gv = _operand(ctx, x, xl, df.shape, self.window), _operand(ctx, g, gl, df.shape, self.window)
         halos = _halos(ctx, self.window, x.shape, xl, g.shape, gl)
         pads = _local_padding(self.window, halos, x.shape)
         k = len(self.window.names)
@@ -365,7 +370,7 @@ class PoolOperation(_Windowed):
         (x,), (y,) = self.inputs, self.outputs
         run = ctx.layouts(self)
         (xl,), (yl,) = run.operands, run.results
-        xv = ctx.masked(ctx.get(x, xl), x.shape, self.window.names, 0)
+        xv = _operand(ctx, x, xl, y.shape, self.window)
         halos = _halos(ctx, self.window, x.shape, xl, y.shape, yl)
         pads = _local_padding(self.window, halos, x.shape)
         ext = _extend(ctx, xv.slices, halos)
@@ -398,8 +403,7 @@ class PoolGradOperation(_Windowed):
         (x, g), (dx,) = self.inputs, self.outputs
         run = ctx.layouts(self)
         (xl, gl), (dxl,) = run.operands, run.results
-        xv = ctx.masked(ctx.get(x, xl), x.shape, self.window.names, 0)
-        gv = ctx.masked(ctx.get(g, gl), g.shape, self.window.names, 0)
+        xv, gv = _operand(ctx, x, xl, dx.shape, self.window), _operand(ctx, g, gl, dx.shape, self.window)
         halos = _halos(ctx, self.window, x.shape, xl, g.shape, gl)
         pads = _local_padding(self.window, halos, x.shape)
 
@@ -435,25 +439,35 @@ def _spatial(op: str, x: Tensor, k: int) -> list[Dimension]:
     return list(x.shape.dims[-k - 1 : -1])
 
 
-def _numbers(op: str, *xs: Tensor) -> None:
-    bools = [t.name for t in xs if t.dtype == np.bool_]
+def _same_dtype(op: str, x: Tensor, f: Tensor) -> tuple[Tensor, Tensor]:
+    """x and the filter in one dtype (JAX's promotion of the two), bools refused."""
+    bools = [t.name for t in (x, f) if t.dtype == np.bool_]
     if bools:
         raise GraphError(f"{op} sums products, and {bools} are bool: cast them to int32 or a float first")
+    dtype = result_type(x.dtype, f.dtype)
+    return cast(x, dtype), cast(f, dtype)
+
+
+def _check_filter(op: str, x: Tensor, f: Tensor, k: int, form: str, channels_at: int) -> None:
+    """A filter [`form`] (rank k + 2) whose dim at `channels_at` (in for a convolution, the last
+    for a transpose) is x's channels, and whose other dims are not x's (a dim names one thing)."""
+    if f.shape.rank != k + 2:
+        raise GraphError(f"{op}: the filter must be [{form}], got {f.name} {f.shape}")
+    x_channels = f.shape[channels_at]
+    if x_channels != x.shape[-1]:
+        raise GraphError(
+            f"{op}: the filter's input channels {x_channels.name}={x_channels.size} must be x's last dim "
+            f"{x.shape[-1].name}={x.shape[-1].size} ({x.name} {x.shape})"
+        )
+    clash = [d.name for d in f.shape if d != x_channels and d.name in x.shape.dimension_names]
+    if clash:
+        raise GraphError(f"{op}: filter dims {clash} are also dims of {x.name} {x.shape}; give them other names")
 
 
 def _conv_nd(op: str, k: int, x: Tensor, conv_filter: Tensor, strides, padding, dilations, name) -> Tensor:
     spatial = _spatial(op, x, k)
-    f = conv_filter
-    _numbers(op, x, f)
-    if f.shape.rank != k + 2:
-        raise GraphError(f"{op}: the filter must be [{k} window dims, in, out], got {f.name} {f.shape}")
-    if f.shape[-2] != x.shape[-1]:
-        raise GraphError(
-            f"{op}: the filter's input channels {f.shape[-2]} must be x's last dim {x.shape[-1]} ({x.name} {x.shape})"
-        )
-    clash = [d.name for d in [*f.shape.dims[:k], f.shape[-1]] if d.name in x.shape.dimension_names]
-    if clash:
-        raise GraphError(f"{op}: filter dims {clash} are also dims of {x.name} {x.shape}; give them other names")
+    _check_filter(op, x, conv_filter, k, f"{k} window dims, in, out", -2)
+    x, f = _same_dtype(op, x, conv_filter)
     window = make_window(op, spatial, [d.size for d in f.shape.dims[:k]], strides, dilations, padding)
     return ConvOperation(x, f, window, name or op).outputs[0]
 
@@ -476,15 +490,11 @@ def conv3d(x: Tensor, conv_filter: Tensor, strides=(1, 1, 1), padding="SAME", na
 
 
 def _conv_transpose_nd(op: str, k: int, x: Tensor, conv_filter: Tensor, strides, padding, name) -> Tensor:
-    f = conv_filter
     spatial = _spatial(op, x, k)
-    ints = [t.name for t in (x, f) if not jnp.issubdtype(t.dtype, jnp.inexact)]
-    if ints:
-        raise GraphError(f"{op} is the gradient of a convolution, taken in floats: cast {ints} to a float first")
-    if f.shape.rank != k + 2 or f.shape[-1] != x.shape[-1]:
-        raise GraphError(
-            f"{op}: the filter must be [{k} window dims, out, in] with in = {x.shape[-1]}, got {f.name} {f.shape}"
-        )
+    _check_filter(op, x, conv_filter, k, f"{k} window dims, out, in", -1)
+    x, f = _same_dtype(op, x, conv_filter)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        raise GraphError(f"{op} is the gradient of a convolution, taken in floats: cast {x.name} to a float first")
     size = [d.size for d in f.shape.dims[:k]]
     st = _tuple("strides", strides, k, op, four=True)
     if not (isinstance(padding, str) and padding.upper() in ("SAME", "VALID")):

@@ -65,11 +65,12 @@ class GatherOperation(Operation):
         axis = w.shape.index(self.dim)
         n_local = slice_shape(w.shape, wl, ctx.mesh_shape)[axis]
         (begin,) = [b for d, b in zip(w.shape, ctx.slice_begins(w.shape, wl)) if d == self.dim]
+        valid = ctx.valid_sizes(self.dim.size, wl.axes[axis])  # rows held, not padding
         k = idx.shape.rank
 
-        def f(table, ids, b):
+        def f(table, ids, b, held):
             local = ids - b
-            inside = (local >= 0) & (local < n_local)
+            inside = (local >= 0) & (local < held)
             got = jnp.take(table, jnp.clip(local, 0, n_local - 1), axis=axis)
             # jnp.take puts the index dims at `axis`: move them to the front
             perm = list(range(axis, axis + k)) + list(range(axis)) + list(range(axis + k, got.ndim))
@@ -77,7 +78,7 @@ class GatherOperation(Operation):
             mask = inside.reshape(inside.shape + (1,) * (got.ndim - k))
             return jnp.where(mask, got, jnp.zeros((), got.dtype))
 
-        ctx.set_output(out, ctx.slicewise(f, wv, iv, begin), out_layout, run.pending)
+        ctx.set_output(out, ctx.slicewise(f, wv, iv, begin, valid), out_layout, run.pending)
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
