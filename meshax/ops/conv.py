@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +32,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import ShardingRule, slice_shape
+from meshax.layout.sharding_rule import Run
 from meshax.ops._dtypes import inexact, result_type
 from meshax.ops.elementwise import cast
 
@@ -224,6 +226,26 @@ class _Windowed(Operation):
             windows=[(n, self.window.extent(i) - 1) for i, n in enumerate(self.window.names)],
         )
 
+    def _prepare(self, ctx, data: int, windowed: int) -> _Prepared:
+        """What every lowering here starts with: how the op runs, its operands fetched and
+        masked (`_operand`), and the halos that the full-resolution tensor (position `data`
+        in inputs + outputs) needs for the blocks of the windowed one (position `windowed`)."""
+        run = ctx.layouts(self)
+        tensors, layouts = [*self.inputs, *self.outputs], [*run.operands, *run.results]
+        out = self.outputs[0].shape
+        values = [_operand(ctx, t, lay, out, self.window) for t, lay in zip(self.inputs, run.operands)]
+        x, y = tensors[data], tensors[windowed]
+        halos = _halos(ctx, self.window, x.shape, layouts[data], y.shape, layouts[windowed])
+        return _Prepared(run, layouts, values, halos, _local_padding(self.window, halos, x.shape))
+
+
+class _Prepared(NamedTuple):
+    run: Run
+    layouts: list  # of the operands, then the results
+    values: list  # the operands' LaidOutTensors
+    halos: list[_Halo]
+    pads: list[tuple[int, int]]  # the local op's zero padding per spatial dim
+
 
 class ConvOperation(_Windowed):
     def __init__(self, x: Tensor, kernel: Tensor, window: Window, name=None):
@@ -236,12 +258,8 @@ class ConvOperation(_Windowed):
         return self._windowed_rule(self.inputs[1].shape)
 
     def lower(self, ctx):
-        (x, f), (y,) = self.inputs, self.outputs
-        run = ctx.layouts(self)
-        (xl, fl), (yl,) = run.operands, run.results
-        xv, fv = _operand(ctx, x, xl, y.shape, self.window), _operand(ctx, f, fl, y.shape, self.window)
-        halos = _halos(ctx, self.window, x.shape, xl, y.shape, yl)
-        pads = _local_padding(self.window, halos, x.shape)
+        (_, f), (y,) = self.inputs, self.outputs
+        run, (_, fl, yl), (xv, fv), halos, pads = self._prepare(ctx, data=0, windowed=2)
         k = len(self.window.names)
         ext = _extend(ctx, xv.slices, halos)
         result = ctx.slicewise(
@@ -279,11 +297,7 @@ class ConvInputGradOperation(_Windowed):
 
     def lower(self, ctx):
         (f, g), (dx,) = self.inputs, self.outputs
-        run = ctx.layouts(self)
-        (fl, gl), (dxl,) = run.operands, run.results
-        fv, gv = _operand(ctx, f, fl, dx.shape, self.window), _operand(ctx, g, gl, dx.shape, self.window)
-        halos = _halos(ctx, self.window, dx.shape, dxl, g.shape, gl)
-        pads = _local_padding(self.window, halos, dx.shape)
+        run, (fl, gl, dxl), (fv, gv), halos, pads = self._prepare(ctx, data=2, windowed=1)
         k = len(self.window.names)
         local = slice_shape(dx.shape, dxl, ctx.mesh_shape)
         for h in halos:
@@ -323,12 +337,8 @@ class ConvFilterGradOperation(_Windowed):
         return self._windowed_rule(self.outputs[0].shape)
 
     def lower(self, ctx):
-        (x, g), (df,) = self.inputs, self.outputs
-        run = ctx.layouts(self)
-        (xl, gl), (dfl,) = run.operands, run.results
-        xv, gv = _operand(ctx, x, xl, df.shape, self.window), _operand(ctx, g, gl, df.shape, self.window)
-        halos = _halos(ctx, self.window, x.shape, xl, g.shape, gl)
-        pads = _local_padding(self.window, halos, x.shape)
+        (_, g), (df,) = self.inputs, self.outputs
+        run, (_, gl, dfl), (xv, gv), halos, pads = self._prepare(ctx, data=0, windowed=1)
         k = len(self.window.names)
         local = tuple(slice_shape(df.shape, dfl, ctx.mesh_shape))
         ext = _extend(ctx, xv.slices, halos)
@@ -368,11 +378,7 @@ class PoolOperation(_Windowed):
 
     def lower(self, ctx):
         (x,), (y,) = self.inputs, self.outputs
-        run = ctx.layouts(self)
-        (xl,), (yl,) = run.operands, run.results
-        xv = _operand(ctx, x, xl, y.shape, self.window)
-        halos = _halos(ctx, self.window, x.shape, xl, y.shape, yl)
-        pads = _local_padding(self.window, halos, x.shape)
+        _, (_, yl), (xv,), halos, pads = self._prepare(ctx, data=0, windowed=1)
         ext = _extend(ctx, xv.slices, halos)
         result = ctx.slicewise(
             lambda e, *starts: _pool(_window_of(e, starts, halos), self.window, pads, self.kind, x.shape.rank),
@@ -401,11 +407,7 @@ class PoolGradOperation(_Windowed):
 
     def lower(self, ctx):
         (x, g), (dx,) = self.inputs, self.outputs
-        run = ctx.layouts(self)
-        (xl, gl), (dxl,) = run.operands, run.results
-        xv, gv = _operand(ctx, x, xl, dx.shape, self.window), _operand(ctx, g, gl, dx.shape, self.window)
-        halos = _halos(ctx, self.window, x.shape, xl, g.shape, gl)
-        pads = _local_padding(self.window, halos, x.shape)
+        _, (_, gl, dxl), (xv, gv), halos, pads = self._prepare(ctx, data=0, windowed=1)
 
         def vjp(e, gk, *starts):
             pool = lambda a: _pool(_window_of(a, starts, halos), self.window, pads, self.kind, x.shape.rank)  # noqa: E731
