@@ -32,7 +32,7 @@ from meshax.layout import OPEN, LayoutRules, ShardingRule, TensorLayout, convert
 from meshax.lower import Counters, LaidOutTensor, LoweredFunction, Lowering, MeshImpl, hlo_collectives
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
 from meshax.ops import __all__ as _ops
-from meshax.runtime import use_cpu_devices
+from meshax.runtime import initialize_distributed, is_main_process, use_cpu_devices
 
 __version__ = "0.1.0"
 __all__ = [
@@ -62,7 +62,9 @@ __all__ = [
     "convert_to_shape",
     "gradients",
     "hlo_collectives",
+    "initialize_distributed",
     "initializers",
+    "is_main_process",
     "layers",
     "optimize",
     "use_cpu_devices",

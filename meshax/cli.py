@@ -3,6 +3,7 @@
     meshax train mnist --mesh "rows:2;cols:4" --layout "batch:rows;hidden:cols" --steps 300
     meshax train cnn --mesh "rows:2;cols:4" --layout "h:rows;w:cols" --steps 300
     meshax train lm --model tiny --mesh "all:8" --layout "batch:all" --steps 500
+    meshax launch -n 2 --devices-per-process 4 -- meshax train mnist --mesh "rows:2;cols:4"
     meshax plan seq2seq --model paper-ff65536 --mesh "rows:16;cols:32" \\
         --layout "batch:rows;vocab:cols;d_ff:cols;heads:cols" --batch-size 256 --length 256
 """
@@ -120,6 +121,17 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--resume", default=None, metavar="DIR", help="continue from the latest checkpoint in DIR")
             s.add_argument("--tensorboard", default=None, metavar="DIR", help="also write TensorBoard event files here")
             s.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
+            g = s.add_argument_group(
+                "many processes", "join a multi-process job (meshax launch sets these itself; see docs/guides)"
+            )
+            g.add_argument("--coordinator", default=None, metavar="HOST:PORT", help="process 0's address")
+            g.add_argument("--num-processes", type=_COUNT, default=None, metavar="N")
+            g.add_argument("--process-id", type=_NATURAL, default=None, metavar="I", help="0 .. N-1")
+            g.add_argument(
+                "--distributed",
+                action="store_true",
+                help="join the job JAX detects from the environment (SLURM, Open MPI, Kubernetes)",
+            )
         else:
             s.add_argument("--json", action="store_true", help="print the plan as JSON")
             s.add_argument(
@@ -127,6 +139,14 @@ def _parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="also list every tensor's layout and where it came from, with warnings",
             )
+    s = sub.add_parser("launch", help="run a command as N processes of one job on this machine")
+    s.add_argument("-n", "--num-processes", type=_COUNT, required=True, help="how many processes")
+    s.add_argument(
+        "--devices-per-process", type=_COUNT, default=None, metavar="K", help="virtual CPU devices per process"
+    )
+    s.add_argument("--port", type=_number(int, 1, 65536, "a port from 1 to 65535"), default=None)
+    s.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- meshax train mnist")
+    s.add_argument("--debug", action="store_true", help="show the traceback of an error")
     s = sub.add_parser("plot", help="draw loss and throughput curves of runs to a PNG")
     s.add_argument("metrics", nargs="+", help="JSON-lines files written by meshax train --metrics")
     s.add_argument("--out", default="metrics.png", help="the PNG to write (default metrics.png)")
@@ -293,11 +313,12 @@ def main(argv=None) -> int:
         return 2
 
 
-def _console():
-    """Rich output on stdout; when stdout is a file or a pipe, as wide as the text (no cut names)."""
+def _console(quiet: bool = False):
+    """Rich output on stdout; when stdout is a file or a pipe, as wide as the text (no cut names).
+    `quiet`: print nothing (the processes of a multi-process run other than process 0)."""
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=1000, no_color=True)
+    return Console(quiet=quiet) if sys.stdout.isatty() else Console(width=1000, no_color=True, quiet=quiet)
 
 
 def _run(args) -> int:
@@ -305,6 +326,11 @@ def _run(args) -> int:
 
     if args.command == "plot":
         return _plot(args)
+    if args.command == "launch":
+        from meshax.launch import launch
+
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        return launch(cmd, args.num_processes, args.devices_per_process, args.port)
     from meshax.core.errors import ConfigError, LayoutError, LayoutWarning
     from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
     from meshax.lower.mesh_impl import check_mesh_dims
@@ -323,11 +349,14 @@ def _run(args) -> int:
     convert_to_layout_rules(args.layout)
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
-        from meshax.runtime import use_cpu_devices
-
-        use_cpu_devices(mesh_shape.size)
+        _start_devices(args, mesh_shape.size)
     _check(args)
-    console = _console()
+    if args.command == "train":
+        from meshax.runtime import is_main_process
+
+        console = _console(quiet=not is_main_process())  # one process speaks for all
+    else:
+        console = _console()
     with warnings.catch_warnings():
         warnings.simplefilter("error", LayoutWarning)  # a rule that splits nothing is a typo here
         task = _task(args)
@@ -335,8 +364,32 @@ def _run(args) -> int:
             return _plan(args, task, console)
         program = build(task, args.mesh, args.layout, args.backend, _optimizer(args), args.seed)
     console.print(_layout_table(program.lowering))
-    print(program.lowering.report(program.train_fn.counters, width=console.width), end="", flush=True)
+    if not console.quiet:
+        print(program.lowering.report(program.train_fn.counters, width=console.width), end="", flush=True)
     return _train(args, task, program, console)
+
+
+def _start_devices(args, mesh_size: int) -> None:
+    """Virtual CPU devices for the mesh; in a multi-process job, join it first (this process's
+    share of the devices) and check that the mesh spans every process's devices."""
+    import jax
+
+    from meshax.core.errors import ConfigError
+    from meshax.runtime import distributed_requested, initialize_distributed, use_cpu_devices
+
+    if not (args.distributed or distributed_requested(args.coordinator, args.num_processes, args.process_id)):
+        use_cpu_devices(mesh_size)
+        return
+    n = args.num_processes or int(os.environ.get("MESHAX_NUM_PROCESSES", "0") or 0)
+    if n and mesh_size % n:
+        raise ConfigError(f"--mesh {args.mesh!r} has {mesh_size} devices, which {n} processes cannot share evenly")
+    per_process = int(os.environ.get("JAX_NUM_CPU_DEVICES") or (mesh_size // n if n else 1))
+    initialize_distributed(args.coordinator, args.num_processes, args.process_id, per_process)
+    if jax.device_count() != mesh_size:
+        raise ConfigError(
+            f"--mesh {args.mesh!r} has {mesh_size} devices, but the {jax.process_count()} processes of this job "
+            f"have {jax.device_count()} ({jax.local_device_count()} each): the mesh must span them all"
+        )
 
 
 def _plot(args) -> int:
@@ -401,7 +454,7 @@ def _train(args, task, program, console) -> int:
         TextColumn("{task.fields[status]}"),
         TimeRemainingColumn(),
         console=Console(stderr=True),
-        disable=args.no_progress or not sys.stderr.isatty(),
+        disable=args.no_progress or console.quiet or not sys.stderr.isatty(),
     ) as progress:
         bar = progress.add_task("train", total=args.steps, status="")
 

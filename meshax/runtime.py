@@ -1,9 +1,28 @@
-"""Setting up the embedded default: JAX on the local CPU with as many virtual devices as needed."""
+"""Setting up JAX: the embedded default (the local CPU with as many virtual devices as needed),
+and joining a multi-process job (`jax.distributed`) so that one mesh spans many processes/hosts.
+
+A multi-process run is the same SPMD program: every process builds the same graph and calls the
+same functions; JAX's runtime joins the processes' devices into one global device set. Each
+process feeds only the rows of a batch its own devices hold (`LoweredFunction.feed_rows`).
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+
+# What `meshax launch` puts in each worker's environment (JAX itself reads JAX_COORDINATOR_ADDRESS).
+ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "MESHAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "MESHAX_PROCESS_ID"
+
+# Failure bounds. A process that stops sending heartbeats for HEARTBEAT_TIMEOUT seconds is
+# declared dead by the coordinator and every other process is terminated (JAX's error polling),
+# so no survivor hangs in a collective. A checkpoint barrier or the final shutdown barrier waits
+# at most BARRIER_TIMEOUT seconds. Joining waits at most JOIN_TIMEOUT for every process to start.
+HEARTBEAT_TIMEOUT = 10
+BARRIER_TIMEOUT = 60
+JOIN_TIMEOUT = 120
 
 
 def use_cpu_devices(n: int) -> None:
@@ -15,9 +34,74 @@ def use_cpu_devices(n: int) -> None:
     with contextlib.suppress(RuntimeError):  # the backend is already up: checked below
         jax.config.update("jax_num_cpu_devices", int(n))
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(n))
-    have = len(jax.devices())
+    have = len(jax.local_devices())
     if jax.devices()[0].platform == "cpu" and have < n:
         raise RuntimeError(
             f"JAX already started with {have} CPU device(s), but {n} are needed. Call "
             f"meshax.use_cpu_devices({n}) (or set JAX_NUM_CPU_DEVICES={n}) before any JAX computation"
         )
+
+
+def _env_int(name: str) -> int | None:
+    text = os.environ.get(name)
+    if text in (None, ""):
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} is not a whole number") from None
+
+
+def distributed_requested(
+    coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None
+) -> bool:
+    """Whether arguments or the environment `meshax launch` sets ask for a multi-process run."""
+    return any(v is not None for v in (coordinator, num_processes, process_id)) or ENV_NUM_PROCESSES in os.environ
+
+
+def initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    cpu_devices_per_process: int | None = None,
+    heartbeat_timeout: int = HEARTBEAT_TIMEOUT,
+) -> None:
+    """Join this process to a multi-process JAX job; call before anything touches a JAX backend.
+
+    Arguments left None come from the environment: `meshax launch` sets JAX_COORDINATOR_ADDRESS,
+    MESHAX_NUM_PROCESSES and MESHAX_PROCESS_ID; otherwise JAX's cluster auto-detection (SLURM,
+    Open MPI, Kubernetes, Cloud TPU) fills them in. On the CPU, processes exchange data with
+    gloo, and `cpu_devices_per_process` (default: JAX_NUM_CPU_DEVICES, or 1) virtual devices
+    each. A process that dies makes every other one exit within about `heartbeat_timeout`
+    seconds (JAX's coordinator stops them), instead of hanging in a collective."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        raise RuntimeError("this process already joined a multi-process job (jax.distributed is initialized)")
+    num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
+    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+    if num_processes is not None and num_processes < 1:
+        raise ValueError(f"the number of processes must be at least 1, got {num_processes}")
+    if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
+        raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1} (ids count from 0)")
+    if coordinator is not None and ":" not in coordinator:
+        raise ValueError(f"coordinator {coordinator!r} must be HOST:PORT, e.g. localhost:12345")
+    with contextlib.suppress(RuntimeError):  # only the CPU backend reads these
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        if cpu_devices_per_process is not None:
+            jax.config.update("jax_num_cpu_devices", int(cpu_devices_per_process))
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=num_processes,
+        process_id=process_id,
+        initialization_timeout=JOIN_TIMEOUT,
+        heartbeat_timeout_seconds=heartbeat_timeout,
+        shutdown_timeout_seconds=BARRIER_TIMEOUT,
+    )
+
+
+def is_main_process() -> bool:
+    """True in process 0 (and in a single-process run): the one that prints, logs and plots."""
+    import jax
+
+    return jax.process_index() == 0

@@ -21,6 +21,7 @@ NOT_RUN = {  # command prefix -> why it is not run here
     "pytest tests/test_fuzz.py": "the fuzzer's long profile; the suite runs its short one",
     "python -m benchmarks": "minutes; tests/test_benchmarks_smoke.py runs --quick",
     "python examples/transformer_convergence.py": "minutes per check; tests/test_transformer.py trains the same models",
+    "srun ": "needs a SLURM cluster; tests/test_multiprocess.py runs the same train command in 2 processes",
 }
 
 
@@ -40,6 +41,9 @@ def readme_commands() -> list[str]:
 def _fast(argv: list[str]) -> list[str]:
     """Fewer steps and no progress bar; everything else as written."""
     argv = list(argv)
+    if argv[0] == "launch":  # meshax launch ... -- meshax train ...
+        cut = argv.index("--") + 2
+        return argv[:cut] + _fast(argv[cut:])
     if argv[0] == "train":
         if "--steps" in argv:
             del argv[argv.index("--steps") : argv.index("--steps") + 2]

@@ -30,6 +30,15 @@ class PlacementMeshImpl(MeshImpl):
     _jitted: list | None = None
     _call = 0
 
+    @property
+    def devices(self) -> list:
+        if jax.process_count() > 1:
+            raise RuntimeError(
+                "the placement backend drives every device from one process; in a multi-process run "
+                "use the simd backend (--backend simd)"
+            )
+        return MeshImpl.devices.fget(self)  # type: ignore[attr-defined]
+
     def _put(self, x, pnum: int):
         if isinstance(x, jax.core.Tracer):
             return x

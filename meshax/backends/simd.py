@@ -73,6 +73,10 @@ class SimdMeshImpl(MeshImpl):
         return jax.device_put(self._pad(array, spec), self.named_sharding(spec[2]))
 
     def fetch(self, value, spec):
+        if not (value.is_fully_addressable or value.is_fully_replicated):  # another process holds a part
+            from jax.experimental import multihost_utils
+
+            value = multihost_utils.process_allgather(value, tiled=True)
         # a writable copy, as the placement backend's assembled arrays are
         return np.array(self._unpad(np.asarray(value), spec))
 
@@ -121,6 +125,8 @@ class SimdMeshImpl(MeshImpl):
             in_shardings=(NamedSharding(self.jax_mesh, P()), *in_sh),
             donate_argnums=tuple(1 + i for i in donate),
         )
+        if jax.process_count() > 1:  # jit takes a host array only whole on each process: make it global
+            return _SimdRunner(fn, lambda args: self._global_arrays(args, in_specs))
         uneven = {i: spec for i, spec in enumerate(in_specs) if padded_dims(spec[0], spec[2], self.shape)}
         return _SimdRunner(fn, lambda args: self._padded_host_arrays(args, uneven))
 
@@ -129,6 +135,10 @@ class SimdMeshImpl(MeshImpl):
         if not uneven:
             return args
         return [self._pad(a, uneven[i]) if i in uneven and isinstance(a, np.ndarray) else a for i, a in enumerate(args)]
+
+    def _global_arrays(self, args: list, in_specs: list) -> list:
+        """Whole host arrays (every process passes the same) as global jax.Arrays."""
+        return [self.put(a, spec) if isinstance(a, np.ndarray) else a for a, spec in zip(args, in_specs)]
 
 
 class _SimdRunner:

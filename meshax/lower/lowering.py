@@ -259,7 +259,24 @@ class LoweredFunction:
         """The placeholders the program reads: each must be fed, by name, when it is called."""
         return [t for t in self.inputs if getattr(t.operation, "is_placeholder", False)]
 
-    def _arguments(self, feeds: Mapping | None) -> list:
+    def feed_rows(self) -> tuple[int, int]:
+        """The rows [lo, hi) of the placeholders' first dim that this process's devices hold: in a
+        multi-process run, feed only those (`fn(feeds, rows=fn.feed_rows())`), as arrays of
+        hi - lo rows; in one process, every row. The placeholders must share their first dim."""
+        holders = [t for t in self.placeholders if t.shape.rank]
+        firsts = {t.shape[0] for t in holders}
+        if len(firsts) > 1:
+            raise ValueError(
+                f"feed_rows: the placeholders' first dims differ ({sorted(str(d) for d in firsts)}); "
+                "rows are defined only when every placeholder starts with the same (batch) dim"
+            )
+        spans = [self.lowering.impl.feed_rows(self.lowering._spec(t)) for t in holders]
+        spans = [s for s in spans if s[1] > s[0]]
+        if not spans:
+            return (0, 0)
+        return min(s[0] for s in spans), max(s[1] for s in spans)
+
+    def _arguments(self, feeds: Mapping | None, rows: tuple[int, int] | None = None) -> list:
         self.lowering.initialize([t.operation for t in self.inputs if getattr(t.operation, "is_variable", False)])
         by_name = {t.name: t for t in self.placeholders}
         resolved: dict[Tensor, object] = {}
@@ -281,12 +298,19 @@ class LoweredFunction:
                         f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}"
                     )
                 value = np.asarray(resolved[t])
-                if list(value.shape) != t.shape.to_integer_list:
+                want = t.shape.to_integer_list
+                if rows is not None and want:
+                    want[0] = rows[1] - rows[0]
+                if list(value.shape) != want:
+                    part = f" (rows {rows[0]}..{rows[1] - 1} of {t.shape[0].name})" if rows is not None else ""
                     raise ValueError(
-                        f"placeholder {t.name!r} expects shape {t.shape.to_integer_list} ({t.shape}), "
+                        f"placeholder {t.name!r} expects shape {want}{part} ({t.shape}), "
                         f"got an array of shape {list(value.shape)}"
                     )
-                args.append(value.astype(t.dtype, copy=False))
+                value = value.astype(t.dtype, copy=False)
+                if rows is not None and want:
+                    value = self.lowering.impl.put_rows(value, rows[0], self.lowering._spec(t))
+                args.append(value)
             elif getattr(op, "is_variable", False):
                 args.append(self.lowering._variable_state(op))
             else:
@@ -295,8 +319,9 @@ class LoweredFunction:
                 args.append(self._constants[t])
         return args
 
-    def __call__(self, feeds: Mapping | None = None, seed: int = 0):
-        results = self._run(self._arguments(feeds), seed)
+    def __call__(self, feeds: Mapping | None = None, seed: int = 0, rows: tuple[int, int] | None = None):
+        """Run the program; with `rows` (from `feed_rows`), each fed array holds only those rows."""
+        results = self._run(self._arguments(feeds, rows), seed)
         n = len(self.outputs)
         for var, value in zip(self._updated, results[n:]):
             self.lowering._variables[var] = value

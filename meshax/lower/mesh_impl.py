@@ -32,7 +32,7 @@ from meshax.layout import (
     tensor_layout,
 )
 from meshax.layout.rules import padded_shape
-from meshax.lower.padding import pad, padded_dims, unpad
+from meshax.lower.padding import logical_rows, pad, padded_dims, unpad
 
 
 @functools.lru_cache(maxsize=1024)
@@ -106,6 +106,12 @@ class MeshImpl:
                     f"({available[0].platform}). On the CPU, set JAX_NUM_CPU_DEVICES={self.size} (or call "
                     "meshax.use_cpu_devices(n) before JAX starts)"
                 )
+            if jax.process_count() > 1 and len(available) != self.size:
+                raise RuntimeError(
+                    f"mesh {self.shape} has {self.size} devices, but this {jax.process_count()}-process job has "
+                    f"{len(available)}: in a multi-process run the mesh spans every device (give a mesh of "
+                    f"{len(available)}, or start {self.size // max(1, jax.local_device_count())} processes)"
+                )
             self._devices = available[: self.size]
         return self._devices
 
@@ -166,6 +172,40 @@ class MeshImpl:
         if not padded_dims(shape, layout, self.shape):
             return array
         return _padding_program(unpad, shape, layout, self.shape, self.global_sharding(shape, layout))(array)
+
+    # ---- many processes: each feeds only the rows its devices hold ----------------------------
+    def feed_rows(self, spec: tuple) -> tuple[int, int]:
+        """The logical rows [lo, hi) of dim 0 of a tensor that this process's devices hold (every
+        row in a single-process run; a superset where a process's rows are not contiguous)."""
+        shape, _, layout = spec
+        rows = logical_rows(shape, layout, self.shape)
+        held = self.named_sharding(layout).addressable_devices_indices_map(self.padded_shape(spec))
+        mine = np.concatenate([rows[index[0]] if index else rows for index in held.values()])
+        mine = mine[mine >= 0]
+        return (int(mine.min()), int(mine.max()) + 1) if mine.size else (0, 0)
+
+    def put_rows(self, part: np.ndarray, lo: int, spec: tuple):
+        """The backend value of a tensor from rows lo .. lo + len(part) of its logical dim 0: each
+        process passes the rows its devices hold (`feed_rows`), no process the whole array."""
+        shape, dtype, layout = spec
+        rows = logical_rows(shape, layout, self.shape)
+        rest = TensorLayout(((), *layout.axes[1:]))  # dim 0's padding comes from `rows`
+        local = pad(np.asarray(part), shape, rest, self.shape)
+
+        def block(index):
+            want = rows[index[0]]
+            out = np.zeros((len(want), *local.shape[1:]), dtype)
+            ok = want >= 0
+            if ok.any() and (want[ok].min() < lo or want[ok].max() >= lo + len(part)):
+                raise ValueError(
+                    f"{shape}: this process fed rows {lo}..{lo + len(part) - 1} of dim {shape[0].name}, but its "
+                    f"devices hold rows {want[ok].min()}..{want[ok].max()}; feed the rows feed_rows() gives"
+                )
+            out[ok] = local[want[ok] - lo]
+            return out[(slice(None), *index[1:])]
+
+        sharding = self.named_sharding(layout)
+        return self.from_padded(jax.make_array_from_callback(self.padded_shape(spec), sharding, block), spec)
 
     def tensor_layout(self, x, name: str | None = None) -> TensorLayout:
         """The layout the rules give a tensor (or a shape); raises LayoutError if illegal."""

@@ -62,3 +62,9 @@ def unpad(array, shape: Shape, layout: TensorLayout, mesh_shape: Shape):
             x = x.reshape(*lead, groups, -1)[..., :parent]
         array = xp.moveaxis(x.reshape(*lead, shape[i].size), -1, i)
     return array
+
+
+def logical_rows(shape: Shape, layout: TensorLayout, mesh_shape: Shape) -> np.ndarray:
+    """For each index of dim 0 of the padded array, the logical row it holds (-1: padding)."""
+    first = Shape(shape.dims[:1])
+    return pad(np.arange(1, shape[0].size + 1), first, TensorLayout(layout.axes[:1]), mesh_shape) - 1

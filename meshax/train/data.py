@@ -93,14 +93,12 @@ def batches(x: np.ndarray, y: np.ndarray, batch_size: int, seed: int):
             yield x[idx], y[idx]
 
 
-def padded_batches(x: np.ndarray, y: np.ndarray, batch_size: int):
-    """One pass in order; the last batch is padded, with weights 0 on the padding."""
+def padded_batches(x: np.ndarray, y: np.ndarray, batch_size: int, rows: tuple[int, int] | None = None):
+    """One pass in order; the last batch is padded, with weights 0 on the padding. With `rows`
+    (lo, hi), each batch has only those rows of the full batch."""
+    lo, hi = rows or (0, batch_size)
     for i in range(0, len(x), batch_size):
-        xb, yb = x[i : i + batch_size], y[i : i + batch_size]
-        n = len(xb)
-        w = np.zeros(batch_size, np.float32)
-        w[:n] = 1.0
-        if n < batch_size:
-            xb = np.concatenate([xb, np.zeros((batch_size - n, *xb.shape[1:]), xb.dtype)])
-            yb = np.concatenate([yb, np.zeros((batch_size - n, *yb.shape[1:]), yb.dtype)])
-        yield xb, yb, w
+        idx = np.arange(i + lo, i + hi)
+        w = (idx < len(x)).astype(np.float32)
+        idx = np.minimum(idx, len(x) - 1)  # padding repeats the last example, with weight 0
+        yield x[idx], y[idx], w

@@ -16,6 +16,7 @@ from meshax.backends import PlacementMeshImpl, SimdMeshImpl
 from meshax.core.graph import Graph, Mesh
 from meshax.lower.lowering import LoweredFunction, Lowering
 from meshax.optimize import AdamWeightDecayOptimizer, Optimizer
+from meshax.runtime import is_main_process
 from meshax.train.metrics import MetricsWriter
 from meshax.train.tasks import Task
 
@@ -72,8 +73,9 @@ def build(
 
 def evaluate(task: Task, program: Program) -> dict[str, float]:
     sums = dict.fromkeys(program.metric_names, 0.0)
-    for feeds in task.eval_batches():
-        for n, v in zip(program.metric_names, program.eval_fn(feeds)):
+    rows = program.eval_fn.feed_rows()  # this process's rows (all of them in a single process)
+    for feeds in task.eval_batches(rows):
+        for n, v in zip(program.metric_names, program.eval_fn(feeds, rows=rows)):
             sums[n] += float(v)
     return task.summarize(sums)
 
@@ -100,7 +102,8 @@ def train(
 
     With `checkpoint_dir`, save every `checkpoint_every` steps and at the end; with `resume`,
     start from the latest checkpoint there (restored onto this run's mesh and layout). Metrics
-    go to `metrics_path` (JSON lines) and `tensorboard_dir` (TensorBoard event files)."""
+    go to `metrics_path` (JSON lines) and `tensorboard_dir` (TensorBoard event files), from
+    process 0 only in a multi-process run (every process gets the same losses and metrics)."""
     program = program or build(task, mesh_shape, layout, backend, optimizer, seed)
     first = 0
     if resume:
@@ -111,6 +114,8 @@ def train(
         if latest_step(checkpoint_dir) is not None:
             first = int(restore_checkpoint(checkpoint_dir, program.lowering)["step"])
 
+    if not is_main_process():
+        metrics_path = tensorboard_dir = None
     writer = MetricsWriter(metrics_path, tensorboard_dir)
     record = writer.record
 
@@ -130,10 +135,11 @@ def train(
         )
 
     losses, evals, times = [], [], []
+    rows = program.train_fn.feed_rows()  # this process's rows of each batch
     for step in range(first, steps):
-        feeds = task.train_batch(step)
+        feeds = task.train_batch(step, rows)
         start = time.perf_counter()
-        loss, *_ = program.train_fn(feeds, seed=step)
+        loss, *_ = program.train_fn(feeds, seed=step, rows=rows)
         seconds = time.perf_counter() - start
         times.append(seconds)
         losses.append(float(loss))

@@ -2,7 +2,9 @@
 
 A task's metrics are *sums* over the batch (loss_sum, count, correct, ...) so that evaluation
 over several batches, the last one padded with weight 0, adds up exactly. Batches are a pure
-function of (seed, step), so a run resumed at step s sees exactly the data it would have seen.
+function of (seed, step), so a run resumed at step s sees exactly the data it would have seen;
+each row is drawn by its own generator (seed, step, row), so each process of a multi-process run
+draws only the rows its devices hold and together they feed the single-process batch.
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ def _rng(*key: int) -> np.random.Generator:
     return np.random.default_rng([k & 0xFFFFFFFF for k in key])
 
 
+def _row_rngs(key: tuple[int, ...], rows: tuple[int, int]) -> list[np.random.Generator]:
+    """One generator per row of a batch, so any process can draw just the rows it feeds."""
+    return [_rng(*key, r) for r in range(*rows)]
+
+
 def _classification(logits: Tensor, labels: Tensor, weights: Tensor, classes: Dimension) -> Built:
     """Cross-entropy and accuracy sums, weighted per example (or per token)."""
     xent = softmax_cross_entropy_with_logits(logits, one_hot(labels, classes), classes)
@@ -66,18 +73,20 @@ class Task:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{type(self).__name__}: {field}={value!r} must be a whole number >= 1")
 
-    def _feeds(self, rng: np.random.Generator, val: bool) -> dict:
-        """A batch of synthetic (or sampled) feeds drawn with `rng`; `val`: from held-out data."""
+    def _feeds(self, rngs: list[np.random.Generator], val: bool) -> dict:
+        """Rows of synthetic (or sampled) feeds, row i drawn with rngs[i]; `val`: held-out data."""
         raise NotImplementedError
 
-    def train_batch(self, step: int) -> dict:
-        """The feeds of training step `step` (a pure function of the task's seed and step)."""
-        return self._feeds(_rng(self.seed, step), val=False)
+    def train_batch(self, step: int, rows: tuple[int, int] | None = None) -> dict:
+        """The feeds of training step `step` (a pure function of the task's seed and step); with
+        `rows` (lo, hi), only those rows of the batch (what one process of many feeds)."""
+        return self._feeds(_row_rngs((self.seed, step), rows or (0, self.batch_size)), val=False)
 
-    def eval_batches(self):
-        """One pass of feeds dicts over the evaluation set (the same batches every time)."""
+    def eval_batches(self, rows: tuple[int, int] | None = None):
+        """One pass of feeds dicts over the evaluation set (the same batches every time); with
+        `rows`, only those rows of each batch."""
         for i in range(self.eval_batches_count):
-            yield self._feeds(_rng(self.seed, 1 << 30, i), val=True)
+            yield self._feeds(_row_rngs((self.seed, 1 << 30, i), rows or (0, self.batch_size)), val=True)
 
     def summarize(self, sums: dict[str, float]) -> dict[str, float]:
         count = max(sums.get("count", 1.0), 1e-9)
@@ -108,10 +117,10 @@ class MlpTask(Task):
         count = reduce_sum(w)
         return Built(loss=loss_sum / count, metrics={"loss_sum": loss_sum, "count": count})
 
-    def _feeds(self, rng, val):
+    def _feeds(self, rngs, val):
         return {
-            "x": rng.normal(size=(self.batch_size, self.io)).astype(np.float32),
-            "weights": np.ones(self.batch_size, np.float32),
+            "x": np.array([g.normal(size=self.io) for g in rngs], np.float32).reshape(len(rngs), self.io),
+            "weights": np.ones(len(rngs), np.float32),
         }
 
 
@@ -130,19 +139,16 @@ class _DigitsTask(Task):
         if len(self.x_train) < self.batch_size:
             raise data.DataError(f"{len(self.x_train)} training examples, fewer than the batch size {self.batch_size}")
 
-    def train_batch(self, step):
+    def train_batch(self, step, rows=None):
         per_epoch = len(self.x_train) // self.batch_size
         epoch, i = divmod(step, per_epoch)
-        order = _rng(self.seed, epoch).permutation(len(self.x_train))
-        idx = order[i * self.batch_size : (i + 1) * self.batch_size]
-        return {
-            "images": self.x_train[idx],
-            "labels": self.y_train[idx],
-            "weights": np.ones(self.batch_size, np.float32),
-        }
+        order = _rng(self.seed, epoch).permutation(len(self.x_train))  # indices only: cheap
+        lo, hi = rows or (0, self.batch_size)
+        idx = order[i * self.batch_size + lo : i * self.batch_size + hi]
+        return {"images": self.x_train[idx], "labels": self.y_train[idx], "weights": np.ones(hi - lo, np.float32)}
 
-    def eval_batches(self):
-        for xb, yb, w in data.padded_batches(self.x_test, self.y_test, self.batch_size):
+    def eval_batches(self, rows=None):
+        for xb, yb, w in data.padded_batches(self.x_test, self.y_test, self.batch_size, rows):
             yield {"images": xb, "labels": yb, "weights": w}
 
 
@@ -221,9 +227,9 @@ class UNetTask(Task):
         built.metrics["examples"] = reduce_sum(w)
         return built
 
-    def _feeds(self, rng, val):
-        images, labels = synthetic.segmentation_batch(self.batch_size, self.image_size, self.spatial_dims, rng)
-        return {"images": images, "labels": labels, "weights": np.ones(self.batch_size, np.float32)}
+    def _feeds(self, rngs, val):
+        images, labels = synthetic.segmentation_batch(rngs, self.image_size, self.spatial_dims)
+        return {"images": images, "labels": labels, "weights": np.ones(len(rngs), np.float32)}
 
     def summarize(self, sums):
         out = super().summarize(sums)
@@ -284,14 +290,14 @@ class LmTask(Task):
         logits = self.transformer.language_model(ids)
         return _classification(logits, targets, weights, self.transformer.vocab)
 
-    def _feeds(self, rng, val: bool):
-        weights = np.ones((self.batch_size, self.length), np.float32)
+    def _feeds(self, rngs, val: bool):
+        weights = np.ones((len(rngs), self.length), np.float32)
         if self.source == "text":
             if self._bytes is None:
                 self._bytes = text.load_bytes(self.text_path)
-            seqs = text.windows(self._bytes[1 if val else 0], self.batch_size, self.length, rng)
+            seqs = text.windows(self._bytes[1 if val else 0], rngs, self.length)
         else:
-            seqs = self.markov.sample(self.batch_size, self.length + 1, rng)
+            seqs = self.markov.sample(rngs, self.length + 1)
             weights[:, : self.markov_order - 1] = 0.0  # predictions before a full context
         return {"ids": seqs[:, :-1], "targets": seqs[:, 1:], "weights": weights}
 
@@ -349,14 +355,14 @@ class Seq2SeqTask(Task):
         built.metrics["sequences"] = reduce_sum(reduce_min(weights, reduced_dim=length))
         return built
 
-    def _feeds(self, rng, val):
+    def _feeds(self, rngs, val):
         make = synthetic.reversal_batch if self.problem == "reverse" else synthetic.sorting_batch
-        inputs, targets_in, targets = make(self.batch_size, self.length, self.vocab, rng)
+        inputs, targets_in, targets = make(rngs, self.length, self.vocab)
         return {
             "inputs": inputs,
             "targets_in": targets_in,
             "targets": targets,
-            "weights": np.ones((self.batch_size, self.length), np.float32),
+            "weights": np.ones((len(rngs), self.length), np.float32),
         }
 
     def summarize(self, sums):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sysconfig
 import zlib
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -59,9 +60,9 @@ def load_bytes(
     return np.concatenate(train), np.concatenate(val)
 
 
-def windows(data: np.ndarray, batch: int, length: int, rng: np.random.Generator) -> np.ndarray:
-    """[batch, length + 1] random windows of the byte stream."""
+def windows(data: np.ndarray, rngs: Sequence[np.random.Generator], length: int) -> np.ndarray:
+    """[len(rngs), length + 1] random windows of the byte stream, row i drawn with rngs[i]."""
     if len(data) <= length + 1:
         raise DataError(f"the text has {len(data)} bytes, too few for sequences of {length}")
-    starts = rng.integers(0, len(data) - length - 1, size=batch)
-    return np.stack([data[s : s + length + 1] for s in starts]).astype(np.int32)
+    starts = [int(g.integers(0, len(data) - length - 1)) for g in rngs]
+    return np.array([data[s : s + length + 1] for s in starts], np.int32).reshape(len(rngs), length + 1)

@@ -1,0 +1,146 @@
+"""`meshax launch`: run one multi-process job on this machine (for one big machine, and for tests).
+
+    meshax launch -n 2 --devices-per-process 4 -- meshax train mnist --mesh "rows:2;cols:4"
+
+starts N copies of the command with the environment `meshax.initialize_distributed` reads (a
+free coordinator port on localhost, the process count and each one's id; K virtual CPU devices
+each, exchanging data with gloo), prefixes each line they print with "[i] ", forwards SIGINT and
+SIGTERM to them, and exits non-zero if any of them fails. When one process fails (an exception,
+killed, out of memory), the launcher names it and stops the others at once: SIGTERM, then
+SIGKILL after `grace` seconds, so nothing is left running and nothing waits for a dead peer.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+from meshax.runtime import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
+GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL when stopping the survivors (JAX takes SIGTERM as a
+# preemption notice, so a process stuck in a collective with a dead peer goes only with SIGKILL)
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("localhost", 0))
+        return int(s.getsockname()[1])
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+    for line in iter(stream.readline, ""):
+        with lock:
+            out.write(prefix + line)
+            out.flush()
+    stream.close()
+
+
+def launch(
+    command: Sequence[str],
+    num_processes: int,
+    devices_per_process: int | None = None,
+    port: int | None = None,
+    grace: float = GRACE_SECONDS,
+    stdout: TextIO | None = None,
+    stderr: TextIO | None = None,
+) -> int:
+    """Run `command` as `num_processes` processes of one job; returns 0 if all succeed, else the
+    first failure's exit code (128 + the signal for a killed process)."""
+    if not command:
+        raise ValueError("meshax launch needs a command after --, e.g. -- meshax train mnist")
+    if num_processes < 1:
+        raise ValueError(f"-n must be at least 1, got {num_processes}")
+    stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    address = f"localhost:{port or free_port()}"
+    lock = threading.Lock()
+    procs: list[subprocess.Popen] = []
+    threads: list[threading.Thread] = []
+    for i in range(num_processes):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.update({ENV_COORDINATOR: address, ENV_NUM_PROCESSES: str(num_processes), ENV_PROCESS_ID: str(i)})
+        if devices_per_process is not None:
+            env["JAX_NUM_CPU_DEVICES"] = str(devices_per_process)
+        try:
+            proc = subprocess.Popen(
+                list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, errors="replace"
+            )
+        except OSError as e:
+            _stop(procs, grace)
+            raise ValueError(f"meshax launch: cannot start {command[0]!r}: {e.strerror or e}") from None
+        procs.append(proc)
+        for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
+            t = threading.Thread(target=_forward, args=(stream, f"[{i}] ", out, lock), daemon=True)
+            t.start()
+            threads.append(t)
+    with lock:
+        stderr.write(
+            f"meshax launch: {num_processes} processes, coordinator {address}, pids "
+            + " ".join(str(p.pid) for p in procs)
+            + "\n"
+        )
+        stderr.flush()
+
+    def forward_signal(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = _wait(procs, grace, stderr, lock)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        for t in threads:
+            t.join(timeout=5)
+    return code
+
+
+def _wait(procs: list[subprocess.Popen], grace: float, stderr: TextIO, lock: threading.Lock) -> int:
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            i, c = failed[0]
+            with lock:
+                stderr.write(
+                    f"meshax launch: process {i} (pid {procs[i].pid}) {_describe(c)}; stopping the other "
+                    f"processes (SIGTERM, then SIGKILL after {grace:g} s)\n"
+                )
+                stderr.flush()
+            _stop(procs, grace)
+            return c if c > 0 else 128 - c
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.05)
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+    """Every process still running: SIGTERM, then SIGKILL after `grace` seconds; wait for all."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()

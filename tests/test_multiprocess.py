@@ -1,0 +1,290 @@
+"""Many processes (issue 16): `meshax launch`, per-process feeding, checkpoints across process
+counts, and failures. The end-to-end runs start real 2-process jobs (gloo collectives between
+processes of 4 virtual CPU devices each) and are marked slow; the rest run in the default suite."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import meshax as mx
+from meshax.launch import launch
+from meshax.train import loop
+from meshax.train.checkpoint import restore_checkpoint
+from tests import multiprocess_worker as worker
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = [sys.executable, "-m", "meshax.cli"]
+
+
+def _python(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+# ------------------------------------------------------------------ the launcher (no JAX in it)
+
+
+def test_launch_sets_each_process_environment_and_prefixes_its_lines():
+    out, err = io.StringIO(), io.StringIO()
+    code = _python(
+        "import os, sys; e = os.environ; print(e['MESHAX_PROCESS_ID'], e['MESHAX_NUM_PROCESSES'], "
+        "e['JAX_NUM_CPU_DEVICES'], e['JAX_COORDINATOR_ADDRESS']); print('to stderr', file=sys.stderr)"
+    )
+    assert launch(code, 3, devices_per_process=4, port=23456, stdout=out, stderr=err) == 0
+    lines = sorted(out.getvalue().splitlines())
+    assert lines == [f"[{i}] {i} 3 4 localhost:23456" for i in range(3)]
+    assert sorted(line for line in err.getvalue().splitlines() if "to stderr" in line) == [
+        f"[{i}] to stderr" for i in range(3)
+    ]
+    assert "3 processes, coordinator localhost:23456" in err.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("failure", "code", "said"),
+    [("sys.exit(3)", 3, "exited with code 3"), ("os.kill(os.getpid(), 9)", 128 + 9, "was killed by SIGKILL")],
+)
+def test_launch_stops_everyone_when_one_process_fails(failure, code, said):
+    """Process 1 fails at once; process 0 would sleep a minute (as one stuck in a collective with
+    a dead peer would, ignoring SIGTERM): the launcher names process 1, kills process 0 after
+    the grace period, and returns the failure's code."""
+    out, err = io.StringIO(), io.StringIO()
+    script = (
+        "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        f"if os.environ['MESHAX_PROCESS_ID'] == '1': {failure}\n"
+        "print(os.getpid(), flush=True); time.sleep(60)"
+    )
+    start = time.monotonic()
+    assert launch(_python(script), 2, grace=1.0, stdout=out, stderr=err) == code
+    assert time.monotonic() - start < 15  # the grace period, the start of two interpreters, and slack
+    assert "process 1 (pid" in err.getvalue() and said in err.getvalue()
+    survivor = int(out.getvalue().split()[-1])
+    with pytest.raises(ProcessLookupError):  # reaped: nothing left running
+        os.kill(survivor, 0)
+
+
+def test_launch_forwards_sigterm_to_its_processes(tmp_path):
+    """SIGTERM to the launcher reaches each process, which exits: the launcher reports it."""
+    ready = tmp_path / "ready"
+    script = (
+        "import os, pathlib, time; p = pathlib.Path(os.environ['READY']); "
+        "p.with_name(p.name + os.environ['MESHAX_PROCESS_ID']).touch(); time.sleep(60)"
+    )
+    env = dict(os.environ, READY=str(ready))
+    proc = subprocess.Popen(
+        [*CLI, "launch", "-n", "2", "--", *_python(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert b"was killed by SIGTERM" in err
+
+
+def test_launch_bad_input_is_one_clear_line():
+    with pytest.raises(ValueError, match="needs a command"):
+        launch([], 2)
+    with pytest.raises(ValueError, match="cannot start 'no-such-program-here'"):
+        launch(["no-such-program-here"], 2, stderr=io.StringIO())
+    result = subprocess.run([*CLI, "launch", "-n", "0", "--", "true"], capture_output=True, text=True)
+    assert result.returncode == 2 and "-n" in result.stderr
+
+
+def test_train_refuses_processes_that_cannot_share_the_mesh(capsys):
+    from meshax.cli import main
+
+    args = ["train", "mlp", "--mesh", "all:8", "--layout", "", "--steps", "1", "--num-processes", "3"]
+    assert main([*args, "--process-id", "0", "--coordinator", "localhost:1"]) == 2
+    assert "8 devices, which 3 processes cannot share evenly" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"coordinator": "localhost"}, "must be HOST:PORT"),
+        ({"num_processes": 2, "process_id": 2}, "process id 2 is not in 0..1"),
+        ({"num_processes": 0}, "at least 1"),
+    ],
+)
+def test_initialize_distributed_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        mx.initialize_distributed(**kwargs)
+
+
+# ------------------------------------------------------- feeding rows (one process: all of them)
+
+
+@pytest.mark.parametrize("layout", ["", "b:rows", "b:cols", "b:rows;b:cols", "d:cols"])
+def test_feed_rows_and_put_rows_in_one_process(layout):
+    """In one process every row is this process's; put_rows of all of them is `put`, padding
+    included (b:rows;b:cols splits 10 rows into 8 slices of 2, padded at two levels)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    b, d = mx.Dimension("b", 10), mx.Dimension("d", 8)
+    x = mx.placeholder(mesh, "x", [b, d])
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)})
+    fn = lowering.function(mx.reduce_sum(x * 2.0, reduced_dim=d))
+    assert fn.feed_rows() == (0, 10)
+    xv = np.arange(80, dtype=np.float32).reshape(10, 8)
+    spec = lowering._spec(x)
+    np.testing.assert_array_equal(np.asarray(lowering.impl.put_rows(xv, 0, spec)), lowering.impl.put(xv, spec))
+    np.testing.assert_array_equal(fn({x: xv}, rows=(0, 10)), (2 * xv).sum(1))
+    with pytest.raises(ValueError, match=r"expects shape \[4, 8\] \(rows 2..5 of b\)"):
+        fn({x: xv}, rows=(2, 6))
+    with pytest.raises(ValueError, match="feed the rows feed_rows"):
+        lowering.impl.put_rows(xv[2:6], 2, spec)
+
+
+def test_task_rows_are_the_batch_rows():
+    """Each row of a batch is drawn alone, so the rows one process draws are the batch's."""
+    for task in (worker.make_task("lm-2d"), worker.make_task("mnist-2d"), mx_task("seq2seq"), mx_task("unet")):
+        whole = task.train_batch(3)
+        part = task.train_batch(3, (2, 5))
+        for name, value in whole.items():
+            np.testing.assert_array_equal(part[name], value[2:5], err_msg=f"{task.name} {name}")
+        whole, part = next(iter(task.eval_batches())), next(iter(task.eval_batches((1, 4))))
+        for name, value in whole.items():
+            np.testing.assert_array_equal(part[name], value[1:4], err_msg=f"{task.name} eval {name}")
+
+
+def mx_task(name):
+    from meshax.train.tasks import TASKS
+
+    return TASKS[name](batch_size=8) if name != "seq2seq" else TASKS[name](batch_size=8, length=4)
+
+
+# ------------------------------------------------------ end to end: 2 processes x 4 CPU devices
+
+
+def _launch(args, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    return subprocess.run(
+        [*CLI, "launch", "-n", "2", "--devices-per-process", "4", "--", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One 2-process job running tests/multiprocess_worker.py; it restores a checkpoint this
+    (single) process wrote first."""
+    out = tmp_path_factory.mktemp("job")
+    worker.run_case(worker.CHECKPOINT_CASE, checkpoint_dir=str(out / "single"))
+    result = _launch([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"), str(out), str(out / "single")])
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out, json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.slow
+def test_job_spans_two_processes(job):
+    _, result = job
+    assert result["processes"] == 2 and result["local_devices"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "allgather", "alltoall", "permute"])
+def test_collective_across_processes_equals_numpy(job, kind):
+    got = job[1]["collectives"][kind]
+    assert got["count"] >= 1  # the program really has one of this kind, between the processes
+    assert got["error"] < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(worker.CASES))
+def test_two_processes_train_as_one(job, case):
+    """2 processes x 4 devices give one process x 8 devices' losses, step for step (to float32
+    rounding: gloo adds in another order), and the same evaluation."""
+    got = job[1]["cases"][case]
+    want = worker.run_case(case)
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=2e-6)
+    assert got["eval"] == pytest.approx(want["eval"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoints_move_between_process_counts(job):
+    """Written by one process, restored by two; written by two, restored by one."""
+    out, result = job
+    task = worker.make_task(worker.CHECKPOINT_CASE)
+    _, _, mesh, layout = worker.CASES[worker.CHECKPOINT_CASE]
+    single = loop.build(task, mesh, layout)
+    assert restore_checkpoint(str(out / "single"), single.lowering)["step"] == worker.STEPS
+    assert result["restored_step"] == worker.STEPS
+    restored = np.load(out / "restored.npz")
+    for var in single.lowering.graph.all_variables:
+        np.testing.assert_array_equal(restored[var.name.replace("/", ".")], single.lowering.variable_value(var))
+
+    other = loop.build(task, "all:8", "hidden:all")  # and onto another mesh and layout
+    assert restore_checkpoint(str(out / "written"), other.lowering)["step"] == worker.STEPS
+    others = {v.name: v for v in other.lowering.graph.all_variables}
+    for var in single.lowering.graph.all_variables:
+        np.testing.assert_allclose(
+            other.lowering.variable_value(others[var.name]), single.lowering.variable_value(var), rtol=1e-5, atol=1e-6
+        )
+
+
+def _losses(path):
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        entry = json.loads(line)
+        if "loss" in entry:
+            out[entry["step"]] = entry["loss"]
+    return out
+
+
+TRAIN = ["mnist", "--hidden", "64", "--mesh", "rows:2;cols:4", "--eval-every", "0", "--no-progress"]
+
+
+@pytest.mark.slow
+def test_kill_one_process_then_resume(tmp_path):
+    """kill -9 of one of two processes mid-training: the launcher exits non-zero within its grace
+    period, naming the process; nothing is left running; resuming from the last checkpoint (in two
+    processes) gives the losses of an uninterrupted run."""
+    ckpt, log, full = tmp_path / "ckpt", tmp_path / "killed.jsonl", tmp_path / "full.jsonl"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    args = [*CLI, "train", *TRAIN, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "5", "--metrics", str(log)]
+    proc = subprocess.Popen(
+        [*CLI, "launch", "-n", "2", "--devices-per-process", "4", "--", *args, "--steps", "400"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and len(_losses(log)) >= 12:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, proc.stderr.read()
+    first = proc.stderr.readline()
+    while "pids" not in first:
+        first = proc.stderr.readline()
+    victim = int(first.split()[-1])
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.monotonic()
+    proc.wait(timeout=60)
+    assert time.monotonic() - killed_at < 10  # 3 s grace + polling + reaping
+    assert proc.returncode != 0
+    assert f"process 1 (pid {victim}) was killed by SIGKILL" in proc.stderr.read()
+    assert subprocess.run(["pgrep", "-f", str(log)], capture_output=True).stdout == b""
+    done = len(_losses(log))
+    assert 12 <= done < 400
+    steps = done + 10
+
+    resumed = _launch([*CLI, "train", *TRAIN, "--resume", str(ckpt), "--steps", str(steps), "--metrics", str(log)])
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    whole = subprocess.run([*CLI, "train", *TRAIN, "--steps", str(steps), "--metrics", str(full)], env=env, timeout=600)
+    assert whole.returncode == 0
+    got, want = _losses(log), _losses(full)
+    steps = list(range(1, steps + 1))
+    np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=2e-6)
