@@ -380,6 +380,13 @@ def _start_devices(args, mesh_size: int) -> None:
     if not (args.distributed or distributed_requested(args.coordinator, args.num_processes, args.process_id)):
         use_cpu_devices(mesh_size)
         return
+    given = {"--coordinator": args.coordinator, "--num-processes": args.num_processes, "--process-id": args.process_id}
+    if any(v is not None for v in given.values()) and None in given.values():
+        missing = [flag for flag, v in given.items() if v is None]
+        raise ConfigError(
+            f"{' and '.join(missing)} missing: give --coordinator, --num-processes and --process-id together "
+            "(or none of them, with --distributed, to take the job from the cluster's environment)"
+        )
     n = args.num_processes or int(os.environ.get("MESHAX_NUM_PROCESSES", "0") or 0)
     if n and mesh_size % n:
         raise ConfigError(f"--mesh {args.mesh!r} has {mesh_size} devices, which {n} processes cannot share evenly")

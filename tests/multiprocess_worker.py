@@ -19,14 +19,15 @@ import meshax as mx
 from meshax.train import loop
 from meshax.train.checkpoint import restore_checkpoint
 
+LM = {"source": "markov", "batch_size": 8, "length": 16}  # the tiny Transformer
 # (task, task options, mesh, layout): the paper's data-, model- and 2-D-parallel layouts
 CASES = {
     "mnist-data": ("mnist", {"hidden": 64}, "all:8", "batch:all"),
     "mnist-model": ("mnist", {"hidden": 64}, "all:8", "hidden:all"),
     "mnist-2d": ("mnist", {"hidden": 64}, "rows:2;cols:4", "batch:rows;hidden:cols"),
-    "lm-data": ("lm", {"source": "markov", "batch_size": 8, "length": 16}, "all:8", "batch:all"),
-    "lm-model": ("lm", {"source": "markov", "batch_size": 8, "length": 16}, "all:8", "d_ff:all;heads:all"),
-    "lm-2d": ("lm", {"source": "markov", "batch_size": 8, "length": 16}, "rows:2;cols:4", "batch:rows;heads:cols"),
+    "lm-data": ("lm", LM, "all:8", "batch:all"),
+    "lm-model": ("lm", LM, "all:8", "vocab:all;d_ff:all;heads:all"),
+    "lm-2d": ("lm", LM, "rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols"),
 }
 STEPS = 4
 CHECKPOINT_CASE = "mnist-2d"

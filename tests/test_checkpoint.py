@@ -99,7 +99,7 @@ def test_resume_is_exact(impl_cls, trained):
     [
         (mx.SimdMeshImpl, mx.SimdMeshImpl),
         (mx.SimdMeshImpl, mx.PlacementMeshImpl),
-        (mx.PlacementMeshImpl, mx.SimdMeshImpl),
+        pytest.param(mx.PlacementMeshImpl, mx.SimdMeshImpl, marks=pytest.mark.slow),  # 28 s: the slow run
     ],
     ids=["simd-to-simd", "simd-to-placement", "placement-to-simd"],
 )

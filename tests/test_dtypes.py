@@ -127,11 +127,11 @@ def _value(dtype):
     return (v > 1.5) if dtype == "bool" else v.astype(jnp.dtype(dtype))
 
 
-# every dtype on SIMD; on the placement backend (~20 s a dtype) a float and bool, the two ends
-# of the promotion rules
+# every dtype on SIMD; on the placement backend (~20-40 s a dtype: in the slow run) a float and
+# bool, the two ends of the promotion rules
 @pytest.mark.parametrize(
     "impl_cls,dtype",
-    [(IMPLS[0], d) for d in DTYPES] + [(IMPLS[1], d) for d in ("bfloat16", "bool")],
+    [(IMPLS[0], d) for d in DTYPES] + [pytest.param(IMPLS[1], d, marks=pytest.mark.slow) for d in ("bfloat16", "bool")],
     ids=[f"{IMPL_IDS[0]}-{d}" for d in DTYPES] + [f"{IMPL_IDS[1]}-{d}" for d in ("bfloat16", "bool")],
 )
 def test_declared_dtype_is_produced_or_refused_at_build_time(impl_cls, dtype):

@@ -104,6 +104,10 @@ def test_train_refuses_processes_that_cannot_share_the_mesh(capsys):
     args = ["train", "mlp", "--mesh", "all:8", "--layout", "", "--steps", "1", "--num-processes", "3"]
     assert main([*args, "--process-id", "0", "--coordinator", "localhost:1"]) == 2
     assert "8 devices, which 3 processes cannot share evenly" in capsys.readouterr().err
+    assert main([*args, "--coordinator", "localhost:1"]) == 2
+    assert "--process-id missing: give --coordinator, --num-processes and --process-id together" in (
+        capsys.readouterr().err
+    )
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ def test_mnist_on_2x4_reaches_95_percent_and_matches_one_device():
     assert split.losses[-1] < 0.3 * split.losses[0]
 
 
+@pytest.mark.slow  # 40 s on 2 cores; the fuzzer and the op tests check the placement backend by default
 def test_mlp_learns_the_identity_on_the_placement_backend():
     result = train(
         MlpTask(batch_size=16, io=8, hidden=32),

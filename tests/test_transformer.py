@@ -75,6 +75,7 @@ def test_model_parallel_layout_costs():
     assert activation in sizes and sizes <= {activation, per_token, d_model, 1}
 
 
+@pytest.mark.slow  # 29 s; tests/test_cli.py resumes a Transformer run by default
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     task = LmTask(model=SMALL, source="markov", batch_size=8, length=8)
     straight = train(task, "rows:2;cols:4", "batch:rows;heads:cols", steps=8, optimizer=AdamWeightDecayOptimizer(3e-3))
