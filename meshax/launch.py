@@ -4,15 +4,17 @@
 
 starts N copies of the command with the environment `meshax.initialize_distributed` reads (a
 free coordinator port on localhost, the process count and each one's id; K virtual CPU devices
-each, exchanging data with gloo), prefixes each line they print with "[i] ", forwards SIGINT and
-SIGTERM to them, and exits non-zero if any of them fails. When one process fails (an exception,
-killed, out of memory), the launcher names it and stops the others at once: SIGTERM, then
-SIGKILL after `grace` seconds, so nothing is left running and nothing waits for a dead peer.
+each, exchanging data with gloo), prefixes each line they print with "[i] " (dropping gloo's
+line per connected device group), forwards SIGINT and SIGTERM to them, and exits non-zero if any
+of them fails. When one process fails (an exception, killed, out of memory), the launcher names
+it and stops the others at once: SIGTERM, then SIGKILL after `grace` seconds, so nothing is left
+running and nothing waits for a dead peer.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -44,8 +46,15 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
+# What gloo (the CPU collectives) prints to stdout each time a group of devices connects: one
+# line per device and collective group, nothing a user can act on.
+_NOISE = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks")
+
+
 def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
     for line in iter(stream.readline, ""):
+        if _NOISE.match(line):
+            continue
         with lock:
             out.write(prefix + line)
             out.flush()

@@ -5,6 +5,7 @@ processes of 4 virtual CPU devices each) and are marked slow; the rest run in th
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,10 +33,12 @@ def _python(code: str) -> list[str]:
 
 
 def test_launch_sets_each_process_environment_and_prefixes_its_lines():
+    """...and drops gloo's line per connected group."""
     out, err = io.StringIO(), io.StringIO()
     code = _python(
         "import os, sys; e = os.environ; print(e['MESHAX_PROCESS_ID'], e['MESHAX_NUM_PROCESSES'], "
-        "e['JAX_NUM_CPU_DEVICES'], e['JAX_COORDINATOR_ADDRESS']); print('to stderr', file=sys.stderr)"
+        "e['JAX_NUM_CPU_DEVICES'], e['JAX_COORDINATOR_ADDRESS']); print('to stderr', file=sys.stderr); "
+        "print('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1')"
     )
     assert launch(code, 3, devices_per_process=4, port=23456, stdout=out, stderr=err) == 0
     lines = sorted(out.getvalue().splitlines())
@@ -273,20 +276,25 @@ def test_kill_one_process_then_resume(tmp_path):
     first = proc.stderr.readline()
     while "pids" not in first:
         first = proc.stderr.readline()
-    victim = int(first.split()[-1])
+    survivor, victim = (int(pid) for pid in first.split()[-2:])
     os.kill(victim, signal.SIGKILL)
     killed_at = time.monotonic()
     proc.wait(timeout=60)
     assert time.monotonic() - killed_at < 10  # 3 s grace + polling + reaping
     assert proc.returncode != 0
     assert f"process 1 (pid {victim}) was killed by SIGKILL" in proc.stderr.read()
-    assert subprocess.run(["pgrep", "-f", str(log)], capture_output=True).stdout == b""
+    with pytest.raises(ProcessLookupError):  # stopped and reaped: nothing left running
+        os.kill(survivor, 0)
     done = len(_losses(log))
     assert 12 <= done < 400
     steps = done + 10
 
     resumed = _launch([*CLI, "train", *TRAIN, "--resume", str(ckpt), "--steps", str(steps), "--metrics", str(log)])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
+    printed = resumed.stdout.splitlines()  # process 0 speaks for both
+    assert printed and all(line.startswith("[0] ") for line in printed)
+    resumed_at = int(re.search(r"\[0\] resuming from step (\d+) of", resumed.stdout)[1])
+    assert resumed_at % 5 == 0 and 5 <= resumed_at <= done  # the last complete checkpoint
     whole = subprocess.run([*CLI, "train", *TRAIN, "--steps", str(steps), "--metrics", str(full)], env=env, timeout=600)
     assert whole.returncode == 0
     got, want = _losses(log), _losses(full)
