@@ -11,9 +11,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
+import signal
 import sys
 
 DEFAULT_LAYOUTS = {
@@ -448,7 +450,7 @@ def _train(args, task, program, console) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from meshax.train.loop import train
+    from meshax.train.loop import Preempted, train
 
     checkpoint_dir = args.resume or args.checkpoint_dir
     if args.resume:
@@ -472,7 +474,8 @@ def _train(args, task, program, console) -> int:
         def on_eval(step, metrics):
             console.print(f"eval after step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
-        train(
+        run = functools.partial(
+            train,
             task,
             steps=args.steps,
             seed=args.seed,
@@ -486,6 +489,11 @@ def _train(args, task, program, console) -> int:
             metrics_path=args.metrics,
             tensorboard_dir=args.tensorboard,
         )
+        try:
+            run()
+        except Preempted as e:  # every process stops at the same step, the checkpoint saved
+            console.print(f"meshax: {e}")
+            return 128 + signal.SIGTERM
     return 0
 
 

@@ -300,3 +300,69 @@ def test_kill_one_process_then_resume(tmp_path):
     got, want = _losses(log), _losses(full)
     steps = list(range(1, steps + 1))
     np.testing.assert_allclose([got[s] for s in steps], [want[s] for s in steps], rtol=2e-6)
+
+
+@pytest.mark.slow
+def test_sigterm_stops_every_process_at_one_step_with_a_checkpoint(tmp_path):
+    """A preemption notice (SIGTERM, here to the launcher, which passes it on): JAX agrees on a
+    step, every process stops after it, and the checkpoint of that step is saved."""
+    from meshax.train.checkpoint import latest_step
+
+    ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
+    args = [*CLI, "train", *TRAIN, "--steps", "100000", "--checkpoint-dir", str(ckpt), "--metrics", str(log)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(
+        [*CLI, "launch", "-n", "2", "--devices-per-process", "4", "--", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None and not (log.exists() and len(_losses(log)) >= 5):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    stopped = int(re.search(r"\[0\] meshax: stopped after step (\d+) on a preemption notice", out)[1])
+    assert stopped >= 5 and latest_step(str(ckpt)) == stopped
+    assert f"continue with --resume {ckpt}" in out
+
+
+@pytest.mark.slow
+def test_without_the_launcher_a_dead_process_stops_the_other(tmp_path):
+    """Two processes joined by flags alone (as under SLURM): kill -9 of process 1 ends process 0
+    within JAX's heartbeat timeout, with an error that says a task stopped sending heartbeats."""
+    from meshax.launch import free_port
+    from meshax.runtime import HEARTBEAT_TIMEOUT
+
+    port, log = free_port(), tmp_path / "log.jsonl"
+    procs = []
+    for i in range(2):
+        env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES="4")
+        metrics = ["--metrics", str(log)] if i == 0 else []
+        flags = ["--coordinator", f"localhost:{port}", "--num-processes", "2", "--process-id", str(i)]
+        procs.append(
+            subprocess.Popen(
+                [*CLI, "train", *TRAIN, "--steps", "100000", *flags, *metrics],
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (log.exists() and len(_losses(log)) >= 5):
+            assert all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        procs[1].kill()
+        killed_at = time.monotonic()
+        _, err = procs[0].communicate(timeout=HEARTBEAT_TIMEOUT + 30)
+        assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT + 10
+        assert procs[0].returncode != 0
+        assert "stopped sending heartbeats" in err
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

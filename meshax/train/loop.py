@@ -32,6 +32,30 @@ class TrainResult:
     first_step: int = 0  # > 0 when resumed from a checkpoint
 
 
+class Preempted(RuntimeError):
+    """A multi-process run stopped on a preemption notice (SIGTERM to any of its processes), at
+    the same step in every process, after saving a checkpoint there (if it had a directory)."""
+
+    def __init__(self, step: int, checkpoint_dir: str | None):
+        self.step, self.checkpoint_dir = step, checkpoint_dir
+        saved = f"; saved a checkpoint: continue with --resume {checkpoint_dir}" if checkpoint_dir else ""
+        super().__init__(f"stopped after step {step} on a preemption notice (SIGTERM){saved}")
+
+
+def _preemption_point() -> Callable[[int], bool]:
+    """`reached(step)`: true at the step every process stops at after any of them got SIGTERM.
+
+    In a multi-process run JAX takes SIGTERM as a preemption notice instead of dying, and agrees
+    on a step for every process to stop at; in one process SIGTERM stops the process at once."""
+    import jax
+
+    if jax.process_count() == 1:
+        return lambda step: False
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.reached_preemption_sync_point
+
+
 @dataclasses.dataclass
 class Program:
     """A task's graph laid out on a mesh, with its compiled train and eval steps."""
@@ -136,6 +160,7 @@ def train(
 
     losses, evals, times = [], [], []
     rows = program.train_fn.feed_rows()  # this process's rows of each batch
+    preempted = _preemption_point()
     for step in range(first, steps):
         feeds = task.train_batch(step, rows)
         start = time.perf_counter()
@@ -155,6 +180,11 @@ def train(
             record({"step": done, "eval": evals[-1][1]})
             if on_eval:
                 on_eval(*evals[-1])
+        if preempted(done) and done < steps:
+            if checkpoint_dir:
+                save(done)
+            writer.close()
+            raise Preempted(done, checkpoint_dir)
         if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0 and done < steps:
             save(done)
     evals.append((steps, evaluate(task, program)))
