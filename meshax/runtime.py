@@ -86,18 +86,26 @@ def initialize_distributed(
         raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1} (ids count from 0)")
     if coordinator is not None and ":" not in coordinator:
         raise ValueError(f"coordinator {coordinator!r} must be HOST:PORT, e.g. localhost:12345")
-    with contextlib.suppress(RuntimeError):  # only the CPU backend reads these
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        if cpu_devices_per_process is not None:
-            jax.config.update("jax_num_cpu_devices", int(cpu_devices_per_process))
-    jax.distributed.initialize(
-        coordinator_address=coordinator,
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=JOIN_TIMEOUT,
-        heartbeat_timeout_seconds=heartbeat_timeout,
-        shutdown_timeout_seconds=BARRIER_TIMEOUT,
-    )
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=num_processes,
+            process_id=process_id,
+            initialization_timeout=JOIN_TIMEOUT,
+            heartbeat_timeout_seconds=heartbeat_timeout,
+            shutdown_timeout_seconds=BARRIER_TIMEOUT,
+        )
+    except ValueError as e:  # JAX found no job in the environment: say how to give one
+        raise ValueError(
+            f"no multi-process job to join ({e}): give the coordinator's HOST:PORT, the number of "
+            "processes and this process's id (--coordinator, --num-processes, --process-id), start "
+            "the processes with meshax launch, or run under a cluster JAX detects (SLURM, Open MPI, "
+            "Kubernetes)"
+        ) from None
+    # Read when the CPU backend starts (after this): processes exchange data with gloo.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if cpu_devices_per_process is not None:
+        jax.config.update("jax_num_cpu_devices", int(cpu_devices_per_process))
 
 
 def is_main_process() -> bool:

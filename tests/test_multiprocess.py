@@ -119,9 +119,13 @@ def test_train_refuses_processes_that_cannot_share_the_mesh(capsys):
         ({"coordinator": "localhost"}, "must be HOST:PORT"),
         ({"num_processes": 2, "process_id": 2}, "process id 2 is not in 0..1"),
         ({"num_processes": 0}, "at least 1"),
+        ({}, "no multi-process job to join .* meshax launch"),
     ],
 )
-def test_initialize_distributed_bad_input(kwargs, message):
+def test_initialize_distributed_bad_input(kwargs, message, monkeypatch):
+    monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+    for name in ("MESHAX_NUM_PROCESSES", "KUBERNETES_SERVICE_HOST", "SLURM_JOB_ID"):  # no job to find
+        monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match=message):
         mx.initialize_distributed(**kwargs)
 
