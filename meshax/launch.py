@@ -47,16 +47,27 @@ def _describe(code: int) -> str:
 
 
 # What gloo (the CPU collectives) prints to stdout each time a group of devices connects: one
-# line per device and collective group, nothing a user can act on.
-_NOISE = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. Expected number of connected peer ranks")
+# message per device and collective group, nothing a user can act on. Threads print them at once
+# and piece by piece, so a line may hold several, or a piece of one, or only the newline of one:
+# the launcher drops what it can tell is theirs (a lone count split from its message stays).
+_HEAD = r"\[Gloo\] Rank \d+"
+_NOISE = re.compile(rf"{_HEAD}|\s*is connected to \d+ peer ranks\. Expected number of connected peer ranks is : (\d+)?")
 
 
 def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+    owed = 0  # newlines still to come of gloo messages whose heads shared a line
     for line in iter(stream.readline, ""):
-        if _NOISE.match(line):
+        heads = len(re.findall(_HEAD, line))
+        text = _NOISE.sub("", line)
+        if text != line:
+            owed += max(heads - 1, 0)  # this line's own newline ends one of them
+            if not text.strip():
+                continue
+        elif line == "\n" and owed:
+            owed -= 1
             continue
         with lock:
-            out.write(prefix + line)
+            out.write(prefix + text)
             out.flush()
     stream.close()
 

@@ -38,11 +38,12 @@ def test_launch_sets_each_process_environment_and_prefixes_its_lines():
     code = _python(
         "import os, sys; e = os.environ; print(e['MESHAX_PROCESS_ID'], e['MESHAX_NUM_PROCESSES'], "
         "e['JAX_NUM_CPU_DEVICES'], e['JAX_COORDINATOR_ADDRESS']); print('to stderr', file=sys.stderr); "
-        "print('[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1')"
+        "g = '[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1'; "
+        "print(g); print(g + g); print(); print('kept:' + g); print(g[:13]); print(g[13:])"
     )
     assert launch(code, 3, devices_per_process=4, port=23456, stdout=out, stderr=err) == 0
     lines = sorted(out.getvalue().splitlines())
-    assert lines == [f"[{i}] {i} 3 4 localhost:23456" for i in range(3)]
+    assert lines == sorted([f"[{i}] {i} 3 4 localhost:23456" for i in range(3)] + [f"[{i}] kept:" for i in range(3)])
     assert sorted(line for line in err.getvalue().splitlines() if "to stderr" in line) == [
         f"[{i}] to stderr" for i in range(3)
     ]
@@ -296,7 +297,8 @@ def test_kill_one_process_then_resume(tmp_path):
     resumed = _launch([*CLI, "train", *TRAIN, "--resume", str(ckpt), "--steps", str(steps), "--metrics", str(log)])
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     printed = resumed.stdout.splitlines()  # process 0 speaks for both
-    assert printed and all(line.startswith("[0] ") for line in printed)
+    assert any(line.startswith("[0] eval after step") for line in printed)
+    assert [line for line in printed if line.startswith("[1] ") and line.strip() != "[1]"] == []
     resumed_at = int(re.search(r"\[0\] resuming from step (\d+) of", resumed.stdout)[1])
     assert resumed_at % 5 == 0 and 5 <= resumed_at <= done  # the last complete checkpoint
     whole = subprocess.run([*CLI, "train", *TRAIN, "--steps", str(steps), "--metrics", str(full)], env=env, timeout=600)
