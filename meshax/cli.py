@@ -377,7 +377,13 @@ def _start_devices(args, mesh_size: int) -> None:
     import jax
 
     from meshax.core.errors import ConfigError
-    from meshax.runtime import distributed_requested, initialize_distributed, use_cpu_devices
+    from meshax.runtime import (
+        ENV_NUM_PROCESSES,
+        distributed_requested,
+        env_int,
+        initialize_distributed,
+        use_cpu_devices,
+    )
 
     if not (args.distributed or distributed_requested(args.coordinator, args.num_processes, args.process_id)):
         use_cpu_devices(mesh_size)
@@ -389,10 +395,10 @@ def _start_devices(args, mesh_size: int) -> None:
             f"{' and '.join(missing)} missing: give --coordinator, --num-processes and --process-id together "
             "(or none of them, with --distributed, to take the job from the cluster's environment)"
         )
-    n = args.num_processes or int(os.environ.get("MESHAX_NUM_PROCESSES", "0") or 0)
+    n = args.num_processes or env_int(ENV_NUM_PROCESSES)
     if n and mesh_size % n:
         raise ConfigError(f"--mesh {args.mesh!r} has {mesh_size} devices, which {n} processes cannot share evenly")
-    per_process = int(os.environ.get("JAX_NUM_CPU_DEVICES") or (mesh_size // n if n else 1))
+    per_process = env_int("JAX_NUM_CPU_DEVICES") or (mesh_size // n if n else 1)
     initialize_distributed(args.coordinator, args.num_processes, args.process_id, per_process)
     if jax.device_count() != mesh_size:
         raise ConfigError(

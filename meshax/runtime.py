@@ -42,7 +42,8 @@ def use_cpu_devices(n: int) -> None:
         )
 
 
-def _env_int(name: str) -> int | None:
+def env_int(name: str) -> int | None:
+    """An environment variable's whole number (None if unset); a ValueError naming it if not one."""
     text = os.environ.get(name)
     if text in (None, ""):
         return None
@@ -78,8 +79,8 @@ def initialize_distributed(
 
     if jax.distributed.is_initialized():
         raise RuntimeError("this process already joined a multi-process job (jax.distributed is initialized)")
-    num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
-    process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
+    num_processes = num_processes if num_processes is not None else env_int(ENV_NUM_PROCESSES)
+    process_id = process_id if process_id is not None else env_int(ENV_PROCESS_ID)
     if num_processes is not None and num_processes < 1:
         raise ValueError(f"the number of processes must be at least 1, got {num_processes}")
     if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
