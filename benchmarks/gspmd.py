@@ -23,7 +23,7 @@ import numpy as np
 
 from benchmarks import hlo
 from benchmarks import transformer as lm
-from benchmarks.records import record, side
+from benchmarks.records import record, side, step_ratio
 from benchmarks.timing import interleaved
 from benchmarks.two_layer import JaxModel, MeshaxModel, Size, feeds
 
@@ -50,18 +50,12 @@ def _compare(
 ) -> list[dict]:
     t = interleaved(step_mx, step_xla, steps, warmup)
     out = [
-        record(
+        step_ratio(
             7,
             "step time meshax / XLA, same annotations",
             cfg,
-            t["ratio"],
-            "ratio",
-            target="<= 1.0",
-            met=t["ratio"] <= 1.0,
-            numerator=side("meshax step (median)", t["a_s"], "s"),
-            denominator=side("jax.jit + with_sharding_constraint step (median)", t["b_s"], "s"),
-            steps=t["steps"],
-            warmup=t["warmup"],
+            t,
+            "jax.jit + with_sharding_constraint",
             first_outputs=first,
         )
     ]

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks import transformer as lm
-from benchmarks.records import record, side
+from benchmarks.records import step_ratio
 from benchmarks.timing import interleaved
 from benchmarks.two_layer import JaxModel, MeshaxModel, Size, feeds, params_agree
 
@@ -50,20 +50,15 @@ def run_transformer(preset: str, steps: int, warmup: int) -> dict:
         "size": f"{preset}: b={lm.BATCH},l={lm.LENGTH},vocab={c.vocab_size},d_model={c.d_model},"
         f"d_ff={c.d_ff},heads={c.num_heads},layers={c.num_layers}",
     }
-    return record(
+    return step_ratio(
         3,
         "one-device step time meshax / jax.jit",
         cfg,
-        t["ratio"],
-        "ratio",
-        target="<= 1.05",
-        met=t["ratio"] <= 1.05,
-        numerator=side("meshax step (median)", t["a_s"], "s"),
-        denominator=side("jax.jit step (median)", t["b_s"], "s"),
+        t,
+        "jax.jit",
+        target=1.05,
+        baseline_key="jax",
         overhead_s=t["a_s"] - t["b_s"],
-        steps=t["steps"],
-        warmup=t["warmup"],
-        iqr_s={"meshax": t["a_iqr_s"], "jax": t["b_iqr_s"]},
         first_loss={"meshax": o_mx[0], "jax": o_jax[0], "agree": first["agree"]},
         first_outputs=first,
         # Adam: ~0 gradients amplify rounding to full steps, so agreement is looser than SGD's
@@ -85,20 +80,15 @@ def run(quick: bool) -> list[dict]:
         t = interleaved(lambda m=m, f=f: m.step(f), lambda j=j, f=f: j.step(f), p["steps"][s], p["warmup"])
         cfg = {"mesh": "all:1", "layout": "", "size": str(s), "program": "train step"}
         out.append(
-            record(
+            step_ratio(
                 3,
                 "one-device step time meshax / jax.jit",
                 cfg,
-                t["ratio"],
-                "ratio",
-                target="<= 1.05",
-                met=t["ratio"] <= 1.05,
-                numerator=side("meshax step (median)", t["a_s"], "s"),
-                denominator=side("jax.jit step (median)", t["b_s"], "s"),
+                t,
+                "jax.jit",
+                target=1.05,
+                baseline_key="jax",
                 overhead_s=t["a_s"] - t["b_s"],
-                steps=t["steps"],
-                warmup=t["warmup"],
-                iqr_s={"meshax": t["a_iqr_s"], "jax": t["b_iqr_s"]},
                 first_loss={"meshax": l_mx, "jax": l_jax, "agree": bool(np.isclose(l_mx, l_jax, rtol=1e-3, atol=1e-3))},
                 params_agree_after=params_agree(m.params(), j.params()),
             )
