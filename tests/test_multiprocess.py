@@ -54,15 +54,19 @@ def test_launch_sets_each_process_environment_and_prefixes_its_lines():
     ("failure", "code", "said"),
     [("sys.exit(3)", 3, "exited with code 3"), ("os.kill(os.getpid(), 9)", 128 + 9, "was killed by SIGKILL")],
 )
-def test_launch_stops_everyone_when_one_process_fails(failure, code, said):
-    """Process 1 fails at once; process 0 would sleep a minute (as one stuck in a collective with
-    a dead peer would, ignoring SIGTERM): the launcher names process 1, kills process 0 after
-    the grace period, and returns the failure's code."""
+def test_launch_stops_everyone_when_one_process_fails(failure, code, said, tmp_path, monkeypatch):
+    """Process 1 fails once process 0 is up; process 0 would sleep a minute (as one stuck in a
+    collective with a dead peer would, ignoring SIGTERM): the launcher names process 1, kills
+    process 0 after the grace period, and returns the failure's code."""
     out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setenv("READY", str(tmp_path / "ready"))
     script = (
-        "import os, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-        f"if os.environ['MESHAX_PROCESS_ID'] == '1': {failure}\n"
-        "print(os.getpid(), flush=True); time.sleep(60)"
+        "import os, pathlib, signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "ready = pathlib.Path(os.environ['READY'])\n"
+        "if os.environ['MESHAX_PROCESS_ID'] == '1':\n"
+        "    while not ready.exists(): time.sleep(0.01)\n"
+        f"    {failure}\n"
+        "print(os.getpid(), flush=True); ready.touch(); time.sleep(60)"
     )
     start = time.monotonic()
     assert launch(_python(script), 2, grace=1.0, stdout=out, stderr=err) == code
