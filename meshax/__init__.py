@@ -32,6 +32,7 @@ from meshax.layout import OPEN, LayoutRules, ShardingRule, TensorLayout, convert
 from meshax.lower import Counters, LaidOutTensor, LoweredFunction, Lowering, MeshImpl, hlo_collectives
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
 from meshax.ops import __all__ as _ops
+from meshax.pipeline import pipeline
 from meshax.runtime import initialize_distributed, is_main_process, use_cpu_devices
 
 __version__ = "0.1.0"
@@ -67,6 +68,7 @@ __all__ = [
     "is_main_process",
     "layers",
     "optimize",
+    "pipeline",
     "use_cpu_devices",
     *_ops,
 ]

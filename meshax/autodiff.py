@@ -54,8 +54,6 @@ def gradients(ys, xs, grad_ys=None):
     ys: a Tensor or a list; xs: a list of Tensors (variables' values, placeholders, any tensor)
     or variables (`graph.trainable_variables`: each stands for its value);
     grad_ys: upstream gradients for ys (default: ones, so a scalar loss gives its gradient)."""
-    from meshax.ops.inputs import ones_like
-
     ys = [ys] if isinstance(ys, Tensor) else list(ys)
     single = isinstance(xs, Tensor | Operation)
     xs = [_as_x(x) for x in ([xs] if single else list(xs))]
@@ -67,7 +65,22 @@ def gradients(ys, xs, grad_ys=None):
     if len(grad_ys) != len(ys):
         raise GraphError(f"gradients got {len(ys)} ys but {len(grad_ys)} grad_ys")
     graph = ys[0].graph
-    ops = list(graph.operations)  # the gradient ops appended below are not walked
+    ops = [op for op in graph.operations if not op.in_loop]  # (the gradient ops appended below are not walked)
+    return _backward(graph, ops, ys, xs, grad_ys, single)
+
+
+def body_gradients(ys: list[Tensor], xs: list[Tensor], grad_ys: list[Tensor], ops: list[Operation]) -> list:
+    """d(ys)/d(each x) through `ops` alone (a loop's body: `meshax.ops.loops`), with upstream
+    gradients `grad_ys`; None where no path connects them."""
+    pairs = [(y, g) for y, g in zip(ys, grad_ys) if is_floating(y.dtype)]
+    if not pairs:
+        return [None] * len(xs)
+    return _backward(pairs[0][0].graph, ops, [y for y, _ in pairs], xs, [g for _, g in pairs], False)
+
+
+def _backward(graph, ops: list[Operation], ys: list[Tensor], xs: list[Tensor], grad_ys: list, single: bool):
+    from meshax.ops.inputs import ones_like
+
     relevant = _between(ops, xs, ys)
     pieces: dict[Tensor, list[Tensor]] = {}
     for y, gy in zip(ys, grad_ys):
@@ -94,7 +107,8 @@ def gradients(ys, xs, grad_ys=None):
         first_new = len(graph.operations)
         grad_inputs = op.gradient(grad_outputs)
         for new in graph.operations[first_new:]:  # the cost report names the forward op
-            new.grad_of, new.source = op, op.source
+            if new.grad_of is None:  # (a loop's gradient names its body's ops itself)
+                new.grad_of, new.source = op, op.source
         if len(grad_inputs) != len(op.inputs):
             raise GraphError(
                 f"{type(op).__name__}.gradient returned {len(grad_inputs)} grads for {len(op.inputs)} inputs"

@@ -65,6 +65,23 @@ class Glorot:
         return Normal(math.sqrt(2.0 / (fan_in + fan_out)), truncated=True)(key, shape, dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Stacked:
+    """`init` for each of the first `count` rows (the leading dims of a stacked variable, like a
+    pipeline's stage dim), each from its own key: every layer gets the initialization, and
+    the fans, that it would have on its own."""
+
+    init: object
+    count: int
+
+    def __call__(self, key, shape, dtype):
+        lead = []
+        while math.prod(lead) < self.count:
+            lead.append(shape[len(lead)])
+        one = lambda k: self.init(k, tuple(shape[len(lead) :]), dtype)  # noqa: E731
+        return jax.vmap(one)(jax.random.split(key, self.count)).reshape(shape)
+
+
 def zeros():
     """Initialize to zeros."""
     return Constant(0.0)

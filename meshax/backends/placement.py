@@ -113,6 +113,17 @@ class PlacementMeshImpl(MeshImpl):
                 out[p] = self._put(xs[group[src]], p) if 0 <= src < n else self._put(jnp.zeros_like(xs[p]), p)
         return out
 
+    def scan(self, step, carry, xs, length, reverse):
+        outs, start = [], self._call
+        for i in reversed(range(length)) if reverse else range(length):  # unrolled, in Python
+            self._call = start  # every iteration makes the same calls: reuse the first one's jitted functions
+            carry, y = step(carry, [[x[p][i] for p in range(self.size)] for x in xs])
+            outs.append(y)
+        if reverse:
+            outs.reverse()
+        ys = [[self._put(jnp.stack([y[k][p] for y in outs]), p) for p in range(self.size)] for k in range(len(outs[0]))]
+        return carry, ys
+
     # ---- values: a list of per-device arrays, in pnum order ------------------------------------
     def from_padded(self, array, spec):
         by_device = {s.device: s.data for s in array.addressable_shards}

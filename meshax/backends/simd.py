@@ -61,6 +61,14 @@ class SimdMeshImpl(MeshImpl):
             return [jnp.zeros_like(xs[0])]
         return [jax.lax.ppermute(xs[0], self.axis_names[axis], perm)]
 
+    def scan(self, step, carry, xs, length, reverse):
+        def one(c, x):  # lax.scan traces this once: the program does not grow with `length`
+            c, y = step([[a] for a in c], [[a] for a in x])
+            return [s[0] for s in c], [s[0] for s in y]
+
+        c, ys = jax.lax.scan(one, [s[0] for s in carry], [s[0] for s in xs], length=length, reverse=reverse)
+        return [[a] for a in c], [[a] for a in ys]
+
     # ---- values ----------------------------------------------------------------------------
     # A value is the padded global array (the logical one, where the layout's splits divide).
     def from_padded(self, array, spec):

@@ -171,7 +171,7 @@ class Lowering:
         """The collectives and FLOPs of the whole graph (every tensor computed once)."""
         if self._counters is None:
             self._counters = self.trace_step(
-                [t for op in self.graph.operations for t in op.outputs],
+                [t for op in self.graph.operations if not op.in_loop for t in op.outputs],
                 [op for op in self.graph.operations if hasattr(op, "variable")],
             )
         return self._counters

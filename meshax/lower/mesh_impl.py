@@ -262,6 +262,12 @@ class MeshImpl:
         """Instance at coordinate c receives the slice of c - offset (zeros where none, unless wrap)."""
         raise NotImplementedError
 
+    def scan(self, step: Callable, carry: list[list], xs: list[list], length: int, reverse: bool):
+        """`carry, ys = step(carry, x)` for each of `length` leading slices x of `xs` (in reverse
+        order if asked); returns the final carry and the ys stacked on a new leading axis.
+        Carries and xs are lists of slice lists."""
+        raise NotImplementedError
+
     # ---- values: a "value" is the backend's form of a whole tensor ---------------------------
     def initialize(self, init: Callable, key, spec: tuple):
         """A variable's first value: `init(key, shape, dtype)` under jit with the layout's sharding

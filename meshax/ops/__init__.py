@@ -56,6 +56,7 @@ from meshax.ops.elementwise import (
 from meshax.ops.indexing import gather, one_hot, top_k
 from meshax.ops.inputs import constant, import_tensor, ones, ones_like, placeholder, range, zeros, zeros_like
 from meshax.ops.layout_ops import mesh_split, shard
+from meshax.ops.loops import scan
 from meshax.ops.random import dropout, random_normal, random_uniform
 from meshax.ops.reduce import (
     argmax,
@@ -146,6 +147,7 @@ __all__ = [
     "replace_dimensions",
     "reshape",
     "rsqrt",
+    "scan",
     "shard",
     "shift",
     "sigmoid",

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
 import numpy as np
 
 from meshax.core.errors import GraphError
@@ -80,9 +84,31 @@ def _variable_of(var) -> VariableOperation:
     raise GraphError(f"expected a variable (from mx.get_variable), got {var!r}")
 
 
+_STACKING: list[tuple[list, Callable[[Tensor], Tensor]]] = []
+
+
+@contextlib.contextmanager
+def stacked_variables(dims: list, select: Callable[[Tensor], Tensor]) -> Iterator[None]:
+    """Inside, `get_variable` makes each variable with `dims` in front (each index initialized
+    on its own, as a layer of its own) and returns `select(variable)`: how a pipeline gives each
+    stage its own weights from layer code written for one (`meshax.pipeline`)."""
+    _STACKING.append((list(dims), select))
+    try:
+        yield
+    finally:
+        _STACKING.pop()
+
+
 def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype="float32", trainable=True) -> Tensor:
     """A variable's value, as a Tensor. `initializer(key, shape, dtype)` as in jax.nn.initializers
     (see meshax.initializers); zeros by default."""
+    if _STACKING:
+        from meshax import initializers
+
+        dims, select = _STACKING[-1]
+        init = initializers.Stacked(initializer or initializers.zeros(), math.prod(d.size for d in dims))
+        shape = convert_to_shape(shape)
+        return select(VariableOperation(mesh, name, [*dims, *shape], dtype, init, trainable).value)
     return VariableOperation(mesh, name, shape, dtype, initializer, trainable).value
 
 

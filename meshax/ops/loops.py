@@ -1,0 +1,278 @@
+"""Loops in the IR: `scan` over a dim, lowered to one `lax.scan` inside the SPMD program.
+
+A loop's body is a sub-graph: the ops `fn` builds while `scan` records, marked `in_loop`, so the
+program's own lowering skips them and the `ScanOperation` lowers them once per iteration (once
+in all, for the SIMD backend: `lax.scan` traces its body once, so the program's size and compile
+time do not grow with the number of iterations). The body reads its carries and per-iteration
+slices through `LoopVariableOperation`s bound at each step, and any tensor built outside it
+(weights, say) directly. Collectives in the body are recorded once and counted `length` times.
+
+The gradient is another scan, run backwards: each iteration recomputes its forward body from
+the carry it started with (kept by the forward loop, one per iteration) and then runs the
+body's own gradient ops, so activation memory is one iteration's, not the whole loop's
+(Mesh-TensorFlow's `recompute_grad` on every iteration). Gradients of the tensors the body reads
+from outside are summed in the backward loop's carry.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.errors import GraphError
+from meshax.core.graph import Graph, Mesh, Operation, Tensor, is_floating
+from meshax.core.shape import Dimension, Shape
+from meshax.layout.rules import TensorLayout
+
+
+class LoopVariableOperation(Operation):
+    """A loop body's input (a carry, or one iteration's slice of a scanned tensor): bound by the
+    loop at every iteration; it has no value outside the loop."""
+
+    in_loop = True
+
+    def __init__(self, mesh: Mesh, shape: Shape, dtype, name: str):
+        super().__init__([], mesh=mesh, name=name)
+        self._add_output(shape, dtype)
+
+    def lower(self, ctx):
+        raise GraphError(f"{self.name} is a loop variable: it has a value only inside its loop's body")
+
+    def gradient(self, grad_outputs):
+        return []
+
+
+@contextlib.contextmanager
+def _recording(graph: Graph) -> Iterator[list[Operation]]:
+    """Collects the ops built inside (variables aside: they stay the program's inputs) and
+    marks them `in_loop`. Memoized computations built inside are forgotten after, so that no op
+    outside the loop reuses a tensor of its body."""
+    first, memo = len(graph.operations), dict(graph.memo)
+    ops: list[Operation] = []
+    try:
+        yield ops
+    finally:
+        graph.memo = memo
+        for op in graph.operations[first:]:
+            if not getattr(op, "is_variable", False) and not isinstance(op, LoopVariableOperation):
+                op.in_loop = True
+                ops.append(op)
+
+
+def _needed(body: list[Operation], results: list[Tensor]) -> list[Operation]:
+    """The ops of `body` that the results depend on, in order: a backward loop recomputes only
+    the part of its forward body that its gradients read."""
+    ops, need = set(body), {t.operation for t in results}
+    for op in reversed(body):
+        if op in need:
+            need.update(t.operation for t in op.inputs if t.operation in ops)
+    return [op for op in body if op in need]
+
+
+def _as_list(xs, what: str) -> list[Tensor]:
+    items = [xs] if isinstance(xs, Tensor) else list(xs or [])
+    for t in items:
+        if not isinstance(t, Tensor):
+            raise GraphError(f"scan: {what} must be meshax Tensors, got {t!r}")
+    return items
+
+
+class ScanOperation(Operation):
+    """`length` iterations of a recorded body. Inputs: the carries' initial values, the scanned
+    tensors, then the outside tensors the body reads. Outputs: the final carries, the per-iteration
+    results stacked on a leading `dim`, and each carry's value at the start of every iteration
+    (`dim` first; what the gradient recomputes from)."""
+
+    def __init__(
+        self,
+        dim: Dimension,
+        init: list[Tensor],
+        xs: list[Tensor],
+        carry_vars: list[Tensor],
+        x_vars: list[Tensor],
+        carry_results: list[Tensor],
+        y_results: list[Tensor],
+        body: list[Operation],
+        reverse: bool = False,
+        rng_key: int | None = None,
+        name: str | None = None,
+    ):
+        body = _needed(body, [*carry_results, *y_results])
+        inside = {t for op in body for t in op.outputs} | set(carry_vars) | set(x_vars)
+        captured: dict[Tensor, None] = {}
+        for op in body:
+            captured.update((t, None) for t in op.inputs if t not in inside)
+        captured.update((t, None) for t in [*carry_results, *y_results] if t not in inside)
+        mesh = carry_vars[0].mesh if carry_vars else x_vars[0].mesh
+        super().__init__([*init, *xs, *captured], mesh=mesh, name=name or "scan")
+        self.dim, self.reverse = dim, reverse
+        self.init, self.xs, self.captured = init, xs, list(captured)
+        self.carry_vars, self.x_vars = carry_vars, x_vars
+        self.carry_results, self.y_results = carry_results, y_results
+        self.body = body
+        self.rng_key = len(self.graph.operations) if rng_key is None else rng_key
+        self.whole_dims = (dim.name,)  # (the scanned dim is never split: see rule_of)
+        out = self._add_output
+        self.final = [out(v.shape, v.dtype, f"{self.name}/final_{i}") for i, v in enumerate(carry_vars)]
+        self.ys = [out(Shape([dim, *y.shape]), y.dtype, f"{self.name}/y_{i}") for i, y in enumerate(y_results)]
+        self.history = [out(Shape([dim, *v.shape]), v.dtype, f"{self.name}/hist_{i}") for i, v in enumerate(carry_vars)]
+
+    def lower(self, ctx):
+        from meshax.lower.context import LoweringContext
+        from meshax.lower.counters import Counters
+
+        n, plan = self.dim.size, ctx.plan
+        carry0 = [ctx.get(t, plan[v]).slices for t, v in zip(self.init, self.carry_vars)]
+        xs = []
+        for t, v in zip(self.xs, self.x_vars):
+            at = t.shape.index(self.dim)
+            layout = TensorLayout([*plan[v].axes[:at], (), *plan[v].axes[at:]])
+            xs.append(ctx.slicewise(lambda a, at=at: jnp.moveaxis(a, at, 0), ctx.get(t, layout).slices))
+        steps = ctx.slicewise(lambda: jnp.arange(n, dtype=jnp.uint32))
+        key = np.uint32(self.rng_key * 2654435761 % 2**32)
+        recorded = Counters()
+        calls = [0]
+
+        def step(carry: list[list], x: list[list]):
+            counters = recorded if calls[0] == 0 else Counters()  # (the placement backend calls n times)
+            calls[0] += 1
+            i, *x = x
+            seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
+            child = LoweringContext(ctx.impl, plan, counters, seed)
+            child.values = dict(ctx.values)
+            for v, c in zip([*self.carry_vars, *self.x_vars], [*carry, *x]):
+                child.set_output(v, c, plan[v])
+            for op in self.body:
+                child.op = op
+                op.lower(child)
+            child.op = None
+            new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
+            return new, [child.get(r).slices for r in self.y_results] + [list(c) for c in carry]
+
+        carry, ys = ctx.impl.scan(step, carry0, [steps, *xs], n, self.reverse)
+        for site in recorded.sites():
+            for _ in range(n):
+                ctx.counters.add(site)
+        for op_name, flops in recorded.flops.items():
+            ctx.counters.add_flops(op_name, flops * n, recorded.op_types[op_name])
+        stacked = [plan[r] for r in self.y_results] + [plan[v] for v in self.carry_vars]
+        for t, v, slices in zip(self.final, self.carry_vars, carry):
+            ctx.set_output(t, slices, plan[v])
+        for t, layout, slices in zip([*self.ys, *self.history], stacked, ys):
+            ctx.set_output(t, slices, TensorLayout([(), *layout.axes]))
+
+    def gradient(self, grad_outputs):
+        from meshax.autodiff import body_gradients
+        from meshax.ops.einsum import einsum
+        from meshax.ops.inputs import zeros_like
+
+        k, m = len(self.final), len(self.ys)
+        g_final, g_ys, g_history = grad_outputs[:k], grad_outputs[k : k + m], grad_outputs[k + m :]
+        if any(g is not None for g in g_history):
+            raise GraphError(f"{self.name}: a loop's carry history is for its own gradient; it is not differentiable")
+        wrt = [*self.carry_vars, *self.x_vars, *self.captured]
+        floats = [t for t in wrt if is_floating(t.dtype)]
+        mesh = self.mesh
+
+        def var(t: Tensor, what: str) -> Tensor:
+            return LoopVariableOperation(mesh, t.shape, t.dtype, f"{self.name}/{what}").outputs[0]
+
+        g_carry = [var(v, "grad_carry") for v in self.carry_vars]
+        acc = [var(t, "grad_sum") for t in self.captured if is_floating(t.dtype)]
+        g_y = [var(y, "grad_y") for y in self.y_results]
+        with _recording(self.graph) as ops:
+            grads = dict(
+                zip(floats, body_gradients([*self.carry_results, *self.y_results], floats, [*g_carry, *g_y], self.body))
+            )
+
+            def grad(t: Tensor) -> Tensor:
+                return grads.get(t) or zeros_like(t)
+
+            new_carry = [grad(v) for v in self.carry_vars]
+            new_acc = [a + grad(t) if grads.get(t) is not None else a for a, t in zip(acc, self._float_captured)]
+            g_x = [grad(v) for v in self.x_vars]
+        backward = ScanOperation(
+            self.dim,
+            [g or zeros_like(t) for g, t in zip(g_final, self.final)] + [zeros_like(t) for t in self._float_captured],
+            [*self.history, *self.xs, *[g or zeros_like(y) for g, y in zip(g_ys, self.ys)]],
+            [*g_carry, *acc],
+            [*self.carry_vars, *self.x_vars, *g_y],
+            [*new_carry, *new_acc],
+            g_x,
+            [*self.body, *ops],
+            reverse=not self.reverse,
+            rng_key=self.rng_key,
+            name=f"{self.name}_grad",
+        )
+        g_init = backward.final[:k]
+        g_captured = dict(zip(self._float_captured, backward.final[k:]))
+        g_xs = [einsum(g, output_shape=t.shape) if g.shape != t.shape else g for g, t in zip(backward.ys, self.xs)]
+        return [
+            *[g if is_floating(t.dtype) else None for g, t in zip(g_init, self.init)],
+            *[g if is_floating(t.dtype) else None for g, t in zip(g_xs, self.xs)],
+            *[g_captured.get(t) for t in self.captured],
+        ]
+
+    @property
+    def _float_captured(self) -> list[Tensor]:
+        return [t for t in self.captured if is_floating(t.dtype)]
+
+
+def scan(
+    fn: Callable,
+    init: Sequence[Tensor] | Tensor = (),
+    xs: Sequence[Tensor] | Tensor = (),
+    dim: Dimension | str | None = None,
+    reverse: bool = False,
+    name: str | None = None,
+) -> tuple[list[Tensor], list[Tensor]]:
+    """A loop over `dim`: `carry, y = fn(carry, x)` once per index of `dim`, as one `lax.scan`.
+
+    `init`: the carries' first values. `xs`: tensors with `dim`; `fn` sees one index's slice of
+    each (without `dim`). `fn(carry: list, x: list) -> (new carry: list, ys: list)`, the new
+    carries of the carries' shapes and dtypes; tensors built outside can be read directly.
+    Returns (final carries, ys stacked on a leading `dim`). `dim` (a Dimension, or the name of
+    one of the xs' dims) sets the number of iterations; it is never split. Differentiable:
+    the backward loop recomputes each iteration's body. Mesh-TensorFlow's `while_loop` with a
+    fixed trip count is this; random ops in the body draw new values at every iteration."""
+    init, xs = _as_list(init, "init"), _as_list(xs, "xs")
+    if not init and not xs:
+        raise GraphError("scan needs at least one carry (init) or one scanned tensor (xs)")
+    graph = (init or xs)[0].graph
+    mesh = (init or xs)[0].mesh
+    if isinstance(dim, str):
+        found = [t.shape.get_dim_by_name(dim) for t in xs if dim in t.shape.dimension_names]
+        if not found:
+            raise GraphError(f"scan: no scanned tensor has a dim {dim!r}; pass a Dimension to give the iteration count")
+        dim = found[0]
+    if not isinstance(dim, Dimension):
+        raise GraphError("scan needs dim=: the Dimension to loop over (or the name of a dim of xs)")
+    for t in xs:
+        if dim not in t.shape:
+            raise GraphError(f"scan over {dim}: scanned tensor {t.name} {t.shape} lacks it")
+    what = name or "scan"
+    carry_vars = [LoopVariableOperation(mesh, t.shape, t.dtype, f"{what}/carry").outputs[0] for t in init]
+    x_vars = [
+        LoopVariableOperation(mesh, Shape([d for d in t.shape if d != dim]), t.dtype, f"{what}/x").outputs[0]
+        for t in xs
+    ]
+    with _recording(graph) as body:
+        out = fn(list(carry_vars), list(x_vars))
+        if not (isinstance(out, tuple | list) and len(out) == 2):
+            raise GraphError("scan: fn must return (new carries, ys), two lists")
+        new, ys = _as_list(out[0], "the new carries"), _as_list(out[1], "ys")
+    if len(new) != len(init):
+        raise GraphError(f"scan: fn returned {len(new)} carries for {len(init)} in init")
+    for t, v in zip(new, carry_vars):
+        if t.shape != v.shape or t.dtype != v.dtype:
+            raise GraphError(
+                f"scan: a carry must keep its shape and dtype; {v.shape} {v.dtype} came back as {t.shape} {t.dtype}"
+            )
+    for y in ys:
+        if dim in y.shape:
+            raise GraphError(f"scan: ys are stacked on {dim.name!r}, so {y.name} {y.shape} cannot have it")
+    op = ScanOperation(dim, init, xs, carry_vars, x_vars, new, ys, body, reverse, name=name)
+    return op.final, op.ys

@@ -1,0 +1,142 @@
+"""mx.pipeline: GPipe and circular schedules over a stage dim, checked against the same layers
+run one after another; the schedule's bubbles against the formulas; the shift's permutes
+against the compiled HLO."""
+
+import numpy as np
+import pytest
+
+import meshax as mx
+from meshax.lower.hlo import hlo_collectives
+from meshax.pipeline import Schedule
+
+B, D, E = mx.Dimension("batch", 8), mx.Dimension("d", 6), mx.Dimension("e", 6)
+
+
+def _layer(h, w, b, side):
+    rows = [d for d in h.shape if d.name != "d"]
+    y = mx.einsum(h, w, output_shape=[*rows, E]) + b
+    if side is not None:
+        y = y + mx.rename_dimension(side, "d", "e")
+    return mx.rename_dimension(mx.tanh(y), "e", "d")
+
+
+def _model(stages, microbatches, repeats=1, side=False):
+    """A pipelined stack of tanh layers and the same layers run one after another (layer
+    r*S + s is stage s's weights on pass r): (graph, mesh, [loss, grads], [loss, grads])."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    stage = mx.Dimension("stage", stages)
+    x = mx.placeholder(mesh, "x", [B, D])
+    memory = mx.placeholder(mesh, "memory", [B, D])
+
+    def stage_fn(h, *sides):
+        w = mx.get_variable(mesh, "w", [D, E], initializer=mx.initializers.normal(0.5))
+        b = mx.get_variable(mesh, "b", [E], initializer=mx.initializers.normal(0.5))
+        return _layer(h, w, b, sides[0] if sides else None)
+
+    schedule = "circular" if repeats > 1 else "gpipe"
+    out = mx.pipeline(stage_fn, [x, memory] if side else x, stage, microbatches, schedule, repeats)
+    loss = mx.reduce_sum(out * out)
+    w, b = (v.value for v in graph.trainable_variables)
+    h = x
+    for layer in range(stages * repeats):
+        r, s = divmod(layer, stages)
+
+        def pick(v, r=r, s=s):
+            if repeats > 1:
+                v = mx.reshape(mx.slice(v, r, 1, "repeat"), v.shape.dims[1:])
+            return mx.reshape(mx.slice(v, s, 1, "stage"), v.shape.dims[1:])
+
+        h = _layer(h, pick(w), pick(b), memory if side else None)
+    reference = mx.reduce_sum(h * h)
+    return graph, mesh, [loss, *mx.gradients(loss, [w, b, x])], [reference, *mx.gradients(reference, [w, b, x])]
+
+
+def _feeds():
+    rs = np.random.RandomState(0)
+    return {"x": rs.randn(8, 6).astype(np.float32), "memory": rs.randn(8, 6).astype(np.float32)}
+
+
+CASES = [
+    # (backend, mesh, layout, stages, microbatches, repeats, side input)
+    (mx.SimdMeshImpl, "rows:2;cols:4", "", 2, 4, 1, False),
+    (mx.SimdMeshImpl, "rows:2;cols:4", "stage:rows;batch:cols", 2, 2, 1, True),
+    (mx.SimdMeshImpl, "rows:2;cols:4", "stage:cols;e:rows", 4, 4, 2, False),
+    (mx.SimdMeshImpl, "rows:2;cols:4", "stage:rows", 2, 4, 3, True),
+    (mx.PlacementMeshImpl, "rows:2;cols:2", "stage:rows;batch:cols", 2, 2, 1, False),
+    pytest.param(mx.PlacementMeshImpl, "rows:2;cols:2", "stage:cols", 2, 2, 2, True, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("backend,mesh_shape,layout,stages,microbatches,repeats,side", CASES)
+def test_pipeline_equals_layers_in_sequence(backend, mesh_shape, layout, stages, microbatches, repeats, side):
+    graph, mesh, piped, reference = _model(stages, microbatches, repeats, side)
+    lowering = mx.Lowering(graph, {mesh: backend(mesh_shape, layout)})
+    got = lowering.function([*piped, *reference])(_feeds())
+    for a, b in zip(got[:4], got[4:]):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    assert all(np.abs(g).max() > 1e-3 for g in got[1:4])
+    w = graph.trainable_variables[0].value
+    assert w.shape.dimension_names == (["repeat"] if repeats > 1 else []) + ["stage", "d", "e"]
+    if "stage" in layout:
+        assert lowering.layout_of(w).startswith("stage:")
+
+
+SCHEDULES = [(2, 4, 1), (4, 4, 1), (4, 16, 1), (3, 5, 1), (4, 4, 2), (4, 8, 3)]
+
+
+@pytest.mark.parametrize("stages,microbatches,repeats", SCHEDULES)
+def test_bubbles_equal_the_formulas(stages, microbatches, repeats):
+    s = Schedule(stages, microbatches, repeats)
+    assert s.iterations == repeats * microbatches + stages - 1
+    assert s.bubble_fraction == pytest.approx((stages - 1) / (repeats * microbatches + stages - 1))
+    items = s.items
+    for stage in range(stages):  # every stage runs every item once, in order
+        assert list(items[:, stage][items[:, stage] >= 0]) == list(range(repeats * microbatches))
+    if repeats > 1:  # a microbatch re-enters stage 0 only after it left the last stage
+        left = {k: t for t, k in enumerate(items[:, -1]) if k >= 0}
+        entered = {k: t for t, k in enumerate(items[:, 0]) if k >= 0}
+        assert all(entered[k] > left[k - microbatches] for k in entered if k >= microbatches)
+
+
+def test_program_does_not_grow_with_microbatches():
+    sizes = []
+    for microbatches in (2, 8):
+        graph, mesh, piped, _ = _model(2, microbatches)
+        lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "stage:rows")})
+        sizes.append(len(lowering.trace_program(piped)[1].jaxpr.eqns))
+    assert sizes[0] == sizes[1]
+
+
+def test_permutes_per_iteration_equal_the_stage_activation_and_the_hlo():
+    stages, microbatches = 2, 4
+    graph, mesh, piped, _ = _model(stages, microbatches)
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "stage:rows;batch:cols")})
+    fn = lowering.function(piped)
+    permutes = fn.counters["permute"]
+    iterations = microbatches + stages - 1
+    # each device's slice of one stage's activation [batch 8 / 4 microbatches = 2, d 6], the
+    # batch split over cols (4, so padded to 1 row each): 6 values; the forward shift, and in
+    # the backward loop the recomputed shift and the gradient's shift back, once per iteration
+    assert permutes.count == 3 * iterations
+    assert {s.values for s in permutes.sites} == {1 * 6}
+    hlo = hlo_collectives(fn.compiled_text(_feeds()))["permute"]
+    assert hlo["count"] == 3  # XLA's text holds each loop body once
+    assert hlo["values"] == permutes.values // iterations
+
+
+def test_pipeline_errors():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+    stage = mx.Dimension("stage", 4)
+    with pytest.raises(mx.GraphError, match="3 microbatches do not divide"):
+        mx.pipeline(lambda h: h, x, stage, 3)
+    with pytest.raises(mx.GraphError, match="at least as many microbatches as stages"):
+        mx.pipeline(lambda h: h, x, stage, 2, "circular", repeats=2)
+    with pytest.raises(mx.GraphError, match="needs schedule='circular'"):
+        mx.pipeline(lambda h: h, x, stage, 2, repeats=2)
+    with pytest.raises(mx.GraphError, match="choose one of"):
+        mx.pipeline(lambda h: h, x, stage, 2, "1f1b")
+    with pytest.raises(mx.GraphError, match="must return a tensor of its input's shape"):
+        mx.pipeline(lambda h: mx.reduce_sum(h), x, stage, 2)
