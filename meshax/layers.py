@@ -1,4 +1,5 @@
-"""Neural-network layers on named dims: dense, layer_norm, embedding, cross-entropy, dropout."""
+"""Neural-network layers on named dims: dense, layer_norm, embedding, cross-entropy, dropout,
+and the mixture-of-experts layer (`meshax.moe`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from meshax import initializers
 from meshax.core.errors import GraphError
 from meshax.core.graph import Tensor
 from meshax.core.shape import Dimension, Shape
+from meshax.moe import MoeOutput, moe
 from meshax.ops import elementwise as ew
 from meshax.ops._util import as_dims, dim_of
 from meshax.ops.einsum import einsum
@@ -229,6 +231,7 @@ def conv3d_transpose(
 
 
 __all__ = [
+    "MoeOutput",
     "conv1d",
     "conv2d",
     "conv2d_transpose",
@@ -238,5 +241,6 @@ __all__ = [
     "dropout",
     "embedding",
     "layer_norm",
+    "moe",
     "softmax_cross_entropy_with_logits",
 ]
