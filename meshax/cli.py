@@ -93,6 +93,32 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help="lm/seq2seq: a preset (default tiny; small, paper-ff2048 .. paper-ff65536, gspmd-64b .. gspmd-1t)",
         )
+        s.add_argument(
+            "--pipeline-stages",
+            type=_COUNT,
+            default=None,
+            metavar="S",
+            help='lm/seq2seq: pipeline each layer stack in S stages over a dim "stage" (name it in --layout, '
+            'e.g. "stage:rows")',
+        )
+        s.add_argument(
+            "--microbatches", type=_COUNT, default=None, metavar="M", help="with --pipeline-stages: microbatches"
+        )
+        s.add_argument(
+            "--circular-repeats",
+            type=_COUNT,
+            default=None,
+            metavar="R",
+            help="with --pipeline-stages: the circular schedule, R passes through the stages",
+        )
+        s.add_argument(
+            "--moe-experts",
+            type=_COUNT,
+            default=None,
+            metavar="E",
+            help='lm/seq2seq: every other feed-forward block a mixture of E experts (dims "experts", '
+            '"expert_hidden"; e.g. --layout "batch:rows;experts:rows")',
+        )
         s.add_argument("--batch-size", type=_COUNT, default=None)
         s.add_argument("--length", type=_COUNT, default=None, help="lm/seq2seq: sequence length")
         s.add_argument("--hidden", type=_COUNT, default=None, help="mlp/mnist: hidden units")
@@ -162,6 +188,10 @@ _ONLY_FOR = {
     "problem": ("seq2seq",),
     "sharding": ("lm", "seq2seq"),
     "model": ("lm", "seq2seq"),
+    "pipeline_stages": ("lm", "seq2seq"),
+    "microbatches": ("lm", "seq2seq"),
+    "circular_repeats": ("lm", "seq2seq"),
+    "moe_experts": ("lm", "seq2seq"),
     "length": ("lm", "seq2seq"),
     "hidden": ("mlp", "mnist"),
     "data": ("mnist", "cnn"),
@@ -181,6 +211,9 @@ def _check(args) -> None:
             raise ConfigError(f"--{flag.replace('_', '-')} applies to {' and '.join(tasks)}, not to {args.task}")
     if args.text and args.source == "markov":
         raise ConfigError("--text gives the text for --source text, but --source is markov")
+    for flag in ("microbatches", "circular_repeats"):
+        if getattr(args, flag) is not None and args.pipeline_stages is None:
+            raise ConfigError(f"--{flag.replace('_', '-')} needs --pipeline-stages S")
     if args.data and not os.path.isdir(args.data):
         raise ConfigError(f"--data {args.data!r} is not a folder: give the folder with the four MNIST IDX files")
     if args.command != "train":
@@ -232,10 +265,21 @@ def _check_paths(args) -> None:
 
 def _task(args):
     from meshax.train import CnnTask, LmTask, MlpTask, MnistTask, Seq2SeqTask, UNetTask
+    from meshax.train.tasks import model_config
 
     batch = {"batch_size": args.batch_size} if args.batch_size is not None else {}
     length = {"length": args.length} if args.length is not None else {}
-    model = args.model or "tiny"
+    overrides = {
+        field: getattr(args, flag)
+        for field, flag in (
+            ("pipeline_stages", "pipeline_stages"),
+            ("microbatches", "microbatches"),
+            ("circular_repeats", "circular_repeats"),
+            ("moe_experts", "moe_experts"),
+        )
+        if getattr(args, flag) is not None
+    }
+    model = model_config(args.model or "tiny", **overrides) if overrides else (args.model or "tiny")
     if args.task == "mlp":
         return MlpTask(hidden=args.hidden or 128, seed=args.seed, **batch)
     if args.task == "mnist":

@@ -160,6 +160,7 @@ def moe(
     unsplit = [Dimension(f"{d.name}_unsplit", d.size) for d in outer]
     inputs = einsum(grouped, dispatch, output_shape=[experts_unsplit, *outer, capacity, model])
     inputs = reshape(inputs, [experts, *unsplit, capacity, model])  # the all-to-all
+    inputs.operation.info = {"moe": name, "experts": num_experts, "capacity": capacity.size, "group_size": size}
     wi = get_variable(x.mesh, f"{name}/wi", [experts, model, hidden], initializer=initializers.normal(std))
     wo = get_variable(
         x.mesh, f"{name}/wo", [experts, hidden, model], initializer=initializers.normal(1.0 / math.sqrt(hidden.size))
@@ -167,6 +168,7 @@ def moe(
     h = activation(einsum(inputs, wi, output_shape=[experts, *unsplit, capacity, hidden]))
     out = einsum(h, wo, output_shape=[experts, *unsplit, capacity, model])
     out = reshape(out, [experts_unsplit, *outer, capacity, model])  # and back
+    out.operation.info = {"moe": name}
     y = einsum(out, combine, output_shape=grouped.shape)
     y = replace_dimensions(y, [*chunks, group], last) if chunks else rename_dimension(y, "group", last.name)
     return MoeOutput(reshape(y, x.shape), loss, dropped)

@@ -175,6 +175,7 @@ def pipeline(
         return [out, queue + write * (done - queue)], []
 
     finals, ys = scan(body, carry, per_step, dim=steps, name=name)
+    finals[0].operation.info = {"pipeline": name, "schedule": plan}
     if R > 1:
         result = finals[1]
     else:

@@ -14,6 +14,7 @@ import numpy as np
 from meshax.core.graph import Operation
 from meshax.lower.counters import KINDS, Counters
 from meshax.lower.lowering import Lowering, _needed_ops
+from meshax.ops.loops import ScanOperation
 
 
 def _family(op_type: str) -> str:
@@ -31,6 +32,8 @@ class PlanSummary:
     families: dict[str, dict[str, float]]  # op family -> {"flops": ..., "<kind>": values ...}
     by_mesh_dim: dict[str, int]  # mesh dim name -> values allreduced over it (per device)
     counters: Counters
+    pipelines: list[dict] = dataclasses.field(default_factory=list)  # `_pipelines`
+    moe_layers: list[dict] = dataclasses.field(default_factory=list)  # `_moe_layers`
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -70,7 +73,69 @@ def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSu
         families={k: dict(v) for k, v in sorted(families.items())},
         by_mesh_dim=dict(by_mesh_dim),
         counters=counters,
+        pipelines=_pipelines(lowering, counters, slice_bytes),
+        moe_layers=_moe_layers(lowering, counters, slice_bytes),
     )
+
+
+def _pipelines(lowering: Lowering, counters: Counters, slice_bytes) -> list[dict]:
+    """Per pipeline (mx.pipeline): its schedule and bubble fraction, the stage weights and
+    buffers one device holds, and the values it permutes per iteration (forward and backward)."""
+    ops = lowering.graph.operations
+    out = []
+    for op in ops:
+        if not (isinstance(op, ScanOperation) and op.info and "schedule" in op.info):
+            continue
+        s = op.info["schedule"]
+        loops = [o for o in ops if o is op or o.name == f"{op.name}_grad"]
+        body = {b.name for loop in loops for b in getattr(loop, "body", ())}
+        stage = op.carry_vars[0].shape[0].name
+        weights = [t for t in op.captured if getattr(t.operation, "is_variable", False) and stage in t.shape]
+        buffers = sum(slice_bytes(v) for v in op.carry_vars)
+        out.append(
+            {
+                "name": op.info["pipeline"],
+                "stages": s.stages,
+                "microbatches": s.microbatches,
+                "repeats": s.repeats,
+                "iterations": s.iterations,
+                "bubble_fraction": s.bubble_fraction,
+                "stage_weight_bytes_per_device": sum(slice_bytes(t) for t in weights),
+                "buffer_bytes_per_device": buffers,
+                "saved_for_backward_bytes_per_device": s.iterations * buffers,
+                "permute_values_per_iteration": sum(
+                    site.values for site in counters["permute"].sites if site.op_name in body
+                )
+                // s.iterations,
+            }
+        )
+    return out
+
+
+def _moe_layers(lowering: Lowering, counters: Counters, slice_bytes) -> list[dict]:
+    """Per MoE layer (mx.layers.moe): experts, capacity, group size, the expert weights one
+    device holds, and the values it sends by all-to-all per step (both ways, backward too)."""
+    ops = lowering.graph.operations
+    variables = {v.name: v.value for v in lowering.graph.all_variables}
+    out = []
+    for op in ops:
+        if not (op.info and "experts" in op.info):
+            continue
+        name = op.info["moe"]
+        moved = {o.name for o in ops if o.info and o.info.get("moe") == name}
+        out.append(
+            {
+                "name": name,
+                "experts": op.info["experts"],
+                "capacity": op.info["capacity"],
+                "group_size": op.info["group_size"],
+                "expert_weight_bytes_per_device": sum(slice_bytes(variables[f"{name}/{w}"]) for w in ("wi", "wo")),
+                "alltoall_values_per_step": sum(
+                    site.values for site in counters["alltoall"].sites if site.op_name in moved or site.grad_of in moved
+                ),
+            }
+        )
+    return out
 
 
 def format_summary(s: PlanSummary) -> str:
@@ -90,4 +155,23 @@ def format_summary(s: PlanSummary) -> str:
         lines.append(
             f"{fam:<14}{_human(row.get('flops', 0)):>10}" + "".join(f"{_human(row.get(k, 0)):>16}" for k in KINDS)
         )
+    for p in s.pipelines:
+        lines += [
+            "",
+            f"pipeline {p['name']}: {p['stages']} stages, {p['microbatches']} microbatches"
+            + (f", circular x{p['repeats']}" if p["repeats"] > 1 else "")
+            + f", {p['iterations']} iterations, bubble {p['bubble_fraction']:.1%}",
+            f"  stage weights / device   {_human(p['stage_weight_bytes_per_device'])}B",
+            f"  buffers / device         {_human(p['buffer_bytes_per_device'])}B"
+            f" ({_human(p['saved_for_backward_bytes_per_device'])}B kept for the backward pass)",
+            f"  permuted / iteration     {_human(p['permute_values_per_iteration'])} values (forward and backward)",
+        ]
+    if s.moe_layers:
+        head = f"{'MoE layer':<36}{'experts':>8}{'capacity':>9}{'group':>7}{'experts B/dev':>15}{'all-to-all':>12}"
+        lines += ["", head]
+        for m in s.moe_layers:
+            lines.append(
+                f"{m['name']:<36}{m['experts']:>8}{m['capacity']:>9}{m['group_size']:>7}"
+                f"{_human(m['expert_weight_bytes_per_device']):>15}{_human(m['alltoall_values_per_step']):>12}"
+            )
     return "\n".join(lines) + "\n"

@@ -69,6 +69,13 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "seq2seq", "--source", "markov"], "--source applies to lm"),
     (["plan", "mnist", "--mesh", "all:8"], "no --layout given"),
     (["plot", "missing.jsonl"], "does not exist"),
+    (["plan", "lm", "--pipeline-stages", "3"], "3 pipeline stages x 1 circular repeats do not divide the 2 layers"),
+    (["plan", "lm", "--pipeline-stages", "2", "--microbatches", "3"], "3 microbatches do not divide"),
+    (["plan", "lm", "--microbatches", "4"], "--microbatches needs --pipeline-stages"),
+    (["plan", "lm", "--pipeline-stages", "2", "--circular-repeats", "2"], "do not divide the 2 layers"),
+    (["plan", "mlp", *MLP, "--moe-experts", "4"], "--moe-experts applies to lm and seq2seq"),
+    (["plan", "lm", "--moe-experts", "4", "--pipeline-stages", "2"], "MoE layers inside a pipeline"),
+    (["plan", "lm", "--moe-experts", "512"], "512 experts are more than a group of 64 tokens"),
 ]
 
 # Cases that need a file and a folder to exist first ("afile", "adir"): nothing else may appear.

@@ -167,6 +167,8 @@ class Operation:
 
     #: Whether gradients flow through this op (placeholders and integer ops say no).
     differentiable = True
+    #: What a library layer (mx.pipeline, mx.layers.moe) built this op for, for `meshax plan`.
+    info: dict | None = None
     #: Built inside a loop's body (`meshax.ops.loops`): lowered by its loop, not by the program.
     in_loop = False
     #: Dims of the outputs that layouts never split (internal size-1 pieces, see slicing._whole).

@@ -17,9 +17,12 @@ import math
 import numpy as np
 
 from meshax import initializers
+from meshax.core.errors import ConfigError
 from meshax.core.graph import Tensor
 from meshax.core.shape import Dimension
 from meshax.layers import dense, layer_norm
+from meshax.layout import OPEN
+from meshax.moe import MoeOutput, moe
 from meshax.ops import elementwise as ew
 from meshax.ops.einsum import einsum
 from meshax.ops.indexing import gather
@@ -30,6 +33,7 @@ from meshax.ops.random import dropout
 from meshax.ops.reduce import softmax
 from meshax.ops.shape_ops import rename_dimension
 from meshax.ops.variables import get_variable
+from meshax.pipeline import pipeline
 
 NEG_INF = -1e9
 
@@ -50,17 +54,61 @@ class TransformerConfig:
     max_length: int = 256  # for learned positions
     layer_norm_epsilon: float = 1e-6
     sharding: str = ""  # "" (the layout rules alone) or one of GSPMD_SHARDINGS: annotations, the rest propagated
+    # Pipelining (meshax.pipeline): each stack's layers as `pipeline_stages` stages over a dim
+    # "stage" (split it in the layout, e.g. "stage:rows"), the batch in `microbatches`, and with
+    # `circular_repeats` > 1 the circular schedule. 0 or 1 stages: no pipeline.
+    pipeline_stages: int = 0
+    microbatches: int = 1
+    circular_repeats: int = 1
+    # Mixture of experts (meshax.moe): every other layer's feed-forward block (layers 1, 3, ...)
+    # is an MoE layer of `moe_experts` experts of hidden size d_ff, top-2 gated, over groups of
+    # `moe_group_size` tokens (0: a whole sequence); its balancing loss, times
+    # `moe_loss_coef`, joins the training loss.
+    moe_experts: int = 0
+    moe_capacity_factor: float = 1.25
+    moe_group_size: int = 0
+    moe_loss_coef: float = 0.01
+
+    def __post_init__(self):
+        stacks = [("num_layers", self.num_layers)]
+        if self.num_encoder_layers:
+            stacks.append(("num_encoder_layers", self.num_encoder_layers))
+        if self.pipeline_stages > 1:
+            blocks = self.pipeline_stages * self.circular_repeats
+            for field, layers in stacks:
+                if layers % blocks:
+                    raise ConfigError(
+                        f"{self.pipeline_stages} pipeline stages x {self.circular_repeats} circular repeats do not "
+                        f"divide the {layers} layers ({field}): each stage runs the same number of layers"
+                    )
+            if self.moe_experts:
+                raise ConfigError("MoE layers inside a pipeline are not supported: use moe_experts or pipeline_stages")
+        if self.circular_repeats > 1 and self.pipeline_stages <= 1:
+            raise ConfigError("circular_repeats needs pipeline_stages > 1")
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether layer `layer` of a stack has an MoE feed-forward block (every other layer)."""
+        return bool(self.moe_experts) and layer % 2 == 1
 
     def parameter_count(self) -> int:
         """Parameters, computed from the config (tests check it against the built graph)."""
         d, f, hk = self.d_model, self.d_ff, self.num_heads * self.d_kv
         attention = 4 * d * hk
-        ffn = 2 * d * f + f + d  # kernels and biases
         norm = 2 * d
-        enc = self.num_encoder_layers * (attention + ffn + 2 * norm) + (norm if self.num_encoder_layers else 0)
+
+        def ffn(layers: int) -> int:  # dense: kernels and biases; MoE: the gate and the experts' kernels
+            moe = sum(self.is_moe(i) for i in range(layers))
+            return (layers - moe) * (2 * d * f + f + d) + moe * (d * self.moe_experts + self.moe_experts * 2 * d * f)
+
+        enc = (
+            self.num_encoder_layers * (attention + 2 * norm) + ffn(self.num_encoder_layers)
+            if self.num_encoder_layers
+            else 0
+        ) + (norm if self.num_encoder_layers else 0)
         dec = (
             self.num_layers
-            * (attention * (2 if self.num_encoder_layers else 1) + ffn + norm * (3 if self.num_encoder_layers else 2))
+            * (attention * (2 if self.num_encoder_layers else 1) + norm * (3 if self.num_encoder_layers else 2))
+            + ffn(self.num_layers)
             + norm
         )
         embeddings = self.vocab_size * d * (2 if self.num_encoder_layers else 1)
@@ -158,12 +206,15 @@ class Transformer:
                 "(the layout rules alone)"
             )
         self._sharding = GSPMD_SHARDINGS.get(c.sharding, {})
+        self.moe_outputs: list[MoeOutput] = []  # the MoE layers' losses and dropped fractions
 
     def annotate(self, x: Tensor, kind: str) -> Tensor:
         """x annotated as the configured GSPMD sharding says for `kind` (weights, BSM, BSND, BSH);
-        x itself without one."""
+        x itself without one. A pipeline's stage and repeat dims are left to the layout rules."""
         spec = self._sharding.get(kind)
-        return mesh_split(x, [spec.get(d.name) for d in x.shape]) if spec is not None else x
+        if spec is None:
+            return x
+        return mesh_split(x, [OPEN if d.name in ("stage", "repeat") else spec.get(d.name) for d in x.shape])
 
     # ---- pieces -------------------------------------------------------------------------------
     def _var(self, name, shape, init):
@@ -264,10 +315,28 @@ class Transformer:
         """[batch, memory_length]: -inf on keys that are padding."""
         return ew.where(ew.equal(self.as_memory(ids), pad_id), NEG_INF, 0.0)
 
-    def stack(self, x: Tensor, layers: int, prefix: str, self_bias, memory=None, memory_bias=None) -> Tensor:
-        """`layers` Transformer layers: self-attention (with `self_bias`), cross-attention to
-        `memory` if given, and feed-forward, each pre-normed and with a residual."""
-        for i in range(layers):
+    def moe(self, x: Tensor, name: str) -> Tensor:
+        """The MoE feed-forward block (meshax.moe); its loss and dropped fraction are kept in
+        `moe_outputs` for the task."""
+        c = self.config
+        out = moe(
+            x,
+            self.d_ff.size,
+            c.moe_experts,
+            group_size=c.moe_group_size or None,
+            capacity_factor=c.moe_capacity_factor,
+            model_dim="d_model",
+            activation=ew.relu if c.activation == "relu" else ew.gelu,
+            name=f"{self.name}/{name}",
+        )
+        self.moe_outputs.append(out)
+        return out.output
+
+    def layers(self, x: Tensor, count: int, prefix: str, self_bias, memory=None, memory_bias=None) -> Tensor:
+        """`count` Transformer layers: self-attention (with `self_bias`), cross-attention to
+        `memory` if given, and feed-forward (MoE on odd layers, if configured), each pre-normed
+        and with a residual."""
+        for i in range(count):
             x = self.annotate(x, "BSM")
             y = self.norm(x, f"{prefix}/{i}/self_attention_norm")
             x = x + self._drop(self.attention(y, self.as_memory(y), self_bias, f"{prefix}/{i}/self_attention"))
@@ -275,7 +344,38 @@ class Transformer:
                 y = self.norm(x, f"{prefix}/{i}/cross_attention_norm")
                 x = x + self._drop(self.attention(y, memory, memory_bias, f"{prefix}/{i}/cross_attention"))
             y = self.norm(x, f"{prefix}/{i}/ffn_norm")
-            x = x + self._drop(self.feed_forward(y, f"{prefix}/{i}/ffn"))
+            block = self.moe if self.config.is_moe(i) else self.feed_forward
+            x = x + self._drop(block(y, f"{prefix}/{i}/ffn"))
+        return x
+
+    def stack(self, x: Tensor, layers: int, prefix: str, self_bias, memory=None, memory_bias=None) -> Tensor:
+        """`layers` Transformer layers (`layers`) and the final norm; with pipeline stages in the
+        config, as a pipeline (meshax.pipeline) over a dim "stage": stage s runs layers s*k ..
+        s*k + k - 1 (k = layers / stages; circular: the blocks s, s + S, ...), each with its own
+        weights [stage, ...]; the inputs that have the batch dim go in by microbatch."""
+        c = self.config
+        if c.pipeline_stages <= 1:
+            return self.norm(self.layers(x, layers, prefix, self_bias, memory, memory_bias), f"{prefix}/final_norm")
+        batch = x.shape[0].name
+        extras = [self_bias, memory, memory_bias]
+        sides = [i for i, t in enumerate(extras) if t is not None and batch in t.shape]
+
+        def stage_fn(h: Tensor, *per_stage: Tensor) -> Tensor:
+            args = list(extras)
+            for i, t in zip(sides, per_stage):
+                args[i] = t
+            return self.layers(h, layers // (c.pipeline_stages * c.circular_repeats), prefix, *args)
+
+        schedule = "circular" if c.circular_repeats > 1 else "gpipe"
+        x = pipeline(
+            stage_fn,
+            [x, *[extras[i] for i in sides]],
+            Dimension("stage", c.pipeline_stages),
+            c.microbatches,
+            schedule,
+            c.circular_repeats,
+            name=f"{prefix}_pipeline",
+        )
         return self.norm(x, f"{prefix}/final_norm")
 
     def logits(self, x: Tensor, table_name: str) -> Tensor:

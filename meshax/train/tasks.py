@@ -55,6 +55,22 @@ def _classification(logits: Tensor, labels: Tensor, weights: Tensor, classes: Di
     return Built(loss=loss_sum / ew.maximum(count, 1.0), metrics=metrics)
 
 
+def _with_moe(built: Built, transformer: Transformer) -> Built:
+    """The MoE layers' balancing losses (times the config's coefficient) added to the loss, and
+    their mean loss and dropped fraction as metrics (per-token sums, like the others)."""
+    outs = transformer.moe_outputs
+    if outs:
+        aux = outs[0].loss
+        dropped = outs[0].dropped_fraction
+        for o in outs[1:]:
+            aux, dropped = aux + o.loss, dropped + o.dropped_fraction
+        built.loss = built.loss + transformer.config.moe_loss_coef * aux
+        count = built.metrics["count"]
+        built.metrics["moe_loss_sum"] = aux * (1.0 / len(outs)) * count
+        built.metrics["moe_dropped_sum"] = dropped * (1.0 / len(outs)) * count
+    return built
+
+
 class Task:
     name = "task"
     batch_size: int
@@ -93,6 +109,9 @@ class Task:
         out = {"loss": sums["loss_sum"] / count}
         if "correct" in sums:
             out["accuracy"] = sums["correct"] / count
+        if "moe_loss_sum" in sums:
+            out["moe_loss"] = sums["moe_loss_sum"] / count
+            out["moe_dropped_fraction"] = sums["moe_dropped_sum"] / count
         return out
 
 
@@ -237,7 +256,8 @@ class UNetTask(Task):
         return out
 
 
-def _config(model: str | TransformerConfig, **overrides) -> TransformerConfig:
+def model_config(model: str | TransformerConfig, **overrides) -> TransformerConfig:
+    """A Transformer config: a preset's name (or a config) with fields replaced."""
     if isinstance(model, TransformerConfig):
         return dataclasses.replace(model, **overrides) if overrides else model
     if model not in PRESETS:
@@ -264,7 +284,7 @@ class LmTask(Task):
     def __post_init__(self):
         super().__post_init__()
         if self.source == "text":
-            self.config = _config(self.model, num_encoder_layers=0, sharding=self.sharding)
+            self.config = model_config(self.model, num_encoder_layers=0, sharding=self.sharding)
             if self.config.vocab_size < 256:
                 raise ValueError(
                     f"byte-level text needs a vocab of at least 256, the model has {self.config.vocab_size}"
@@ -273,7 +293,7 @@ class LmTask(Task):
                 raise data.DataError(f"text path {self.text_path!r} does not exist; give a text file or a folder")
             self._bytes = None  # read on first use: planning needs no data
         elif self.source == "markov":
-            self.config = _config(
+            self.config = model_config(
                 self.model, num_encoder_layers=0, vocab_size=self.markov_vocab, sharding=self.sharding
             )
             self.markov = synthetic.MarkovSource(self.markov_vocab, self.markov_order, seed=self.seed)
@@ -288,7 +308,7 @@ class LmTask(Task):
         weights = placeholder(mesh, "weights", [batch, length])
         self.transformer = Transformer(self.config, mesh)
         logits = self.transformer.language_model(ids)
-        return _classification(logits, targets, weights, self.transformer.vocab)
+        return _with_moe(_classification(logits, targets, weights, self.transformer.vocab), self.transformer)
 
     def _feeds(self, rngs, val: bool):
         weights = np.ones((len(rngs), self.length), np.float32)
@@ -333,8 +353,8 @@ class Seq2SeqTask(Task):
         super().__post_init__()
         if self.problem not in ("reverse", "sort"):
             raise ConfigError(f"unknown problem {self.problem!r}: use 'reverse' or 'sort'")
-        config = _config(self.model)
-        self.config = _config(
+        config = model_config(self.model)
+        self.config = model_config(
             config, num_encoder_layers=config.num_encoder_layers or self.num_encoder_layers, sharding=self.sharding
         )
         if self.config.vocab_size < self.vocab:
@@ -349,7 +369,7 @@ class Seq2SeqTask(Task):
         weights = placeholder(mesh, "weights", [batch, length])
         self.transformer = Transformer(self.config, mesh)
         logits = self.transformer.encoder_decoder(inputs, targets_in, pad_id=None)
-        built = _classification(logits, targets, weights, self.transformer.vocab)
+        built = _with_moe(_classification(logits, targets, weights, self.transformer.vocab), self.transformer)
         right = ew.cast(ew.equal(argmax(logits, self.transformer.vocab), targets), "float32")
         built.metrics["exact"] = reduce_sum(reduce_min(right, reduced_dim=length))
         built.metrics["sequences"] = reduce_sum(reduce_min(weights, reduced_dim=length))
