@@ -91,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument(
             "--model",
             default=None,
-            help="lm/seq2seq: a preset (default tiny; small, paper-ff2048 .. paper-ff65536, gspmd-64b .. gspmd-1t)",
+            help="lm/seq2seq: a preset (default tiny; small, paper-ff2048 .. paper-ff65536, gspmd-64b .. gspmd-1t, "
+            "gspmd-16b-narrow)",
         )
         s.add_argument(
             "--pipeline-stages",

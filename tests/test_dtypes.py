@@ -96,6 +96,11 @@ BUILDERS = {
     "shard": lambda x, i, m: mx.shard(x, "d:cols"),
     "mesh_split": lambda x, i, m: mx.mesh_split(mx.identity(x), [mx.OPEN, "cols"]),
     "shift": lambda x, i, m: mx.shift(x, 1, B, wrap=False),
+    "scan": lambda x, i, m: tuple(
+        t
+        for ts in mx.scan(lambda c, s: ([s[0]], [c[0]]), [mx.cast(mx.zeros(m, [B]), x.dtype)], [x], dim="d")
+        for t in ts
+    ),
     "sigmoid": lambda x, i, m: mx.sigmoid(x),
     "sign": lambda x, i, m: mx.sign(x),
     "sin": lambda x, i, m: mx.sin(x),

@@ -58,7 +58,9 @@ CASES = [
     (mx.SimdMeshImpl, "rows:2;cols:4", "batch:rows;experts:rows", "top_1", 1.25),
     (mx.SimdMeshImpl, "rows:2;cols:4", "batch:cols;experts:cols;expert_hidden:rows", "top_2", 1.0),
     (mx.SimdMeshImpl, "rows:2;cols:4", "batch:rows;experts:rows;d_model:cols", "top_2", 2.0),
-    (mx.PlacementMeshImpl, "rows:2;cols:2", "batch:cols;experts:cols", "top_2", 1.25),
+    pytest.param(
+        mx.PlacementMeshImpl, "rows:2;cols:2", "batch:cols;experts:cols", "top_2", 1.25, marks=pytest.mark.slow
+    ),
 ]
 
 

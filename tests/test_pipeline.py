@@ -63,7 +63,9 @@ CASES = [
     (mx.SimdMeshImpl, "rows:2;cols:4", "stage:rows;batch:cols", 2, 2, 1, True),
     (mx.SimdMeshImpl, "rows:2;cols:4", "stage:cols;e:rows", 4, 4, 2, False),
     (mx.SimdMeshImpl, "rows:2;cols:4", "stage:rows", 2, 4, 3, True),
-    (mx.PlacementMeshImpl, "rows:2;cols:2", "stage:rows;batch:cols", 2, 2, 1, False),
+    pytest.param(
+        mx.PlacementMeshImpl, "rows:2;cols:2", "stage:rows;batch:cols", 2, 2, 1, False, marks=pytest.mark.slow
+    ),
     pytest.param(mx.PlacementMeshImpl, "rows:2;cols:2", "stage:cols", 2, 2, 2, True, marks=pytest.mark.slow),
 ]
 

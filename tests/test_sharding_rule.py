@@ -22,6 +22,8 @@ SOURCES_AND_SINKS = {
     "RandomOperation",
     "VariableOperation",
     "AssignOperation",
+    "LoopVariableOperation",  # a loop body's input, bound by its loop
+    "ScanOperation",  # a container: its body's ops run by their rules, its carries in their planned layouts
 }
 
 

@@ -21,6 +21,7 @@ decides its layout in its kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -66,7 +67,7 @@ class ShardingRule:
             return "windowed"
         return "passed" if any(factor in fs for fs in self.results) else "reduced"
 
-    @property
+    @functools.cached_property
     def adds_factors(self) -> bool:
         """Results have factors no operand has (broadcast): propagation prefers backward."""
         ins = {f for fs in self.operands for f in fs}

@@ -152,11 +152,11 @@ GSPMD_SHARDINGS: dict[str, dict[str, dict[str, str]]] = {
 }
 
 
-def _gspmd(layers: int, d_model: int, d_ff: int, heads: int = 128) -> TransformerConfig:
+def _gspmd(layers: int, d_model: int, d_ff: int, heads: int = 128, d_kv: int = 256) -> TransformerConfig:
     """Table 2 of the GSPMD paper: D 256, vocab 32000; each layer holds 4MND + 2MH weights (2^31
     for M 8192, H 65536, N 128; the 1T model's 2^33 needs N 256 beside its M and H)."""
     return TransformerConfig(
-        vocab_size=32000, d_model=d_model, d_ff=d_ff, num_heads=heads, d_kv=256, num_layers=layers, max_length=1024
+        vocab_size=32000, d_model=d_model, d_ff=d_ff, num_heads=heads, d_kv=d_kv, num_layers=layers, max_length=1024
     )
 
 
@@ -174,6 +174,9 @@ PRESETS: dict[str, TransformerConfig] = {
     "gspmd-256b": _gspmd(128, 8192, 65536),
     "gspmd-512b": _gspmd(256, 8192, 65536),
     "gspmd-1t": _gspmd(128, 16384, 131072, heads=256),
+    # Section 5.1's "8x narrower" model (Table 3), pipelined in Table 4: M 4096, H 16384, N 64, D 128,
+    # 64 layers of 4MND + 2MH = 2^28 weights each, "16 billion" (2^34) in all
+    "gspmd-16b-narrow": _gspmd(64, 4096, 16384, heads=64, d_kv=128),
 }
 # Parameters (billions) of Table 3, next to each paper preset.
 PAPER_PARAMETERS = {
