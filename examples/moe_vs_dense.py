@@ -21,13 +21,13 @@ import jax
 jax.config.update("jax_num_cpu_devices", 8)
 
 from meshax.models.transformer import PRESETS  # noqa: E402
-from meshax.optimize import AdamWeightDecayOptimizer  # noqa: E402
+from meshax.optimize import AdamWeightDecayOptimizer, linear_decay  # noqa: E402
 from meshax.train import LmTask, train  # noqa: E402
 from meshax.train.loop import build  # noqa: E402
 
 
 def _task(config):
-    return LmTask(model=config, source="markov", markov_vocab=32, markov_order=3, batch_size=32, length=64)
+    return LmTask(model=config, source="markov", batch_size=32, length=64)
 
 
 def _flops(config, mesh, layout) -> int:
@@ -57,7 +57,7 @@ def main() -> None:
             mesh,
             layout,
             steps=args.steps,
-            optimizer=AdamWeightDecayOptimizer(3e-3),
+            optimizer=AdamWeightDecayOptimizer(linear_decay(3e-3, 100, args.steps)),
             eval_every=max(1, args.steps // 6),
         )
         curve = [(step, m["loss"]) for step, m in out.evals]
