@@ -87,7 +87,7 @@ def _pipelines(lowering: Lowering, counters: Counters, slice_bytes) -> list[dict
         if not (isinstance(op, ScanOperation) and op.info and "schedule" in op.info):
             continue
         s = op.info["schedule"]
-        loops = [o for o in ops if o is op or o.name == f"{op.name}_grad"]
+        loops = [o for o in ops if o is op or o.grad_of is op]  # the loop and its backward loop
         body = {b.name for loop in loops for b in getattr(loop, "body", ())}
         stage = op.carry_vars[0].shape[0].name
         weights = [t for t in op.captured if getattr(t.operation, "is_variable", False) and stage in t.shape]
