@@ -28,6 +28,7 @@ from meshax.core import (
     Tensor,
     convert_to_shape,
 )
+from meshax.jaxpr import Partitioned, PartitionedProgram, partition, replicated_region
 from meshax.layout import OPEN, LayoutRules, ShardingRule, TensorLayout, convert_to_layout_rules
 from meshax.lower import Counters, LaidOutTensor, LoweredFunction, Lowering, MeshImpl, hlo_collectives
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
@@ -53,6 +54,8 @@ __all__ = [
     "MeshaxError",
     "OPEN",
     "Operation",
+    "Partitioned",
+    "PartitionedProgram",
     "PlacementMeshImpl",
     "Shape",
     "ShardingRule",
@@ -68,7 +71,9 @@ __all__ = [
     "is_main_process",
     "layers",
     "optimize",
+    "partition",
     "pipeline",
+    "replicated_region",
     "use_cpu_devices",
     *_ops,
 ]

@@ -30,6 +30,7 @@ _INTERNAL = tuple(
         "lower",
         "ops",
         "backends",
+        "jaxpr",
         "autodiff.py",
         "layers.py",
         "optimize.py",
@@ -75,6 +76,7 @@ class Graph:
         self.all_variables: list = []
         self.memo: dict = {}  # identical computations built once (e.g. two max-reductions of one tensor)
         self.random_ops = 0  # random ops built so far: each gets its own seed
+        self.source: str | None = None  # when set, the source line of every op built (a front end's)
 
     def unique_name(self, name: str) -> str:
         """`name`, or `name_1`, `name_2` ... if it was taken: op and tensor names are unique in a graph."""
@@ -195,7 +197,7 @@ class Operation:
         self.inputs = inputs
         self.outputs: list[Tensor] = []
         self.name = self.graph.unique_name(name or type(self).__name__.removesuffix("Operation").lower())
-        self.source = user_source()
+        self.source = self.graph.source or user_source()
         self.grad_of: Operation | None = None  # set on ops built by another op's gradient
         self.graph.operations.append(self)
 

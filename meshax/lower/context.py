@@ -49,12 +49,19 @@ class LoweringContext:
     def get(self, t: Tensor, layout: TensorLayout | None = None, allow_partial: bool = False) -> LaidOutTensor:
         """t's value in `layout` (default: its planned layout); sums settled unless allow_partial."""
         layout = layout or self.plan[t]
+        if getattr(t.operation, "is_rename", False):
+            # a relabelled tensor (same dims in the same order, other names) is its input: reshard
+            # that, so that a tensor used under several names is gathered once, as XLA does
+            return self.get(t.operation.inputs[0], layout, allow_partial)
         key = (t, layout, allow_partial)
         if key not in self._cache:
             from meshax.lower.reshard import reshard
 
+            producer = t.operation  # the op whose sums are owed: seen through annotations
+            while getattr(producer, "passes_sums", False) and producer.inputs:
+                producer = producer.inputs[0].operation
             self._cache[key] = reshard(
-                self, self.values[t], layout, t.shape, keep_partial=allow_partial, producer=t.operation
+                self, self.values[t], layout, t.shape, keep_partial=allow_partial, producer=producer
             )
         return self._cache[key]
 

@@ -188,9 +188,12 @@ class Lowering:
         jaxpr = self.impl.trace(body, [self._spec(t) for t in inputs])
         return counters, jaxpr
 
-    def function(self, outputs: Tensor | Sequence[Tensor] = (), updates: Sequence = ()) -> LoweredFunction:
-        """A compiled program computing `outputs` and applying `updates` (assign ops)."""
-        return LoweredFunction(self, outputs, updates)
+    def function(
+        self, outputs: Tensor | Sequence[Tensor] = (), updates: Sequence = (), donate: Sequence[Tensor] = ()
+    ) -> LoweredFunction:
+        """A compiled program computing `outputs` and applying `updates` (assign ops); the
+        buffers of the placeholders in `donate` may be consumed by it (`call_global`)."""
+        return LoweredFunction(self, outputs, updates, donate)
 
     def report(self, counters: Counters | None = None, width: int = 132) -> str:
         """The cost report: every collective with its op and source line, values, bytes and
@@ -223,7 +226,7 @@ class LoweredFunction:
     """A compiled SPMD program. Call it with `{placeholder or its name: array}` (and a `seed`
     for random ops, e.g. the step); it returns full NumPy arrays and updates the variables."""
 
-    def __init__(self, lowering: Lowering, outputs, updates=()):
+    def __init__(self, lowering: Lowering, outputs, updates=(), donate: Sequence[Tensor] = ()):
         self._single = isinstance(outputs, Tensor)
         outs = [outputs] if self._single else list(outputs)
         for t in outs:
@@ -250,8 +253,9 @@ class LoweredFunction:
         lowering.impl.trace(body, specs)
         body = lowering._body(self.ops, self.inputs, outs, self._updated, Counters())
         out_specs = [lowering._spec(t) for t in outs] + [lowering._spec(v.outputs[0]) for v in self._updated]
-        donate = [i for i, t in enumerate(self.inputs) if t.operation in self._updated]
-        self._run = lowering.impl.compile(body, specs, out_specs, donate)
+        donated = set(donate)
+        consumed = [i for i, t in enumerate(self.inputs) if t.operation in self._updated or t in donated]
+        self._run = lowering.impl.compile(body, specs, out_specs, consumed)
         self._constants: dict[Tensor, object] = {}  # imported arrays, put on the devices once
 
     @property
@@ -276,7 +280,11 @@ class LoweredFunction:
             return (0, 0)
         return min(s[0] for s in spans), max(s[1] for s in spans)
 
-    def _arguments(self, feeds: Mapping | None, rows: tuple[int, int] | None = None) -> list:
+    def _arguments(
+        self, feeds: Mapping | None, rows: tuple[int, int] | None = None, ready: Mapping | None = None
+    ) -> list:
+        """The program's arguments: placeholders from `feeds` (host arrays) or `ready` (values
+        already in the backend's form), then variables and imported constants."""
         self.lowering.initialize([t.operation for t in self.inputs if getattr(t.operation, "is_variable", False)])
         by_name = {t.name: t for t in self.placeholders}
         resolved: dict[Tensor, object] = {}
@@ -292,7 +300,9 @@ class LoweredFunction:
         args: list = []
         for t in self.inputs:
             op = t.operation
-            if getattr(op, "is_placeholder", False):
+            if ready is not None and t in ready:
+                args.append(ready[t])
+            elif getattr(op, "is_placeholder", False):
                 if t not in resolved:
                     raise ValueError(
                         f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}"
@@ -329,6 +339,32 @@ class LoweredFunction:
         outs = [impl.fetch(r, spec(t)) for r, t in zip(results[:n], self.outputs)]
         return outs[0] if self._single else outs
 
-    def compiled_text(self, feeds: Mapping | None = None, seed: int = 0) -> str:
-        """The compiled program's text (HLO for the SIMD backend), for checking what runs."""
-        return self._run.compiled_text(self._arguments(feeds), seed)
+    def call_global(self, feeds: Mapping[Tensor, jax.Array], seed: int = 0) -> list[jax.Array]:
+        """Run with every placeholder fed a global jax.Array (its logical value, any sharding:
+        arrays not laid out as the plan says are moved there first); the outputs come back as
+        logical global jax.Arrays with their layouts' shardings, nothing fetched to the host."""
+        impl, spec = self.lowering.impl, self.lowering._spec
+        results = self._run(self._global_arguments(feeds), seed)
+        for var, value in zip(self._updated, results[len(self.outputs) :]):
+            self.lowering._variables[var] = value
+        return [impl.to_global(r, spec(t)) for r, t in zip(results, self.outputs)]
+
+    def _global_arguments(self, feeds: Mapping[Tensor, jax.Array]) -> list:
+        return self._arguments({}, ready={t: self._laid_out(t, feeds[t]) for t in self.placeholders})
+
+    def _laid_out(self, t: Tensor, array) -> object:
+        impl, spec = self.lowering.impl, self.lowering._spec(t)
+        if not isinstance(array, jax.Array):
+            return impl.put(np.asarray(array, dtype=t.dtype), spec)
+        if list(array.shape) != t.shape.to_integer_list:
+            raise ValueError(f"placeholder {t.name!r} expects shape {t.shape.to_integer_list}, got {list(array.shape)}")
+        want = impl.global_sharding(t.shape, spec[2])
+        if not array.sharding.is_equivalent_to(want, array.ndim):
+            array = jax.device_put(array, want)
+        return impl.from_global(array.astype(t.dtype) if array.dtype != t.dtype else array, spec)
+
+    def compiled_text(self, feeds: Mapping | None = None, seed: int = 0, global_feeds: Mapping | None = None) -> str:
+        """The compiled program's text (HLO for the SIMD backend), for checking what runs; fed
+        host arrays by name (`feeds`) or global jax.Arrays by placeholder (`global_feeds`)."""
+        args = self._arguments(feeds) if global_feeds is None else self._global_arguments(global_feeds)
+        return self._run.compiled_text(args, seed)

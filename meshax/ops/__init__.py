@@ -71,6 +71,7 @@ from meshax.ops.reduce import (
     softmax,
 )
 from meshax.ops.shape_ops import broadcast, rename_dimension, replace_dimensions, reshape, transpose
+from meshax.ops.slicewise import slicewise
 from meshax.ops.slicing import concat, cumsum, pad, shift, slice, split, stack, unstack
 from meshax.ops.variables import assign, assign_add, assign_sub, get_variable
 
@@ -154,6 +155,7 @@ __all__ = [
     "sign",
     "sin",
     "slice",
+    "slicewise",
     "softmax",
     "softplus",
     "split",

@@ -20,6 +20,8 @@ Annotation = tuple  # per tensor dim: a tuple of mesh dim names (major to minor;
 class ShardOperation(Operation):
     """Identity whose output has the annotated layout, whatever the rules say."""
 
+    passes_sums = True  # a partial sum flows through: settling it is blamed on the op that summed
+
     def __init__(self, x: Tensor, annotation: Annotation, priority: int = 0, name=None):
         super().__init__([x], name=name or "shard")
         self.annotation = annotation
@@ -90,8 +92,13 @@ def mesh_split(x: Tensor, dims_mapping, priority: int = 0, name=None) -> Tensor:
     """x annotated GSPMD-style: one entry per dim of x, in order: a mesh dim name, a tuple of
     names (major to minor), None (replicated) or `mx.OPEN` (propagation decides). Annotations
     of priority p > 0 take part only after those of lower priority have propagated (Shardy's
-    p0, p1), so e.g. the batch split can be settled before the model's."""
-    where = user_source()
+    p0, p1), so e.g. the batch split can be settled before the model's. On a jax array (inside
+    a function given to `mx.partition`) it records the annotation in the traced program."""
+    if not isinstance(x, Tensor):  # a jax array inside a function for mx.partition
+        from meshax.jaxpr.annotate import mesh_split_array
+
+        return mesh_split_array(x, dims_mapping, priority)
+    where = x.graph.source or user_source()
     if isinstance(dims_mapping, str) or not isinstance(dims_mapping, Sequence):
         raise LayoutError(
             f"mesh_split of {x.name!r} at {where}: dims_mapping must be a list with one "
@@ -109,7 +116,7 @@ def mesh_split(x: Tensor, dims_mapping, priority: int = 0, name=None) -> Tensor:
 def shard(x: Tensor, layout, priority: int = 0, name=None) -> Tensor:
     """x laid out as `layout`, by dim name (e.g. "batch:cols"; "" = replicated), overriding the
     rules; dims it does not name are replicated."""
-    where = user_source()
+    where = x.graph.source or user_source()
     rules = convert_to_layout_rules(layout)
     unknown = [d for d in rules.tensor_dim_names if d not in x.shape]
     if unknown:

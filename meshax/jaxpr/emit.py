@@ -1,0 +1,398 @@
+"""A flattened jaxpr emitted as meshax ops, one equation at a time.
+
+Before an equation is emitted its operands are renamed where the union-find refused to unite an
+axis with its role (`Emitter.operands`), so that by name every operand and result dim of the
+equation relates exactly as its roles say. Then: `dot_general` becomes `mx.einsum` (lazy
+partial sums), the sums, maxima and minima `mx.reduce_*`, `reshape`/`transpose`/`broadcast_in_dim`
+the shape ops, an embedding lookup `mx.gather` and its gradient a one-hot einsum, `iota`
+`mx.range`, annotations `mx.mesh_split`; every other primitive is bound on each device's slices
+by one `SlicewiseOperation` whose sharding rule comes from the roles (an axis the primitive
+cannot work on split, such as the one a cumulative sum runs along, is kept whole).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from jax.sharding import PartitionSpec
+
+import meshax.ops as mops
+from meshax.core.errors import GraphError, LayoutError, did_you_mean
+from meshax.core.graph import Mesh, Tensor
+from meshax.core.shape import Dimension, Shape
+from meshax.jaxpr.flatten import Eqn, Flat, is_var
+from meshax.jaxpr.names import Names
+from meshax.jaxpr.roles import CUMULATIVE, LINEAR, roles
+from meshax.layout import OPEN, ShardingRule
+from meshax.ops.slicewise import SlicewiseOperation
+
+
+class Emitter:
+    """Builds the meshax graph of a flattened jaxpr on `mesh`; `env` maps variables to tensors."""
+
+    def __init__(self, mesh: Mesh, flat: Flat, names: Names, mesh_dims: list[str]):
+        self.mesh, self.flat, self.names, self.mesh_dims = mesh, flat, names, mesh_dims
+        self.env: dict = {}
+        self._fresh = 0
+        self._literals: dict = {}
+
+    # ---- values ------------------------------------------------------------------------------
+    def fresh(self, base: str) -> str:
+        self._fresh += 1
+        return f"{base}#{self._fresh}"
+
+    def value(self, atom) -> Tensor:
+        if is_var(atom):
+            if atom not in self.env and atom in self.flat.consts:
+                value = np.asarray(self.flat.consts[atom])
+                self.env[atom] = mops.import_tensor(self.mesh, value, self.names.shape(atom), name="constant")
+            return self.env[atom]
+        value = np.asarray(atom.val, dtype=atom.aval.dtype)
+        key = (value.tobytes(), value.dtype.str, value.shape)
+        if key not in self._literals:
+            shape = Shape([Dimension(self.fresh("literal"), n) for n in value.shape])
+            self._literals[key] = mops.constant(self.mesh, value if value.ndim else value.item(), shape, value.dtype)
+        return self._literals[key]
+
+    def out_shape(self, v) -> Shape:
+        if is_var(v):
+            return self.names.shape(v)
+        return Shape([Dimension(self.fresh("dropped"), int(n)) for n in v.aval.shape])
+
+    def run(self) -> None:
+        for e in self.flat.eqns:
+            self.emit(e)
+
+    # ---- one equation ---------------------------------------------------------------------------
+    def emit(self, e: Eqn) -> None:
+        in_roles, out_roles = roles(e)
+        outs = [self.out_shape(v) for v in e.outs]
+        self.mesh.graph.source = e.source  # the ops built for the equation point at the user's line
+        try:
+            ins, role_names = self.operands(e, in_roles, out_roles, outs)
+            handler = None if e.replicated else _HANDLERS.get(e.name)
+            results = (handler or _bind)(self, e, ins, outs, role_names, in_roles, out_roles)
+        except (GraphError, LayoutError) as err:
+            raise type(err)(f"{err} (importing {e.name} at {e.source})") from None
+        finally:
+            self.mesh.graph.source = None
+        for v, t, want in zip(e.outs, results, outs):
+            if is_var(v):
+                self.env[v] = conform(t, want)
+
+    def operands(self, e: Eqn, in_roles, out_roles, outs: list[Shape]) -> tuple[list[Tensor], dict]:
+        """The operands renamed so that axes of one role share a name: the result's where the role
+        reaches a result, else the first operand's (a fresh one where that name is taken)."""
+        role_name: dict = {}
+        for shape, rs in zip(outs, out_roles):
+            for d, r in zip(shape, rs):
+                if r is not None:
+                    role_name.setdefault(r, d.name)
+        taken = {d.name for s in outs for d in s}
+        ins = [self.value(a) for a in e.ins]
+        for t, rs in zip(ins, in_roles):
+            for d, r in zip(t.shape, rs):
+                if r is not None and r not in role_name:
+                    name = d.name if d.name not in taken else self.fresh(d.name)
+                    role_name[r] = name
+                    taken.add(name)
+        used = set(role_name.values())
+        renamed = []
+        for t, rs in zip(ins, in_roles):
+            want, seen = [], set()
+            for d, r in zip(t.shape, rs):
+                name = role_name[r] if r is not None else d.name
+                if r is None and (name in used or name in seen):
+                    name = self.fresh(d.name)
+                want.append(name)
+                seen.add(name)
+            renamed.append(rename(t, want))
+        return renamed, role_name
+
+
+def rename(t: Tensor, names: list[str]) -> Tensor:
+    """t with its dims called `names` (a free relabel: splits follow the dims)."""
+    if list(t.shape.dimension_names) == names:
+        return t
+    key = ("rename", t, tuple(names))  # one op per distinct rename: its reshards are then done once
+    if key not in t.graph.memo:
+        out = mops.reshape(t, Shape([Dimension(n, d.size) for n, d in zip(names, t.shape)]), name="rename")
+        out.operation.passes_sums = out.operation.is_rename = True  # type: ignore[attr-defined]
+        # (LoweringContext.get reshards its input instead, and blames sums on the op that summed)
+        t.graph.memo[key] = out
+    return t.graph.memo[key]
+
+
+def conform(t: Tensor, want: Shape) -> Tensor:
+    """t as `want`: the same dims in another order are transposed, other names relabelled."""
+    if t.shape == want:
+        return t
+    if sorted(t.shape.dims) == sorted(want.dims):
+        return mops.transpose(t, want)
+    if t.shape.to_integer_list == want.to_integer_list:
+        return rename(t, want.dimension_names)
+    raise GraphError(f"internal error: {t.name} {t.shape} where the jaxpr has {want}; please report it")
+
+
+# ---- the generic path: a primitive bound on each device's slices -------------------------------
+def _rule(ins: list[Tensor], outs: list[Shape], in_roles, out_roles, whole=()) -> ShardingRule:
+    def factors(shape, rs):
+        return tuple(d.name if r is not None else None for d, r in zip(shape, rs))
+
+    return ShardingRule(
+        tuple(factors(t.shape, rs) for t, rs in zip(ins, in_roles)),
+        tuple(factors(s, rs) for s, rs in zip(outs, out_roles)),
+        frozenset(whole),
+    )
+
+
+def _localize(e: Eqn, local: list[tuple], slices) -> dict:
+    """The equation's params with the sizes it names made this device's (for tied axes)."""
+    p = dict(e.params)
+    out = local[0] if local else ()
+    name = e.name
+    if name == "broadcast_in_dim" or name == "iota":
+        p["shape"] = tuple(out)
+    elif name == "slice":
+        n = slices[0].shape
+        p["limit_indices"] = tuple(
+            n[i] if (s, lim) == (0, e.ins[0].aval.shape[i]) else lim
+            for i, (s, lim) in enumerate(zip(p["start_indices"], p["limit_indices"]))
+        )
+    elif name == "dynamic_slice" or name == "gather":
+        full = e.ins[0].aval.shape
+        p["slice_sizes"] = tuple(slices[0].shape[i] if s == full[i] else s for i, s in enumerate(p["slice_sizes"]))
+    return p
+
+
+def _bind(em: Emitter, e: Eqn, ins, outs, role_names, in_roles, out_roles, whole=()) -> list[Tensor]:
+    """e's primitive on each device's slices, with the sharding rule its roles give."""
+    whole = set(whole)
+    if e.name in CUMULATIVE:
+        whole.add(outs[0][e.params["axis"]].name)
+    elif e.name == "sort":
+        whole.add(outs[0][e.params["dimension"]].name)
+    elif e.name == "dynamic_update_slice":
+        upd = e.ins[1].aval.shape
+        whole |= {d.name for i, d in enumerate(ins[0].shape) if upd[i] != d.size}
+    rule = _rule(ins, outs, in_roles, out_roles, whole)
+    tied_zero = _tied_index_operands(e)
+    prim = e.primitive
+
+    def fn(local, *xs):
+        xs = list(xs)
+        for k in tied_zero:
+            xs[k] = np.zeros((), xs[k].dtype)
+        out = prim.bind(*xs, **_localize(e, local, xs))
+        return tuple(out) if prim.multiple_results else (out,)
+
+    op = SlicewiseOperation(
+        ins,
+        fn,
+        outs,
+        [v.aval.dtype for v in e.outs],
+        rule=rule,
+        linear=e.name in LINEAR,
+        flops=1 if e.name not in ("broadcast_in_dim", "iota", "slice", "pad", "concatenate", "copy") else 0,
+        name=e.name,
+    )
+    return op.outputs
+
+
+def _tied_index_operands(e: Eqn) -> list[int]:
+    """Operands that are start indices of an axis a dynamic slice or update keeps whole-sized:
+    on a split axis each device's slice starts at its own 0 (JAX clamps such starts to 0 too)."""
+    if e.name == "dynamic_slice":
+        full, sizes = e.ins[0].aval.shape, e.params["slice_sizes"]
+        return [1 + i for i in range(len(full)) if sizes[i] == full[i]]
+    if e.name == "dynamic_update_slice":
+        full, upd = e.ins[0].aval.shape, e.ins[1].aval.shape
+        return [2 + i for i in range(len(full)) if upd[i] == full[i]]
+    return []
+
+
+# ---- primitives that map onto meshax ops ---------------------------------------------------------
+def _dot_general(em, e, ins, outs, role_names, in_roles, out_roles):
+    want = np.dtype(e.outs[0].aval.dtype)
+    ins = [mops.cast(t, want) if t.dtype != want else t for t in ins]
+    return [mops.einsum(ins, output_shape=outs[0], name="dot_general")]
+
+
+def _reduce(kind: str) -> Callable:
+    fns = {"sum": mops.reduce_sum, "max": mops.reduce_max, "min": mops.reduce_min}
+
+    def handler(em, e, ins, outs, role_names, in_roles, out_roles):
+        return [fns[kind](ins[0], output_shape=outs[0], name=e.name)]
+
+    return handler
+
+
+def _reshape(em, e, ins, outs, role_names, in_roles, out_roles):
+    return [mops.reshape(ins[0], outs[0], name=e.name)]
+
+
+def _transpose(em, e, ins, outs, role_names, in_roles, out_roles):
+    return [mops.transpose(ins[0], outs[0], name="transpose")]
+
+
+def _broadcast_in_dim(em, e, ins, outs, role_names, in_roles, out_roles):
+    if not is_var(e.ins[0]) and not e.ins[0].aval.shape:  # a scalar literal: each device fills its slice
+        return [mops.constant(em.mesh, np.asarray(e.ins[0].val).item(), outs[0], e.outs[0].aval.dtype)]
+    x = ins[0]
+    kept = [d for d, r in zip(x.shape, in_roles[0]) if r is not None]
+    if len(kept) != x.shape.rank:
+        x = mops.reshape(x, Shape(kept), name="broadcast_in_dim")
+    return [mops.broadcast(x, outs[0], name="broadcast_in_dim")]
+
+
+def _iota(em, e, ins, outs, role_names, in_roles, out_roles):
+    d = outs[0][e.params["dimension"]]
+    return [mops.broadcast(mops.range(em.mesh, d, e.params["dtype"]), outs[0], name="iota")]
+
+
+def _concatenate(em, e, ins, outs, role_names, in_roles, out_roles):
+    k = e.params["dimension"]
+    name = outs[0][k].name
+    xs = [rename(t, [name if i == k else d.name for i, d in enumerate(t.shape)]) for t in ins]
+    return [mops.concat(xs, name, name="concatenate")]
+
+
+def _is_lookup(e: Eqn) -> bool:
+    """gather as `table[ids]` / `jnp.take(table, ids, axis=k)`: whole rows of one axis."""
+    operand, indices = e.ins
+    dn = e.params["dimension_numbers"]
+    n, shape = operand.aval.ndim, operand.aval.shape
+    if (
+        dn.operand_batching_dims
+        or len(dn.collapsed_slice_dims) != 1
+        or tuple(dn.start_index_map) != tuple(dn.collapsed_slice_dims)
+    ):
+        return False
+    (k,) = dn.collapsed_slice_dims
+    sizes = e.params["slice_sizes"]
+    if any(sizes[i] != (1 if i == k else shape[i]) for i in range(n)) or indices.aval.shape[-1:] != (1,):
+        return False
+    batch = indices.aval.ndim - 1
+    return tuple(dn.offset_dims) == tuple(range(batch, batch + n - 1))
+
+
+def _gather(em, e, ins, outs, role_names, in_roles, out_roles):
+    if not _is_lookup(e):
+        return _bind(em, e, ins, outs, role_names, in_roles, out_roles)
+    table, indices = ins
+    (k,) = e.params["dimension_numbers"].collapsed_slice_dims
+    ids = mops.reshape(indices, Shape(indices.shape.dims[:-1]), name="gather")
+    return [mops.gather(table, ids, table.shape[k], name="gather")]
+
+
+def _is_lookup_gradient(e: Eqn) -> bool:
+    """scatter-add of whole rows of one axis: an embedding lookup's gradient."""
+    operand, indices, updates = e.ins[:3]
+    dn = e.params["dimension_numbers"]
+    if dn.operand_batching_dims or len(dn.inserted_window_dims) != 1:
+        return False
+    if tuple(dn.scatter_dims_to_operand_dims) != tuple(dn.inserted_window_dims) or indices.aval.shape[-1:] != (1,):
+        return False
+    (k,) = dn.inserted_window_dims
+    batch = indices.aval.ndim - 1
+    rest = [n for i, n in enumerate(operand.aval.shape) if i != k]
+    return (
+        tuple(dn.update_window_dims) == tuple(range(batch, batch + len(rest)))
+        and list(updates.aval.shape[batch:]) == rest
+    )
+
+
+def _scatter_add(em, e, ins, outs, role_names, in_roles, out_roles):
+    operand, indices, updates = ins[:3]
+    if not _is_lookup_gradient(e):
+        return _bind(em, e, ins, outs, role_names, in_roles, out_roles, whole=_scattered(e, ins))
+    (k,) = e.params["dimension_numbers"].inserted_window_dims
+    ids = mops.reshape(indices, Shape(indices.shape.dims[:-1]), name="scatter-add")
+    hot = mops.one_hot(ids, operand.shape[k], dtype=updates.dtype)
+    rows = mops.einsum([hot, updates], output_shape=operand.shape, name="scatter-add")
+    if not is_var(e.ins[0]) or _is_zeros(em, e.ins[0]):
+        return [rows]
+    return [mops.add(operand, rows, name="scatter-add")]
+
+
+def _is_zeros(em: Emitter, atom) -> bool:
+    t = em.env.get(atom)
+    return (
+        t is not None and getattr(t.operation, "value", None) == 0 and type(t.operation).__name__ == "ConstantOperation"
+    )
+
+
+def _scattered(e: Eqn, ins) -> set[str]:
+    """The operand axes a scatter writes into by index: whole on each device."""
+    dn = e.params["dimension_numbers"]
+    return {ins[0].shape[i].name for i in (*dn.scatter_dims_to_operand_dims, *dn.inserted_window_dims)}
+
+
+def _scatter(em, e, ins, outs, role_names, in_roles, out_roles):
+    """A scatter that overwrites: its index axes are never partial sums, so they stay whole too."""
+    whole = _scattered(e, ins) | {d.name for t in ins[1:3] for d in t.shape}
+    return _bind(em, e, ins, outs, role_names, in_roles, out_roles, whole=whole)
+
+
+def _annotation(em, e, ins, outs, role_names, in_roles, out_roles):
+    x = ins[0]
+    if e.name in ("sharding_constraint", "reshard"):
+        sharding = next(v for v in e.params.values() if hasattr(v, "spec") and hasattr(v, "mesh"))
+        if not sharding.mesh.axis_names:  # a reshard on no mesh: an identity
+            return [x]
+        spec = sharding.spec
+        unconstrained = e.params.get("unconstrained_dims", frozenset())
+        priority = 0
+    else:
+        spec, unconstrained, priority = e.params["spec"], frozenset(), e.params["priority"]
+    return [annotate(x, spec, unconstrained, priority, em.mesh_dims, e.source)]
+
+
+def annotate(x: Tensor, spec, unconstrained, priority: int, mesh_dims: list[str], where: str) -> Tensor:
+    """x annotated with a PartitionSpec-like `spec` (None: replicated, a name or tuple of names:
+    split, `PartitionSpec.UNCONSTRAINED` or an unconstrained dim: open; missing trailing entries
+    replicated, as JAX reads a spec)."""
+    entries = list(spec)
+    if len(entries) > x.shape.rank:
+        raise LayoutError(
+            f"sharding annotation {spec} at {where} has {len(entries)} entries for an array of rank "
+            f"{x.shape.rank} (shape {x.shape.to_integer_list}); give at most one entry per axis"
+        )
+    mapping: list = []
+    for i in range(x.shape.rank):
+        entry = entries[i] if i < len(entries) else None
+        if i in unconstrained or entry is PartitionSpec.UNCONSTRAINED or entry is OPEN:
+            mapping.append(OPEN)
+            continue
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        for m in names:
+            if m not in mesh_dims:
+                raise LayoutError(
+                    f"sharding annotation {spec} at {where} names mesh dim {m!r}, but the mesh has only "
+                    f"{mesh_dims}{did_you_mean(m, mesh_dims)}"
+                )
+        mapping.append(names)
+    return mops.mesh_split(x, mapping, priority=priority)
+
+
+_HANDLERS: dict[str, Callable] = {
+    "dot_general": _dot_general,
+    "reduce_sum": _reduce("sum"),
+    "reduce_max": _reduce("max"),
+    "reduce_min": _reduce("min"),
+    "reshape": _reshape,
+    "squeeze": _reshape,
+    "expand_dims": _reshape,
+    "transpose": _transpose,
+    "broadcast_in_dim": _broadcast_in_dim,
+    "iota": _iota,
+    "concatenate": _concatenate,
+    "gather": _gather,
+    "scatter-add": _scatter_add,
+    "scatter_add": _scatter_add,
+    "scatter": _scatter,
+    "sharding_constraint": _annotation,
+    "reshard": _annotation,
+    "meshax_mesh_split": _annotation,
+}

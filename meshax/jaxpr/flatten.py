@@ -1,0 +1,124 @@
+"""A jaxpr flattened into one list of equations: calls (`jit`, `custom_jvp_call`, ...) inlined.
+
+Each equation keeps its primitive, params, operands (a `Var` or a `Literal`), results and the
+user's source line. Inlining maps an inner jaxpr's variables onto the outer atoms, so the
+flattened program has one variable per value however deeply the user's code nested its calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from jax._src import source_info_util
+from jax.extend import core as jcore
+
+# Call-like primitives whose body is inlined, and the param holding it.
+_CALLS = {
+    "jit": "jaxpr",
+    "pjit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "checkpoint": "jaxpr",
+    "remat": "jaxpr",
+    "remat2": "jaxpr",
+    "custom_lin": None,
+}
+
+#: The name scope `mx.replicated_region` puts its equations in (and JAX keeps on their gradients).
+REPLICATED_SCOPE = "meshax_replicated_region"
+
+
+@dataclasses.dataclass
+class Eqn:
+    """One equation of the flattened program."""
+
+    primitive: Any
+    ins: list  # Var or Literal
+    outs: list  # Var (DropVar included)
+    params: dict
+    source: str  # "file:line" of the user's code
+    replicated: bool  # inside mx.replicated_region: run whole on each device
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+_MESHAX = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def source_of(source_info) -> str:
+    """'file:line' of the innermost frame of the user's code (not JAX's, not meshax's) that made
+    an equation ('<unknown>' if none)."""
+    if not source_info.traceback:
+        return "<unknown>"
+    for frame in source_info_util.user_frames(source_info.traceback):
+        name = frame.file_name
+        if not name.startswith("<") and os.path.abspath(name).startswith(_MESHAX + os.sep):
+            continue
+        return f"{name if name.startswith('<') else os.path.relpath(name)}:{frame.start_line}"
+    return "<unknown>"
+
+
+def is_var(atom) -> bool:
+    return isinstance(atom, jcore.Var) and not isinstance(atom, jcore.DropVar)
+
+
+class Flat:
+    """The flattened program: `eqns`, `invars`, `outvars` (resolved atoms), `consts` (var -> value)."""
+
+    def __init__(self, closed: jcore.ClosedJaxpr):
+        self.eqns: list[Eqn] = []
+        self.consts: dict = dict(zip(closed.jaxpr.constvars, closed.consts))
+        self._alias: dict = {}
+        self.invars = list(closed.jaxpr.invars)
+        self._walk(closed.jaxpr, False, "<unknown>")
+        self.outvars = [self.resolve(v) for v in closed.jaxpr.outvars]
+
+    def resolve(self, atom):
+        while is_var(atom) and atom in self._alias:
+            atom = self._alias[atom]
+        return atom
+
+    def _walk(self, jaxpr, replicated: bool, outer: str) -> None:
+        """Append jaxpr's equations; `outer` is the calling equation's source line, for inner
+        equations whose own trace (a cached jit's) has no frame of the user's."""
+        for e in jaxpr.eqns:
+            scope = REPLICATED_SCOPE in str(e.source_info.name_stack)
+            source = source_of(e.source_info)
+            source = outer if source == "<unknown>" else source
+            inner = self._body(e)
+            if inner is not None:
+                body, consts = inner
+                for v, c in zip(body.constvars, consts):
+                    self.consts[v] = c
+                for v, a in zip(body.invars, e.invars):
+                    self._alias[v] = self.resolve(a)
+                self._walk(body, replicated or scope, source)
+                for v, a in zip(e.outvars, body.outvars):
+                    if is_var(v):
+                        self._alias[v] = self.resolve(a)
+                continue
+            ins = [self.resolve(a) for a in e.invars]
+            self.eqns.append(Eqn(e.primitive, ins, list(e.outvars), dict(e.params), source, replicated or scope))
+
+    @staticmethod
+    def _body(e):
+        """(inner jaxpr, its consts) of a call-like equation, else None."""
+        name = e.primitive.name
+        if name not in _CALLS:
+            return None
+        key = _CALLS[name]
+        if key is None:
+            return None
+        body = e.params.get(key)
+        if isinstance(body, jcore.ClosedJaxpr):
+            return body.jaxpr, body.consts
+        if isinstance(body, jcore.Jaxpr):
+            return body, []
+        return None

@@ -1,0 +1,363 @@
+"""`mx.partition`: a plain single-device JAX function partitioned from a few annotations.
+
+The function is traced with `jax.make_jaxpr` (its backward pass and optimizer included, when it
+is a training step), its calls inlined (`flatten`), its axes named by a union-find (`names`), and
+its equations emitted as meshax ops (`emit`) on one mesh. Then it is the usual meshax graph:
+`in_shardings`, `out_shardings`, `with_sharding_constraint` and `mx.mesh_split` are GSPMD
+annotations, propagation completes them, and the lowering runs one SPMD program with exactly
+the collectives the cost report lists. Arguments and results are ordinary jax.Arrays.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec
+
+from meshax.backends import SimdMeshImpl
+from meshax.core.errors import ConfigError
+from meshax.core.graph import Graph, Mesh, Tensor
+from meshax.jaxpr.emit import Emitter, annotate
+from meshax.jaxpr.flatten import Flat
+from meshax.jaxpr.names import Names
+from meshax.jaxpr.roles import is_key
+from meshax.lower import Counters, Lowering
+from meshax.ops.inputs import placeholder
+
+
+def _is_spec(x) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _key_text(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _where() -> str:
+    frame = inspect.stack()[2]
+    return f"{frame.filename}:{frame.lineno}"
+
+
+class Partitioned:
+    """A partitioned function: call it like the original (jax.Arrays in and out, sharded as
+    asked). Traced once per argument signature (shapes, dtypes, static arguments), as `jax.jit`
+    is; `lower(*args)` gives the program (counters, report, explain, layouts) without running."""
+
+    def __init__(
+        self,
+        fn: Callable,
+        mesh,
+        in_shardings=None,
+        out_shardings=None,
+        layout=None,
+        static_argnums: int | Sequence[int] = (),
+        static_argnames: str | Sequence[str] = (),
+        donate_argnums: int | Sequence[int] = (),
+        devices: Sequence | None = None,
+    ):
+        if not callable(fn):
+            raise ConfigError(f"mx.partition needs a function, got {fn!r}")
+        self.fn = fn
+        self.impl = SimdMeshImpl(mesh, layout, devices)
+        self.in_shardings, self.out_shardings = in_shardings, out_shardings
+        self.static_argnums = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
+        self.static_argnames = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
+        self.donate_argnums = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
+        self._where = _where()
+        try:
+            params = list(inspect.signature(fn).parameters.values())
+        except (TypeError, ValueError):
+            params = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        self._params = [p.name for p in params if p.kind in positional]
+        self._varargs = next((p.name for p in params if p.kind == inspect.Parameter.VAR_POSITIONAL), None)
+        self._programs: dict = {}
+        self._last: PartitionedProgram | None = None
+
+    def _split(self, args: tuple, kwargs: dict):
+        dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        static = (
+            tuple((i, a) for i, a in enumerate(args) if i in self.static_argnums),
+            tuple(sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)),
+        )
+        return dynamic, dyn_kwargs, static
+
+    def lower(self, *args, **kwargs) -> PartitionedProgram:
+        """The program for these arguments (traced and compiled on first use; cached)."""
+        dynamic, dyn_kwargs, static = self._split(args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten((dynamic, dyn_kwargs))
+        try:
+            signature = (tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves), static)
+            hash(signature)
+        except TypeError as e:
+            raise ConfigError(f"mx.partition: static arguments must be hashable ({e})") from None
+        if signature not in self._programs:
+            self._programs[signature] = PartitionedProgram(self, args, kwargs)
+        self._last = self._programs[signature]
+        return self._last
+
+    def __call__(self, *args, **kwargs):
+        return self.lower(*args, **kwargs)(*args, **kwargs)
+
+    def _program(self) -> PartitionedProgram:
+        if self._last is None:
+            raise ConfigError("the partitioned function has not been called or lowered yet: call it, or .lower(*args)")
+        return self._last
+
+    @property
+    def counters(self) -> Counters:
+        """The last program's collectives and FLOPs per step (see `PartitionedProgram`)."""
+        return self._program().counters
+
+    def report(self, width: int = 132) -> str:
+        """The last program's cost report."""
+        return self._program().report(width)
+
+    def explain(self, threshold: int = 1 << 20) -> str:
+        """The last program's dim names and layouts, and where each came from."""
+        return self._program().explain(threshold)
+
+    def layout_of(self, what) -> str:
+        """The last program's layout of an argument (by path, e.g. "params/w1") or a dim name."""
+        return self._program().layout_of(what)
+
+
+class PartitionedProgram:
+    """One traced signature of a partitioned function: the meshax graph, its lowering and the
+    compiled SPMD program."""
+
+    def __init__(self, owner: Partitioned, args: tuple, kwargs: dict):
+        self.owner = owner
+        impl = owner.impl
+        dynamic, dyn_kwargs, static = owner._split(args, kwargs)
+        static_args = dict(static[0])
+        static_kwargs = dict(static[1])
+
+        def pure(dyn_args, dyn_kw):
+            it = iter(dyn_args)
+            full = [static_args[i] if i in static_args else next(it) for i in range(len(args))]
+            return owner.fn(*full, **dyn_kw, **static_kwargs)
+
+        path_leaves, self._in_tree = jax.tree_util.tree_flatten_with_path((dynamic, dyn_kwargs))
+        self.paths = [self._path(p) for p, _ in path_leaves]
+        leaves = [x for _, x in path_leaves]
+        with _mesh_context(impl.jax_mesh):
+            closed, out_shape = jax.make_jaxpr(pure, return_shape=True)(dynamic, dyn_kwargs)
+        self._out_tree = jax.tree_util.tree_structure(out_shape)
+        self._n_out = len(closed.jaxpr.outvars)
+        flat = Flat(closed)
+        arg_paths = {v: p for v, p in zip(closed.jaxpr.invars, self.paths)}
+        self.names = Names(flat, arg_paths)
+        self.graph = Graph()
+        mesh = Mesh(self.graph, "mesh")
+        emitter = Emitter(mesh, flat, self.names, list(impl.axis_names))
+        self.placeholders: list[Tensor] = []
+        self._keys: list[Any] = []  # per leaf: the PRNG key impl of a key argument, else None
+        specs = self._in_specs(dynamic, dyn_kwargs)
+        self.graph.source = owner._where  # the arguments' and results' annotations: the partition call
+        for v, path, leaf, spec in zip(closed.jaxpr.invars, self.paths, leaves, specs):
+            key = jax.random.key_impl(leaf) if is_key(v.aval) else None
+            shape = emitter.out_shape(v)
+            dtype = np.uint32 if key is not None else v.aval.dtype
+            t = placeholder(mesh, path, shape, dtype)
+            self.placeholders.append(t)
+            self._keys.append(key)
+            emitter.env[v] = (
+                t if spec is None else annotate(t, spec, (), 0, list(impl.axis_names), f"in_shardings[{path!r}]")
+            )
+        self.graph.source = None
+        emitter.run()
+        self.graph.source = owner._where
+        out_specs = self._out_specs()
+        self.outputs: list[Tensor] = []
+        for i, atom in enumerate(flat.outvars):
+            t = emitter.value(atom)
+            if out_specs[i] is not None:
+                t = annotate(t, out_specs[i], (), 0, list(impl.axis_names), f"out_shardings[{i}]")
+            self.outputs.append(t)
+        self.graph.source = None
+        self.lowering = Lowering(self.graph, {mesh: impl})
+        donated = {i for i, (p, _) in enumerate(path_leaves) if self._argnum(p) in owner.donate_argnums}
+        self._function = self.lowering.function(self.outputs, donate=[self.placeholders[i] for i in sorted(donated)])
+        self.counters = self._function.counters
+
+    # ---- arguments ----------------------------------------------------------------------------
+    def _argnum(self, path) -> int | None:
+        """The positional index (in the original call) of the argument a leaf path starts in."""
+        if path[0].idx != 0:  # (dynamic args, kwargs): a keyword argument
+            return None
+        k = int(path[1].idx)
+        positions = [i for i in range(k + len(self.owner.static_argnums) + 1) if i not in self.owner.static_argnums]
+        return positions[k]
+
+    def _path(self, path) -> str:
+        """A leaf's path: the parameter's name (or position), then the keys inside it, '/'-joined."""
+        rest = [_key_text(k) for k in path[2:]]
+        if path[0].idx == 0:
+            i = self._argnum(path)
+            params, varargs = self.owner._params, self.owner._varargs
+            if i is None:
+                head = "arg"
+            elif i < len(params):
+                head = params[i]
+            else:
+                head = f"{varargs}/{i - len(params)}" if varargs else f"arg{i}"
+        else:
+            head = _key_text(path[1])
+        return "/".join([head, *rest])
+
+    def _in_specs(self, dynamic: tuple, dyn_kwargs: dict) -> list:
+        """Per argument leaf: its PartitionSpec annotation or None (left to propagation)."""
+        given = self.owner.in_shardings
+        n = len(self.paths)
+        if given is None:
+            return [None] * n
+        if isinstance(given, PartitionSpec):
+            return [given] * n
+        if isinstance(given, Mapping) and all(isinstance(k, str) for k in given):
+            out: list = [None] * n
+            used = set()
+            for pattern, spec in given.items():
+                hits = [i for i, p in enumerate(self.paths) if fnmatch.fnmatchcase(p, pattern)]
+                if not hits:
+                    raise ConfigError(
+                        f"in_shardings names {pattern!r}, which matches no argument; the arguments are: "
+                        + ", ".join(self.paths)
+                    )
+                for i in hits:
+                    out[i] = spec
+                used.add(pattern)
+            return out
+        if not isinstance(given, tuple | list) or len(given) != len(dynamic):
+            raise ConfigError(
+                f"in_shardings must have one entry per positional (non-static) argument ({len(dynamic)}), "
+                f"a single PartitionSpec, or a dict of argument paths; got {given!r}"
+            )
+        out = []
+        for k, (prefix, arg) in enumerate(zip(given, dynamic)):
+            try:
+                specs = jax.tree_util.tree_map(
+                    lambda s, sub: [s] * len(jax.tree_util.tree_leaves(sub)), prefix, arg, is_leaf=_is_spec
+                )
+            except (ValueError, TypeError) as e:
+                raise ConfigError(
+                    f"in_shardings[{k}] does not match argument {k}'s structure: {e}; give a PartitionSpec "
+                    "(or None) per leaf, or one for a whole subtree"
+                ) from None
+            out.extend(
+                s for group in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, list)) for s in group
+            )
+        return out + [None] * (n - len(out))
+
+    def _out_specs(self) -> list:
+        given = self.owner.out_shardings
+        n = self._n_out
+        if given is None:
+            return [None] * n
+        if isinstance(given, PartitionSpec):
+            return [given] * n
+        try:
+            specs = jax.tree_util.tree_map(
+                lambda s, sub: [s] * len(jax.tree_util.tree_leaves(sub)),
+                given,
+                jax.tree_util.tree_unflatten(self._out_tree, [0] * n),
+                is_leaf=_is_spec,
+            )
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"out_shardings does not match the function's output structure: {e}") from None
+        return [s for group in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, list)) for s in group]
+
+    # ---- running ------------------------------------------------------------------------------
+    def __call__(self, *args, **kwargs):
+        dynamic, dyn_kwargs, _ = self.owner._split(args, kwargs)
+        leaves, tree = jax.tree_util.tree_flatten((dynamic, dyn_kwargs))
+        if tree != self._in_tree:
+            raise ConfigError(
+                f"arguments of another structure than the program was traced for: {tree} vs {self._in_tree}"
+            )
+        feeds = {}
+        for t, key, leaf in zip(self.placeholders, self._keys, leaves):
+            if t in self._function.placeholders:
+                feeds[t] = jax.random.key_data(leaf) if key is not None else leaf
+        outs = self._function.call_global(feeds)
+        return jax.tree_util.tree_unflatten(self._out_tree, outs)
+
+    def compiled_text(self, *args, **kwargs) -> str:
+        """The compiled SPMD program (HLO) for these arguments."""
+        dynamic, dyn_kwargs, _ = self.owner._split(args, kwargs)
+        leaves = jax.tree_util.tree_leaves((dynamic, dyn_kwargs))
+        feeds = {t: leaf for t, leaf in zip(self.placeholders, leaves) if t in self._function.placeholders}
+        return self._function.compiled_text(global_feeds=feeds)
+
+    # ---- what it costs and why ------------------------------------------------------------------
+    def report(self, width: int = 132) -> str:
+        """The cost report of one call: every collective with the equation's source line."""
+        return self.lowering.report(self.counters, width)
+
+    def explain(self, threshold: int = 1 << 20) -> str:
+        """The dim names (each with its size, where it first appears and the array axes it names),
+        then every tensor's layout and where it came from."""
+        lines = ["dimension names (write layout rules against these):"]
+        for d in self.names.dims.values():
+            lines.append(f"  {d.name}  size {d.size}  first at {d.source}: {'; '.join(d.axes)}")
+        return "\n".join(lines) + "\n\n" + self.lowering.explain(threshold)
+
+    def layout_of(self, what) -> str:
+        """The layout of an argument (its path, e.g. "params/w1"), an output (its index), or a
+        meshax Tensor of the graph, as rules ("params/w1[1]:y"; "" when replicated)."""
+        if isinstance(what, Tensor):
+            return self.lowering.layout_of(what)
+        if isinstance(what, int):
+            return self.lowering.layout_of(self.outputs[what])
+        if what in self.paths:
+            return self.lowering.layout_of(self.placeholders[self.paths.index(what)])
+        raise ConfigError(f"no argument {what!r}; the arguments are: {', '.join(self.paths)}")
+
+
+class _mesh_context:
+    """`jax.set_mesh(mesh)` while tracing, so `with_sharding_constraint(x, PartitionSpec(...))`
+    inside the function knows the mesh."""
+
+    def __init__(self, mesh):
+        self._cm = jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else jax.sharding.use_mesh(mesh)
+
+    def __enter__(self):
+        return self._cm.__enter__()
+
+    def __exit__(self, *exc):
+        return self._cm.__exit__(*exc)
+
+
+def partition(
+    fn: Callable,
+    mesh,
+    in_shardings=None,
+    out_shardings=None,
+    *,
+    layout=None,
+    static_argnums: int | Sequence[int] = (),
+    static_argnames: str | Sequence[str] = (),
+    donate_argnums: int | Sequence[int] = (),
+    devices: Sequence | None = None,
+) -> Partitioned:
+    """`fn`, a plain single-device JAX function, partitioned over `mesh` ("x:2;y:4").
+
+    `in_shardings`: per positional argument a PartitionSpec (or None: left to propagation) or a
+    pytree prefix of them, as `jax.jit` takes; or one PartitionSpec for every argument; or a dict
+    of argument paths (glob patterns allowed) to PartitionSpecs: `{"params/w1": P(None, "y")}`.
+    `out_shardings` likewise for the results. `layout`: layout rules against the dim names
+    `explain()` lists ("x[0]:x"). Inside `fn`, `jax.lax.with_sharding_constraint(x, P(...))` and
+    `mx.mesh_split(x, [...], priority=p)` annotate intermediate values. `static_argnums`,
+    `static_argnames` and `donate_argnums` are `jax.jit`'s."""
+    return Partitioned(
+        fn, mesh, in_shardings, out_shardings, layout, static_argnums, static_argnames, donate_argnums, devices
+    )
