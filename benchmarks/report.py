@@ -16,6 +16,7 @@ SECTION_TITLES = {
     6: "GPU",
     7: "GSPMD annotations: meshax propagation vs XLA's, same annotations",
     8: "Spatial partitioning: halo exchange vs XLA's, same shardings",
+    9: "Plain JAX functions: mx.partition vs jax.jit, same function and annotations",
 }
 
 
@@ -71,7 +72,7 @@ def _num(v, unit: str = "") -> str:
 def config_text(r: dict) -> str:
     c = r["config"]
     parts = []
-    keys = ("mesh", "meshes", "layout", "size", "platform") + (("program",) if r["section"] == 5 else ())
+    keys = ("mesh", "meshes", "layout", "size", "platform") + (("program",) if r["section"] in (5, 9) else ())
     for k in keys:
         if k in c:
             v = c[k]

@@ -105,6 +105,7 @@ BUILDERS = {
     "sign": lambda x, i, m: mx.sign(x),
     "sin": lambda x, i, m: mx.sin(x),
     "slice": lambda x, i, m: mx.slice(x, 2, 4, "b"),
+    "slicewise": lambda x, i, m: mx.slicewise(lambda a: a * a, [x], splittable_dims=["b", "d"]),
     "softmax": lambda x, i, m: mx.softmax(x, B),
     "softplus": lambda x, i, m: mx.softplus(x),
     "split": lambda x, i, m: mx.split(x, D, 2)[1],

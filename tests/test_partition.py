@@ -258,6 +258,41 @@ def test_embedding_lookup_and_its_gradient_with_the_table_split():
     assert {"GatherOperation", "EinsumOperation"} <= kinds
 
 
+def test_random_keys_dropout_and_noise_equal_jax_jit():
+    """PRNG keys in, split, folded and out (carried as their uint32 data, every op on them run
+    whole): dropout and noise draw the very bits jax.jit draws, under a split layout."""
+
+    def f(w, x, key):
+        k1, k2 = jax.random.split(key)
+        keep = jax.random.bernoulli(k1, 0.8, x.shape)
+        h = jnp.where(keep, x, 0) / 0.8 @ w
+        return h + jax.random.normal(jax.random.fold_in(k2, 3), h.shape), k2
+
+    w, x = jnp.ones((16, 8)), jnp.arange(32 * 16.0).reshape(32, 16) / 100
+    g = mx.partition(f, MESH, in_shardings=(P(None, "y"), P("x"), None))
+    (a, ka), (b, kb) = g(w, x, jax.random.key(0)), jax.jit(f)(w, x, jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(jax.random.key_data(ka), jax.random.key_data(kb))
+
+
+def test_convolution_and_pooling_with_batch_and_features_split():
+    """conv_general_dilated keeps batch and output features split and sums input features (its
+    filter gradient: a partial sum over the batch split over x, allreduced); max pooling and its
+    gradient run with their window axes whole."""
+
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        y = jax.lax.reduce_window(jax.nn.relu(y), -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+        return jnp.mean(y**2)
+
+    w, x = jax.random.normal(jax.random.key(0), (3, 3, 4, 8)), jax.random.normal(jax.random.key(1), (8, 8, 8, 4))
+    step = jax.value_and_grad(loss)
+    g = mx.partition(step, MESH, in_shardings=(P(None, None, None, "y"), P("x")))
+    assert_trees_close(g(w, x), jax.jit(step)(w, x), rtol=1e-5, atol=1e-6)
+    sites = [(s.kind, s.mesh_axes, s.values) for s in g.counters.sites()]
+    assert ("allreduce", ("x",), 3 * 3 * 4 * 8 // Y) in sites
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 def test_unsupported_primitive_names_it_its_line_and_the_way_around():
     def f(a):

@@ -67,6 +67,7 @@ def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
     h = mx.concat([mx.slice(h, 0, 4, "A"), mx.pad(mx.slice(h, 4, 2, "A"), [0, 2], "A")], "A")  # slice, pad, concat
     g = mx.gather(h, ids, A)  # gather
     v, _ = mx.top_k(g, C, K)  # top_k
+    v = mx.slicewise(lambda a: a * a, [v], splittable_dims=[A])  # slicewise
     out = mx.reduce_sum(mx.broadcast(v, [A, K, B]), output_shape=[B])  # broadcast, reduce
     img = mx.placeholder(mesh, "img", [A, B, C])  # conv and pool, with their gradients
     f = mx.placeholder(mesh, "f", "fb:3;C:8;o:2")

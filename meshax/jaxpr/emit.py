@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import jax
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -23,7 +24,7 @@ from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.jaxpr.flatten import Eqn, Flat, is_var
 from meshax.jaxpr.names import Names
-from meshax.jaxpr.roles import CUMULATIVE, LINEAR, roles
+from meshax.jaxpr.roles import CUMULATIVE, LINEAR, is_key, roles
 from meshax.layout import OPEN, ShardingRule
 from meshax.ops.slicewise import SlicewiseOperation
 
@@ -56,9 +57,16 @@ class Emitter:
         return self._literals[key]
 
     def out_shape(self, v) -> Shape:
+        """v's shape as named dims; a PRNG key array's with its key data's trailing dims (keys
+        are carried as their uint32 data)."""
         if is_var(v):
-            return self.names.shape(v)
-        return Shape([Dimension(self.fresh("dropped"), int(n)) for n in v.aval.shape])
+            shape = self.names.shape(v)
+        else:
+            shape = Shape([Dimension(self.fresh("dropped"), int(n)) for n in v.aval.shape])
+        if is_key(v.aval):
+            extra = key_data_shape(v.aval.dtype)
+            shape = Shape([*shape.dims, *(Dimension(self.fresh("key"), n) for n in extra)])
+        return shape
 
     def run(self) -> None:
         for e in self.flat.eqns:
@@ -72,6 +80,8 @@ class Emitter:
         try:
             ins, role_names = self.operands(e, in_roles, out_roles, outs)
             handler = None if e.replicated else _HANDLERS.get(e.name)
+            if any(is_key(a.aval) for a in (*e.ins, *e.outs)):
+                handler = _random  # any op on key arrays (split, slice, squeeze ...): run whole
             results = (handler or _bind)(self, e, ins, outs, role_names, in_roles, out_roles)
         except (GraphError, LayoutError) as err:
             raise type(err)(f"{err} (importing {e.name} at {e.source})") from None
@@ -107,6 +117,7 @@ class Emitter:
                     name = self.fresh(d.name)
                 want.append(name)
                 seen.add(name)
+            want += [d.name for d in t.shape.dims[len(rs) :]]  # (a key's data dims)
             renamed.append(rename(t, want))
         return renamed, role_name
 
@@ -191,7 +202,7 @@ def _bind(em: Emitter, e: Eqn, ins, outs, role_names, in_roles, out_roles, whole
         ins,
         fn,
         outs,
-        [v.aval.dtype for v in e.outs],
+        [np.uint32 if is_key(v.aval) else v.aval.dtype for v in e.outs],
         rule=rule,
         linear=e.name in LINEAR,
         flops=1 if e.name not in ("broadcast_in_dim", "iota", "slice", "pad", "concatenate", "copy") else 0,
@@ -210,6 +221,30 @@ def _tied_index_operands(e: Eqn) -> list[int]:
         full, upd = e.ins[0].aval.shape, e.ins[1].aval.shape
         return [2 + i for i in range(len(full)) if upd[i] == full[i]]
     return []
+
+
+# ---- PRNG keys: carried as their uint32 data; every op on keys runs whole on every device -----------
+def key_data_shape(dtype) -> tuple[int, ...]:
+    """The trailing shape of one key's data (2 for threefry)."""
+    return tuple(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape)
+
+
+def _random(em, e, ins, outs, role_names, in_roles, out_roles):
+    if e.name in ("random_wrap", "random_unwrap"):  # the data is the key: a relabel
+        return [ins[0]]
+    prim = e.primitive
+
+    def fn(local, *xs):
+        args = [
+            jax.random.wrap_key_data(x, impl=a.aval.dtype._impl) if is_key(a.aval) else x for x, a in zip(xs, e.ins)
+        ]
+        out = prim.bind(*args, **e.params)
+        out = out if prim.multiple_results else [out]
+        return tuple(jax.random.key_data(o) if is_key(v.aval) else o for o, v in zip(out, e.outs))
+
+    rule = _rule(ins, outs, [[None] * t.shape.rank for t in ins], [[None] * o.rank for o in outs])
+    dtypes = [np.uint32 if is_key(v.aval) else v.aval.dtype for v in e.outs]
+    return SlicewiseOperation(ins, fn, outs, dtypes, rule=rule, name=e.name).outputs
 
 
 # ---- primitives that map onto meshax ops ---------------------------------------------------------
@@ -394,5 +429,8 @@ _HANDLERS: dict[str, Callable] = {
     "scatter": _scatter,
     "sharding_constraint": _annotation,
     "reshard": _annotation,
+    **dict.fromkeys(
+        ("random_bits", "random_split", "random_fold_in", "random_seed", "random_wrap", "random_unwrap"), _random
+    ),
     "meshax_mesh_split": _annotation,
 }

@@ -41,6 +41,13 @@ def _key_text(k) -> str:
     return str(k)
 
 
+def _aval_key(x) -> tuple:
+    """What a traced program depends on of an argument leaf: its shape and dtype."""
+    if isinstance(x, jax.Array | np.ndarray):
+        return (x.shape, x.dtype)
+    return (np.shape(x), str(jax.numpy.result_type(x)))
+
+
 def _where() -> str:
     frame = inspect.stack()[2]
     return f"{frame.filename}:{frame.lineno}"
@@ -96,7 +103,7 @@ class Partitioned:
         dynamic, dyn_kwargs, static = self._split(args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten((dynamic, dyn_kwargs))
         try:
-            signature = (tree, tuple((np.shape(x), str(jax.numpy.result_type(x))) for x in leaves), static)
+            signature = (tree, tuple(_aval_key(x) for x in leaves), static)
             hash(signature)
         except TypeError as e:
             raise ConfigError(f"mx.partition: static arguments must be hashable ({e})") from None
@@ -154,6 +161,7 @@ class PartitionedProgram:
             closed, out_shape = jax.make_jaxpr(pure, return_shape=True)(dynamic, dyn_kwargs)
         self._out_tree = jax.tree_util.tree_structure(out_shape)
         self._n_out = len(closed.jaxpr.outvars)
+        self._outvars = list(closed.jaxpr.outvars)
         flat = Flat(closed)
         arg_paths = {v: p for v, p in zip(closed.jaxpr.invars, self.paths)}
         self.names = Names(flat, arg_paths)
@@ -284,12 +292,32 @@ class PartitionedProgram:
             raise ConfigError(
                 f"arguments of another structure than the program was traced for: {tree} vs {self._in_tree}"
             )
-        feeds = {}
-        for t, key, leaf in zip(self.placeholders, self._keys, leaves):
-            if t in self._function.placeholders:
-                feeds[t] = jax.random.key_data(leaf) if key is not None else leaf
+        feeds = {
+            t: jax.random.key_data(leaf) if key is not None else leaf
+            for t, key, leaf in zip(self.placeholders, self._keys, leaves)
+        }
         outs = self._function.call_global(feeds)
+        outs = [
+            jax.random.wrap_key_data(o, impl=v.aval.dtype._impl) if is_key(v.aval) else o
+            for o, v in zip(outs, self._outvars)
+        ]
         return jax.tree_util.tree_unflatten(self._out_tree, outs)
+
+    def place(self, *args, **kwargs):
+        """The arguments laid out on the devices as the program takes them (each leaf with its
+        layout's NamedSharding): place a training loop's first state once, and every later call
+        takes it as it is, nothing moved. Static arguments come back as they are."""
+        dynamic, dyn_kwargs, _ = self.owner._split(args, kwargs)
+        leaves = jax.tree_util.tree_leaves((dynamic, dyn_kwargs))
+        impl = self.owner.impl
+        placed = iter(
+            jax.device_put(leaf, impl.global_sharding(t.shape, self.lowering.plan[t])) if key is None else leaf
+            for t, key, leaf in zip(self.placeholders, self._keys, leaves)
+        )
+        dynamic, dyn_kwargs = jax.tree_util.tree_unflatten(self._in_tree, list(placed))
+        it = iter(dynamic)
+        full = tuple(a if i in self.owner.static_argnums else next(it) for i, a in enumerate(args))
+        return full, {**kwargs, **dyn_kwargs}
 
     def compiled_text(self, *args, **kwargs) -> str:
         """The compiled SPMD program (HLO) for these arguments."""

@@ -292,6 +292,8 @@ RULES: dict[str, Callable] = {
     "reduce_window_max": _window,
     "reduce_window_min": _window,
     "reduce_window": _window,
+    "select_and_scatter_add": _window,
+    "select_and_gather_add": _window,
 }
 
 

@@ -1,0 +1,134 @@
+"""Section 9: `mx.partition` against `jax.jit`: the same plain JAX function, the same annotations,
+the same mesh.
+
+The functions are `benchmarks.plain_jax`'s training steps (jax.numpy, jax.grad, optax Adam)
+under GSPMD Table 1's 2D finalized sharding on "x:2;y:4": the Table 1 weights given as
+`in_shardings` by argument path, the activations as `with_sharding_constraint` inside. meshax
+traces, propagates and lowers them itself; `jax.jit` hands the same function and annotations to
+XLA's partitioner (the weights placed with those shardings, everything else as the arrays come,
+replicated). Both sides run the same step from the same inputs; the first outputs must agree
+before anything is timed.
+
+Reported per model: the step-time ratio meshax / XLA (interleaved medians; target <= 1.0), and
+the collective bytes each device puts in per step, read from each compiled HLO (target: meshax
+<= XLA).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshax as mx
+from benchmarks import hlo
+from benchmarks import plain_jax as pj
+from benchmarks.records import record, side, step_ratio
+from benchmarks.timing import interleaved
+
+MESH = "x:2;y:4"
+SHARDING = "finalized"
+QUICK = {"lm": pj.Config(), "mlp": (32, 16, 32, 64), "steps": 6, "warmup": 2}
+FULL = {
+    "lm": pj.Config(vocab=512, d_model=128, d_ff=512, heads=8, d_kv=16, layers=2, batch=16, length=64),
+    "mlp": (64, 32, 256, 1024),
+    "steps": 30,
+    "warmup": 3,
+}
+
+
+def _cases(p: dict) -> list[tuple]:
+    """(name, step, args, in_shardings by path) per model."""
+    opt = optax.adam(1e-3)
+    c = p["lm"]
+    lm_params = pj.transformer_params(jax.random.key(0), c)
+    ids = jax.random.randint(jax.random.key(1), (c.batch, c.length), 0, c.vocab)
+    lm = pj.train_step(pj.transformer_loss, opt, sharding=SHARDING)
+    b, s, m, h = p["mlp"]
+    mlp_params = pj.mlp_params(jax.random.key(2), m, h)
+    x = jax.random.normal(jax.random.key(3), (b, s, m))
+    mlp = pj.train_step(pj.mlp_loss, opt, sharding=SHARDING)
+    return [
+        (f"MLP B={b} S={s} M={m} H={h}", mlp, (mlp_params, opt.init(mlp_params), x, x), pj.MLP_WEIGHTS),
+        (
+            f"Transformer M={c.d_model} H={c.d_ff} N={c.heads} L={c.layers} B={c.batch} S={c.length}",
+            lm,
+            (lm_params, opt.init(lm_params), ids, jnp.roll(ids, -1, axis=1)),
+            pj.TRANSFORMER_WEIGHTS,
+        ),
+    ]
+
+
+def _xla(step, args: tuple, by_path: dict, mesh):
+    """jax.jit of `step` under `mesh`, its Table 1 weights placed with their annotations."""
+    import fnmatch
+
+    def place(path, leaf):
+        name = "params/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+        for pattern, spec in by_path.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                return jax.device_put(leaf, NamedSharding(mesh, spec))
+        return jax.device_put(leaf, NamedSharding(mesh, P()))
+
+    params = jax.tree_util.tree_map_with_path(place, args[0])
+    rest = jax.tree_util.tree_map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), args[1:])
+    return jax.jit(step), (params, *rest)
+
+
+def _block(tree):
+    return jax.block_until_ready(tree)
+
+
+def run(quick: bool) -> list[dict]:
+    p = QUICK if quick else FULL
+    out: list[dict] = []
+    for name, step, args, by_path in _cases(p):
+        f = mx.partition(step, MESH, in_shardings=by_path)
+        program = f.lower(*args)
+        args = program.place(*args)[0]  # (laid out once, as a training loop's state would be)
+        jitted, xla_args = _xla(step, args, by_path, program.owner.impl.jax_mesh)
+        cfg = {"mesh": MESH, "layout": f"(annotations) Table 1 {SHARDING}", "program": f"{name}, Adam"}
+        with jax.set_mesh(program.owner.impl.jax_mesh):
+            got, want = _block(f(*args)), _block(jitted(*xla_args))
+            agree = all(
+                np.allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-4)
+                for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want))
+            )
+            first = {"loss meshax": float(got[-1]), "loss xla": float(want[-1]), "agree": agree}
+            if not agree:
+                out.append(record(9, "step time meshax / XLA", cfg, None, "", status="not timed: outputs differ"))
+                continue
+            t = interleaved(
+                lambda f=f, a=args: _block(f(*a)),
+                lambda j=jitted, a=xla_args: _block(j(*a)),
+                p["steps"],
+                p["warmup"],
+            )
+            text_xla = jitted.lower(*xla_args).compile().as_text()
+        out.append(
+            step_ratio(
+                9, "step time meshax / XLA, same function and annotations", cfg, t, "jax.jit", first_outputs=first
+            )
+        )
+        c_mx, c_xla = hlo.collectives(program.compiled_text(*args)), hlo.collectives(text_xla)
+        b_mx, b_xla = (4 * sum(v["values"] for v in c.values()) for c in (c_mx, c_xla))  # (float32 throughout)
+        out.append(
+            record(
+                9,
+                "collective bytes meshax / XLA (compiled HLO)",
+                cfg,
+                b_mx / max(b_xla, 1),
+                "ratio",
+                target="<= 1.0",
+                met=b_mx <= b_xla,
+                numerator=side("meshax bytes per device per step", b_mx, "bytes"),
+                denominator=side("XLA bytes per device per step", b_xla, "bytes"),
+                meshax=hlo.summary(c_mx),
+                xla=hlo.summary(c_xla),
+                note=name,
+            )
+        )
+    return out
