@@ -192,3 +192,21 @@ def test_two_functions_share_a_lowering(impl_cls):
     xv = rand([8, 8], seed=53)
     assert_close(lowering.function(y)({x: xv}), np.exp(xv))
     assert_close(lowering.function(z)({x: xv}), xv.sum(axis=0))
+
+
+@pytest.mark.parametrize("mesh_shape,layout,moves", [("rows:2;cols:4", "h:cols", 0), ("all:8", "h:all", None)])
+def test_reshape_keeps_a_merged_dims_split_on_its_major_part(mesh_shape, layout, moves):
+    """[b, h, d] -> [b, (h d)] -> [b, h, d]: h and the merged hd are one compound factor, so h
+    split over cols propagates to hd and stays split with no communication; where the split does not divide h
+    (8 devices, 4 heads: padded) the reshape gathers instead, and the values are right either way."""
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B, H, D])
+    y = mx.reshape(x, [B, Dim("hd", 32)])
+    z = mx.reshape(y * 2.0, [B, H, D])
+    low, fn = lower((y, z), mx.SimdMeshImpl, mesh_shape, layout)
+    got_y, got_z = fn({x: XV})
+    assert_close(got_y, XV.reshape(8, 32))
+    assert_close(got_z, XV * 2.0)
+    if moves is not None:
+        assert low.layout_of(y) == "hd:cols"
+        assert sum(fn.counters[k].count for k in ("allgather", "alltoall", "allreduce")) == moves

@@ -32,16 +32,16 @@ from meshax.ops.slicewise import SlicewiseOperation
 class Emitter:
     """Builds the meshax graph of a flattened jaxpr on `mesh`; `env` maps variables to tensors."""
 
-    def __init__(self, mesh: Mesh, flat: Flat, names: Names, mesh_dims: list[str]):
+    def __init__(self, mesh: Mesh, flat: Flat, names: Names, mesh_dims: list[str], parent: Emitter | None = None):
         self.mesh, self.flat, self.names, self.mesh_dims = mesh, flat, names, mesh_dims
         self.env: dict = {}
-        self._fresh = 0
+        self._counter: list[int] = parent._counter if parent is not None else [0]  # (fresh names unique program-wide)
         self._literals: dict = {}
 
     # ---- values ------------------------------------------------------------------------------
     def fresh(self, base: str) -> str:
-        self._fresh += 1
-        return f"{base}#{self._fresh}"
+        self._counter[0] += 1
+        return f"{base}#{self._counter[0]}"
 
     def value(self, atom) -> Tensor:
         if is_var(atom):
@@ -76,7 +76,7 @@ class Emitter:
     def emit(self, e: Eqn) -> None:
         in_roles, out_roles = roles(e)
         outs = [self.out_shape(v) for v in e.outs]
-        self.mesh.graph.source = e.source  # the ops built for the equation point at the user's line
+        outer, self.mesh.graph.source = self.mesh.graph.source, e.source  # its ops point at the user's line
         try:
             ins, role_names = self.operands(e, in_roles, out_roles, outs)
             handler = None if e.replicated else _HANDLERS.get(e.name)
@@ -86,7 +86,7 @@ class Emitter:
         except (GraphError, LayoutError) as err:
             raise type(err)(f"{err} (importing {e.name} at {e.source})") from None
         finally:
-            self.mesh.graph.source = None
+            self.mesh.graph.source = outer
         for v, t, want in zip(e.outs, results, outs):
             if is_var(v):
                 self.env[v] = conform(t, want)
@@ -245,6 +245,29 @@ def _random(em, e, ins, outs, role_names, in_roles, out_roles):
     rule = _rule(ins, outs, [[None] * t.shape.rank for t in ins], [[None] * o.rank for o in outs])
     dtypes = [np.uint32 if is_key(v.aval) else v.aval.dtype for v in e.outs]
     return SlicewiseOperation(ins, fn, outs, dtypes, rule=rule, name=e.name).outputs
+
+
+# ---- loops ---------------------------------------------------------------------------------------
+def _scan(em, e, ins, outs, role_names, in_roles, out_roles):
+    """jax.lax.scan as mx.scan: one loop in the SPMD program, its body emitted from the body's jaxpr."""
+    p = e.params
+    nc, ncar = p["num_consts"], p["num_carry"]
+    consts, init, xs = ins[:nc], ins[nc : nc + ncar], ins[nc + ncar :]
+    body = e.body
+    assert body is not None
+    stacked = [t.shape for t in xs] + list(outs[ncar:])  # (their first dims are the scanned one)
+    dim = stacked[0][0] if stacked else Dimension(em.fresh("scan"), p["length"])
+
+    def step(carry, x):
+        sub = Emitter(em.mesh, body, em.names, em.mesh_dims, parent=em)
+        for v, t in zip(body.invars, [*consts, *carry, *x]):
+            sub.env[v] = conform(t, sub.out_shape(v))
+        sub.run()
+        new = [conform(sub.value(a), c.shape) for a, c in zip(body.outvars[:ncar], carry)]
+        return new, [sub.value(a) for a in body.outvars[ncar:]]
+
+    final, ys = mops.scan(step, init, xs, dim=dim, reverse=p["reverse"], name="scan")
+    return [*final, *ys]
 
 
 # ---- primitives that map onto meshax ops ---------------------------------------------------------
@@ -429,6 +452,7 @@ _HANDLERS: dict[str, Callable] = {
     "scatter": _scatter,
     "sharding_constraint": _annotation,
     "reshard": _annotation,
+    "scan": _scan,
     **dict.fromkeys(
         ("random_bits", "random_split", "random_fold_in", "random_seed", "random_wrap", "random_unwrap"), _random
     ),

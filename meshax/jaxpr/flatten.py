@@ -43,6 +43,7 @@ class Eqn:
     params: dict
     source: str  # "file:line" of the user's code
     replicated: bool  # inside mx.replicated_region: run whole on each device
+    body: Flat | None = None  # a scan's body, flattened
 
     @property
     def name(self) -> str:
@@ -72,12 +73,12 @@ def is_var(atom) -> bool:
 class Flat:
     """The flattened program: `eqns`, `invars`, `outvars` (resolved atoms), `consts` (var -> value)."""
 
-    def __init__(self, closed: jcore.ClosedJaxpr):
+    def __init__(self, closed: jcore.ClosedJaxpr, replicated: bool = False, source: str = "<unknown>"):
         self.eqns: list[Eqn] = []
         self.consts: dict = dict(zip(closed.jaxpr.constvars, closed.consts))
         self._alias: dict = {}
         self.invars = list(closed.jaxpr.invars)
-        self._walk(closed.jaxpr, False, "<unknown>")
+        self._walk(closed.jaxpr, replicated, source)
         self.outvars = [self.resolve(v) for v in closed.jaxpr.outvars]
 
     def resolve(self, atom):
@@ -105,7 +106,10 @@ class Flat:
                         self._alias[v] = self.resolve(a)
                 continue
             ins = [self.resolve(a) for a in e.invars]
-            self.eqns.append(Eqn(e.primitive, ins, list(e.outvars), dict(e.params), source, replicated or scope))
+            eqn = Eqn(e.primitive, ins, list(e.outvars), dict(e.params), source, replicated or scope)
+            if e.primitive.name == "scan":  # a loop stays a loop (mx.scan), its body flattened too
+                eqn.body = Flat(e.params["jaxpr"], replicated or scope, source)
+            self.eqns.append(eqn)
 
     @staticmethod
     def _body(e):

@@ -14,7 +14,7 @@ import dataclasses
 
 from meshax.core.shape import Dimension, Shape
 from meshax.jaxpr.flatten import Flat, is_var
-from meshax.jaxpr.roles import rank, roles
+from meshax.jaxpr.roles import rank, roles, scan_body_ties
 
 
 @dataclasses.dataclass
@@ -39,6 +39,27 @@ class Names:
             for i in range(rank(v)):
                 self._add((v, i))
                 where[(v, i)] = (f"{path}[{i}]", "argument")
+        self._visit(flat, where)
+        self._names: dict = {}  # root -> name
+        self.dims: dict[str, DimInfo] = {}
+        count = 0
+        for node, (text, source) in where.items():  # arguments first: their names win
+            root = self._find(node)
+            if root not in self._names:
+                v, i = node
+                if source == "argument":
+                    name = text
+                else:
+                    name, count = f"d{count}", count + 1
+                self._names[root] = name
+                self.dims[name] = DimInfo(name, int(v.aval.shape[i]), source, [])
+            info = self.dims[self._names[root]]
+            if len(info.axes) < 6:
+                info.axes.append(text if source in ("argument", "constant") else f"{text} ({source})")
+
+    def _visit(self, flat: Flat, where: dict) -> None:
+        """Unite the axes each equation ties (a scan's body included, and the axes it ties across
+        the loop's boundary)."""
         for e in flat.eqns:
             for v in e.outs:
                 if is_var(v):
@@ -59,26 +80,21 @@ class Names:
                     self._add(n)
                 for n in nodes[1:]:
                     self._union(nodes[0], n)
+            if e.body is not None and not e.replicated:
+                for v in e.body.invars:
+                    for i in range(rank(v)):
+                        self._add((v, i))
+                        where.setdefault((v, i), (f"a loop variable's axis {i}", e.source))
+                self._visit(e.body, where)
+                for a, i, b, k in scan_body_ties(e):
+                    if is_var(a) and is_var(b):
+                        self._add((a, i))
+                        self._add((b, k))
+                        self._union((a, i), (b, k))
         for v in flat.consts:
             for i in range(rank(v)):
                 self._add((v, i))
                 where.setdefault((v, i), (f"a constant's axis {i}", "constant"))
-        self._names: dict = {}  # root -> name
-        self.dims: dict[str, DimInfo] = {}
-        count = 0
-        for node, (text, source) in where.items():  # arguments first: their names win
-            root = self._find(node)
-            if root not in self._names:
-                v, i = node
-                if source == "argument":
-                    name = text
-                else:
-                    name, count = f"d{count}", count + 1
-                self._names[root] = name
-                self.dims[name] = DimInfo(name, int(v.aval.shape[i]), source, [])
-            info = self.dims[self._names[root]]
-            if len(info.axes) < 6:
-                info.axes.append(text if source in ("argument", "constant") else f"{text} ({source})")
 
     def _add(self, node) -> None:
         if node not in self._parent:

@@ -250,6 +250,41 @@ def conv_roles(e) -> Roles:
     return [lr, rr], [out]
 
 
+def _scan(e) -> Roles:
+    """scan: consts and carries pass through; the scanned axis (xs' and ys' first) is one role;
+    an x's other axes are tied to its body variable's, a y's to its body result's (`names`)."""
+    nc, ncar = e.params["num_consts"], e.params["num_carry"]
+    ins: list[list[Role]] = []
+    for i, a in enumerate(e.ins):
+        if i < nc:
+            ins.append([("const", i, k) for k in range(rank(a))])
+        elif i < nc + ncar:
+            ins.append([("carry", i - nc, k) for k in range(rank(a))])
+        else:
+            ins.append(["T"] + [None] * (rank(a) - 1))
+    outs: list[list[Role]] = [
+        [("carry", j, k) for k in range(rank(v))] if j < ncar else ["T"] + [None] * (rank(v) - 1)
+        for j, v in enumerate(e.outs)
+    ]
+    return ins, outs
+
+
+def scan_body_ties(e) -> list[tuple]:
+    """(outer atom, outer axis, body atom, body axis) pairs a scan ties across its boundary."""
+    nc, ncar = e.params["num_consts"], e.params["num_carry"]
+    body = e.body
+    ties = []
+    for i, (a, v) in enumerate(zip(e.ins, body.invars)):
+        shift = 1 if i >= nc + ncar else 0  # an x's axis k + 1 is its body variable's axis k
+        ties += [(a, k + shift, v, k) for k in range(rank(v))]
+    for j, (v, r) in enumerate(zip(e.outs, body.outvars)):
+        shift = 0 if j < ncar else 1
+        ties += [(v, k + shift, r, k) for k in range(rank(r))]
+        if j < ncar:  # a carry's body result is its body variable
+            ties += [(body.invars[nc + j], k, r, k) for k in range(rank(r))]
+    return ties
+
+
 def _window(e) -> Roles:
     """reduce_window: axes the window does not span (size 1, stride 1, no padding) pass through."""
     p = e.params
@@ -293,6 +328,7 @@ RULES: dict[str, Callable] = {
     "reduce_window_min": _window,
     "reduce_window": _window,
     "select_and_scatter_add": _window,
+    "scan": _scan,
     "select_and_gather_add": _window,
 }
 

@@ -39,6 +39,7 @@ class ShardingRule:
     whole: frozenset[str] = frozenset()
     windows: tuple[tuple[str, int], ...] = ()  # windowed factor -> its halo width
     cyclic: frozenset[str] = frozenset()  # windowed factors whose window wraps around
+    divides: tuple[tuple[str, int], ...] = ()  # compound factor -> a size its split must divide
 
     @staticmethod
     def by_name(inputs: Sequence[Shape], outputs: Sequence[Shape], whole=(), windows=(), cyclic=()) -> ShardingRule:
@@ -96,10 +97,11 @@ def iteration(
     planned split), "reduced" (operands' splits of reduced factors only) and "operands" (all
     operands' splits). Whole factors are never split; a windowed factor only over one mesh
     dim and narrower than the whole dim, a cyclic one only where the split divides it
-    (`sizes`: factor -> its size)."""
+    (`sizes`: factor -> its size); a compound factor (a reshape's merged dim and its major
+    part) only where the split divides the size the rule gives it."""
     assign: dict[str, tuple[int, ...]] = {}
     used: set[int] = set()
-    windows = dict(rule.windows)
+    windows, divides = dict(rule.windows), dict(rule.divides)
     results, operands = list(zip(rule.results, planned)), list(zip(rule.operands, layouts))
     pairs = [(group, fs, layout) for group in order for fs, layout in (results if group == "results" else operands)]
     for group, factors, layout in pairs:
@@ -107,6 +109,8 @@ def iteration(
             if f is None or f in assign or (group == "reduced" and rule.kind(f) != "reduced"):
                 continue
             if f in rule.whole or used & set(axes):
+                axes = ()
+            if f in divides and axes and divides[f] % split_factor(axes, mesh_shape):
                 axes = ()
             if (
                 f in windows

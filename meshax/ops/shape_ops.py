@@ -1,11 +1,17 @@
 """Ops that rearrange dims: reshape (and rename/replace), transpose, broadcast.
 
-reshape keeps a dim's split through the reshape only where it is *aligned*: same size and the
-same product of dims before it in both shapes, so row-major order maps its stripes onto
-themselves; the other dims are gathered first and split again afterwards (allsplit is free).
+reshape keeps a dim's split through the reshape where it is *aligned*: same size and the same
+product of dims before it in both shapes, so row-major order maps its stripes onto themselves.
+A dim merged from several (`[heads, d_kv] -> [(heads d_kv)]`, or split into several) and the
+major dim it starts with are one *compound* factor (Shardy's term): with the same product of
+dims before them, a split that divides both sizes gives each device the same contiguous run of
+values in both shapes, so `heads` split over a mesh dim stays split as the merged dim. The
+other dims are gathered first and split again afterwards (allsplit is free).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 
@@ -31,6 +37,24 @@ def _aligned(a: Shape, b: Shape) -> dict[int, int]:
     return out
 
 
+def _compound(a: Shape, b: Shape, aligned: dict[int, int]) -> dict[int, int]:
+    """Positions i -> j of dims of `a` and `b` that are not aligned, have sizes above 1 sharing
+    a divisor above 1, and the same product of dims before them: a merged dim and the major
+    dim of the ones it merges (or two dims whose runs of values start at the same place)."""
+
+    def starts(s: Shape, skip) -> dict[int, int]:
+        out: dict[int, int] = {}
+        p = 1
+        for i, d in enumerate(s):
+            if i not in skip and d.size > 1:
+                out.setdefault(p, i)
+            p *= d.size
+        return out
+
+    sa, sb = starts(a, aligned), starts(b, set(aligned.values()))
+    return {i: sb[p] for p, i in sa.items() if p in sb and math.gcd(a[i].size, b[sb[p]].size) > 1}
+
+
 class ReshapeOperation(Operation):
     def __init__(self, x: Tensor, new_shape: Shape, name=None):
         super().__init__([x], name=name or "reshape")
@@ -43,13 +67,17 @@ class ReshapeOperation(Operation):
 
     def sharding_rule(self) -> ShardingRule:
         """Aligned dims (see `_aligned`) are one factor, named after the input's dim (a rename
-        keeps its split); the others belong to no factor."""
+        keeps its split); so are a compound pair (`_compound`), split only where the split
+        divides both sizes; the others belong to no factor."""
         (x,), (out,) = self.inputs, self.outputs
         pairs = _aligned(x.shape, out.shape)
+        compound = _compound(x.shape, out.shape, pairs)
+        pairs.update(compound)
         back = {j: i for i, j in pairs.items()}
         return ShardingRule(
             (tuple(d.name if i in pairs else None for i, d in enumerate(x.shape)),),
             (tuple(x.shape[back[j]].name if j in back else None for j in range(out.shape.rank)),),
+            divides=tuple((x.shape[i].name, math.gcd(x.shape[i].size, out.shape[j].size)) for i, j in compound.items()),
         )
 
     def lower(self, ctx):
