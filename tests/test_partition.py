@@ -380,14 +380,24 @@ def test_bad_annotations_and_argument_trees_are_named():
         mx.LayoutError, match=r"test_partition.py:\d+: \['x', None, None\] for an array of shape \[8, 8\]"
     ):
         mx.partition(lambda x: mx.mesh_split(x * 2, ["x", None, None]), MESH)(a)
-    with pytest.raises(mx.LayoutError, match=r"names mesh dim 'z'.*\['x', 'y'\]"):
+    with pytest.raises(mx.LayoutError, match=r"annotation at .*test_partition.py:\d+ does not fit mesh x:2;y:4.*rank"):
+        mx.partition(lambda x: jax.lax.with_sharding_constraint(x * 2, P("x", None, None)), MESH)(a)
+    with pytest.raises(mx.LayoutError, match=r"annotation at .*test_partition.py:\d+ does not fit mesh.*'z'"):
+        mx.partition(lambda x: jax.lax.with_sharding_constraint(x * 2, P("z")), MESH)(a)
+    with pytest.raises(
+        mx.LayoutError, match=r"mx.partition at .*test_partition.py:\d+\) names mesh dim 'z'.*\['x', 'y'\]"
+    ):
         mx.partition(lambda x: x * 2, MESH, in_shardings=(P("z"),))(a)
+    with pytest.raises(mx.LayoutError, match=r"names mesh dim 'q'"):
+        mx.partition(lambda x: mx.mesh_split(x * 2, ["q", None]), MESH)(a)
     with pytest.raises(mx.ConfigError, match=r"in_shardings\[0\] does not match argument 0"):
         mx.partition(lambda t: t["a"] * 2, MESH, in_shardings=({"b": P("x")},))({"a": a})
     with pytest.raises(mx.ConfigError, match=r"matches no argument.*params/w"):
         mx.partition(lambda params: params["w"] * 2, MESH, in_shardings={"params/v": P("x")})({"w": a})
     with pytest.raises(mx.ConfigError, match="one entry per positional"):
         mx.partition(lambda x, y: x + y, MESH, in_shardings=(P("x"),))(a, a)
+    with pytest.raises(mx.GraphError, match=r"'while' \(at .*test_partition.py:\d+\).*fori_loop with static bounds"):
+        mx.partition(lambda x: jax.lax.while_loop(lambda c: c.sum() < 100, lambda c: c * 2, x), MESH)(a)
 
 
 # ---- random programs ------------------------------------------------------------------------------

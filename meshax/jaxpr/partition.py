@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
+import os
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -20,8 +22,8 @@ import numpy as np
 from jax.sharding import PartitionSpec
 
 from meshax.backends import SimdMeshImpl
-from meshax.core.errors import ConfigError
-from meshax.core.graph import Graph, Mesh, Tensor
+from meshax.core.errors import ConfigError, LayoutError
+from meshax.core.graph import Graph, Mesh, Tensor, user_source
 from meshax.jaxpr.emit import Emitter, annotate
 from meshax.jaxpr.flatten import Flat
 from meshax.jaxpr.names import Names
@@ -48,9 +50,20 @@ def _aval_key(x) -> tuple:
     return (np.shape(x), str(jax.numpy.result_type(x)))
 
 
-def _where() -> str:
-    frame = inspect.stack()[2]
-    return f"{frame.filename}:{frame.lineno}"
+def _user_line(error: BaseException) -> str:
+    """'file:line' of the innermost frame of an exception's traceback outside JAX and meshax."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not _internal(f.filename)]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "<unknown>"
+
+
+def _mesh_text(impl) -> str:
+    return ";".join(f"{d.name}:{d.size}" for d in impl.shape)
+
+
+def _internal(filename: str) -> bool:
+    return any(
+        part in filename for part in (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}meshax{os.sep}")
+    )
 
 
 class Partitioned:
@@ -78,7 +91,7 @@ class Partitioned:
         self.static_argnums = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
         self.static_argnames = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
         self.donate_argnums = {donate_argnums} if isinstance(donate_argnums, int) else set(donate_argnums)
-        self._where = _where()
+        self._where = user_source()  # the mx.partition call: where argument annotations come from
         try:
             params = list(inspect.signature(fn).parameters.values())
         except (TypeError, ValueError):
@@ -158,7 +171,14 @@ class PartitionedProgram:
         self.paths = [self._path(p) for p, _ in path_leaves]
         leaves = [x for _, x in path_leaves]
         with _mesh_context(impl.jax_mesh):
-            closed, out_shape = jax.make_jaxpr(pure, return_shape=True)(dynamic, dyn_kwargs)
+            try:
+                closed, out_shape = jax.make_jaxpr(pure, return_shape=True)(dynamic, dyn_kwargs)
+            except ValueError as e:  # JAX's own check of a sharding annotation: say where it is
+                if "mesh" not in str(e) and "shard" not in str(e).lower():
+                    raise
+                raise LayoutError(
+                    f"a sharding annotation at {_user_line(e)} does not fit mesh {_mesh_text(owner.impl)}: {e}"
+                ) from None
         self._out_tree = jax.tree_util.tree_structure(out_shape)
         self._n_out = len(closed.jaxpr.outvars)
         self._outvars = list(closed.jaxpr.outvars)
@@ -180,7 +200,11 @@ class PartitionedProgram:
             self.placeholders.append(t)
             self._keys.append(key)
             emitter.env[v] = (
-                t if spec is None else annotate(t, spec, (), 0, list(impl.axis_names), f"in_shardings[{path!r}]")
+                t
+                if spec is None
+                else annotate(
+                    t, spec, (), 0, list(impl.axis_names), f"in_shardings[{path!r}] (mx.partition at {owner._where})"
+                )
             )
         self.graph.source = None
         emitter.run()
@@ -190,7 +214,14 @@ class PartitionedProgram:
         for i, atom in enumerate(flat.outvars):
             t = emitter.value(atom)
             if out_specs[i] is not None:
-                t = annotate(t, out_specs[i], (), 0, list(impl.axis_names), f"out_shardings[{i}]")
+                t = annotate(
+                    t,
+                    out_specs[i],
+                    (),
+                    0,
+                    list(impl.axis_names),
+                    f"out_shardings[{i}] (mx.partition at {owner._where})",
+                )
             self.outputs.append(t)
         self.graph.source = None
         self.lowering = Lowering(self.graph, {mesh: impl})

@@ -339,10 +339,11 @@ def roles(e) -> Roles:
     if e.replicated:
         return _nothing(e)
     if e.name not in RULES:
+        loop = " (a loop with a fixed trip count: write it as jax.lax.scan or fori_loop with static bounds)"
         raise GraphError(
             f"mx.partition does not support the JAX primitive {e.name!r} (at {e.source}): wrap the code "
             "that uses it in mx.replicated_region(fn) to run it whole on each device, or write it with "
-            "supported primitives"
+            "supported primitives" + (loop if e.name in ("while", "cond") else "")
         )
     return RULES[e.name](e)
 
