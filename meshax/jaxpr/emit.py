@@ -26,6 +26,7 @@ from meshax.jaxpr.flatten import Eqn, Flat, is_var
 from meshax.jaxpr.names import Names
 from meshax.jaxpr.roles import CUMULATIVE, LINEAR, is_key, roles
 from meshax.layout import OPEN, ShardingRule
+from meshax.ops.inputs import ConstantOperation
 from meshax.ops.slicewise import SlicewiseOperation
 
 
@@ -205,10 +206,29 @@ def _bind(em: Emitter, e: Eqn, ins, outs, role_names, in_roles, out_roles, whole
         [np.uint32 if is_key(v.aval) else v.aval.dtype for v in e.outs],
         rule=rule,
         linear=e.name in LINEAR,
-        flops=1 if e.name not in ("broadcast_in_dim", "iota", "slice", "pad", "concatenate", "copy") else 0,
+        flops=_flops(e),
         name=e.name,
     )
     return op.outputs
+
+
+_MOVES = {
+    "broadcast_in_dim", "iota", "slice", "pad", "concatenate", "split", "copy", "copy_p", "dynamic_slice",
+    "dynamic_update_slice", "gather", "squeeze", "reshape", "transpose", "sort",
+}  # fmt: skip
+
+
+def _flops(e: Eqn) -> int:
+    """FLOPs per result value, for the cost report: a convolution's multiply-adds over its
+    window and input features, a pooling window's size, one for other arithmetic, none for
+    ops that only move values."""
+    if e.name == "conv_general_dilated":
+        rhs = e.ins[1].aval.shape
+        spec = e.params["dimension_numbers"].rhs_spec  # (out features, in features, spatial ...)
+        return 2 * int(np.prod([rhs[i] for i in spec[1:]]))
+    if e.name.startswith(("reduce_window", "select_and_")):
+        return int(np.prod(e.params["window_dimensions"]))
+    return 0 if e.name in _MOVES else 1
 
 
 def _tied_index_operands(e: Eqn) -> list[int]:
@@ -369,16 +389,17 @@ def _scatter_add(em, e, ins, outs, role_names, in_roles, out_roles):
     ids = mops.reshape(indices, Shape(indices.shape.dims[:-1]), name="scatter-add")
     hot = mops.one_hot(ids, operand.shape[k], dtype=updates.dtype)
     rows = mops.einsum([hot, updates], output_shape=operand.shape, name="scatter-add")
-    if not is_var(e.ins[0]) or _is_zeros(em, e.ins[0]):
+    if _is_zeros(em, e.ins[0]):
         return [rows]
     return [mops.add(operand, rows, name="scatter-add")]
 
 
 def _is_zeros(em: Emitter, atom) -> bool:
+    """Whether an operand is known to be all zeros (a literal, or a constant of zeros)."""
+    if not is_var(atom):
+        return not np.any(np.asarray(atom.val))
     t = em.env.get(atom)
-    return (
-        t is not None and getattr(t.operation, "value", None) == 0 and type(t.operation).__name__ == "ConstantOperation"
-    )
+    return t is not None and isinstance(t.operation, ConstantOperation) and t.operation.value == 0
 
 
 def _scattered(e: Eqn, ins) -> set[str]:
