@@ -11,6 +11,8 @@ import dataclasses
 import os
 from typing import Any
 
+import jax
+import jaxlib
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
@@ -51,6 +53,14 @@ class Eqn:
 
 
 _MESHAX = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_JAX = tuple(os.path.dirname(os.path.abspath(m.__file__ or "")) for m in (jax, jaxlib))
+
+
+def is_library_file(name: str) -> bool:
+    """A file of JAX's or of meshax's: not where the user wrote what meshax reports."""
+    return not name.startswith("<") and os.path.abspath(name).startswith(
+        (_MESHAX + os.sep, *(j + os.sep for j in _JAX))
+    )
 
 
 def source_of(source_info) -> str:
@@ -60,9 +70,8 @@ def source_of(source_info) -> str:
         return "<unknown>"
     for frame in source_info_util.user_frames(source_info.traceback):
         name = frame.file_name
-        if not name.startswith("<") and os.path.abspath(name).startswith(_MESHAX + os.sep):
-            continue
-        return f"{name if name.startswith('<') else os.path.relpath(name)}:{frame.start_line}"
+        if not is_library_file(name):
+            return f"{name if name.startswith('<') else os.path.relpath(name)}:{frame.start_line}"
     return "<unknown>"
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fnmatch
 import inspect
-import os
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -25,7 +24,7 @@ from meshax.backends import SimdMeshImpl
 from meshax.core.errors import ConfigError, LayoutError
 from meshax.core.graph import Graph, Mesh, Tensor, user_source
 from meshax.jaxpr.emit import Emitter, annotate
-from meshax.jaxpr.flatten import Flat
+from meshax.jaxpr.flatten import Flat, is_library_file
 from meshax.jaxpr.names import Names
 from meshax.jaxpr.roles import is_key
 from meshax.lower import Counters, Lowering
@@ -52,18 +51,12 @@ def _aval_key(x) -> tuple:
 
 def _user_line(error: BaseException) -> str:
     """'file:line' of the innermost frame of an exception's traceback outside JAX and meshax."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__) if not _internal(f.filename)]
+    frames = [f for f in traceback.extract_tb(error.__traceback__) if not is_library_file(f.filename)]
     return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "<unknown>"
 
 
 def _mesh_text(impl) -> str:
     return ";".join(f"{d.name}:{d.size}" for d in impl.shape)
-
-
-def _internal(filename: str) -> bool:
-    return any(
-        part in filename for part in (f"{os.sep}jax{os.sep}", f"{os.sep}jaxlib{os.sep}", f"{os.sep}meshax{os.sep}")
-    )
 
 
 class Partitioned:
