@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks import hlo
 from benchmarks import transformer as lm
-from benchmarks.records import record, side, step_ratio
+from benchmarks.records import collectives_ratio, record, step_ratio
 from benchmarks.timing import interleaved
 from benchmarks.two_layer import JaxModel, MeshaxModel, Size, feeds
 
@@ -59,24 +58,7 @@ def _compare(
             first_outputs=first,
         )
     ]
-    c_mx, c_xla = hlo.collectives(text_mx), hlo.collectives(text_xla)
-    v_mx, v_xla = (sum(v["values"] for v in c.values()) for c in (c_mx, c_xla))
-    out.append(
-        record(
-            7,
-            "collective values meshax / XLA (compiled HLO)",
-            cfg,
-            v_mx / max(v_xla, 1),
-            "ratio",
-            target="<= 1.0",
-            met=v_mx <= v_xla,
-            numerator=side("meshax values per device per step", v_mx, "values"),
-            denominator=side("XLA values per device per step", v_xla, "values"),
-            meshax=hlo.summary(c_mx),
-            xla=hlo.summary(c_xla),
-            note=name,
-        )
-    )
+    out.append(collectives_ratio(7, cfg, text_mx, text_xla, name))
     return out
 
 

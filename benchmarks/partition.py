@@ -24,9 +24,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import meshax as mx
-from benchmarks import hlo
 from benchmarks import plain_jax as pj
-from benchmarks.records import record, side, step_ratio
+from benchmarks.records import collectives_ratio, record, step_ratio
 from benchmarks.timing import interleaved
 
 MESH = "x:2;y:4"
@@ -113,22 +112,5 @@ def run(quick: bool) -> list[dict]:
                 9, "step time meshax / XLA, same function and annotations", cfg, t, "jax.jit", first_outputs=first
             )
         )
-        c_mx, c_xla = hlo.collectives(program.compiled_text(*args)), hlo.collectives(text_xla)
-        b_mx, b_xla = (4 * sum(v["values"] for v in c.values()) for c in (c_mx, c_xla))  # (float32 throughout)
-        out.append(
-            record(
-                9,
-                "collective bytes meshax / XLA (compiled HLO)",
-                cfg,
-                b_mx / max(b_xla, 1),
-                "ratio",
-                target="<= 1.0",
-                met=b_mx <= b_xla,
-                numerator=side("meshax bytes per device per step", b_mx, "bytes"),
-                denominator=side("XLA bytes per device per step", b_xla, "bytes"),
-                meshax=hlo.summary(c_mx),
-                xla=hlo.summary(c_xla),
-                note=name,
-            )
-        )
+        out.append(collectives_ratio(9, cfg, program.compiled_text(*args), text_xla, name, itemsize=4))  # (f32)
     return out

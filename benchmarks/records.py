@@ -70,6 +70,28 @@ def step_ratio(
     )
 
 
+def collectives_ratio(section: int, config: dict, text_mx: str, text_xla: str, note: str, itemsize: int = 0) -> dict:
+    """meshax's collective values (or bytes, given the values' `itemsize`) per device and step
+    over XLA's, both read from compiled HLO; met when meshax moves no more."""
+    c_mx, c_xla = hlo.collectives(text_mx), hlo.collectives(text_xla)
+    what, unit, scale = ("bytes", "bytes", itemsize) if itemsize else ("values", "values", 1)
+    v_mx, v_xla = (scale * sum(v["values"] for v in c.values()) for c in (c_mx, c_xla))
+    return record(
+        section,
+        f"collective {what} meshax / XLA (compiled HLO)",
+        config,
+        v_mx / max(v_xla, 1),
+        "ratio",
+        target="<= 1.0",
+        met=v_mx <= v_xla,
+        numerator=side(f"meshax {what} per device per step", v_mx, unit),
+        denominator=side(f"XLA {what} per device per step", v_xla, unit),
+        meshax=hlo.summary(c_mx),
+        xla=hlo.summary(c_xla),
+        note=note,
+    )
+
+
 def collectives_records(section: int, config: dict, compiled: dict[str, dict]) -> list[dict]:
     """One record per program: its collectives ({kind: {"count", "values"}}, from its HLO)."""
     return [

@@ -107,3 +107,22 @@ def test_scan_errors():
         mx.scan(lambda c, t: (c, []), [x], [x], dim=mx.Dimension("n", 2))
     with pytest.raises(mx.GraphError, match="needs dim="):
         mx.scan(lambda c, t: (c, []), [x])
+
+
+def test_annotations_propagate_across_the_loop_boundary():
+    """An annotation on the scanned input reaches the loop's body (the carry's variable, the
+    body's ops, the new carry) and the final value, as through an identity; values unchanged."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    L = mx.Dimension("layers", 3)
+    x = mx.mesh_split(mx.placeholder(mesh, "x", [B, D]), ["rows", None])
+    w = mx.get_variable(mesh, "w", [L, D, E], initializer=mx.initializers.normal(0.4))
+    (out,), _ = mx.scan(lambda c, xs: ([_layer(c[0], xs[0])], []), [x], [w], dim="layers")
+    low = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4")})
+    (scan,) = [op for op in graph.operations if type(op).__name__ == "ScanOperation"]
+    inside = [scan.carry_vars[0], *(t for op in scan.body for t in op.outputs if B in t.shape)]
+    assert [low.layout_of(t) for t in [*inside, out]] == ["batch:rows"] * (len(inside) + 1)
+    assert "the loop boundary" in low.explain()
+    v = np.random.RandomState(0).randn(4, 6).astype(np.float32)
+    unsplit = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:1")})
+    np.testing.assert_allclose(low.function(out)({"x": v}), unsplit.function(out)({"x": v}), rtol=1e-6)

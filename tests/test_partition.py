@@ -156,6 +156,7 @@ def test_transformer_step_equals_one_device_and_table_1(lm_case, sharding):
     )
 
 
+@pytest.mark.slow
 def test_transformer_trains_like_one_device_step_for_step(lm_case):
     params, opt, state, ids, targets = lm_case
     step = pj.train_step(pj.transformer_loss, opt, sharding="finalized")
@@ -326,9 +327,9 @@ def test_convolution_and_pooling_with_batch_and_features_split():
 
 def test_scan_and_fori_loop_become_one_meshax_loop():
     """jax.lax.scan over stacked layer weights (and its gradient, a reverse scan) and a
-    fori_loop with a static trip count become mx.scan loops: values equal jax.jit's. With
-    layout rules on the loop's dim names the body runs split too (propagation does not enter a
-    loop body; rules apply everywhere)."""
+    fori_loop with a static trip count become mx.scan loops: values equal jax.jit's. The
+    arguments' annotations propagate into the loop body (the batch split over x there too), and
+    layout rules on the loop's dim names do the same."""
 
     def loss(ws, x):
         def layer(h, w):
@@ -342,15 +343,15 @@ def test_scan_and_fori_loop_become_one_meshax_loop():
     x = jax.random.normal(jax.random.key(1), (8, 16))
     step = jax.value_and_grad(loss)
     want = jax.jit(step)(ws, x)
-    g = mx.partition(step, MESH, in_shardings=(P(None, None, "y"), P("x")))
-    assert_trees_close(g(ws, x), want)
+    annotated = mx.partition(step, MESH, in_shardings=(P(None, None, "y"), P("x")))
     ruled = mx.partition(step, MESH, layout="x[0]:x;ws[2]:y")
-    assert_trees_close(ruled(ws, x), want)
-    program = ruled.lower(ws, x)
-    loops = [op for op in program.graph.operations if type(op).__name__ == "ScanOperation"]
-    assert len(loops) == 2  # the forward loop and its gradient's
-    inside = [t for op in loops[0].body for t in op.outputs if "x[0]" in t.shape.dimension_names]
-    assert inside and all(program.lowering.layout_of(t).startswith("x[0]:x") for t in inside)
+    for g in (annotated, ruled):
+        assert_trees_close(g(ws, x), want)
+        program = g.lower(ws, x)
+        loops = [op for op in program.graph.operations if type(op).__name__ == "ScanOperation"]
+        assert len(loops) == 2  # the forward loop and its gradient's
+        inside = [t for op in loops[0].body for t in op.outputs if "x[0]" in t.shape.dimension_names]
+        assert inside and all(program.lowering.layout_of(t).startswith("x[0]:x") for t in inside)
 
     def fori(x):
         return jax.lax.fori_loop(0, 4, lambda i, c: jnp.sin(c) * 2 + i, x)
@@ -464,6 +465,7 @@ def test_random_programs_equal_jax_jit(steps, layout):
 
 
 # ---- a model this project did not write ---------------------------------------------------------
+@pytest.mark.slow  # (10 s; the Table 1 tests cover the same path in the default run)
 def test_flax_transformer_trains_like_one_device_step_for_step():
     """A decoder LM from flax.linen's own modules (Embed, MultiHeadDotProductAttention with a
     causal mask, LayerNorm, Dense), optax Adam, annotated on its parameters only (heads and the

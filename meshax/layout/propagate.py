@@ -13,6 +13,7 @@ The passes, in the order they run (`make_plan`):
      through ops that add dims (broadcast), which are preferred backward. A split is only ever
      refined (an open dim grows a longer split that extends the one it has), never overwritten,
      and fixed dims never change, so the sweeps reach a fixed point; they are deterministic.
+     Splits cross a loop's boundary (`ScanOperation.propagation_links`) as through an identity.
   4. open dims that nothing reached are replicated.
 Every dim remembers where its split came from, for `Lowering.explain`.
 """
@@ -63,6 +64,23 @@ def annotation_layout(t, mesh_shape: Shape) -> tuple[list, list[bool]]:
     return axes, fixed
 
 
+class _Link:
+    """A pseudo-op for propagation only: b stands for a inside a loop body (or a for b outside);
+    dims of one name are one factor, `whole` ones (the loop's own dim) never split."""
+
+    def __init__(self, a, b, whole: str):
+        self.inputs, self.outputs, self.name = [a], [b], f"the loop boundary of {b.operation.name}"
+        self._rule = ShardingRule.by_name([a.shape], [b.shape], whole=(whole,))
+
+    def sharding_rule(self) -> ShardingRule:
+        return self._rule
+
+
+def _links(op) -> list:
+    links = getattr(op, "propagation_links", None)
+    return links() if links is not None else []
+
+
 class Propagation:
     """Per tensor and dim: its mesh axes (None: open, nothing yet), whether it is fixed, and
     where it came from."""
@@ -85,6 +103,9 @@ class Propagation:
                     )
                 else:
                     self._initial(t, rules)
+        # A loop's boundary (`propagation_links`): its carries and scanned slices inside and the
+        # tensors outside they stand for are tied by name, as an identity op ties them.
+        self.operations += [_Link(a, b, whole) for op in self.operations for a, b, whole in _links(op)]
         self._rules = {op: rule_of(op) for op in self.operations}
         self._run()
         for priority in sorted(later):  # Shardy's p1, p2 ...: each round propagates to a fixed point

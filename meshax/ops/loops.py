@@ -120,6 +120,18 @@ class ScanOperation(Operation):
         self.ys = [out(Shape([dim, *y.shape]), y.dtype, f"{self.name}/y_{i}") for i, y in enumerate(y_results)]
         self.history = [out(Shape([dim, *v.shape]), v.dtype, f"{self.name}/hist_{i}") for i, v in enumerate(carry_vars)]
 
+    def propagation_links(self) -> list[tuple[Tensor, Tensor, str]]:
+        """(outside, inside, the loop's dim) tensor pairs that stand for one value across the
+        loop's boundary, for sharding propagation: a carry's initial value, its variable, its
+        new value and its final value; a scanned tensor and its slice; a result and its stack."""
+        d = self.dim.name
+        links = []
+        for t, v, r, f in zip(self.init, self.carry_vars, self.carry_results, self.final):
+            links += [(t, v, d), (v, r, d), (r, f, d)]
+        links += [(t, v, d) for t, v in zip(self.xs, self.x_vars)]
+        links += [(y, s, d) for y, s in zip(self.y_results, self.ys)]
+        return links
+
     def lower(self, ctx):
         from meshax.lower.context import LoweringContext
         from meshax.lower.counters import Counters
