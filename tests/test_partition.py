@@ -261,18 +261,24 @@ def test_pytrees_static_arguments_and_out_shardings():
 
 
 def test_with_sharding_constraint_and_mesh_split_priorities_are_annotations():
+    """Both become mx.mesh_split annotations at the user's line; mx.mesh_split's priority and
+    OPEN entries are kept, and its gradient carries the same annotation (GSPMD section 3.4)."""
+
     def f(a, w):
-        h = mx.mesh_split(a @ w, ["x", None], priority=0)
+        h = mx.mesh_split(a @ w, ["x", mx.OPEN], priority=1)
         h = jax.lax.with_sharding_constraint(jnp.tanh(h), P(None, "y"))
-        return h.sum(0)
+        return h.sum()
 
     a, w = jnp.ones((8, 16)), jnp.ones((16, 8)) * 0.1
-    g = mx.partition(f, MESH)
-    np.testing.assert_allclose(np.asarray(g(a, w)), np.asarray(one_device(f, a, w)), rtol=1e-6)
-    program = g.lower(a, w)
-    shards = [op for op in program.graph.operations if getattr(op, "annotation", None) is not None]
-    assert [op.annotation for op in shards] == [(("x",), ()), ((), ("y",))]
+    step = jax.grad(f, argnums=1)
+    g = mx.partition(step, MESH)
+    np.testing.assert_allclose(np.asarray(g(a, w)), np.asarray(one_device(step, a, w)), rtol=1e-6)
+    shards = [op for op in g.lower(a, w).graph.operations if getattr(op, "annotation", None) is not None]
+    found = {(op.annotation, op.priority) for op in shards}
+    assert found == {((("x",), mx.OPEN), 1), (((), ("y",)), 0)}
+    assert len(shards) == 4  # each annotation and its gradient's
     assert all("test_partition.py" in op.source for op in shards)
+    assert "priority 1" in g.explain()
 
 
 def test_embedding_lookup_and_its_gradient_with_the_table_split():
