@@ -2,6 +2,7 @@
 tensor creation (import_tensor, constant, zeros, ones, range) and the
 Lowering/function interface, vs NumPy."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -210,3 +211,18 @@ def test_reshape_keeps_a_merged_dims_split_on_its_major_part(mesh_shape, layout,
     if moves is not None:
         assert low.layout_of(y) == "hd:cols"
         assert sum(fn.counters[k].count for k in ("allgather", "alltoall", "allreduce")) == moves
+
+
+def test_call_global_takes_and_returns_global_arrays(impl_cls):
+    """LoweredFunction.call_global: jax.Arrays in (any sharding; moved to the plan's), logical
+    jax.Arrays out, also where the layout pads (d:6 over 4 devices); an output fed back as it
+    came out is taken as it is."""
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", "b:8;d:6")
+    y = mx.reduce_sum(x * 2.0, output_shape="d:6")
+    fn = mx.Lowering(mesh.graph, {mesh: impl_cls("rows:2;cols:4", "b:rows;d:cols")}).function([y, x * 1.0])
+    a = np.arange(48.0, dtype=np.float32).reshape(8, 6)
+    got_y, got_x = fn.call_global({x: jax.numpy.asarray(a)})
+    assert isinstance(got_y, jax.Array) and got_x.shape == (8, 6)
+    assert_close(got_y, (a * 2.0).sum(0))
+    assert_close(fn.call_global({x: got_x})[0], (a * 2.0).sum(0))

@@ -350,7 +350,10 @@ class LoweredFunction:
         for var, value in zip(self._updated, results[len(self.outputs) :]):
             self.lowering._variables[var] = value
         impl, spec = self.lowering.impl, self.lowering._spec
-        return [impl.to_global(r, spec(t)) if t in self._padded else r for r, t in zip(results, self.outputs)]
+        return [
+            impl.to_global(r, spec(t)) if t in self._padded else impl.to_padded(r, spec(t))
+            for r, t in zip(results, self.outputs)
+        ]
 
     @functools.cached_property
     def _variable_ops(self) -> list:
@@ -372,7 +375,7 @@ class LoweredFunction:
         for t, want in self._global_shardings.items():
             a = feeds[t]
             if isinstance(a, jax.Array) and a.dtype == t.dtype and t not in self._padded and a.sharding == want:
-                ready[t] = a  # (the common case: laid out as the last call returned it)
+                ready[t] = self.lowering.impl.from_padded(a, self.lowering._spec(t))  # (laid out as planned)
             else:
                 ready[t] = self._laid_out(t, a)
         return self._arguments({}, ready=ready)
