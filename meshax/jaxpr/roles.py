@@ -159,6 +159,10 @@ def _slice(e) -> Roles:
     return _keep_where(e, lambda i: p["start_indices"][i] == 0 and p["limit_indices"][i] == n[i] and strides[i] == 1)
 
 
+def _rev(e) -> Roles:
+    return _keep_where(e, lambda i: i not in e.params["dimensions"])
+
+
 def _dynamic_slice(e) -> Roles:
     n = shape(e.ins[0])
     return _keep_where(e, lambda i: e.params["slice_sizes"][i] == n[i])
@@ -313,6 +317,7 @@ RULES: dict[str, Callable] = {
     "transpose": _transpose,
     "concatenate": _concatenate,
     "split": _split,
+    "rev": _rev,
     "pad": _pad,
     "slice": _slice,
     "dynamic_slice": _dynamic_slice,
