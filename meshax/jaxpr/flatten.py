@@ -28,7 +28,6 @@ _CALLS = {
     "checkpoint": "jaxpr",
     "remat": "jaxpr",
     "remat2": "jaxpr",
-    "custom_lin": None,
 }
 
 #: The name scope `mx.replicated_region` puts its equations in (and JAX keeps on their gradients).
@@ -123,13 +122,8 @@ class Flat:
     @staticmethod
     def _body(e):
         """(inner jaxpr, its consts) of a call-like equation, else None."""
-        name = e.primitive.name
-        if name not in _CALLS:
-            return None
-        key = _CALLS[name]
-        if key is None:
-            return None
-        body = e.params.get(key)
+        key = _CALLS.get(e.primitive.name)
+        body = e.params.get(key) if key is not None else None
         if isinstance(body, jcore.ClosedJaxpr):
             return body.jaxpr, body.consts
         if isinstance(body, jcore.Jaxpr):
