@@ -115,8 +115,12 @@ def test_mlp_step_equals_one_device_and_table_1(mlp_case, sharding):
     assert sites_at(program.counters, line_of(pj.mlp_loss, '@ params["win"]')) == w_in
     assert sites_at(program.counters, line_of(pj.mlp_loss, '@ params["wout"]')) == w_out
     assert_counters_equal_hlo(program, params, state, x, y)
-    # the weights (and their Adam slots) come back split X*Y ways, as annotated
+    # the weights (and their Adam slots) come back split X*Y ways, as annotated, and every updated
+    # leaf laid out as the program takes it in: a training loop moves nothing between steps
     new_params, new_state, _ = got
+    placed = f.place(params, state, x, y)[0]
+    for a, b in zip(jax.tree_util.tree_leaves((new_params, new_state)), jax.tree_util.tree_leaves(placed[:2])):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
     assert new_params["win"].sharding.shard_shape((M, H)) == (M // X, H // Y)
     assert new_state[0].mu["wout"].sharding.shard_shape((H, M)) == (H // Y, M // X)
 

@@ -139,6 +139,11 @@ class Partitioned:
         """The last program's dim names and layouts, and where each came from."""
         return self._program().explain(threshold)
 
+    def place(self, *args, **kwargs):
+        """`args` laid out on the devices as the program for them takes them (see
+        `PartitionedProgram.place`): place a training loop's first state once."""
+        return self.lower(*args, **kwargs).place(*args, **kwargs)
+
     def layout_of(self, what) -> str:
         """The last program's layout of an argument (by path, e.g. "params/w1") or a dim name."""
         return self._program().layout_of(what)
@@ -360,7 +365,8 @@ class PartitionedProgram:
         then every tensor's layout and where it came from."""
         lines = ["dimension names (write layout rules against these):"]
         for d in self.names.dims.values():
-            lines.append(f"  {d.name}  size {d.size}  first at {d.source}: {'; '.join(d.axes)}")
+            where = "an argument's axis" if d.source == "argument" else f"first at {d.source}"
+            lines.append(f"  {d.name}  size {d.size}  ({where}): {'; '.join(d.axes)}")
         return "\n".join(lines) + "\n\n" + self.lowering.explain(threshold)
 
     def layout_of(self, what) -> str:

@@ -374,7 +374,12 @@ class LoweredFunction:
         ready: dict[Tensor, object] = {}
         for t, want in self._global_shardings.items():
             a = feeds[t]
-            if isinstance(a, jax.Array) and a.dtype == t.dtype and t not in self._padded and a.sharding == want:
+            if (
+                isinstance(a, jax.Array)
+                and a.dtype == t.dtype
+                and t not in self._padded
+                and (a.sharding == want or a.sharding.is_equivalent_to(want, a.ndim))  # (P("y") is P("y", None))
+            ):
                 ready[t] = self.lowering.impl.from_padded(a, self.lowering._spec(t))  # (laid out as planned)
             else:
                 ready[t] = self._laid_out(t, a)
