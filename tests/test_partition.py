@@ -264,6 +264,14 @@ def test_pytrees_static_arguments_and_out_shardings():
     assert len(g._programs) == 2  # one per static value
 
 
+def test_donated_arguments_are_consumed_and_others_kept():
+    f = mx.partition(lambda w, x: (w - 0.1 * x.sum(0), x * 2), MESH, in_shardings=(P("y"), P("x")), donate_argnums=0)
+    w, x = f.place(jnp.ones((8,)), jnp.ones((4, 8)))[0]
+    new_w, _ = f(w, x)
+    assert w.is_deleted() and not x.is_deleted()
+    np.testing.assert_allclose(np.asarray(new_w), np.full(8, 0.6), rtol=1e-6)
+
+
 def test_with_sharding_constraint_and_mesh_split_priorities_are_annotations():
     """Both become mx.mesh_split annotations at the user's line; mx.mesh_split's priority and
     OPEN entries are kept, and its gradient carries the same annotation (GSPMD section 3.4)."""
