@@ -24,7 +24,7 @@ from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.jaxpr.flatten import Eqn, Flat, is_var
 from meshax.jaxpr.names import Names
-from meshax.jaxpr.roles import CUMULATIVE, LINEAR, is_key, roles
+from meshax.jaxpr.roles import CUMULATIVE, LINEAR, RANDOM, is_key, roles
 from meshax.layout import OPEN, ShardingRule
 from meshax.ops.inputs import ConstantOperation
 from meshax.ops.slicewise import SlicewiseOperation
@@ -79,11 +79,11 @@ class Emitter:
         outs = [self.out_shape(v) for v in e.outs]
         outer, self.mesh.graph.source = self.mesh.graph.source, e.source  # its ops point at the user's line
         try:
-            ins, role_names = self.operands(e, in_roles, out_roles, outs)
+            ins = self.operands(e, in_roles, out_roles, outs)
             handler = None if e.replicated else _HANDLERS.get(e.name)
             if any(is_key(a.aval) for a in (*e.ins, *e.outs)):
                 handler = _random  # any op on key arrays (split, slice, squeeze ...): run whole
-            results = (handler or _bind)(self, e, ins, outs, role_names, in_roles, out_roles)
+            results = (handler or _bind)(self, e, ins, outs, in_roles, out_roles)
         except (GraphError, LayoutError) as err:
             raise type(err)(f"{err} (importing {e.name} at {e.source})") from None
         finally:
@@ -92,7 +92,7 @@ class Emitter:
             if is_var(v):
                 self.env[v] = conform(t, want)
 
-    def operands(self, e: Eqn, in_roles, out_roles, outs: list[Shape]) -> tuple[list[Tensor], dict]:
+    def operands(self, e: Eqn, in_roles, out_roles, outs: list[Shape]) -> list[Tensor]:
         """The operands renamed so that axes of one role share a name: the result's where the role
         reaches a result, else the first operand's (a fresh one where that name is taken)."""
         role_name: dict = {}
@@ -120,7 +120,7 @@ class Emitter:
                 seen.add(name)
             want += [d.name for d in t.shape.dims[len(rs) :]]  # (a key's data dims)
             renamed.append(rename(t, want))
-        return renamed, role_name
+        return renamed
 
 
 def rename(t: Tensor, names: list[str]) -> Tensor:
@@ -178,7 +178,7 @@ def _localize(e: Eqn, local: list[tuple], slices) -> dict:
     return p
 
 
-def _bind(em: Emitter, e: Eqn, ins, outs, role_names, in_roles, out_roles, whole=()) -> list[Tensor]:
+def _bind(em: Emitter, e: Eqn, ins, outs, in_roles, out_roles, whole=()) -> list[Tensor]:
     """e's primitive on each device's slices, with the sharding rule its roles give."""
     whole = set(whole)
     if e.name in CUMULATIVE:
@@ -249,7 +249,7 @@ def key_data_shape(dtype) -> tuple[int, ...]:
     return tuple(jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct((), dtype)).shape)
 
 
-def _random(em, e, ins, outs, role_names, in_roles, out_roles):
+def _random(em, e, ins, outs, in_roles, out_roles):
     if e.name in ("random_wrap", "random_unwrap"):  # the data is the key: a relabel
         return [ins[0]]
     prim = e.primitive
@@ -268,7 +268,7 @@ def _random(em, e, ins, outs, role_names, in_roles, out_roles):
 
 
 # ---- loops ---------------------------------------------------------------------------------------
-def _scan(em, e, ins, outs, role_names, in_roles, out_roles):
+def _scan(em, e, ins, outs, in_roles, out_roles):
     """jax.lax.scan as mx.scan: one loop in the SPMD program, its body emitted from the body's jaxpr."""
     p = e.params
     nc, ncar = p["num_consts"], p["num_carry"]
@@ -291,7 +291,7 @@ def _scan(em, e, ins, outs, role_names, in_roles, out_roles):
 
 
 # ---- primitives that map onto meshax ops ---------------------------------------------------------
-def _dot_general(em, e, ins, outs, role_names, in_roles, out_roles):
+def _dot_general(em, e, ins, outs, in_roles, out_roles):
     want = np.dtype(e.outs[0].aval.dtype)
     ins = [mops.cast(t, want) if t.dtype != want else t for t in ins]
     return [mops.einsum(ins, output_shape=outs[0], name="dot_general")]
@@ -300,21 +300,21 @@ def _dot_general(em, e, ins, outs, role_names, in_roles, out_roles):
 def _reduce(kind: str) -> Callable:
     fns = {"sum": mops.reduce_sum, "max": mops.reduce_max, "min": mops.reduce_min}
 
-    def handler(em, e, ins, outs, role_names, in_roles, out_roles):
+    def handler(em, e, ins, outs, in_roles, out_roles):
         return [fns[kind](ins[0], output_shape=outs[0], name=e.name)]
 
     return handler
 
 
-def _reshape(em, e, ins, outs, role_names, in_roles, out_roles):
+def _reshape(em, e, ins, outs, in_roles, out_roles):
     return [mops.reshape(ins[0], outs[0], name=e.name)]
 
 
-def _transpose(em, e, ins, outs, role_names, in_roles, out_roles):
+def _transpose(em, e, ins, outs, in_roles, out_roles):
     return [mops.transpose(ins[0], outs[0], name="transpose")]
 
 
-def _broadcast_in_dim(em, e, ins, outs, role_names, in_roles, out_roles):
+def _broadcast_in_dim(em, e, ins, outs, in_roles, out_roles):
     if not is_var(e.ins[0]) and not e.ins[0].aval.shape:  # a scalar literal: each device fills its slice
         return [mops.constant(em.mesh, np.asarray(e.ins[0].val).item(), outs[0], e.outs[0].aval.dtype)]
     x = ins[0]
@@ -324,12 +324,12 @@ def _broadcast_in_dim(em, e, ins, outs, role_names, in_roles, out_roles):
     return [mops.broadcast(x, outs[0], name="broadcast_in_dim")]
 
 
-def _iota(em, e, ins, outs, role_names, in_roles, out_roles):
+def _iota(em, e, ins, outs, in_roles, out_roles):
     d = outs[0][e.params["dimension"]]
     return [mops.broadcast(mops.range(em.mesh, d, e.params["dtype"]), outs[0], name="iota")]
 
 
-def _concatenate(em, e, ins, outs, role_names, in_roles, out_roles):
+def _concatenate(em, e, ins, outs, in_roles, out_roles):
     k = e.params["dimension"]
     name = outs[0][k].name
     xs = [rename(t, [name if i == k else d.name for i, d in enumerate(t.shape)]) for t in ins]
@@ -355,9 +355,9 @@ def _is_lookup(e: Eqn) -> bool:
     return tuple(dn.offset_dims) == tuple(range(batch, batch + n - 1))
 
 
-def _gather(em, e, ins, outs, role_names, in_roles, out_roles):
+def _gather(em, e, ins, outs, in_roles, out_roles):
     if not _is_lookup(e):
-        return _bind(em, e, ins, outs, role_names, in_roles, out_roles)
+        return _bind(em, e, ins, outs, in_roles, out_roles)
     table, indices = ins
     (k,) = e.params["dimension_numbers"].collapsed_slice_dims
     ids = mops.reshape(indices, Shape(indices.shape.dims[:-1]), name="gather")
@@ -381,10 +381,10 @@ def _is_lookup_gradient(e: Eqn) -> bool:
     )
 
 
-def _scatter_add(em, e, ins, outs, role_names, in_roles, out_roles):
+def _scatter_add(em, e, ins, outs, in_roles, out_roles):
     operand, indices, updates = ins[:3]
     if not _is_lookup_gradient(e):
-        return _bind(em, e, ins, outs, role_names, in_roles, out_roles, whole=_scattered(e, ins))
+        return _bind(em, e, ins, outs, in_roles, out_roles, whole=_scattered(e, ins))
     (k,) = e.params["dimension_numbers"].inserted_window_dims
     ids = mops.reshape(indices, Shape(indices.shape.dims[:-1]), name="scatter-add")
     hot = mops.one_hot(ids, operand.shape[k], dtype=updates.dtype)
@@ -408,13 +408,13 @@ def _scattered(e: Eqn, ins) -> set[str]:
     return {ins[0].shape[i].name for i in (*dn.scatter_dims_to_operand_dims, *dn.inserted_window_dims)}
 
 
-def _scatter(em, e, ins, outs, role_names, in_roles, out_roles):
+def _scatter(em, e, ins, outs, in_roles, out_roles):
     """A scatter that overwrites: its index axes are never partial sums, so they stay whole too."""
     whole = _scattered(e, ins) | {d.name for t in ins[1:3] for d in t.shape}
-    return _bind(em, e, ins, outs, role_names, in_roles, out_roles, whole=whole)
+    return _bind(em, e, ins, outs, in_roles, out_roles, whole=whole)
 
 
-def _annotation(em, e, ins, outs, role_names, in_roles, out_roles):
+def _annotation(em, e, ins, outs, in_roles, out_roles):
     x = ins[0]
     if e.name in ("sharding_constraint", "reshard"):
         sharding = next(v for v in e.params.values() if hasattr(v, "spec") and hasattr(v, "mesh"))
@@ -474,8 +474,6 @@ _HANDLERS: dict[str, Callable] = {
     "sharding_constraint": _annotation,
     "reshard": _annotation,
     "scan": _scan,
-    **dict.fromkeys(
-        ("random_bits", "random_split", "random_fold_in", "random_seed", "random_wrap", "random_unwrap"), _random
-    ),
+    **dict.fromkeys(RANDOM, _random),
     "meshax_mesh_split": _annotation,
 }

@@ -106,6 +106,10 @@ class Partitioned:
 
     def lower(self, *args, **kwargs) -> PartitionedProgram:
         """The program for these arguments (traced and compiled on first use; cached)."""
+        return self._lookup(args, kwargs)[0]
+
+    def _lookup(self, args: tuple, kwargs: dict) -> tuple[PartitionedProgram, list]:
+        """The program for these arguments, and their leaves (flattened once per call)."""
         dynamic, dyn_kwargs, static = self._split(args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten((dynamic, dyn_kwargs))
         try:
@@ -116,10 +120,11 @@ class Partitioned:
         if signature not in self._programs:
             self._programs[signature] = PartitionedProgram(self, args, kwargs)
         self._last = self._programs[signature]
-        return self._last
+        return self._last, leaves
 
     def __call__(self, *args, **kwargs):
-        return self.lower(*args, **kwargs)(*args, **kwargs)
+        program, leaves = self._lookup(args, kwargs)
+        return program.run_leaves(leaves)
 
     def _program(self) -> PartitionedProgram:
         if self._last is None:
@@ -321,6 +326,10 @@ class PartitionedProgram:
             raise ConfigError(
                 f"arguments of another structure than the program was traced for: {tree} vs {self._in_tree}"
             )
+        return self.run_leaves(leaves)
+
+    def run_leaves(self, leaves: list):
+        """Run on the dynamic arguments' leaves, in the order the program was traced with."""
         feeds = {
             t: jax.random.key_data(leaf) if key is not None else leaf
             for t, key, leaf in zip(self.placeholders, self._keys, leaves)
