@@ -84,6 +84,10 @@ class Graph:
         self._names[name] = n + 1
         return name if n == 0 else f"{name}_{n}"
 
+    def where(self) -> str:
+        """The source line of what is being built now: the front end's (`source`), else the user's."""
+        return self.source or user_source()
+
     def __repr__(self) -> str:
         return f"Graph({len(self.operations)} operations)"
 
@@ -197,7 +201,7 @@ class Operation:
         self.inputs = inputs
         self.outputs: list[Tensor] = []
         self.name = self.graph.unique_name(name or type(self).__name__.removesuffix("Operation").lower())
-        self.source = self.graph.source or user_source()
+        self.source = self.graph.where()
         self.grad_of: Operation | None = None  # set on ops built by another op's gradient
         self.graph.operations.append(self)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshax.core.errors import LayoutError
-from meshax.core.graph import Operation, Tensor, user_source
+from meshax.core.graph import Operation, Tensor
 from meshax.layout import OPEN, convert_to_layout_rules
 
 Annotation = tuple  # per tensor dim: a tuple of mesh dim names (major to minor; () replicated) or OPEN
@@ -98,7 +98,7 @@ def mesh_split(x: Tensor, dims_mapping, priority: int = 0, name=None) -> Tensor:
         from meshax.jaxpr.annotate import mesh_split_array
 
         return mesh_split_array(x, dims_mapping, priority)
-    where = x.graph.source or user_source()
+    where = x.graph.where()
     if isinstance(dims_mapping, str) or not isinstance(dims_mapping, Sequence):
         raise LayoutError(
             f"mesh_split of {x.name!r} at {where}: dims_mapping must be a list with one "
@@ -116,7 +116,7 @@ def mesh_split(x: Tensor, dims_mapping, priority: int = 0, name=None) -> Tensor:
 def shard(x: Tensor, layout, priority: int = 0, name=None) -> Tensor:
     """x laid out as `layout`, by dim name (e.g. "batch:cols"; "" = replicated), overriding the
     rules; dims it does not name are replicated."""
-    where = x.graph.source or user_source()
+    where = x.graph.where()
     rules = convert_to_layout_rules(layout)
     unknown = [d for d in rules.tensor_dim_names if d not in x.shape]
     if unknown:
