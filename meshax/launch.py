@@ -51,7 +51,12 @@ def _describe(code: int) -> str:
 # and piece by piece, so a line may hold several, or a piece of one, or only the newline of one:
 # the launcher drops what it can tell is theirs (a lone count split from its message stays).
 _HEAD = r"\[Gloo\] Rank \d+"
-_NOISE = re.compile(rf"{_HEAD}|\s*is connected to \d+ peer ranks\. Expected number of connected peer ranks is : (\d+)?")
+_TAIL = r"peer ranks\. Expected number of connected peer ranks is : (\d+)?"
+_NOISE = re.compile(
+    rf"{_HEAD}|\s*is connected to \d+ {_TAIL}"
+    # pieces split at the count: "... is connected to " ending a line, "peer ranks. ..." starting one
+    rf"|\s*is connected to \d*\s*$|^\s*(\d+ )?{_TAIL}"
+)
 
 
 def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
