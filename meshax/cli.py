@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -168,6 +169,30 @@ def _parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="also list every tensor's layout and where it came from, with warnings",
             )
+            g = s.add_argument_group("layout search", "choose the layout rules (docs/guides/layout-search.md)")
+            g.add_argument(
+                "--search",
+                action="store_true",
+                help="search the layout rules of least predicted step time; --layout, if given, is shown beside",
+            )
+            g.add_argument(
+                "--memory-budget", default=None, metavar="SIZE", help="per device, e.g. 16GB (default: the device's)"
+            )
+            g.add_argument("--top", type=_COUNT, default=5, metavar="K", help="how many layouts to list (default 5)")
+            g.add_argument(
+                "--device",
+                default=None,
+                help="the device to predict for: a known name (h100, a100, tpu-v3, tpu-v4, tpu-v5e, cpu) or a file "
+                "`meshax calibrate` wrote (default: $MESHAX_DEVICE, else cpu)",
+            )
+            g.add_argument("--pin", default="", metavar="RULES", help='rules every candidate keeps, e.g. "batch:rows"')
+            g.add_argument(
+                "--picture",
+                default=None,
+                metavar="DIR",
+                help="draw the (chosen) layout of each parameter shape, and with --search the chart of the layouts "
+                "compared, as PNG files in DIR",
+            )
     s = sub.add_parser("launch", help="run a command as N processes of one job on this machine")
     s.add_argument("-n", "--num-processes", type=_COUNT, required=True, help="how many processes")
     s.add_argument(
@@ -175,6 +200,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--port", type=_number(int, 1, 65536, "a port from 1 to 65535"), default=None)
     s.add_argument("cmd", nargs=argparse.REMAINDER, help="-- then the command, e.g. -- meshax train mnist")
+    s.add_argument("--debug", action="store_true", help="show the traceback of an error")
+    s = sub.add_parser("calibrate", help="measure this machine's devices for the cost model; write them to a file")
+    s.add_argument("--mesh", default="rows:2;cols:4", help='the mesh to measure each dim of (default "rows:2;cols:4")')
+    s.add_argument("--out", default="device.json", help="the JSON file to write (default device.json)")
     s.add_argument("--debug", action="store_true", help="show the traceback of an error")
     s = sub.add_parser("plot", help="draw loss and throughput curves of runs to a PNG")
     s.add_argument("metrics", nargs="+", help="JSON-lines files written by meshax train --metrics")
@@ -373,6 +402,8 @@ def _run(args) -> int:
 
     if args.command == "plot":
         return _plot(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
     if args.command == "launch":
         from meshax.launch import launch
 
@@ -477,13 +508,74 @@ def _quiet_dependencies() -> None:
     absl_logging.set_verbosity(absl_logging.ERROR)
 
 
+def _calibrate(args) -> int:
+    from meshax.core.errors import ConfigError
+    from meshax.layout import convert_to_mesh_shape
+    from meshax.runtime import use_cpu_devices
+    from meshax.search import calibrate
+
+    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        raise ConfigError(f"--out {args.out!r}: its folder does not exist")
+    use_cpu_devices(convert_to_mesh_shape(args.mesh).size)
+    device = calibrate(args.mesh)
+    with open(args.out, "w") as f:
+        json.dump(device.to_json(), f, indent=1)
+    links = ", ".join(f"{m}: {x.latency_s * 1e6:.1f} us + B / {x.bandwidth / 1e9:.2f} GB/s" for m, x in device.links)
+    print(
+        f"{device.name}: matmul {device.matmul_flops / 1e9:.1f} GFLOP/s, elementwise "
+        f"{device.vector_flops / 1e9:.2f} GFLOP/s per device; links {links}; wrote {args.out} "
+        "(use it with meshax plan --search --device FILE)"
+    )
+    return 0
+
+
+def _search(args, task, console, lowering, outputs, updates) -> int:
+    from meshax.search import evaluate, search_layout
+    from meshax.search.draw import draw_comparison
+
+    baseline = evaluate(lowering, outputs, updates, args.device)  # the layout given (or the task's default)
+    searched = dataclasses.replace(task, sharding="") if getattr(task, "sharding", "") else task
+    result = search_layout(
+        searched,
+        args.mesh,
+        layout=args.pin,
+        memory_budget=args.memory_budget,
+        device=args.device,
+        top=args.top,
+        baseline=baseline,
+    )
+    print(result.format(), end="", flush=True)
+    if args.picture:
+        from meshax.train.loop import build
+
+        print(f"wrote {draw_comparison(result, os.path.join(args.picture, 'search.png'))}")
+        best = build(searched, args.mesh, result.layout, args.backend, compile=False)[0]
+        _draw_parameters(best, args.picture)
+    return 0
+
+
+def _draw_parameters(lowering, folder: str) -> None:
+    """One picture per parameter shape (the first variable of each), in `folder`."""
+    seen = set()
+    for var in lowering.graph.trainable_variables:
+        t = var.value
+        if tuple(t.shape.dimension_names) in seen:
+            continue
+        seen.add(tuple(t.shape.dimension_names))
+        print(f"wrote {lowering.draw(t, os.path.join(folder, var.name.replace('/', '.') + '.png'))}")
+
+
 def _plan(args, task, console) -> int:
     from meshax.plan import format_summary, summarize
     from meshax.train.loop import build
 
+    if args.picture and not os.path.isdir(args.picture):
+        os.makedirs(args.picture)
     lowering, outputs, updates = build(
         task, args.mesh, args.layout, args.backend, _optimizer(args), args.seed, compile=False
     )
+    if args.search:
+        return _search(args, task, console, lowering, outputs, updates)
     counters = lowering.trace_step(outputs, updates)
     summary = summarize(lowering, counters, outputs)
     if args.json:
@@ -494,6 +586,8 @@ def _plan(args, task, console) -> int:
     print(format_summary(summary), end="", flush=True)
     if args.explain:
         print("\n" + lowering.explain(), end="", flush=True)
+    if args.picture:
+        _draw_parameters(lowering, args.picture)
     return 0
 
 

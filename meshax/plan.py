@@ -15,10 +15,7 @@ from meshax.core.graph import Operation
 from meshax.lower.counters import KINDS, Counters
 from meshax.lower.lowering import Lowering, _needed_ops
 from meshax.ops.loops import ScanOperation
-
-
-def _family(op_type: str) -> str:
-    return op_type.removesuffix("Operation") or "?"
+from meshax.search.cost import family
 
 
 @dataclasses.dataclass
@@ -56,10 +53,10 @@ def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSu
     ]
     families: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for name, flops in counters.flops.items():
-        families[_family(counters.op_types.get(name, ""))]["flops"] += flops
+        families[family(counters.op_types.get(name, ""))]["flops"] += flops
     by_mesh_dim: dict[str, int] = defaultdict(int)
     for site in counters.sites():
-        families[_family(site.op_type)][site.kind] += site.values
+        families[family(site.op_type)][site.kind] += site.values
         if site.kind == "allreduce":
             for m in site.mesh_axes:
                 by_mesh_dim[m] += site.values

@@ -216,6 +216,13 @@ class Lowering:
 
         return layout_string(t.shape, self.plan[t], self.impl.shape)
 
+    def draw(self, t: Tensor, path: str) -> str:
+        """Draw which device holds which block of `t` in its planned layout, to a PNG or SVG file
+        (`lower.draw.draw_layout`; needs matplotlib); returns the path."""
+        from meshax.lower.draw import draw_layout
+
+        return draw_layout(t.name, t.shape, self.plan[t], self.impl.shape, path)
+
     def explain(self, threshold: int = 1 << 20) -> str:
         """Every tensor's layout and where it came from (a rule, an annotation at file:line, or
         propagated from which tensor through which op), then warnings: tensors of at least

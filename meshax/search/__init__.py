@@ -1,0 +1,26 @@
+"""Layout search: a cost model of a step's time and memory, and the search over layout rules.
+
+`search_layout` chooses layout rules; `cost` predicts time and memory from a plan; `devices`
+holds the device table and `calibrate`; `draw` draws layouts and the search's comparison.
+"""
+
+from meshax.search.cost import Collective, Prediction, StepCost, predict
+from meshax.search.devices import KNOWN_DEVICES, Device, Link, calibrate, load_device
+from meshax.search.search import Candidate, SearchResult, evaluate, exact_cost, search_layout
+
+__all__ = [
+    "KNOWN_DEVICES",
+    "Candidate",
+    "Collective",
+    "Device",
+    "Link",
+    "Prediction",
+    "SearchResult",
+    "StepCost",
+    "calibrate",
+    "evaluate",
+    "exact_cost",
+    "load_device",
+    "predict",
+    "search_layout",
+]

@@ -1,0 +1,105 @@
+"""The cost model: a training step's time and memory per device, predicted from its plan.
+
+A `StepCost` is what a layout asks of each device: FLOPs per op family, every collective
+(kind, mesh dims, bytes), and memory (parameters, optimizer state, activations kept for the
+backward pass). It comes from a lowering's exact counters (`from_counters`) or from the
+search's fast estimate (`meshax.search.estimate`). `predict` turns it into seconds on a
+`Device`: compute at the family's peak, each collective by the alpha-beta model with its
+kind's ring factor over the participating devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+from meshax.core.shape import Shape
+from meshax.lower.counters import KINDS, Counters
+from meshax.search.devices import Device
+
+MATMUL_FAMILIES = ("Einsum", "Conv", "Convolution")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str
+    mesh_dims: tuple[str, ...]
+    bytes: int  # what each participating device puts in
+    count: int = 1
+
+
+@dataclasses.dataclass
+class StepCost:
+    """Per device and step: FLOPs by op family, collectives, memory in bytes by part."""
+
+    flops: dict[str, float]
+    collectives: list[Collective]
+    memory: dict[str, int]  # "parameters", "optimizer_state", "activations"
+    exact: bool = True  # from the lowering's counters (else the search's estimate)
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(self.memory.values())
+
+
+def ring_factors(kind: str, n: int) -> tuple[float, float]:
+    """(messages, bytes sent per byte put in) of one collective over n devices, ring algorithms."""
+    if kind == "allreduce":
+        return 2 * (n - 1), 2 * (n - 1) / n
+    if kind == "allgather":
+        return n - 1, n - 1
+    if kind == "permute":
+        return 1, 1
+    return n - 1, (n - 1) / n  # reduce_scatter, alltoall
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    compute_s: float
+    comm_s: dict[str, float]  # collective kind -> seconds
+    memory: dict[str, int]
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + sum(self.comm_s.values())
+
+    @property
+    def memory_bytes(self) -> int:
+        return sum(self.memory.values())
+
+
+def collective_seconds(c: Collective, device: Device, mesh_shape: Shape) -> float:
+    n = math.prod(mesh_shape.get_dim_by_name(m).size for m in c.mesh_dims)
+    if n <= 1:
+        return 0.0
+    link = device.link_of(c.mesh_dims)
+    messages, factor = ring_factors(c.kind, n)
+    return c.count * (messages * link.latency_s + factor * c.bytes / link.bandwidth)
+
+
+def predict(cost: StepCost, device: Device, mesh_shape: Shape) -> Prediction:
+    compute = sum(
+        f / (device.matmul_flops if family in MATMUL_FAMILIES else device.vector_flops)
+        for family, f in cost.flops.items()
+    )
+    comm = dict.fromkeys(KINDS, 0.0)
+    for c in cost.collectives:
+        comm[c.kind] += collective_seconds(c, device, mesh_shape)
+    return Prediction(compute, comm, dict(cost.memory))
+
+
+def family(op_type: str) -> str:
+    return op_type.removesuffix("Operation") or "?"
+
+
+def from_counters(counters: Counters, memory: dict[str, int]) -> StepCost:
+    """The exact StepCost of a traced program (its counters) with its memory parts."""
+    flops: dict[str, float] = defaultdict(float)
+    for name, f in counters.flops.items():
+        flops[family(counters.op_types.get(name, ""))] += f
+    grouped: dict[tuple, int] = defaultdict(int)
+    for s in counters.sites():
+        grouped[(s.kind, s.mesh_axes, s.bytes)] += 1
+    collectives = [Collective(k, m, b, n) for (k, m, b), n in grouped.items()]
+    return StepCost(dict(flops), collectives, memory)

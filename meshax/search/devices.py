@@ -1,0 +1,161 @@
+"""What a device can do, for the cost model: peak throughput, memory, and its links per mesh dim.
+
+A `Device` comes from the table of known devices (`KNOWN_DEVICES`, by name) or from a file
+that `meshax calibrate` wrote after measuring the devices at hand (`calibrate`): a large
+matmul's throughput, an elementwise op's throughput, and, per mesh dim, the latency and
+bandwidth of an allreduce over it (the alpha-beta model: a message of B bytes takes
+alpha + B / beta).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from meshax.core.errors import ConfigError
+
+GB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """The alpha-beta model of one mesh dim's links: seconds per message, bytes per second."""
+
+    latency_s: float
+    bandwidth: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+    """One device's peaks (FLOP/s per device), memory, and links (per mesh dim name; `link`
+    stands for every mesh dim not named in `links`)."""
+
+    name: str
+    matmul_flops: float  # dense matmul/convolution FLOP/s, at the dtype the model computes in
+    vector_flops: float  # every other op's FLOP/s (elementwise, reductions): memory-bound ops
+    memory_bytes: int
+    link: Link
+    links: tuple[tuple[str, Link], ...] = ()
+
+    def link_of(self, mesh_dims: tuple[str, ...]) -> Link:
+        """The link a collective over `mesh_dims` runs at: the slowest of theirs."""
+        named = dict(self.links)
+        links = [named.get(m, self.link) for m in mesh_dims] or [self.link]
+        return Link(max(x.latency_s for x in links), min(x.bandwidth for x in links))
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["links"] = {m: dataclasses.asdict(x) for m, x in self.links}
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> Device:
+        return Device(
+            name=str(d["name"]),
+            matmul_flops=float(d["matmul_flops"]),
+            vector_flops=float(d["vector_flops"]),
+            memory_bytes=int(d["memory_bytes"]),
+            link=Link(**d["link"]),
+            links=tuple((m, Link(**x)) for m, x in d.get("links", {}).items()),
+        )
+
+
+# Published peaks (float32-in-bfloat16 matmul units where the chip has them), HBM and ICI/NVLink
+# per-device bandwidth; latencies are typical measured collective start-up times.
+KNOWN_DEVICES: dict[str, Device] = {
+    "h100": Device("NVIDIA H100 SXM", 989e12, 33e12, 80 * GB, Link(10e-6, 450e9)),
+    "a100": Device("NVIDIA A100 SXM", 312e12, 19.5e12, 80 * GB, Link(10e-6, 300e9)),
+    "tpu-v3": Device("TPU v3 core", 61.5e12, 4e12, 16 * GB, Link(10e-6, 80e9)),
+    "tpu-v4": Device("TPU v4", 275e12, 10e12, 32 * GB, Link(10e-6, 270e9)),
+    "tpu-v5e": Device("TPU v5e", 197e12, 8e12, 16 * GB, Link(10e-6, 200e9)),
+    "cpu": Device("CPU (virtual devices)", 20e9, 2e9, 4 * GB, Link(50e-6, 2e9)),
+}
+
+
+def load_device(spec: str | Device | None) -> Device:
+    """A Device from a known name (`KNOWN_DEVICES`), a JSON file `meshax calibrate` wrote, or
+    None: the calibration file in $MESHAX_DEVICE if set, else the local CPU's table entry."""
+    if isinstance(spec, Device):
+        return spec
+    if spec is None:
+        spec = os.environ.get("MESHAX_DEVICE") or "cpu"
+    if spec.lower() in KNOWN_DEVICES:
+        return KNOWN_DEVICES[spec.lower()]
+    if not os.path.isfile(spec):
+        raise ConfigError(
+            f"device {spec!r} is neither a known device ({', '.join(KNOWN_DEVICES)}) nor a file: "
+            "name one, or measure the devices at hand with `meshax calibrate --out FILE`"
+        )
+    try:
+        with open(spec) as f:
+            return Device.from_json(json.load(f))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"device file {spec!r} is not one `meshax calibrate` wrote: {e}") from None
+
+
+def _seconds(fn, *args, repeats: int = 5) -> float:
+    """The median wall time of fn(*args), compiled and warmed up first."""
+    import jax
+
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def calibrate(mesh_shape, name: str = "", matmul_size: int = 512, message_bytes: int = 1 << 22) -> Device:
+    """Measure the devices of the mesh as they run together: per-device matmul and elementwise
+    throughput (every device computing at once, as in a step), and per mesh dim the latency
+    (a 4-byte allreduce) and bandwidth (an allreduce of `message_bytes` per device, with the
+    ring's factor 2(n-1)/n) of its links."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+
+    from meshax.layout import convert_to_mesh_shape
+
+    shape = convert_to_mesh_shape(mesh_shape)
+    names = tuple(shape.dimension_names)
+    if jax.device_count() < shape.size:
+        raise ConfigError(f"mesh {mesh_shape!r} needs {shape.size} devices; this process has {jax.device_count()}")
+    mesh = jax.make_mesh(tuple(shape.to_integer_list), names, devices=jax.devices()[: shape.size])
+    n = matmul_size
+
+    def local(f, spec=None):
+        spec = spec or P(names)
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+    a = jnp.ones((shape.size * n, n), jnp.float32)
+    matmul = local(lambda x: x @ x)
+    matmul_flops = 2 * n**3 / _seconds(matmul, a)
+    v = jnp.ones((shape.size * (1 << 20),), jnp.float32)
+    steps = 8
+    vector = local(lambda x: jax.lax.fori_loop(0, steps, lambda i, y: y * 1.0001 + 0.5, x))
+    vector_flops = 2 * steps * (1 << 20) / _seconds(vector, v)
+    links = []
+    for m, d in zip(names, shape):
+        if d.size == 1:
+            continue
+        ring = 2 * (d.size - 1)
+        small = local(lambda x, m=m: jax.lax.psum(x, m), P(names))
+        t_small = _seconds(small, jnp.ones((shape.size,), jnp.float32))
+        words = message_bytes // 4
+        t_big = _seconds(small, jnp.ones((shape.size * words,), jnp.float32))
+        latency = t_small / ring
+        bandwidth = ring / d.size * message_bytes / max(t_big - t_small, 1e-9)
+        links.append((m, Link(latency, bandwidth)))
+    memory = 0
+    stats = jax.devices()[0].memory_stats() or {}
+    memory = int(stats.get("bytes_limit", 0)) or int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    if jax.devices()[0].platform == "cpu":
+        memory //= shape.size  # virtual devices share the host's memory
+    measured = [x for _, x in links] or [Link(0.0, 1e12)]
+    mean = Link(float(np.mean([x.latency_s for x in measured])), float(np.mean([x.bandwidth for x in measured])))
+    name = name or f"{jax.devices()[0].device_kind} (calibrated on {mesh_shape})"
+    return Device(name, matmul_flops, vector_flops, memory, mean, tuple(links))

@@ -1,0 +1,271 @@
+"""`search_layout`: the layout rules that minimise a step's predicted time under a memory budget.
+
+Candidates are the legal rule sets of the graph on the mesh (`space.Space`); each is costed by
+the cost model (`cost.predict`) from its StepCost. Where the space is small, every candidate is
+traced exactly (`Lowering.trace_step`: the counters of the program that would run); where it is
+not, every candidate is costed by the fast estimate (`estimate.Estimator`) and the best ones that
+fit are re-scored exactly, so what is reported is always exact. Memory is the plan's (the same
+by both), so the budget prunes exactly. Deterministic: candidates come in a fixed order, and
+ties go to the earlier one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+from meshax.core.errors import ConfigError, LayoutError
+from meshax.core.graph import Graph, Tensor
+from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
+from meshax.layout.rules import slice_shape, tensor_layout
+from meshax.lower.lowering import Lowering
+from meshax.search.cost import StepCost, collective_seconds, from_counters, predict
+from meshax.search.devices import Device, load_device
+from meshax.search.estimate import Estimator
+from meshax.search.space import Rules, Space, rules_string
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One layout: its rules (as `--layout` takes them), its StepCost and predicted time."""
+
+    layout: str
+    cost: StepCost
+    step_s: float
+    compute_s: float
+    comm_s: dict[str, float]
+    by_link: dict[tuple[str, tuple[str, ...]], float]  # (kind, mesh dims) -> seconds
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.cost.memory_bytes
+
+
+def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape) -> Candidate:
+    p = predict(cost, device, mesh_shape)
+    by_link: dict[tuple, float] = defaultdict(float)
+    for c in cost.collectives:
+        by_link[(c.kind, c.mesh_dims)] += collective_seconds(c, device, mesh_shape)
+    return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, dict(by_link))
+
+
+def exact_cost(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = ()) -> StepCost:
+    """The StepCost of the program a lowering would run (traced abstractly: no devices needed)."""
+    from meshax.plan import summarize
+
+    counters = lowering.trace_step(list(outputs), list(updates))
+    s = summarize(lowering, counters, outputs)
+    memory = {
+        "parameters": s.parameter_bytes_per_device,
+        "optimizer_state": s.optimizer_state_bytes_per_device,
+        "activations": s.activation_bytes_per_device,
+    }
+    return from_counters(counters, memory)
+
+
+def parse_bytes(text: str | int | float | None) -> int | None:
+    """A memory size: bytes as a number, or "16GB", "512MiB", "1.5 TB" (powers of 1024)."""
+    if text is None or isinstance(text, int | float):
+        return None if text is None else int(text)
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
+    if not m:
+        raise ConfigError(f"memory budget {text!r}: give a size like 16GB, 512MB or a number of bytes")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """The best `top` layouts that fit (exactly costed, best first), the user's own layout if
+    given, how many rule sets were legal, how they were costed, and how long it took."""
+
+    ranked: list[Candidate]
+    baseline: Candidate | None
+    legal: int
+    method: str
+    seconds: float
+    memory_budget: int
+    device: Device
+    compared: list[Candidate]  # every candidate costed (estimates where not exact), in order
+
+    @property
+    def best(self) -> Candidate:
+        return self.ranked[0]
+
+    @property
+    def layout(self) -> str:
+        return self.best.layout
+
+    def format(self) -> str:
+        from meshax.lower.report import _human
+
+        kinds = [
+            k
+            for k in ("allreduce", "allgather", "reduce_scatter", "alltoall", "permute")
+            if any(c.comm_s[k] for c in [*self.ranked, *([self.baseline] if self.baseline else [])])
+        ]
+        rows = [(str(i + 1), c) for i, c in enumerate(self.ranked)]
+        if self.baseline is not None:
+            rows.append(("yours", self.baseline))
+        width = max(len(c.layout or "(replicated)") for _, c in rows)
+        head = (
+            f"{'#':<6}{'layout':<{width + 2}}{'step ms':>10}{'compute':>10}"
+            + "".join(f"{k:>15}" for k in kinds)
+            + f"{'memory':>10}"
+        )
+        lines = [
+            f"layout search: {self.legal} legal rule sets, {self.method}, {self.seconds:.1f} s; "
+            f"device {self.device.name}; memory budget {_human(self.memory_budget)}B per device",
+            head,
+        ]
+        for tag, c in rows:
+            lines.append(
+                f"{tag:<6}{c.layout or '(replicated)':<{width + 2}}{c.step_s * 1e3:>10.3f}{c.compute_s * 1e3:>10.3f}"
+                + "".join(f"{c.comm_s[k] * 1e3:>15.3f}" for k in kinds)
+                + f"{_human(c.memory_bytes) + 'B':>10}"
+            )
+        lines.append("")
+        for tag, c in rows[1:]:
+            lines.append(f"{tag}: {self.why(c)}")
+        return "\n".join(lines) + "\n"
+
+    def why(self, other: Candidate) -> str:
+        """How `other` differs from the best: its rules and the biggest time differences."""
+        mine = dict(_pairs(self.best.layout))
+        theirs = dict(_pairs(other.layout))
+        rule_diff = [
+            f"{d}: {','.join(theirs.get(d, ())) or '-'} -> {','.join(mine.get(d, ())) or '-'}"
+            for d in sorted(set(mine) | set(theirs))
+            if mine.get(d) != theirs.get(d)
+        ]
+        deltas = []
+        if other.compute_s != self.best.compute_s:
+            deltas.append(("compute", other.compute_s - self.best.compute_s))
+        for key in set(other.by_link) | set(self.best.by_link):
+            d = other.by_link.get(key, 0.0) - self.best.by_link.get(key, 0.0)
+            if d:
+                deltas.append((f"{key[0]} over {','.join(key[1])}", d))
+        deltas.sort(key=lambda kv: -abs(kv[1]))
+        said = ", ".join(f"{name} {d * 1e3:+.3f} ms" for name, d in deltas[:3])
+        changes = "; ".join(rule_diff) or "nothing"
+        return f"{other.step_s / self.best.step_s:.2f}x the best's time; best changes {changes}; {said or 'same costs'}"
+
+
+def _pairs(layout: str) -> list[tuple[str, tuple[str, ...]]]:
+    rules = convert_to_layout_rules(layout)
+    return [(d, tuple(rules.mesh_dims_for(d))) for d in rules.tensor_dim_names]
+
+
+def search_layout(
+    graph,
+    mesh_shape,
+    outputs: Sequence[Tensor] = (),
+    updates: Sequence = (),
+    *,
+    layout: str = "",
+    memory_budget: str | int | None = None,
+    device: str | Device | None = None,
+    top: int = 5,
+    exact_limit: int = 64,
+    rescore: int = 16,
+    baseline: Candidate | str | None = None,
+) -> SearchResult:
+    """The layout rules for `graph` on `mesh_shape` that minimise the predicted step time of the
+    program computing `outputs` and applying `updates`, within `memory_budget` per device
+    (default: the device's memory). `graph` may be a training task (`meshax.train` tasks): its
+    loss, metrics and Adam updates are the program. `layout`: rules the user pins (kept in every
+    candidate). `device`: a known device name or a `meshax calibrate` file (default: the CPU's
+    entry, or $MESHAX_DEVICE). Spaces of at most `exact_limit` rule sets are costed exactly;
+    larger ones by the estimate, with the best `rescore` re-costed exactly. `baseline`: the
+    user's own layout (rules, or a Candidate from `evaluate`), shown beside the best."""
+    start = time.perf_counter()
+    mesh_shape = convert_to_mesh_shape(mesh_shape)
+    if not isinstance(graph, Graph):
+        graph, outputs, updates = _build_task(graph)
+    outputs, updates = list(outputs), list(updates)
+    if not outputs and not updates:
+        raise ConfigError("search_layout needs the program to cost: give its outputs (the loss) and updates")
+    dev = load_device(device)
+    budget = parse_bytes(memory_budget) if memory_budget is not None else dev.memory_bytes
+    if budget is None or budget <= 0:
+        raise ConfigError(f"memory budget {memory_budget!r}: give a positive size, like 16GB")
+    space = Space(graph, mesh_shape, convert_to_layout_rules(layout))
+    rule_sets: list[Rules] = list(space)
+    mesh = graph.operations[0].mesh
+
+    def exact(rules: Rules) -> Candidate:
+        from meshax.backends import SimdMeshImpl
+
+        text = rules_string(rules)
+        lowering = Lowering(graph, {mesh: SimdMeshImpl(mesh_shape, text)})
+        return _candidate(text, exact_cost(lowering, outputs, updates), dev, mesh_shape)
+
+    annotated = any(hasattr(op, "annotation") for op in graph.operations)
+    if len(rule_sets) <= exact_limit or annotated:
+        compared = [exact(r) for r in rule_sets]
+        method = "every one traced exactly"
+        exact_ones = compared
+    else:
+        estimator = Estimator(graph, mesh_shape, outputs, updates)
+        compared = [_candidate(rules_string(r), estimator(space.rules_of(r)), dev, mesh_shape) for r in rule_sets]
+        by_layout = dict(zip((c.layout for c in compared), rule_sets))
+        fitting = sorted((c for c in compared if c.memory_bytes <= budget), key=lambda c: c.step_s)
+        exact_ones = [exact(by_layout[c.layout]) for c in fitting[: max(rescore, top)]]
+        method = f"all estimated, the best {len(exact_ones)} that fit traced exactly"
+    fits = [c for c in exact_ones if c.memory_bytes <= budget]
+    if not fits:
+        _no_fit(graph, compared, budget, mesh_shape)
+    ranked = sorted(fits, key=lambda c: c.step_s)[:top]  # (a stable sort: ties keep the fixed order)
+    if isinstance(baseline, str):
+        baseline = exact(tuple(_pairs(baseline)))
+    return SearchResult(ranked, baseline, len(rule_sets), method, time.perf_counter() - start, budget, dev, compared)
+
+
+def evaluate(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = (), device=None) -> Candidate:
+    """The exact Candidate of a lowering's own layout (rules and annotations), to compare with."""
+    dev = load_device(device)
+    layout = str(lowering.impl.layout_rules)
+    return _candidate(layout, exact_cost(lowering, outputs, updates), dev, lowering.impl.shape)
+
+
+def _build_task(task):
+    from meshax.train.loop import build
+
+    if not hasattr(task, "build"):
+        raise TypeError(f"search_layout takes a Graph (with outputs and updates) or a training task, got {task!r}")
+    lowering, outputs, updates = build(task, "all:1", "", compile=False)
+    return lowering.graph, outputs, updates
+
+
+def _no_fit(graph: Graph, compared: list[Candidate], budget: int, mesh_shape) -> None:
+    from meshax.lower.report import _human
+
+    least = min(compared, key=lambda c: c.memory_bytes)
+    parts = ", ".join(f"{k.replace('_', ' ')} {_human(v)}B" for k, v in least.cost.memory.items())
+    state = least.cost.memory["parameters"] + least.cost.memory["optimizer_state"]
+    if state > budget:
+        cause = (
+            f"the mesh {mesh_shape} cannot hold the model: split as finely as any legal layout allows "
+            f"({least.layout or 'replicated'}), parameters and optimizer state alone take {_human(state)}B per "
+            f"device, {_human(state - budget)}B over the budget; use more devices or a larger budget"
+        )
+    else:
+        cause = (
+            f"the layout needing least memory ({least.layout or 'replicated'}) still needs "
+            f"{_human(least.memory_bytes)}B per device ({parts}), {_human(least.memory_bytes - budget)}B over "
+            "the budget; its activations do not fit: use a smaller batch or sequence, more devices, or a larger budget"
+        )
+    rules = convert_to_layout_rules(least.layout)
+
+    def per_device(t) -> int:
+        return math.prod(slice_shape(t.shape, tensor_layout(t.shape, rules, mesh_shape), mesh_shape)) * t.dtype.itemsize
+
+    sizes = sorted(((per_device(v.outputs[0]), v.name) for v in graph.all_variables), reverse=True)[:3]
+    largest = ", ".join(f"{name} {_human(n)}B" for n, name in sizes)
+    raise LayoutError(
+        f"no legal layout fits a memory budget of {_human(budget)}B per device: {cause} (largest per device "
+        f"there: {largest})"
+    )
