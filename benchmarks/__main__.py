@@ -1,4 +1,4 @@
-"""`python -m benchmarks [--quick] [--sections 1,2,3,4,5,6,7,8,9] [--devices 8] [--out PATH]`
+"""`python -m benchmarks [--quick] [--sections 1,2,3,4,5,6,7,8,9,10] [--devices 8] [--out PATH]`
 
 Runs the benchmark sections in one process on the embedded default (virtual CPU devices; 8
 unless --devices says otherwise), prints a table, writes one JSON record per measurement to
@@ -16,8 +16,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
-NEEDS_8 = {1, 2, 5, 7, 8, 9}  # the paper's layouts run on 8 devices
+ALL_SECTIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+NEEDS_8 = {1, 2, 5, 7, 8, 9, 10}  # the paper's layouts run on 8 devices
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,7 +60,19 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     have = start_jax(args.devices)  # first thing that touches JAX
 
-    from benchmarks import counter_truth, gpu, gspmd, overhead, paper_comm, partition, report, scaling, spatial, vs_xla
+    from benchmarks import (
+        counter_truth,
+        gpu,
+        gspmd,
+        overhead,
+        paper_comm,
+        partition,
+        report,
+        scaling,
+        search,
+        spatial,
+        vs_xla,
+    )
     from benchmarks.records import record
 
     modules = {
@@ -73,6 +85,7 @@ def main(argv=None) -> list[dict]:
         7: gspmd,
         8: spatial,
         9: partition,
+        10: search,
     }
 
     t0 = time.perf_counter()

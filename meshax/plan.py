@@ -25,6 +25,7 @@ class PlanSummary:
     replicated_parameters: int  # trainable values no mesh dim splits
     optimizer_state_bytes_per_device: int
     activation_bytes_per_device: int  # every forward tensor's slice: an upper bound (no freeing)
+    input_bytes_per_device: int  # the placeholders' slices: the batch fed
     flops_per_device: int
     families: dict[str, dict[str, float]]  # op family -> {"flops": ..., "<kind>": values ...}
     by_mesh_dim: dict[str, int]  # mesh dim name -> values allreduced over it (per device)
@@ -38,19 +39,35 @@ class PlanSummary:
         return d
 
 
-def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSummary:
+def _slice_bytes(lowering: Lowering):
     impl, plan = lowering.impl, lowering.plan
 
     def slice_bytes(t) -> int:
         return int(np.prod(impl.slice_shape(t.shape, plan[t]), dtype=np.int64)) * t.dtype.itemsize
 
-    params = lowering.graph.trainable_variables
-    others = [v for v in lowering.graph.all_variables if not v.trainable]
+    return slice_bytes
+
+
+def memory_per_device(lowering: Lowering, forward_outputs) -> dict[str, int]:
+    """Bytes per device by the plan: "parameters" (trainable variables), "optimizer_state" (the
+    other variables), "activations" (every forward tensor's slice: an upper bound, none freed)
+    and "inputs" (the placeholders' slices: the batch fed)."""
+    slice_bytes, graph = _slice_bytes(lowering), lowering.graph
     forward: list[Operation] = [
-        op
-        for op in _needed_ops(lowering.graph, [t.operation for t in forward_outputs])
-        if not getattr(op, "is_input", False)
+        op for op in _needed_ops(graph, [t.operation for t in forward_outputs]) if not getattr(op, "is_input", False)
     ]
+    return {
+        "parameters": sum(slice_bytes(v.value) for v in graph.trainable_variables),
+        "optimizer_state": sum(slice_bytes(v.value) for v in graph.all_variables if not v.trainable),
+        "activations": sum(slice_bytes(t) for op in forward for t in op.outputs),
+        "inputs": sum(slice_bytes(op.outputs[0]) for op in graph.operations if getattr(op, "is_placeholder", False)),
+    }
+
+
+def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSummary:
+    plan, slice_bytes = lowering.plan, _slice_bytes(lowering)
+    params = lowering.graph.trainable_variables
+    memory = memory_per_device(lowering, forward_outputs)
     families: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for name, flops in counters.flops.items():
         families[family(counters.op_types.get(name, ""))]["flops"] += flops
@@ -62,10 +79,11 @@ def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSu
                 by_mesh_dim[m] += site.values
     return PlanSummary(
         parameters=sum(v.value.size for v in params),
-        parameter_bytes_per_device=sum(slice_bytes(v.value) for v in params),
+        parameter_bytes_per_device=memory["parameters"],
         replicated_parameters=sum(v.value.size for v in params if plan[v.value].is_fully_replicated),
-        optimizer_state_bytes_per_device=sum(slice_bytes(v.value) for v in others),
-        activation_bytes_per_device=sum(slice_bytes(t) for op in forward for t in op.outputs),
+        optimizer_state_bytes_per_device=memory["optimizer_state"],
+        activation_bytes_per_device=memory["activations"],
+        input_bytes_per_device=memory["inputs"],
         flops_per_device=counters.total_flops,
         families={k: dict(v) for k, v in sorted(families.items())},
         by_mesh_dim=dict(by_mesh_dim),

@@ -193,7 +193,7 @@ class _PlacementRunner:
     def __call__(self, args, seed):
         return self._run(args, seed)
 
-    def compiled_text(self, args, seed) -> str:
+    def compiled(self, args, seed):
         raise TypeError(
             "PlacementMeshImpl runs op by op on each device and has no single compiled program; "
             "use SimdMeshImpl to inspect the compiled HLO"

@@ -157,5 +157,5 @@ class _SimdRunner:
     def __call__(self, args, seed):
         return list(self._fn(np.uint32(seed), *self._prepare(args)))
 
-    def compiled_text(self, args, seed) -> str:
-        return self._fn.lower(np.uint32(seed), *self._prepare(args)).compile().as_text()
+    def compiled(self, args, seed):
+        return self._fn.lower(np.uint32(seed), *self._prepare(args)).compile()

@@ -406,5 +406,14 @@ class LoweredFunction:
     def compiled_text(self, feeds: Mapping | None = None, seed: int = 0, global_feeds: Mapping | None = None) -> str:
         """The compiled program's text (HLO for the SIMD backend), for checking what runs; fed
         host arrays by name (`feeds`) or global jax.Arrays by placeholder (`global_feeds`)."""
+        return self._compiled(feeds, seed, global_feeds).as_text()
+
+    def peak_memory_bytes(self, feeds: Mapping | None = None, seed: int = 0) -> int:
+        """What the compiled program needs on one device at its peak, by XLA's memory analysis:
+        arguments, outputs and temporaries, less the outputs that reuse donated arguments."""
+        m = self._compiled(feeds, seed).memory_analysis()
+        return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+    def _compiled(self, feeds, seed, global_feeds=None):
         args = self._arguments(feeds) if global_feeds is None else self._global_arguments(global_feeds)
-        return self._run.compiled_text(args, seed)
+        return self._run.compiled(args, seed)

@@ -63,8 +63,9 @@ class Runner(Protocol):
 
     def __call__(self, args: list, seed: int) -> list: ...
 
-    def compiled_text(self, args: list, seed: int) -> str:
-        """The program as the backend compiled it (HLO for SIMD), for checking what runs."""
+    def compiled(self, args: list, seed: int):
+        """The program as the backend compiled it (a `jax.stages.Compiled` for SIMD): its HLO
+        (`.as_text()`) for checking what runs, its `.memory_analysis()` per device."""
         ...
 
 

@@ -70,7 +70,7 @@ KNOWN_DEVICES: dict[str, Device] = {
     "tpu-v3": Device("TPU v3 core", 61.5e12, 4e12, 16 * GB, Link(10e-6, 80e9)),
     "tpu-v4": Device("TPU v4", 275e12, 10e12, 32 * GB, Link(10e-6, 270e9)),
     "tpu-v5e": Device("TPU v5e", 197e12, 8e12, 16 * GB, Link(10e-6, 200e9)),
-    "cpu": Device("CPU (virtual devices)", 20e9, 2e9, 4 * GB, Link(50e-6, 2e9)),
+    "cpu": Device("CPU (virtual devices)", 20e9, 2e9, 4 * GB, Link(15e-6, 1.5e9)),
 }
 
 
@@ -116,6 +116,7 @@ def calibrate(mesh_shape, name: str = "", matmul_size: int = 512, message_bytes:
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from meshax.layout import convert_to_mesh_shape
@@ -127,14 +128,15 @@ def calibrate(mesh_shape, name: str = "", matmul_size: int = 512, message_bytes:
     mesh = jax.make_mesh(tuple(shape.to_integer_list), names, devices=jax.devices()[: shape.size])
     n = matmul_size
 
-    def local(f, spec=None):
-        spec = spec or P(names)
-        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+    def local(f):
+        return jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False))
 
-    a = jnp.ones((shape.size * n, n), jnp.float32)
-    matmul = local(lambda x: x @ x)
-    matmul_flops = 2 * n**3 / _seconds(matmul, a)
-    v = jnp.ones((shape.size * (1 << 20),), jnp.float32)
+    def ones(*dims):  # each device's block along the first dim
+        return jax.device_put(jnp.ones((shape.size * dims[0], *dims[1:]), jnp.float32), NamedSharding(mesh, P(names)))
+
+    matmul = local(lambda x: x @ x[:, :n])
+    matmul_flops = 2 * n**3 / _seconds(matmul, ones(n, n))
+    v = ones(1 << 20)
     steps = 8
     vector = local(lambda x: jax.lax.fori_loop(0, steps, lambda i, y: y * 1.0001 + 0.5, x))
     vector_flops = 2 * steps * (1 << 20) / _seconds(vector, v)
@@ -143,14 +145,18 @@ def calibrate(mesh_shape, name: str = "", matmul_size: int = 512, message_bytes:
         if d.size == 1:
             continue
         ring = 2 * (d.size - 1)
-        small = local(lambda x, m=m: jax.lax.psum(x, m), P(names))
-        t_small = _seconds(small, jnp.ones((shape.size,), jnp.float32))
-        words = message_bytes // 4
-        t_big = _seconds(small, jnp.ones((shape.size * words,), jnp.float32))
+
+        def per_psum(words: int, m=m) -> float:  # one allreduce inside a program: no launch cost
+            def chain(k):
+                return local(lambda x: jax.lax.fori_loop(0, k, lambda i, y: jax.lax.psum(y, m) * 0.5, x))
+
+            x = ones(words)
+            return max(_seconds(chain(17), x, repeats=9) - _seconds(chain(1), x, repeats=9), 1e-9) / 16
+
+        t_small, t_big = per_psum(1), per_psum(message_bytes // 4)
         latency = t_small / ring
         bandwidth = ring / d.size * message_bytes / max(t_big - t_small, 1e-9)
         links.append((m, Link(latency, bandwidth)))
-    memory = 0
     stats = jax.devices()[0].memory_stats() or {}
     memory = int(stats.get("bytes_limit", 0)) or int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if jax.devices()[0].platform == "cpu":

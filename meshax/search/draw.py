@@ -30,9 +30,9 @@ def draw_comparison(result, path: str) -> str:
     most = max(max(c.memory_bytes for _, c in rows), 1)
     gb = next(u for u in (1 << 30, 1 << 20, 1 << 10, 1) if most >= u)
     unit = {1 << 30: "GiB", 1 << 20: "MiB", 1 << 10: "KiB", 1: "bytes"}[gb]
-    parts = ["parameters", "optimizer_state", "activations"]
+    parts = ["parameters", "gradients", "optimizer_state", "activations"]
     lefts = [0.0] * len(rows)
-    for part, colour in zip(parts, ("tab:blue", "tab:orange", "tab:green")):
+    for part, colour in zip(parts, ("tab:blue", "tab:cyan", "tab:orange", "tab:green")):
         vals = [c.cost.memory.get(part, 0) / gb for _, c in rows]
         right.barh(labels, vals, left=lefts, label=part.replace("_", " "), color=colour)
         lefts = [a + b for a, b in zip(lefts, vals)]

@@ -137,15 +137,18 @@ class Estimator:
             self._uses[(source, _shape_key(t), tuple(sorted(set(cs), key=repr)))] += 1
         self._shapes = {_shape_key(t): t.shape for t in consumers}
         forward = _needed_ops(graph, [t.operation for t in outputs])
-        parts = ("parameters", "optimizer_state", "activations")
+        parts = ("parameters", "gradients", "optimizer_state", "activations")
         self._memory: dict[str, dict[tuple, int]] = {k: defaultdict(int) for k in parts}
-        for v in graph.all_variables:  # (as `meshax.plan.summarize` counts them)
-            t = v.outputs[0]
-            self._memory["parameters" if v.trainable else "optimizer_state"][_shape_key(t)] += 1
-            self._shapes[_shape_key(t)] = t.shape
-        for op in forward:
-            for t in [] if getattr(op, "is_input", False) else op.outputs:
-                self._memory["activations"][_shape_key(t)] += 1
+        # memory as `search.exact_cost` counts it (from `meshax.plan.summarize`)
+        kept = [op for op in forward if not getattr(op, "is_input", False)]
+        kept += [op for op in graph.operations if getattr(op, "is_placeholder", False)]
+        for part, op in [
+            *(("parameters" if v.trainable else "optimizer_state", v) for v in graph.all_variables),
+            *(("gradients", v) for v in (graph.trainable_variables if updates else ())),
+            *(("activations", op) for op in kept),
+        ]:
+            for t in op.outputs:
+                self._memory[part][_shape_key(t)] += 1
                 self._shapes[_shape_key(t)] = t.shape
         self._moves: dict[tuple, list] = {}
 

@@ -55,16 +55,22 @@ def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape) -> Candi
 
 def exact_cost(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = ()) -> StepCost:
     """The StepCost of the program a lowering would run (traced abstractly: no devices needed)."""
-    from meshax.plan import summarize
-
     counters = lowering.trace_step(list(outputs), list(updates))
-    s = summarize(lowering, counters, outputs)
-    memory = {
-        "parameters": s.parameter_bytes_per_device,
-        "optimizer_state": s.optimizer_state_bytes_per_device,
-        "activations": s.activation_bytes_per_device,
+    return from_counters(counters, memory_of(lowering, outputs, updates))
+
+
+def memory_of(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = ()) -> dict[str, int]:
+    """Bytes per device by part, from the plan alone: parameters, their gradients (when there are
+    updates), optimizer state, and activations (every forward tensor, none freed, and the batch)."""
+    from meshax.plan import memory_per_device
+
+    m = memory_per_device(lowering, outputs)
+    return {
+        "parameters": m["parameters"],
+        "gradients": m["parameters"] if updates else 0,
+        "optimizer_state": m["optimizer_state"],
+        "activations": m["activations"] + m["inputs"],
     }
-    return from_counters(counters, memory)
 
 
 def parse_bytes(text: str | int | float | None) -> int | None:
@@ -170,7 +176,7 @@ def search_layout(
     device: str | Device | None = None,
     top: int = 5,
     exact_limit: int = 64,
-    rescore: int = 16,
+    rescore: int = 8,
     baseline: Candidate | str | None = None,
 ) -> SearchResult:
     """The layout rules for `graph` on `mesh_shape` that minimise the predicted step time of the
@@ -196,12 +202,14 @@ def search_layout(
     rule_sets: list[Rules] = list(space)
     mesh = graph.operations[0].mesh
 
-    def exact(rules: Rules) -> Candidate:
+    def lowering_of(rules: Rules) -> Lowering:
         from meshax.backends import SimdMeshImpl
 
-        text = rules_string(rules)
-        lowering = Lowering(graph, {mesh: SimdMeshImpl(mesh_shape, text)})
-        return _candidate(text, exact_cost(lowering, outputs, updates), dev, mesh_shape)
+        return Lowering(graph, {mesh: SimdMeshImpl(mesh_shape, rules_string(rules))})
+
+    def exact(rules: Rules, lowering: Lowering | None = None) -> Candidate:
+        cost = exact_cost(lowering or lowering_of(rules), outputs, updates)
+        return _candidate(rules_string(rules), cost, dev, mesh_shape)
 
     annotated = any(hasattr(op, "annotation") for op in graph.operations)
     if len(rule_sets) <= exact_limit or annotated:
@@ -211,9 +219,18 @@ def search_layout(
     else:
         estimator = Estimator(graph, mesh_shape, outputs, updates)
         compared = [_candidate(rules_string(r), estimator(space.rules_of(r)), dev, mesh_shape) for r in rule_sets]
-        by_layout = dict(zip((c.layout for c in compared), rule_sets))
-        fitting = sorted((c for c in compared if c.memory_bytes <= budget), key=lambda c: c.step_s)
-        exact_ones = [exact(by_layout[c.layout]) for c in fitting[: max(rescore, top)]]
+        # Re-score in the estimate's order. The estimate lays tensors out by the rules alone;
+        # propagation may split more (dims no rule names), so a layout's true memory (its plan's,
+        # cheap: no trace) can be less than estimated, never more: check it before tracing.
+        exact_ones = []
+        for c, rules in sorted(zip(compared, rule_sets), key=lambda cr: cr[0].step_s):
+            if c.memory_bytes > 2 * budget:
+                continue
+            lowering = lowering_of(rules)
+            if sum(memory_of(lowering, outputs, updates).values()) <= budget:
+                exact_ones.append(exact(rules, lowering))
+                if len(exact_ones) >= max(rescore, top):
+                    break
         method = f"all estimated, the best {len(exact_ones)} that fit traced exactly"
     fits = [c for c in exact_ones if c.memory_bytes <= budget]
     if not fits:
@@ -245,12 +262,13 @@ def _no_fit(graph: Graph, compared: list[Candidate], budget: int, mesh_shape) ->
 
     least = min(compared, key=lambda c: c.memory_bytes)
     parts = ", ".join(f"{k.replace('_', ' ')} {_human(v)}B" for k, v in least.cost.memory.items())
-    state = least.cost.memory["parameters"] + least.cost.memory["optimizer_state"]
+    state = sum(least.cost.memory[k] for k in ("parameters", "gradients", "optimizer_state"))
     if state > budget:
         cause = (
             f"the mesh {mesh_shape} cannot hold the model: split as finely as any legal layout allows "
-            f"({least.layout or 'replicated'}), parameters and optimizer state alone take {_human(state)}B per "
-            f"device, {_human(state - budget)}B over the budget; use more devices or a larger budget"
+            f"({least.layout or 'replicated'}), parameters, their gradients and optimizer state alone take "
+            f"{_human(state)}B per device, {_human(state - budget)}B over the budget; use more devices or a "
+            "larger budget"
         )
     else:
         cause = (

@@ -1,0 +1,138 @@
+"""Section 10: layout search against measurement, on 8 CPU devices.
+
+The devices are calibrated first (`meshax.search.calibrate`, in this run), and the search
+predicts with what was measured. Per model and mesh: every legal rule set is costed exactly by
+the cost model; the training steps of the layouts are compiled and timed in rotation (all of
+them where there are few; the third predicted best and an even spread of the rest where there are
+many, said in the record); reported are the measured step time of the search's choice over the
+measured best (target <= 1.05), the Spearman rank correlation of predicted and measured step
+times (target >= 0.8), and the search's own time. Then a memory budget just below the fastest
+layout's predicted memory: the search must return the fastest layout that fits, and its compiled
+program's peak memory per device (XLA's memory analysis) must be under the budget.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+from scipy.stats import spearmanr
+
+from benchmarks.records import record
+from benchmarks.timing import round_robin
+from meshax.search import calibrate, search_layout
+from meshax.train import LmTask, MlpTask
+from meshax.train.loop import build
+
+MESHES = ("all:8", "rows:2;cols:4")
+QUICK = {"models": ["mlp"], "timed": 6, "reps": 5}
+FULL = {"models": ["mlp", "lm"], "timed": 24, "reps": 9}
+
+
+def _task(model: str):
+    return MlpTask(io=512, hidden=2048, batch_size=512) if model == "mlp" else LmTask(model="tiny")
+
+
+def _step(task, mesh: str, layout: str):
+    """A callable running one training step (blocking), and the program's peak memory per device."""
+    program = build(task, mesh, layout)
+    rows = program.train_fn.feed_rows()
+    feeds = task.train_batch(0, rows)
+
+    def step():
+        jax.block_until_ready(program.train_fn(feeds, seed=0, rows=rows))
+
+    return step, program.train_fn.peak_memory_bytes(feeds)
+
+
+def _timed_layouts(exact: list, k: int) -> list:
+    """All when at most k; else the k/3 predicted best and an even spread of the rest."""
+    ranked = sorted(exact, key=lambda c: c.step_s)
+    if len(ranked) <= k:
+        return ranked
+    best, rest = ranked[: k // 3], ranked[k // 3 :]
+    n = k - len(best)
+    return best + [rest[round(i * (len(rest) - 1) / (n - 1))] for i in range(n)]
+
+
+def run(quick: bool) -> list[dict]:
+    p = QUICK if quick else FULL
+    out: list[dict] = []
+    for mesh in MESHES:
+        device = calibrate(mesh)
+        for model in p["models"]:
+            task = _task(model)
+            cfg = {"mesh": mesh, "program": f"{model} training step, Adam", "device": device.name}
+            t0 = time.perf_counter()
+            chosen = search_layout(task, mesh, device=device, top=1)
+            search_s = time.perf_counter() - t0
+            exact = search_layout(task, mesh, device=device, top=10**6, exact_limit=10**6).ranked
+            timed = _timed_layouts(exact, p["timed"])
+            if chosen.layout not in [c.layout for c in timed]:
+                timed.append(next(c for c in exact if c.layout == chosen.layout))
+            steps = {c.layout: _step(task, mesh, c.layout)[0] for c in timed}
+            measured = round_robin(steps, p["reps"])
+            best = min(measured, key=measured.get)
+            rho = float(spearmanr([c.step_s for c in timed], [measured[c.layout] for c in timed]).statistic)
+            sample = f"{len(timed)} of {len(exact)} legal layouts timed"
+            if len(timed) < len(exact):
+                sample += f" (the {p['timed'] // 3} predicted best and an even spread of the rest)"
+            out.append(
+                record(
+                    10,
+                    "search's choice: measured step / measured best",
+                    {**cfg, "layout": chosen.layout or "(replicated)"},
+                    measured[chosen.layout] / measured[best],
+                    "x",
+                    target="<= 1.05",
+                    met=measured[chosen.layout] <= 1.05 * measured[best],
+                    numerator={"name": chosen.layout, "value": measured[chosen.layout], "unit": "s"},
+                    denominator={"name": best, "value": measured[best], "unit": "s"},
+                    note=sample,
+                    search_seconds=search_s,
+                    search_method=chosen.method,
+                    exhaustive_best=exact[0].layout,
+                )
+            )
+            out.append(
+                record(
+                    10,
+                    "Spearman rank correlation, predicted vs measured step time",
+                    {**cfg, "layout": "(all timed)"},
+                    rho,
+                    "",
+                    target=">= 0.8",
+                    met=rho >= 0.8,
+                    note=sample,
+                    predicted_ms={c.layout: c.step_s * 1e3 for c in timed},
+                    measured_ms={k: v * 1e3 for k, v in measured.items()},
+                )
+            )
+            if any(c.memory_bytes < exact[0].memory_bytes for c in exact):  # a budget can exclude the fastest
+                out.append(_budget(task, mesh, device, exact, cfg))
+    return out
+
+
+def _budget(task, mesh: str, device, exact: list, cfg: dict) -> dict:
+    """A budget just below the fastest layout's memory: the search returns the fastest layout
+    that fits, and its compiled program's peak memory is under the budget."""
+    fastest = exact[0]
+    budget = fastest.memory_bytes - 1
+    fits = [c for c in exact if c.memory_bytes <= budget]
+    got = search_layout(task, mesh, device=device, memory_budget=budget, top=1)
+    _, peak = _step(task, mesh, got.layout)
+    right = bool(fits) and got.layout == fits[0].layout
+    return record(
+        10,
+        "memory budget excluding the fastest: compiled peak / budget",
+        {**cfg, "layout": got.layout},
+        peak / budget,
+        "x",
+        target="<= 1.0, and the fastest layout that fits",
+        met=peak <= budget and right,
+        note=f"fastest {fastest.layout} needs {fastest.memory_bytes} B (predicted); budget {budget} B; "
+        f"fastest that fits: {fits[0].layout if fits else None}; chosen: {got.layout}; "
+        f"predicted memory of the choice {got.best.memory_bytes} B, compiled peak {peak} B",
+        median_predicted_ms=statistics.median(c.step_s * 1e3 for c in exact),
+    )

@@ -1,0 +1,251 @@
+"""Layout search (issue 14): the cost model, the legal rule sets, the fast estimate against the
+exact trace, the search against exhaustive enumeration, memory budgets, the paper's scale,
+pictures against the slices devices hold, and the errors."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+import meshax as mx
+from meshax.backends import PlacementMeshImpl, SimdMeshImpl
+from meshax.cli import main
+from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
+from meshax.lower.draw import blocks, draw_layout
+from meshax.search import Collective, Device, Link, StepCost, load_device, predict, search_layout
+from meshax.search.cost import ring_factors
+from meshax.search.estimate import Estimator
+from meshax.search.search import _build_task, exact_cost
+from meshax.search.space import Space, rules_string
+from meshax.train import LmTask, MlpTask, Seq2SeqTask
+from meshax.train.loop import build
+
+TINY_LM = LmTask(model="tiny")
+MLP = MlpTask(hidden=128)
+
+
+def _exhaustive(task, mesh: str, **kw):
+    """Every legal rule set costed exactly (the search's own exact path, with no limit)."""
+    return search_layout(task, mesh, top=10**6, exact_limit=10**6, **kw).ranked
+
+
+def test_cost_model_by_hand():
+    dev = Device("d", 100.0, 10.0, 1000, Link(1.0, 2.0), links=(("rows", Link(3.0, 4.0)),))
+    mesh = convert_to_mesh_shape("rows:2;cols:4")
+    cost = StepCost(
+        {"Einsum": 200.0, "Elementwise": 20.0},
+        [Collective("allreduce", ("cols",), 8, count=2), Collective("allgather", ("rows", "cols"), 4)],
+        {"parameters": 5, "activations": 7},
+    )
+    p = predict(cost, dev, mesh)
+    assert p.compute_s == pytest.approx(200 / 100 + 20 / 10)
+    # allreduce over cols (n=4): 2(n-1) messages of latency 1, 2(n-1)/n of 8 bytes at 2 B/s; twice
+    assert p.comm_s["allreduce"] == pytest.approx(2 * (6 * 1.0 + 1.5 * 8 / 2.0))
+    # allgather over rows x cols (n=8) at the slower link (rows): 7 messages, 7 x 4 bytes
+    assert p.comm_s["allgather"] == pytest.approx(7 * 3.0 + 7 * 4 / 2.0)
+    assert p.memory_bytes == 12
+    assert ring_factors("reduce_scatter", 4) == (3, 0.75) and ring_factors("permute", 8) == (1, 1)
+
+
+def test_legal_rule_sets_are_all_and_only_the_legal_ones():
+    graph, _, _ = _build_task(TINY_LM)
+    mesh = convert_to_mesh_shape("rows:2;cols:4")
+    space = Space(graph, mesh)
+    found = list(space)
+    assert len(found) == len(set(found)) == 345
+    shapes = list(space.shapes.values())
+    # by brute force: every assignment of mesh-dim subsets (in mesh order) to dim names
+    names = sorted(space.sizes)
+    subsets = [(), ("rows",), ("cols",), ("rows", "cols")]
+    legal = set()
+    for combo in itertools.product(subsets, repeat=len(names)):
+        a = dict(zip(names, combo))
+        if any(space.sizes[n] % math.prod(mesh.get_dim_by_name(m).size for m in a[n]) for n in names):
+            continue
+        if all(len({m for d in s for m in a[d.name]}) == sum(len(a[d.name]) for d in s) for s in shapes):
+            legal.add(tuple(sorted((n, ms) for n, ms in a.items() if ms)))
+    assert legal == set(found)
+    assert {rules_string(r) for r in Space(graph, convert_to_mesh_shape("all:8"))} >= {"", "batch:all", "vocab:all"}
+    assert not any("heads:all" in rules_string(r) for r in Space(graph, convert_to_mesh_shape("all:8")))  # 4 heads
+
+
+@pytest.mark.parametrize("mesh", ["all:8", "rows:2;cols:4"])
+def test_estimate_equals_the_exact_trace_for_the_mlp(mesh):
+    graph, outputs, updates = _build_task(MLP)
+    shape = convert_to_mesh_shape(mesh)
+    space = Space(graph, shape)
+    estimate = Estimator(graph, shape, outputs, updates)
+    for rules in space:
+        est = estimate(space.rules_of(rules))
+        lowering = mx.Lowering(graph, {graph.operations[0].mesh: SimdMeshImpl(shape, rules_string(rules))})
+        exact = exact_cost(lowering, outputs, updates)
+        assert est.memory == exact.memory
+        assert sum(est.flops.values()) == pytest.approx(sum(exact.flops.values()))
+
+        def moved(c):
+            return sorted((x.kind, x.mesh_dims, x.bytes * x.count) for x in c.collectives)
+
+        assert moved(est) == moved(exact), rules_string(rules)
+
+
+@pytest.mark.parametrize(("task", "mesh"), [(MLP, "all:8"), (MLP, "rows:2;cols:4"), (TINY_LM, "all:8")])
+def test_the_search_choice_is_the_best_of_every_legal_rule_set(task, mesh):
+    every = _exhaustive(task, mesh)
+    best = min(c.step_s for c in every)
+    result = search_layout(task, mesh)
+    assert result.best.step_s == best and result.legal == len(every)
+    assert result.layout == next(c.layout for c in every if c.step_s == best)  # the first of ties
+    assert [c.layout for c in result.ranked] == [c.layout for c in every[:5]]
+
+
+@pytest.mark.slow
+def test_the_estimated_search_finds_the_exhaustive_best_for_the_transformer_on_a_2d_mesh():
+    every = _exhaustive(TINY_LM, "rows:2;cols:4")
+    result = search_layout(TINY_LM, "rows:2;cols:4")
+    assert "estimated" in result.method and result.legal == len(every) == 345
+    assert result.best.step_s == every[0].step_s and result.layout == every[0].layout
+
+
+def test_a_budget_excluding_the_fastest_returns_the_fastest_that_fits_and_it_fits_when_compiled():
+    every = _exhaustive(TINY_LM, "all:8")
+    budget = every[0].memory_bytes - 1
+    fits = [c for c in every if c.memory_bytes <= budget]
+    result = search_layout(TINY_LM, "all:8", memory_budget=budget)
+    assert fits and result.layout == fits[0].layout != every[0].layout
+    program = build(TINY_LM, "all:8", result.layout)
+    feeds = TINY_LM.train_batch(0, program.train_fn.feed_rows())
+    assert program.train_fn.peak_memory_bytes(feeds) <= budget
+
+
+def test_deterministic_and_pinned_rules_are_kept():
+    a = search_layout(TINY_LM, "rows:2;cols:4", layout="batch:rows", top=3)
+    b = search_layout(TINY_LM, "rows:2;cols:4", layout="batch:rows", top=3)
+    assert [c.layout for c in a.ranked] == [c.layout for c in b.ranked]
+    assert all("batch:rows" in c.layout for c in a.compared)
+    assert a.legal < search_layout(TINY_LM, "rows:2;cols:4", top=1).legal
+
+
+@pytest.mark.slow
+def test_paper_scale_search_beats_or_ties_the_papers_hand_layout():
+    task = Seq2SeqTask(model="paper-ff65536", batch_size=256, length=256)
+    hand = "batch:rows;vocab:cols;d_ff:cols;heads:cols"
+    result = search_layout(task, "rows:16;cols:32", memory_budget="16GB", device="tpu-v3", baseline=hand)
+    assert result.best.step_s <= result.baseline.step_s
+    assert result.best.memory_bytes <= 16 << 30
+    assert "16 that fit" in result.method or "that fit traced exactly" in result.method
+
+
+def test_the_report_names_the_differences():
+    result = search_layout(TINY_LM, "rows:2;cols:4", top=3, baseline="batch:rows;batch:cols")
+    text = result.format()
+    assert "345 legal rule sets" in text and "yours" in text and "batch:rows;batch:cols" in text
+    assert "x the best's time; best changes" in text and "allreduce over" in text
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def test_a_budget_no_layout_meets_says_what_does_not_fit():
+    with pytest.raises(mx.LayoutError, match=r"no legal layout fits.*activations do not fit.*largest per device"):
+        search_layout(TINY_LM, "all:8", memory_budget="2MB")
+
+
+def test_a_mesh_that_cannot_hold_the_model_says_so():
+    task = LmTask(model="paper-ff65536", batch_size=8, length=16)
+    with pytest.raises(mx.LayoutError, match=r"cannot hold the model.*parameters, their gradients and optimizer state"):
+        search_layout(task, "all:2", memory_budget="1GB")
+
+
+@pytest.mark.parametrize(
+    ("pin", "message"),
+    [
+        ("heads:all", r"splits heads \(size 4\) into 8 parts, which does not divide"),
+        ("batch:rows;length:rows", "split both .* over mesh dim 'rows'"),
+        ("nonsense:rows", "no tensor of the graph has a dim 'nonsense'"),
+        ("batch:planes", "names mesh dim 'planes'"),
+    ],
+)
+def test_a_pinned_rule_no_legal_layout_allows_is_named(pin, message):
+    mesh = "all:8" if pin == "heads:all" else "rows:2;cols:4"
+    with pytest.raises(mx.LayoutError, match=message):
+        search_layout(TINY_LM, mesh, layout=pin)
+
+
+def test_bad_budget_and_device_are_clear():
+    with pytest.raises(mx.ConfigError, match="give a size like 16GB"):
+        search_layout(MLP, "all:8", memory_budget="lots")
+    with pytest.raises(mx.ConfigError, match="neither a known device"):
+        search_layout(MLP, "all:8", device="abacus")
+
+
+# ---- pictures ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mesh", "layout"),
+    [("rows:2;cols:4", "batch:rows;io:cols"), ("rows:2;cols:4", "hidden:rows;hidden:cols"), ("all:8", "hidden:all")],
+)
+def test_each_device_is_drawn_holding_the_slice_it_holds(mesh, layout, tmp_path):
+    task = MlpTask(batch_size=16, io=12, hidden=20)  # io 12 over 4 and hidden 20 over 8: uneven
+    lowering = build(task, mesh, layout, backend="placement", compile=False)[0]
+    assert isinstance(lowering.impl, PlacementMeshImpl)
+    for var in lowering.graph.trainable_variables:
+        t = var.value
+        full = lowering.variable_value(var)
+        held = lowering._variable_state(var)  # the placement backend: one array per device, in pnum order
+        drawn = blocks(t.shape, lowering.plan[t], lowering.impl.shape)
+        for piece, ranges in zip(held, drawn):
+            valid = tuple(slice(0, e - b) for b, e in ranges)
+            want = full[tuple(slice(b, e) for b, e in ranges)]
+            np.testing.assert_array_equal(np.asarray(piece)[valid], want)
+        path = lowering.draw(t, str(tmp_path / f"{var.name.replace('/', '_')}.png"))
+        assert os.path.getsize(path) > 1000
+
+
+def test_pictures_of_any_rank_and_the_comparison(tmp_path):
+    mesh = convert_to_mesh_shape("a:2;b:2;c:2")
+    cases = [("x:5", [(0, 1)]), ("p:4;q:6;r:3", [(0,), (), (2,)]), ("p:2;q:3;r:4;s:5", [(), (0,), (1,), (2,)])]
+    for spec, axes in cases:
+        shape = mx.convert_to_shape(spec)
+        path = draw_layout("t", shape, mx.TensorLayout(axes), mesh, str(tmp_path / f"{shape.rank}.svg"))
+        assert "<svg" in (tmp_path / f"{shape.rank}.svg").read_text() and path.endswith(".svg")
+    result = search_layout(MLP, "rows:2;cols:4", top=3, baseline="batch:rows")
+    from meshax.search.draw import draw_comparison
+
+    assert os.path.getsize(draw_comparison(result, str(tmp_path / "search.png"))) > 1000
+    with pytest.raises(mx.ConfigError, match=r"give a \.png or \.svg file"):
+        draw_layout("t", mx.convert_to_shape("x:4"), mx.TensorLayout([()]), mesh, str(tmp_path / "t.jpg"))
+
+
+# ---- the command line ---------------------------------------------------------------------------
+
+
+def test_plan_search_prints_the_table_and_draws(capsys, tmp_path):
+    argv = ["plan", "mlp", "--mesh", "rows:2;cols:4", "--search", "--top", "3", "--picture", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "layout search: 16 legal rule sets" in out and "yours" in out and "batch:rows;hidden:cols" in out
+    assert os.path.isfile(tmp_path / "search.png") and os.path.isfile(tmp_path / "w.png")
+
+
+def test_plan_search_without_a_fitting_layout_is_one_line(capsys):
+    assert main(["plan", "lm", "--mesh", "all:8", "--search", "--memory-budget", "1MB"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("meshax: error: no legal layout fits a memory budget of 1.05MB") and err.count("\n") == 1
+
+
+def test_calibrate_writes_a_device_the_search_reads(capsys, tmp_path):
+    out = tmp_path / "dev.json"
+    assert main(["calibrate", "--mesh", "rows:2;cols:4", "--out", str(out)]) == 0
+    assert "GFLOP/s" in capsys.readouterr().out
+    dev = load_device(str(out))
+    assert dev.matmul_flops > 0 and {m for m, _ in dev.links} == {"rows", "cols"}
+    assert all(x.bandwidth > 0 and x.latency_s >= 0 for _, x in dev.links)
+    assert json.loads(out.read_text())["name"] == dev.name
+    assert search_layout(MLP, "rows:2;cols:4", device=str(out), top=1).device == dev
+    assert convert_to_layout_rules(search_layout(MLP, "rows:2;cols:4", device=str(out)).layout) is not None
