@@ -95,7 +95,14 @@ def on_page_markdown(markdown: str, page, **kwargs) -> str:
     if marker not in markdown:
         return markdown
     sections = []
-    for argv in ([], ["train", "mlp"], ["plan", "mlp"], ["launch"], ["plot"]):
+    for argv in (
+        [],
+        ["train", "mlp"],
+        ["plan", "mlp"],
+        ["calibrate"],
+        ["launch"],
+        ["plot"],
+    ):
         command = " ".join(["meshax", *argv[:1]])
         sections.append(
             f"## `{command}`\n\n```text\n$ {command} --help\n{_help(argv[:1])}```\n"

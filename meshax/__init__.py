@@ -11,7 +11,7 @@ program with explicit collectives, and tells you what each layout costs.
     lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows")})
 """
 
-from meshax import initializers, layers, optimize
+from meshax import initializers, layers, optimize, search
 from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
 from meshax.core import (
@@ -35,6 +35,7 @@ from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-Tens
 from meshax.ops import __all__ as _ops
 from meshax.pipeline import pipeline
 from meshax.runtime import initialize_distributed, is_main_process, use_cpu_devices
+from meshax.search import search_layout
 
 __version__ = "0.1.0"
 __all__ = [
@@ -74,6 +75,8 @@ __all__ = [
     "partition",
     "pipeline",
     "replicated_region",
+    "search",
+    "search_layout",
     "use_cpu_devices",
     *_ops,
 ]

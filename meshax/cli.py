@@ -420,10 +420,14 @@ def _run(args) -> int:
         try:
             check_mesh_dims(convert_to_layout_rules(args.layout), mesh_shape)
         except LayoutError as e:
-            raise ConfigError(
-                f"no --layout given, so {args.task}'s default layout {args.layout!r} applies: {e}; "
-                'give --layout ("" for none)'
-            ) from None
+            if getattr(args, "search", False):  # nothing to compare the search's choice with
+                args.layout = ""
+                args.no_baseline = True
+            else:
+                raise ConfigError(
+                    f"no --layout given, so {args.task}'s default layout {args.layout!r} applies: {e}; "
+                    'give --layout ("" for none)'
+                ) from None
     convert_to_layout_rules(args.layout)
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
@@ -533,7 +537,8 @@ def _search(args, task, console, lowering, outputs, updates) -> int:
     from meshax.search import evaluate, search_layout
     from meshax.search.draw import draw_comparison
 
-    baseline = evaluate(lowering, outputs, updates, args.device)  # the layout given (or the task's default)
+    # beside the choice: the layout given (or the task's default, where it fits the mesh)
+    baseline = None if getattr(args, "no_baseline", False) else evaluate(lowering, outputs, updates, args.device)
     searched = dataclasses.replace(task, sharding="") if getattr(task, "sharding", "") else task
     result = search_layout(
         searched,

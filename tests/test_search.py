@@ -123,11 +123,12 @@ def test_a_budget_excluding_the_fastest_returns_the_fastest_that_fits_and_it_fit
 
 
 def test_deterministic_and_pinned_rules_are_kept():
-    a = search_layout(TINY_LM, "rows:2;cols:4", layout="batch:rows", top=3)
-    b = search_layout(TINY_LM, "rows:2;cols:4", layout="batch:rows", top=3)
-    assert [c.layout for c in a.ranked] == [c.layout for c in b.ranked]
-    assert all("batch:rows" in c.layout for c in a.compared)
-    assert a.legal < search_layout(TINY_LM, "rows:2;cols:4", top=1).legal
+    pin = "batch:rows;heads:cols"
+    a, b = (search_layout(TINY_LM, "rows:2;cols:4", layout=pin, top=3, exact_limit=0) for _ in range(2))
+    assert "estimated" in a.method
+    assert [(c.layout, c.step_s) for c in a.ranked] == [(c.layout, c.step_s) for c in b.ranked]
+    assert all("batch:rows" in c.layout and "heads:cols" in c.layout for c in a.compared)
+    assert 1 < a.legal < 345
 
 
 @pytest.mark.slow
@@ -156,9 +157,8 @@ def test_a_budget_no_layout_meets_says_what_does_not_fit():
 
 
 def test_a_mesh_that_cannot_hold_the_model_says_so():
-    task = LmTask(model="paper-ff65536", batch_size=8, length=16)
     with pytest.raises(mx.LayoutError, match=r"cannot hold the model.*parameters, their gradients and optimizer state"):
-        search_layout(task, "all:2", memory_budget="1GB")
+        search_layout(TINY_LM, "all:2", memory_budget="200KB")
 
 
 @pytest.mark.parametrize(

@@ -107,6 +107,6 @@ def draw_layout(name: str, shape: Shape, layout: TensorLayout, mesh_shape: Shape
     sizes = ", ".join(f"{d.name}={d.size}" for d in dims)
     fig.suptitle(f"{name} [{sizes}]\non mesh {mesh}: {split or 'replicated'}", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

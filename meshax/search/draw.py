@@ -25,7 +25,7 @@ def draw_comparison(result, path: str) -> str:
         left.barh(labels, ms, left=lefts, label=k, color=colour)
         lefts = [a + b for a, b in zip(lefts, ms)]
     left.set_xlabel("predicted step time per device (ms)")
-    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=len(kinds))
+    left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
     left.invert_yaxis()
     most = max(max(c.memory_bytes for _, c in rows), 1)
     gb = next(u for u in (1 << 30, 1 << 20, 1 << 10, 1) if most >= u)
@@ -40,10 +40,11 @@ def draw_comparison(result, path: str) -> str:
         right.axvline(result.memory_budget / gb, color="red", linestyle="--", label="budget")
         right.set_xlabel(f"memory per device ({unit})")
     else:
-        right.set_xlabel(f"memory per device ({unit}); the budget, {result.memory_budget / gb:,.0f}, is off the chart")
-    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)
+        right.set_xlabel(f"memory per device ({unit})")
+        right.set_title(f"the budget, {result.memory_budget / gb:,.0f} {unit}, is off the chart", fontsize=8)
+    right.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
     fig.suptitle(f"layout search on {result.device.name}: {result.legal} legal rule sets ({result.method})", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
