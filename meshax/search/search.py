@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from meshax.core.errors import ConfigError, LayoutError
 from meshax.core.graph import Graph, Tensor
 from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
-from meshax.layout.rules import slice_shape, tensor_layout
 from meshax.lower.lowering import Lowering
 from meshax.search.cost import StepCost, collective_seconds, from_counters, predict
 from meshax.search.devices import Device, load_device
@@ -234,7 +233,7 @@ def search_layout(
         method = f"all estimated, the best {len(exact_ones)} that fit traced exactly"
     fits = [c for c in exact_ones if c.memory_bytes <= budget]
     if not fits:
-        _no_fit(graph, compared, budget, mesh_shape)
+        _no_fit(compared, budget, mesh_shape, lowering_of)
     ranked = sorted(fits, key=lambda c: c.step_s)[:top]  # (a stable sort: ties keep the fixed order)
     if isinstance(baseline, str):
         baseline = exact(tuple(_pairs(baseline)))
@@ -257,31 +256,36 @@ def _build_task(task):
     return lowering.graph, outputs, updates
 
 
-def _no_fit(graph: Graph, compared: list[Candidate], budget: int, mesh_shape) -> None:
+def _no_fit(compared: list[Candidate], budget: int, mesh_shape, lowering_of) -> None:
+    """Raise the LayoutError that says why nothing fits: the model's state, or its activations."""
     from meshax.lower.report import _human
 
-    least = min(compared, key=lambda c: c.memory_bytes)
-    parts = ", ".join(f"{k.replace('_', ' ')} {_human(v)}B" for k, v in least.cost.memory.items())
-    state = sum(least.cost.memory[k] for k in ("parameters", "gradients", "optimizer_state"))
-    if state > budget:
+    def state(c: Candidate) -> int:
+        return sum(c.cost.memory[k] for k in ("parameters", "gradients", "optimizer_state"))
+
+    mesh = ";".join(f"{d.name}:{d.size}" for d in mesh_shape)
+    leanest = min(compared, key=state)
+    if state(leanest) > budget:
+        least = leanest
         cause = (
-            f"the mesh {mesh_shape} cannot hold the model: split as finely as any legal layout allows "
+            f"the mesh {mesh} cannot hold the model: split as finely as any legal layout allows "
             f"({least.layout or 'replicated'}), parameters, their gradients and optimizer state alone take "
-            f"{_human(state)}B per device, {_human(state - budget)}B over the budget; use more devices or a "
-            "larger budget"
+            f"{_human(state(least))}B per device, {_human(state(least) - budget)}B over the budget; use more "
+            "devices or a larger budget"
         )
     else:
+        least = min(compared, key=lambda c: c.memory_bytes)
+        parts = ", ".join(f"{k.replace('_', ' ')} {_human(v)}B" for k, v in least.cost.memory.items())
         cause = (
             f"the layout needing least memory ({least.layout or 'replicated'}) still needs "
             f"{_human(least.memory_bytes)}B per device ({parts}), {_human(least.memory_bytes - budget)}B over "
             "the budget; its activations do not fit: use a smaller batch or sequence, more devices, or a larger budget"
         )
-    rules = convert_to_layout_rules(least.layout)
-
-    def per_device(t) -> int:
-        return math.prod(slice_shape(t.shape, tensor_layout(t.shape, rules, mesh_shape), mesh_shape)) * t.dtype.itemsize
-
-    sizes = sorted(((per_device(v.outputs[0]), v.name) for v in graph.all_variables), reverse=True)[:3]
+    lowering = lowering_of(tuple(_pairs(least.layout)))
+    tensors = {t: None for op in lowering.graph.operations for t in op.outputs}
+    impl = lowering.impl
+    per_device = ((math.prod(impl.slice_shape(t.shape, lowering.plan[t])) * t.dtype.itemsize, t.name) for t in tensors)
+    sizes = sorted(per_device, reverse=True)[:3]
     largest = ", ".join(f"{name} {_human(n)}B" for n, name in sizes)
     raise LayoutError(
         f"no legal layout fits a memory budget of {_human(budget)}B per device: {cause} (largest per device "
