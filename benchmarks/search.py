@@ -65,7 +65,7 @@ def run(quick: bool) -> list[dict]:
             task = _task(model)
             cfg = {"mesh": mesh, "program": f"{model} training step, Adam", "device": device.name}
             t0 = time.perf_counter()
-            chosen = search_layout(task, mesh, device=device, top=1)
+            chosen = search_layout(task, mesh, device=device)
             search_s = time.perf_counter() - t0
             exact = search_layout(task, mesh, device=device, top=10**6, exact_limit=10**6).ranked
             timed = _timed_layouts(exact, p["timed"])
@@ -120,7 +120,7 @@ def _budget(task, mesh: str, device, exact: list, cfg: dict) -> dict:
     fastest = exact[0]
     budget = fastest.memory_bytes - 1
     fits = [c for c in exact if c.memory_bytes <= budget]
-    got = search_layout(task, mesh, device=device, memory_budget=budget, top=1)
+    got = search_layout(task, mesh, device=device, memory_budget=budget)
     _, peak = _step(task, mesh, got.layout)
     right = bool(fits) and got.layout == fits[0].layout
     return record(

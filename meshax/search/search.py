@@ -175,7 +175,7 @@ def search_layout(
     device: str | Device | None = None,
     top: int = 5,
     exact_limit: int = 64,
-    rescore: int = 8,
+    rescore_margin: float = 0.1,
     baseline: Candidate | str | None = None,
 ) -> SearchResult:
     """The layout rules for `graph` on `mesh_shape` that minimise the predicted step time of the
@@ -184,7 +184,8 @@ def search_layout(
     loss, metrics and Adam updates are the program. `layout`: rules the user pins (kept in every
     candidate). `device`: a known device name or a `meshax calibrate` file (default: the CPU's
     entry, or $MESHAX_DEVICE). Spaces of at most `exact_limit` rule sets are costed exactly;
-    larger ones by the estimate, with the best `rescore` re-costed exactly. `baseline`: the
+    larger ones by the estimate, and the best that fit re-costed exactly: `top` of them, and on
+    while their estimate is within `rescore_margin` of the best one's (at most 2 x top). `baseline`: the
     user's own layout (rules, or a Candidate from `evaluate`), shown beside the best."""
     start = time.perf_counter()
     mesh_shape = convert_to_mesh_shape(mesh_shape)
@@ -221,15 +222,22 @@ def search_layout(
         # Re-score in the estimate's order. The estimate lays tensors out by the rules alone;
         # propagation may split more (dims no rule names), so a layout's true memory (its plan's,
         # cheap: no trace) can be less than estimated, never more: check it before tracing.
-        exact_ones = []
+        # Enough: `top` of them, and then on while the estimate is within `rescore_margin` of the
+        # estimate of the best found (the estimate is not exact near the top), up to 2 x top.
+        exact_ones: list[Candidate] = []
+        estimated: dict[str, float] = {}
         for c, rules in sorted(zip(compared, rule_sets), key=lambda cr: cr[0].step_s):
+            if len(exact_ones) >= top and (
+                len(exact_ones) >= 2 * top
+                or c.step_s > (1 + rescore_margin) * estimated[min(exact_ones, key=lambda e: e.step_s).layout]
+            ):
+                break
             if c.memory_bytes > 2 * budget:
                 continue
             lowering = lowering_of(rules)
             if sum(memory_of(lowering, outputs, updates).values()) <= budget:
                 exact_ones.append(exact(rules, lowering))
-                if len(exact_ones) >= max(rescore, top):
-                    break
+                estimated[c.layout] = c.step_s
         method = f"all estimated, the best {len(exact_ones)} that fit traced exactly"
     fits = [c for c in exact_ones if c.memory_bytes <= budget]
     if not fits:
