@@ -18,6 +18,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 DEFAULT_LAYOUTS = {
     "mlp": "batch:rows;hidden:cols",
@@ -184,6 +185,11 @@ def _parser() -> argparse.ArgumentParser:
                 default=None,
                 help="the device to predict for: a known name (h100, a100, tpu-v3, tpu-v4, tpu-v5e, cpu) or a file "
                 "`meshax calibrate` wrote (default: $MESHAX_DEVICE, else cpu)",
+            )
+            g.add_argument(
+                "--search-mesh",
+                action="store_true",
+                help="also choose the mesh: every factorisation of --mesh's device count into 1-3 dims",
             )
             g.add_argument("--pin", default="", metavar="RULES", help='rules every candidate keeps, e.g. "batch:rows"')
             g.add_argument(
@@ -534,15 +540,19 @@ def _calibrate(args) -> int:
 
 
 def _search(args, task, console, lowering, outputs, updates) -> int:
-    from meshax.search import evaluate, search_layout
+    from meshax.layout import convert_to_mesh_shape
+    from meshax.search import SearchResult, evaluate, search_layout
     from meshax.search.draw import draw_comparison
+    from meshax.search.search import search_mesh_and_layout
 
     # beside the choice: the layout given (or the task's default, where it fits the mesh)
     baseline = None if getattr(args, "no_baseline", False) else evaluate(lowering, outputs, updates, args.device)
     searched = dataclasses.replace(task, sharding="") if getattr(task, "sharding", "") else task
-    result = search_layout(
+    search: Callable[..., SearchResult] = search_mesh_and_layout if args.search_mesh else search_layout
+    where = convert_to_mesh_shape(args.mesh).size if args.search_mesh else args.mesh  # (every mesh of that many)
+    result = search(
         searched,
-        args.mesh,
+        where,
         layout=args.pin,
         memory_budget=args.memory_budget,
         device=args.device,
@@ -554,7 +564,7 @@ def _search(args, task, console, lowering, outputs, updates) -> int:
         from meshax.train.loop import build
 
         print(f"wrote {draw_comparison(result, os.path.join(args.picture, 'search.png'))}")
-        best = build(searched, args.mesh, result.layout, args.backend, compile=False)[0]
+        best = build(searched, result.best.mesh, result.layout, args.backend, compile=False)[0]
         _draw_parameters(best, args.picture)
     return 0
 

@@ -231,6 +231,8 @@ def test_plan_search_prints_the_table_and_draws(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "layout search: 16 legal rule sets" in out and "yours" in out and "batch:rows;hidden:cols" in out
     assert os.path.isfile(tmp_path / "search.png") and os.path.isfile(tmp_path / "w.png")
+    assert main(["plan", "mlp", "--mesh", "rows:2;cols:4", "--search", "--search-mesh", "--top", "2"]) == 0
+    assert "4 meshes searched" in capsys.readouterr().out
 
 
 def test_plan_search_without_a_fitting_layout_is_one_line(capsys):
@@ -249,3 +251,17 @@ def test_calibrate_writes_a_device_the_search_reads(capsys, tmp_path):
     assert json.loads(out.read_text())["name"] == dev.name
     assert search_layout(MLP, "rows:2;cols:4", device=str(out), top=1).device == dev
     assert convert_to_layout_rules(search_layout(MLP, "rows:2;cols:4", device=str(out)).layout) is not None
+
+
+def test_searching_the_mesh_too_takes_the_best_of_every_factorisation():
+    from meshax.search import mesh_shapes, search_mesh_and_layout
+
+    assert mesh_shapes(8) == ["planes:2;rows:2;cols:2", "rows:2;cols:4", "rows:4;cols:2", "all:8"]
+    assert len(mesh_shapes(12)) == 8 and mesh_shapes(7) == ["all:7"]
+    result = search_mesh_and_layout(MLP, 8, top=3)
+    per_mesh = [search_layout(MLP, mesh, top=1).best for mesh in mesh_shapes(8)]
+    assert result.best.step_s == min(c.step_s for c in per_mesh)
+    assert result.legal == sum(search_layout(MLP, m, top=1).legal for m in mesh_shapes(8))
+    assert "mesh  layout" in result.format()  # which mesh each row is for
+    with pytest.raises(mx.LayoutError, match="no mesh of 8 devices"):
+        search_mesh_and_layout(MLP, 8, memory_budget="1KB")

@@ -6,7 +6,15 @@ holds the device table and `calibrate`; `draw` draws layouts and the search's co
 
 from meshax.search.cost import Collective, Prediction, StepCost, predict
 from meshax.search.devices import KNOWN_DEVICES, Device, Link, calibrate, load_device
-from meshax.search.search import Candidate, SearchResult, evaluate, exact_cost, search_layout
+from meshax.search.search import (
+    Candidate,
+    SearchResult,
+    evaluate,
+    exact_cost,
+    mesh_shapes,
+    search_layout,
+    search_mesh_and_layout,
+)
 
 __all__ = [
     "KNOWN_DEVICES",
@@ -21,6 +29,8 @@ __all__ = [
     "evaluate",
     "exact_cost",
     "load_device",
+    "mesh_shapes",
     "predict",
     "search_layout",
+    "search_mesh_and_layout",
 ]

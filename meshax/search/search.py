@@ -11,6 +11,7 @@ ties go to the earlier one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -38,6 +39,7 @@ class Candidate:
     compute_s: float
     comm_s: dict[str, float]
     by_link: dict[tuple[str, tuple[str, ...]], float]  # (kind, mesh dims) -> seconds
+    mesh: str = ""  # the mesh it is for, as --mesh takes it
 
     @property
     def memory_bytes(self) -> int:
@@ -49,7 +51,8 @@ def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape) -> Candi
     by_link: dict[tuple, float] = defaultdict(float)
     for c in cost.collectives:
         by_link[(c.kind, c.mesh_dims)] += collective_seconds(c, device, mesh_shape)
-    return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, dict(by_link))
+    mesh = ";".join(f"{d.name}:{d.size}" for d in mesh_shape)
+    return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, dict(by_link), mesh)
 
 
 def exact_cost(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = ()) -> StepCost:
@@ -95,6 +98,7 @@ class SearchResult:
     memory_budget: int
     device: Device
     compared: list[Candidate]  # every candidate costed (estimates where not exact), in order
+    meshes: int = 1  # how many meshes were searched (`search_mesh_and_layout`)
 
     @property
     def best(self) -> Candidate:
@@ -115,9 +119,14 @@ class SearchResult:
         rows = [(str(i + 1), c) for i, c in enumerate(self.ranked)]
         if self.baseline is not None:
             rows.append(("yours", self.baseline))
-        width = max(len(c.layout or "(replicated)") for _, c in rows)
+        meshes = self.meshes > 1 or len({c.mesh for _, c in rows}) > 1  # (say which mesh each row is for)
+
+        def name(c: Candidate) -> str:
+            return (f"{c.mesh}  " if meshes else "") + (c.layout or "(replicated)")
+
+        width = max(len(name(c)) for _, c in rows)
         head = (
-            f"{'#':<6}{'layout':<{width + 2}}{'step ms':>10}{'compute':>10}"
+            f"{'#':<6}{'mesh  layout' if meshes else 'layout':<{width + 2}}{'step ms':>10}{'compute':>10}"
             + "".join(f"{k:>15}" for k in kinds)
             + f"{'memory':>10}"
         )
@@ -128,7 +137,7 @@ class SearchResult:
         ]
         for tag, c in rows:
             lines.append(
-                f"{tag:<6}{c.layout or '(replicated)':<{width + 2}}{c.step_s * 1e3:>10.3f}{c.compute_s * 1e3:>10.3f}"
+                f"{tag:<6}{name(c):<{width + 2}}{c.step_s * 1e3:>10.3f}{c.compute_s * 1e3:>10.3f}"
                 + "".join(f"{c.comm_s[k] * 1e3:>15.3f}" for k in kinds)
                 + f"{_human(c.memory_bytes) + 'B':>10}"
             )
@@ -155,6 +164,8 @@ class SearchResult:
                 deltas.append((f"{key[0]} over {','.join(key[1])}", d))
         deltas.sort(key=lambda kv: -abs(kv[1]))
         said = ", ".join(f"{name} {d * 1e3:+.3f} ms" for name, d in deltas[:3])
+        if other.mesh != self.best.mesh:
+            rule_diff.insert(0, f"mesh {other.mesh} -> {self.best.mesh}")
         changes = "; ".join(rule_diff) or "nothing"
         return f"{other.step_s / self.best.step_s:.2f}x the best's time; best changes {changes}; {said or 'same costs'}"
 
@@ -215,7 +226,7 @@ def search_layout(
     if len(rule_sets) <= exact_limit or annotated:
         compared = [exact(r) for r in rule_sets]
         method = "every one traced exactly"
-        exact_ones = compared
+        exact_ones: list[Candidate] = compared
     else:
         estimator = Estimator(graph, mesh_shape, outputs, updates)
         compared = [_candidate(rules_string(r), estimator(space.rules_of(r)), dev, mesh_shape) for r in rule_sets]
@@ -224,7 +235,7 @@ def search_layout(
         # cheap: no trace) can be less than estimated, never more: check it before tracing.
         # Enough: `top` of them, and then on while the estimate is within `rescore_margin` of the
         # estimate of the best found (the estimate is not exact near the top), up to 2 x top.
-        exact_ones: list[Candidate] = []
+        exact_ones = []
         estimated: dict[str, float] = {}
         for c, rules in sorted(zip(compared, rule_sets), key=lambda cr: cr[0].step_s):
             if len(exact_ones) >= top and (
@@ -246,6 +257,63 @@ def search_layout(
     if isinstance(baseline, str):
         baseline = exact(tuple(_pairs(baseline)))
     return SearchResult(ranked, baseline, len(rule_sets), method, time.perf_counter() - start, budget, dev, compared)
+
+
+MESH_NAMES = {1: ("all",), 2: ("rows", "cols"), 3: ("planes", "rows", "cols")}
+
+
+def mesh_shapes(devices: int, max_dims: int = 3) -> list[str]:
+    """Every factorisation of `devices` into 1 to `max_dims` mesh dims of size > 1, in order
+    (2 x 4 and 4 x 2 are different meshes), named by `MESH_NAMES`."""
+    out: list[str] = []
+
+    def factor(rest: int, sizes: list[int]) -> None:
+        if rest == 1 and sizes:
+            out.append(";".join(f"{n}:{s}" for n, s in zip(MESH_NAMES[len(sizes)], sizes)))
+        if len(sizes) == max_dims:
+            return
+        for k in range(2, rest + 1):
+            if rest % k == 0:
+                factor(rest // k, [*sizes, k])
+
+    factor(devices, [])
+    return out
+
+
+def search_mesh_and_layout(
+    graph, devices: int, outputs: Sequence[Tensor] = (), updates: Sequence = (), **kw
+) -> SearchResult:
+    """`search_layout` over every mesh of `devices` devices (`mesh_shapes`): the best layouts of
+    all of them together. Pinned rules (`layout=`) keep to the meshes whose dims they name."""
+    if not isinstance(graph, Graph):
+        graph, outputs, updates = _build_task(graph)
+    start = time.perf_counter()
+    pinned = convert_to_layout_rules(kw.get("layout", ""))
+    results = []
+    for mesh in mesh_shapes(devices):
+        names = convert_to_mesh_shape(mesh).dimension_names
+        if all(m in names for d in pinned.tensor_dim_names for m in pinned.mesh_dims_for(d)):
+            with contextlib.suppress(LayoutError):  # (no layout fits this mesh; another may)
+                results.append(search_layout(graph, mesh, outputs, updates, **kw))
+    if not results:
+        raise LayoutError(
+            f"no mesh of {devices} devices ({', '.join(mesh_shapes(devices))}) has a layout that fits "
+            f"(each searched alone says why: mx.search_layout(..., mesh))"
+        )
+    top = kw.get("top", 5)
+    ranked = sorted((c for r in results for c in r.ranked), key=lambda c: c.step_s)[:top]
+    first = results[0]
+    return SearchResult(
+        ranked,
+        first.baseline,
+        sum(r.legal for r in results),
+        f"{len(results)} meshes searched, each {first.method}",
+        time.perf_counter() - start,
+        first.memory_budget,
+        first.device,
+        [c for r in results for c in r.compared],
+        len(results),
+    )
 
 
 def evaluate(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = (), device=None) -> Candidate:
