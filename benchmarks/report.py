@@ -17,6 +17,7 @@ SECTION_TITLES = {
     7: "GSPMD annotations: meshax propagation vs XLA's, same annotations",
     8: "Spatial partitioning: halo exchange vs XLA's, same shardings",
     9: "Plain JAX functions: mx.partition vs jax.jit, same function and annotations",
+    10: "Layout search: the cost model's choice and ranking against measurement",
 }
 
 

@@ -82,6 +82,13 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             help=f'layout rules tensor_dim:mesh_dim; "" = replicated (default per task: {DEFAULT_LAYOUTS})',
         )
+        s.add_argument(
+            "--weight-layout",
+            default=None,
+            metavar="RULES",
+            help="layout rules for weight-shaped tensors (weights, their gradients and optimizer state) instead of "
+            '--layout, e.g. "d_model:x;heads:y;d_ff:y" (GSPMD\'s 2D sharding)',
+        )
         s.add_argument("--backend", choices=["simd", "placement"], default="simd")
         s.add_argument(
             "--sharding",
@@ -190,6 +197,11 @@ def _parser() -> argparse.ArgumentParser:
                 "--search-mesh",
                 action="store_true",
                 help="also choose the mesh: every factorisation of --mesh's device count into 1-3 dims",
+            )
+            g.add_argument(
+                "--search-weights",
+                action="store_true",
+                help="also give weights, their gradients and optimizer state rules of their own (--weight-layout)",
             )
             g.add_argument("--pin", default="", metavar="RULES", help='rules every candidate keeps, e.g. "batch:rows"')
             g.add_argument(
@@ -435,6 +447,8 @@ def _run(args) -> int:
                     'give --layout ("" for none)'
                 ) from None
     convert_to_layout_rules(args.layout)
+    if args.weight_layout is not None:
+        check_mesh_dims(convert_to_layout_rules(args.weight_layout), mesh_shape)
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
         _start_devices(args, mesh_shape.size)
@@ -450,7 +464,9 @@ def _run(args) -> int:
         task = _task(args)
         if args.command == "plan":
             return _plan(args, task, console)
-        program = build(task, args.mesh, args.layout, args.backend, _optimizer(args), args.seed)
+        program = build(
+            task, args.mesh, args.layout, args.backend, _optimizer(args), args.seed, weight_layout=args.weight_layout
+        )
     console.print(_layout_table(program.lowering))
     if not console.quiet:
         print(program.lowering.report(program.train_fn.counters, width=console.width), end="", flush=True)
@@ -546,7 +562,8 @@ def _search(args, task, console, lowering, outputs, updates) -> int:
     from meshax.search.search import search_mesh_and_layout
 
     # beside the choice: the layout given (or the task's default, where it fits the mesh)
-    baseline = None if getattr(args, "no_baseline", False) else evaluate(lowering, outputs, updates, args.device)
+    label = f"{args.layout} + annotations {args.sharding}".lstrip(" +") if args.sharding else None
+    baseline = None if getattr(args, "no_baseline", False) else evaluate(lowering, outputs, updates, args.device, label)
     searched = dataclasses.replace(task, sharding="") if getattr(task, "sharding", "") else task
     search: Callable[..., SearchResult] = search_mesh_and_layout if args.search_mesh else search_layout
     where = convert_to_mesh_shape(args.mesh).size if args.search_mesh else args.mesh  # (every mesh of that many)
@@ -558,14 +575,16 @@ def _search(args, task, console, lowering, outputs, updates) -> int:
         device=args.device,
         top=args.top,
         baseline=baseline,
+        search_weights=args.search_weights,
     )
     print(result.format(), end="", flush=True)
     if args.picture:
         from meshax.train.loop import build
 
         print(f"wrote {draw_comparison(result, os.path.join(args.picture, 'search.png'))}")
-        best = build(searched, result.best.mesh, result.layout, args.backend, compile=False)[0]
-        _draw_parameters(best, args.picture)
+        best = result.best
+        chosen = build(searched, best.mesh, best.layout, args.backend, compile=False, weight_layout=best.weight_layout)
+        _draw_parameters(chosen[0], args.picture)
     return 0
 
 
@@ -587,7 +606,14 @@ def _plan(args, task, console) -> int:
     if args.picture and not os.path.isdir(args.picture):
         os.makedirs(args.picture)
     lowering, outputs, updates = build(
-        task, args.mesh, args.layout, args.backend, _optimizer(args), args.seed, compile=False
+        task,
+        args.mesh,
+        args.layout,
+        args.backend,
+        _optimizer(args),
+        args.seed,
+        compile=False,
+        weight_layout=args.weight_layout,
     )
     if args.search:
         return _search(args, task, console, lowering, outputs, updates)

@@ -265,3 +265,54 @@ def test_searching_the_mesh_too_takes_the_best_of_every_factorisation():
     assert "mesh  layout" in result.format()  # which mesh each row is for
     with pytest.raises(mx.LayoutError, match="no mesh of 8 devices"):
         search_mesh_and_layout(MLP, 8, memory_budget="1KB")
+
+
+# ---- weight rules: weights, their gradients and optimizer state split their own way ------------
+
+
+def test_weight_rules_express_the_2d_finalized_sharding_and_train_like_one_device():
+    """GSPMD's 2D finalized as rules: activations batch:x, d_model:y, heads:y, d_ff:y; weights
+    (and their gradients and Adam slots) d_model:x, heads:y, d_ff:y. Same losses as one device."""
+    from meshax.models.transformer import TransformerConfig
+    from meshax.optimize import AdamWeightDecayOptimizer
+
+    config = TransformerConfig(vocab_size=32, d_model=16, d_ff=32, num_heads=4, d_kv=4, num_layers=1)
+    task = LmTask(model=config, source="markov", markov_vocab=32, batch_size=8, length=8)
+    losses, programs = [], []
+    for mesh, layout, weights in (
+        ("x:1", "", None),
+        ("x:2;y:4", "batch:x;d_model:y;heads:y;d_ff:y", "d_model:x;heads:y;d_ff:y"),
+    ):
+        program = build(task, mesh, layout, "simd", AdamWeightDecayOptimizer(1e-2), 0, weight_layout=weights)
+        losses.append([float(program.train_fn(task.train_batch(0), seed=i)[0]) for i in range(5)])
+        programs.append(program)
+    np.testing.assert_allclose(losses[1], losses[0], rtol=2e-5, atol=2e-6)
+    low = programs[1].lowering
+    q = next(v for v in low.graph.all_variables if v.name.endswith("self_attention/q"))
+    slot = next(v for v in low.graph.all_variables if v.name.endswith("self_attention/q/adam_m"))
+    assert low.layout_of(q.value) == low.layout_of(slot.value) == "d_model:x;heads:y"
+    activation = next(
+        t
+        for op in low.graph.operations
+        for t in op.outputs
+        if t.shape.dimension_names == ["batch", "length", "d_model"]
+    )
+    assert low.layout_of(activation) == "batch:x;d_model:y"
+    assert "weight rule d_model:x" in low.explain()
+
+
+def test_weight_rules_are_checked_like_rules():
+    with pytest.raises(mx.LayoutError, match="names mesh dim 'planes'"):
+        build(MLP, "rows:2;cols:4", "batch:rows", compile=False, weight_layout="hidden:planes")
+    assert main(["plan", "mlp", "--mesh", "rows:2;cols:4", "--weight-layout", "io:planes"]) == 2
+
+
+def test_searching_weight_rules_too_finds_at_least_as_fast_a_layout(capsys):
+    plain = search_layout(TINY_LM, "rows:2;cols:4", top=3)
+    both = search_layout(TINY_LM, "rows:2;cols:4", top=3, search_weights=True)
+    assert both.best.step_s <= plain.best.step_s
+    assert any(c.weight_layout is not None for c in both.compared) and "with weight rules" in both.method
+    legal = len(list(Space(_build_task(TINY_LM)[0], convert_to_mesh_shape("rows:2;cols:4"), weights=True)))
+    assert len(both.compared) == plain.legal + 3 * legal
+    argv = ["plan", "lm", "--mesh", "rows:2;cols:4", "--search", "--search-weights", "--top", "2"]
+    assert main(argv) == 0 and "with weight rules of their own" in capsys.readouterr().out

@@ -85,7 +85,9 @@ class Propagation:
     """Per tensor and dim: its mesh axes (None: open, nothing yet), whether it is fixed, and
     where it came from."""
 
-    def __init__(self, operations: Sequence, rules: LayoutRules, mesh_shape: Shape):
+    def __init__(self, operations: Sequence, rules: LayoutRules, mesh_shape: Shape, weights=None):
+        """`weights`: (weight rules, the dim-name sets of weight-shaped tensors), which those
+        tensors follow instead of `rules` (`plan.make_plan`)."""
         self.mesh_shape = mesh_shape
         self.operations = list(operations)
         self.axes: dict = {}
@@ -101,6 +103,8 @@ class Propagation:
                         [False] * t.shape.rank,
                         [""] * t.shape.rank,
                     )
+                elif weights is not None and frozenset(t.shape.dimension_names) in weights[1]:
+                    self._initial(t, weights[0], "weight rule ")
                 else:
                     self._initial(t, rules)
         # A loop's boundary (`propagation_links`): its carries and scanned slices inside and the
@@ -113,7 +117,7 @@ class Propagation:
                 self._annotate(t)
             self._run()
 
-    def _initial(self, t, rules: LayoutRules) -> None:
+    def _initial(self, t, rules: LayoutRules, what: str = "rule ") -> None:
         op = t.operation
         if getattr(op, "annotation", None) is not None:
             self._annotate(t)
@@ -129,7 +133,7 @@ class Propagation:
             if d.name in whole:
                 state = ((), True, f"kept whole by {type(op).__name__}")
             elif d.name in named:
-                state = (a, True, "rule " + ";".join(f"{d.name}:{self.mesh_shape[m].name}" for m in a))
+                state = (a, True, what + ";".join(f"{d.name}:{self.mesh_shape[m].name}" for m in a))
             else:
                 state = (None, False, "")  # open
             for column, value in zip((self.axes[t], self.fixed[t], self.origin[t]), state):

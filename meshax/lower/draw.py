@@ -60,14 +60,14 @@ def draw_layout(name: str, shape: Shape, layout: TensorLayout, mesh_shape: Shape
     plt = pyplot()
     held = blocks(shape, layout, mesh_shape)
     dims = list(shape)
-    rank = len(dims)
-    grid = list(range(max(rank - 2, 0), rank))  # the last two dims drawn as a grid
+    grid = list(range(max(len(dims) - 2, 0), len(dims)))  # the last two dims drawn as a grid
     lead = len(dims) - len(grid)
     pads = [block_sizes(d.size, a, mesh_shape)[-1] for d, a in zip(dims, layout.axes)]
     owners: dict[tuple, list[int]] = {}  # the block's begins -> the devices holding it
     for pnum, rng in enumerate(held):
         owners.setdefault(tuple(b for b, _ in rng), []).append(pnum)
-    panels = sorted({k[:lead] for k in owners})
+    every = sorted({k[:lead] for k in owners})
+    panels = every[:16]  # (a mesh of hundreds splits the leading dims into more than anyone reads)
     cols = min(len(panels), 4)
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(max(3.2 * cols, 5.0) + 0.5, 3.0 * rows + 1.0), squeeze=False)
@@ -105,7 +105,8 @@ def draw_layout(name: str, shape: Shape, layout: TensorLayout, mesh_shape: Shape
     )
     mesh = " x ".join(f"{d.name}:{d.size}" for d in mesh_shape)
     sizes = ", ".join(f"{d.name}={d.size}" for d in dims)
-    fig.suptitle(f"{name} [{sizes}]\non mesh {mesh}: {split or 'replicated'}", fontsize=9)
+    more = f" (the first {len(panels)} of {len(every)} blocks of its leading dims)" if len(every) > len(panels) else ""
+    fig.suptitle(f"{name} [{sizes}]\non mesh {mesh}: {split or 'replicated'}{more}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)

@@ -54,14 +54,15 @@ def _variable(x):
 def _warn_unused_rules(graph: Graph, impl: MeshImpl) -> None:
     """A rule for a dim no tensor has splits nothing: most likely a typo, so say so."""
     names = {d.name for op in graph.operations for t in op.outputs for d in t.shape}
-    for tensor_dim in impl.layout_rules.tensor_dim_names:
-        if tensor_dim not in names:
-            warnings.warn(
-                f"layout rule {tensor_dim}:{','.join(impl.layout_rules.mesh_dims_for(tensor_dim))} splits nothing: "
-                f"no tensor of the graph has a dim {tensor_dim!r}{did_you_mean(tensor_dim, names)}",
-                LayoutWarning,
-                stacklevel=3,
-            )
+    for rules in [impl.layout_rules] + ([impl.weight_rules] if impl.weight_rules is not None else []):
+        for tensor_dim in rules.tensor_dim_names:
+            if tensor_dim not in names:
+                warnings.warn(
+                    f"layout rule {tensor_dim}:{','.join(rules.mesh_dims_for(tensor_dim))} splits nothing: "
+                    f"no tensor of the graph has a dim {tensor_dim!r}{did_you_mean(tensor_dim, names)}",
+                    LayoutWarning,
+                    stacklevel=3,
+                )
 
 
 class Lowering:
@@ -81,7 +82,7 @@ class Lowering:
             if op.mesh is not self.mesh:
                 raise ValueError(f"op {op.name} is on mesh {op.mesh.name!r}, which has no implementation")
         _warn_unused_rules(graph, self.impl)
-        self.plan = make_plan(graph.operations, self.impl.layout_rules, self.impl.shape)
+        self.plan = make_plan(graph.operations, self.impl.layout_rules, self.impl.shape, self.impl.weight_rules)
         self.seed = seed
         self._variables: dict[Operation, object] = {}  # variable op -> backend value
         self._counters: Counters | None = None

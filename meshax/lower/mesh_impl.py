@@ -72,10 +72,15 @@ class Runner(Protocol):
 class MeshImpl:
     """Base class of `SimdMeshImpl` and `PlacementMeshImpl`."""
 
-    def __init__(self, shape, layout=None, devices: Sequence | None = None):
+    def __init__(self, shape, layout=None, devices: Sequence | None = None, weight_layout=None):
+        """`layout`: the layout rules; `weight_layout`: rules for weight-shaped tensors (weights,
+        their gradients and optimizer slots) instead of `layout` (default: `layout` for all)."""
         self.shape: Shape = convert_to_mesh_shape(shape)
         self.layout_rules = convert_to_layout_rules(layout)
         check_mesh_dims(self.layout_rules, self.shape)
+        self.weight_rules = None if weight_layout is None else convert_to_layout_rules(weight_layout)
+        if self.weight_rules is not None:
+            check_mesh_dims(self.weight_rules, self.shape)
         self._devices = list(devices) if devices is not None else None
         if self._devices is not None and len(self._devices) != self.size:
             raise ValueError(f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given")

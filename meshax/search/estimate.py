@@ -25,6 +25,7 @@ import numpy as np
 
 from meshax.core.graph import Graph, Operation, Tensor
 from meshax.core.shape import Shape
+from meshax.layout.plan import weight_shapes
 from meshax.layout.rules import LayoutRules, TensorLayout, block_sizes, slice_shape, split_factor
 from meshax.layout.sharding_rule import choose, rule_of
 from meshax.lower.laid_out import LaidOutTensor
@@ -112,7 +113,7 @@ class Estimator:
         self.mesh_shape = mesh_shape
         roots = [*(t.operation for t in outputs), *updates]
         ops = [op for op in _needed_ops(graph, roots) if not getattr(op, "is_input", False)]
-        replicated = Lowering(graph, {ops[0].mesh if ops else graph.operations[0].mesh: SimdMeshImpl(mesh_shape)})
+        replicated = Lowering(graph, {graph.operations[0].mesh: SimdMeshImpl(mesh_shape)})
         flops = replicated.trace_step(list(outputs), list(updates)).flops
         self._reps: dict[tuple, Operation] = {}
         self._flops: dict[tuple, float] = defaultdict(float)  # signature -> FLOPs of its ops on one device
@@ -139,7 +140,7 @@ class Estimator:
         forward = _needed_ops(graph, [t.operation for t in outputs])
         parts = ("parameters", "gradients", "optimizer_state", "activations")
         self._memory: dict[str, dict[tuple, int]] = {k: defaultdict(int) for k in parts}
-        # memory as `search.exact_cost` counts it (from `meshax.plan.summarize`)
+        # memory as `search.memory_of` counts it
         kept = [op for op in forward if not getattr(op, "is_input", False)]
         kept += [op for op in graph.operations if getattr(op, "is_placeholder", False)]
         for part, op in [
@@ -151,16 +152,25 @@ class Estimator:
                 self._memory[part][_shape_key(t)] += 1
                 self._shapes[_shape_key(t)] = t.shape
         self._moves: dict[tuple, list] = {}
+        self._weight_shapes = weight_shapes(graph.operations)
 
-    def __call__(self, rules: LayoutRules) -> StepCost:
+    def __call__(self, rules: LayoutRules, weight_rules: LayoutRules | None = None) -> StepCost:
+        """The estimated StepCost of `rules` (and `weight_rules` for weight-shaped tensors)."""
         mesh = self.mesh_shape
         index = {d.name: i for i, d in enumerate(mesh)}
-        by_dim = {d: tuple(index[m] for m in rules.mesh_dims_for(d)) for d in rules.tensor_dim_names}
+
+        def axes_of(rules: LayoutRules) -> dict[str, tuple[int, ...]]:
+            return {d: tuple(index[m] for m in rules.mesh_dims_for(d)) for d in rules.tensor_dim_names}
+
+        by_dim = axes_of(rules)
+        by_weight_dim = by_dim if weight_rules is None else axes_of(weight_rules)
         layouts: dict[tuple, TensorLayout] = {}
 
         def layout(key) -> TensorLayout:
             if key not in layouts:
-                layouts[key] = TensorLayout(by_dim.get(n, ()) for n, _ in key[0])
+                names = frozenset(n for n, _ in key[0])
+                use = by_weight_dim if names in self._weight_shapes else by_dim
+                layouts[key] = TensorLayout(use.get(n, ()) for n, _ in key[0])
             return layouts[key]
 
         runs = {}

@@ -4,9 +4,10 @@ Candidates are the legal rule sets of the graph on the mesh (`space.Space`); eac
 the cost model (`cost.predict`) from its StepCost. Where the space is small, every candidate is
 traced exactly (`Lowering.trace_step`: the counters of the program that would run); where it is
 not, every candidate is costed by the fast estimate (`estimate.Estimator`) and the best ones that
-fit are re-scored exactly, so what is reported is always exact. Memory is the plan's (the same
-by both), so the budget prunes exactly. Deterministic: candidates come in a fixed order, and
-ties go to the earlier one.
+fit are re-scored exactly, so what is reported is always exact. Whether a layout fits is decided
+by its plan's memory (exact, and cheap: no trace). A graph with annotations is costed exactly,
+candidate by candidate (the estimate lays tensors out by the rules alone). Deterministic:
+candidates come in a fixed order, and ties go to the earlier one.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 
 from meshax.core.errors import ConfigError, LayoutError
 from meshax.core.graph import Graph, Tensor
-from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
+from meshax.layout import LayoutRules, convert_to_layout_rules, convert_to_mesh_shape
 from meshax.lower.lowering import Lowering
 from meshax.search.cost import StepCost, collective_seconds, from_counters, predict
 from meshax.search.devices import Device, load_device
@@ -40,19 +41,31 @@ class Candidate:
     comm_s: dict[str, float]
     by_link: dict[tuple[str, tuple[str, ...]], float]  # (kind, mesh dims) -> seconds
     mesh: str = ""  # the mesh it is for, as --mesh takes it
+    weight_layout: str | None = None  # rules of the weight-shaped tensors, as --weight-layout takes them
 
     @property
     def memory_bytes(self) -> int:
         return self.cost.memory_bytes
 
+    @property
+    def name(self) -> str:
+        """The layout as one line: its rules, and its weight rules where it has its own."""
+        text = self.layout or "(replicated)"
+        return text if self.weight_layout is None else f"{text} | weights {self.weight_layout or '(replicated)'}"
 
-def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape) -> Candidate:
+
+def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape, weight_layout=None) -> Candidate:
     p = predict(cost, device, mesh_shape)
     by_link: dict[tuple, float] = defaultdict(float)
     for c in cost.collectives:
         by_link[(c.kind, c.mesh_dims)] += collective_seconds(c, device, mesh_shape)
-    mesh = ";".join(f"{d.name}:{d.size}" for d in mesh_shape)
-    return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, dict(by_link), mesh)
+    mesh = mesh_text(mesh_shape)
+    return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, dict(by_link), mesh, weight_layout)
+
+
+def mesh_text(mesh_shape) -> str:
+    """A mesh shape as --mesh takes it: "rows:2;cols:4"."""
+    return ";".join(f"{d.name}:{d.size}" for d in mesh_shape)
 
 
 def exact_cost(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = ()) -> StepCost:
@@ -122,7 +135,7 @@ class SearchResult:
         meshes = self.meshes > 1 or len({c.mesh for _, c in rows}) > 1  # (say which mesh each row is for)
 
         def name(c: Candidate) -> str:
-            return (f"{c.mesh}  " if meshes else "") + (c.layout or "(replicated)")
+            return (f"{c.mesh}  " if meshes else "") + c.name
 
         width = max(len(name(c)) for _, c in rows)
         head = (
@@ -166,8 +179,14 @@ class SearchResult:
         said = ", ".join(f"{name} {d * 1e3:+.3f} ms" for name, d in deltas[:3])
         if other.mesh != self.best.mesh:
             rule_diff.insert(0, f"mesh {other.mesh} -> {self.best.mesh}")
+        if other.weight_layout != self.best.weight_layout:
+            rule_diff.append(f"weights: {_weights(other)} -> {_weights(self.best)}")
         changes = "; ".join(rule_diff) or "nothing"
         return f"{other.step_s / self.best.step_s:.2f}x the best's time; best changes {changes}; {said or 'same costs'}"
+
+
+def _weights(c: Candidate) -> str:
+    return "as the rules" if c.weight_layout is None else c.weight_layout or "(replicated)"
 
 
 def _pairs(layout: str) -> list[tuple[str, tuple[str, ...]]]:
@@ -188,6 +207,7 @@ def search_layout(
     exact_limit: int = 64,
     rescore_margin: float = 0.1,
     baseline: Candidate | str | None = None,
+    search_weights: bool = False,
 ) -> SearchResult:
     """The layout rules for `graph` on `mesh_shape` that minimise the predicted step time of the
     program computing `outputs` and applying `updates`, within `memory_budget` per device
@@ -196,8 +216,11 @@ def search_layout(
     candidate). `device`: a known device name or a `meshax calibrate` file (default: the CPU's
     entry, or $MESHAX_DEVICE). Spaces of at most `exact_limit` rule sets are costed exactly;
     larger ones by the estimate, and the best that fit re-costed exactly: `top` of them, and on
-    while their estimate is within `rescore_margin` of the best one's (at most 2 x top). `baseline`: the
-    user's own layout (rules, or a Candidate from `evaluate`), shown beside the best."""
+    while their estimate is within `rescore_margin` of the best one's (at most 2 x top).
+    `baseline`: the user's own layout (rules, or a Candidate from `evaluate`), shown beside.
+    `search_weights`: also give the weight-shaped tensors rules of their own (weights, their
+    gradients and optimizer state split one way, activations another: GSPMD's 2D sharding,
+    ZeRO), for each of the `top` best rule sets every legal set of weight rules, by the estimate."""
     start = time.perf_counter()
     mesh_shape = convert_to_mesh_shape(mesh_shape)
     if not isinstance(graph, Graph):
@@ -213,43 +236,65 @@ def search_layout(
     rule_sets: list[Rules] = list(space)
     mesh = graph.operations[0].mesh
 
-    def lowering_of(rules: Rules) -> Lowering:
+    def lowering_of(rules: Rules, weight_rules: Rules | None = None) -> Lowering:
         from meshax.backends import SimdMeshImpl
 
-        return Lowering(graph, {mesh: SimdMeshImpl(mesh_shape, rules_string(rules))})
+        weights = None if weight_rules is None else rules_string(weight_rules)
+        return Lowering(graph, {mesh: SimdMeshImpl(mesh_shape, rules_string(rules), weight_layout=weights)})
 
-    def exact(rules: Rules, lowering: Lowering | None = None) -> Candidate:
-        cost = exact_cost(lowering or lowering_of(rules), outputs, updates)
-        return _candidate(rules_string(rules), cost, dev, mesh_shape)
+    def exact(rules: Rules, lowering: Lowering | None = None, weight_rules: Rules | None = None) -> Candidate:
+        cost = exact_cost(lowering or lowering_of(rules, weight_rules), outputs, updates)
+        weights = None if weight_rules is None else rules_string(weight_rules)
+        return _candidate(rules_string(rules), cost, dev, mesh_shape, weights)
 
     annotated = any(hasattr(op, "annotation") for op in graph.operations)
-    if len(rule_sets) <= exact_limit or annotated:
+    if (len(rule_sets) <= exact_limit or annotated) and not search_weights:
         compared = [exact(r) for r in rule_sets]
         method = "every one traced exactly"
         exact_ones: list[Candidate] = compared
     else:
         estimator = Estimator(graph, mesh_shape, outputs, updates)
         compared = [_candidate(rules_string(r), estimator(space.rules_of(r)), dev, mesh_shape) for r in rule_sets]
+        choices: list[tuple[Rules, Rules | None]] = [(r, None) for r in rule_sets]
+        if search_weights:
+            # The bases: the best rule sets, and the best sets of rules legal for the activations
+            # alone (ranked with the weights replicated); each with every legal set of weight rules.
+            activation_sets = list(Space(graph, mesh_shape, convert_to_layout_rules(layout), part="activations"))
+            replicated = LayoutRules()
+
+            def alone(a: Rules) -> float:  # its predicted time with the weights replicated
+                return predict(estimator(space.rules_of(a), replicated), dev, mesh_shape).step_s
+
+            ranked_activations = sorted(activation_sets, key=alone)
+            best = sorted(range(len(rule_sets)), key=lambda i: compared[i].step_s)[:top]
+            bases = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked_activations[:top]]))
+            for a in bases:
+                for w in Space(graph, mesh_shape, part="weights"):
+                    cost = estimator(space.rules_of(a), space.rules_of(w))
+                    compared.append(_candidate(rules_string(a), cost, dev, mesh_shape, rules_string(w)))
+                    choices.append((a, w))
         # Re-score in the estimate's order. The estimate lays tensors out by the rules alone;
         # propagation may split more (dims no rule names), so a layout's true memory (its plan's,
-        # cheap: no trace) can be less than estimated, never more: check it before tracing.
+        # cheap: no trace) can be less than estimated, never more: check it before tracing (for
+        # the layouts estimated to need at most twice the budget; the rest are taken not to fit).
         # Enough: `top` of them, and then on while the estimate is within `rescore_margin` of the
         # estimate of the best found (the estimate is not exact near the top), up to 2 x top.
         exact_ones = []
         estimated: dict[str, float] = {}
-        for c, rules in sorted(zip(compared, rule_sets), key=lambda cr: cr[0].step_s):
+        for c, (rules, weight_rules) in sorted(zip(compared, choices), key=lambda cr: cr[0].step_s):
             if len(exact_ones) >= top and (
                 len(exact_ones) >= 2 * top
-                or c.step_s > (1 + rescore_margin) * estimated[min(exact_ones, key=lambda e: e.step_s).layout]
+                or c.step_s > (1 + rescore_margin) * estimated[min(exact_ones, key=lambda e: e.step_s).name]
             ):
                 break
             if c.memory_bytes > 2 * budget:
                 continue
-            lowering = lowering_of(rules)
+            lowering = lowering_of(rules, weight_rules)
             if sum(memory_of(lowering, outputs, updates).values()) <= budget:
-                exact_ones.append(exact(rules, lowering))
-                estimated[c.layout] = c.step_s
-        method = f"all estimated, the best {len(exact_ones)} that fit traced exactly"
+                exact_ones.append(exact(rules, lowering, weight_rules))
+                estimated[c.name] = c.step_s
+        with_weights = f" ({len(compared) - len(rule_sets)} with weight rules of their own)" if search_weights else ""
+        method = f"all estimated{with_weights}, the best {len(exact_ones)} that fit traced exactly"
     fits = [c for c in exact_ones if c.memory_bytes <= budget]
     if not fits:
         _no_fit(compared, budget, mesh_shape, lowering_of)
@@ -316,11 +361,16 @@ def search_mesh_and_layout(
     )
 
 
-def evaluate(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = (), device=None) -> Candidate:
-    """The exact Candidate of a lowering's own layout (rules and annotations), to compare with."""
+def evaluate(
+    lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = (), device=None, label: str | None = None
+) -> Candidate:
+    """The exact Candidate of a lowering's own layout (rules, weight rules and annotations), to
+    compare with; `label` names it in the report (default: its rules)."""
     dev = load_device(device)
-    layout = str(lowering.impl.layout_rules)
-    return _candidate(layout, exact_cost(lowering, outputs, updates), dev, lowering.impl.shape)
+    impl = lowering.impl
+    weights = None if impl.weight_rules is None else str(impl.weight_rules)
+    cost = exact_cost(lowering, outputs, updates)
+    return _candidate(label or str(impl.layout_rules), cost, dev, impl.shape, weights)
 
 
 def _build_task(task):
@@ -339,7 +389,7 @@ def _no_fit(compared: list[Candidate], budget: int, mesh_shape, lowering_of) -> 
     def state(c: Candidate) -> int:
         return sum(c.cost.memory[k] for k in ("parameters", "gradients", "optimizer_state"))
 
-    mesh = ";".join(f"{d.name}:{d.size}" for d in mesh_shape)
+    mesh = mesh_text(mesh_shape)
     leanest = min(compared, key=state)
     if state(leanest) > budget:
         least = leanest
@@ -354,10 +404,13 @@ def _no_fit(compared: list[Candidate], budget: int, mesh_shape, lowering_of) -> 
         parts = ", ".join(f"{k.replace('_', ' ')} {_human(v)}B" for k, v in least.cost.memory.items())
         cause = (
             f"the layout needing least memory ({least.layout or 'replicated'}) still needs "
+            f"{'' if least.cost.exact else 'about '}"
             f"{_human(least.memory_bytes)}B per device ({parts}), {_human(least.memory_bytes - budget)}B over "
             "the budget; its activations do not fit: use a smaller batch or sequence, more devices, or a larger budget"
         )
-    lowering = lowering_of(tuple(_pairs(least.layout)))
+    lowering = lowering_of(
+        tuple(_pairs(least.layout)), None if least.weight_layout is None else tuple(_pairs(least.weight_layout))
+    )
     tensors = {t: None for op in lowering.graph.operations for t in op.outputs}
     impl = lowering.impl
     per_device = ((math.prod(impl.slice_shape(t.shape, lowering.plan[t])) * t.dtype.itemsize, t.name) for t in tensors)

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Mapping
 from meshax.core.errors import LayoutError
 from meshax.core.graph import Graph
 from meshax.core.shape import Shape
+from meshax.layout.plan import weight_shapes
 from meshax.layout.rules import LayoutRules
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]  # ((tensor dim, mesh dims), ...) in dim-name order
@@ -26,14 +27,20 @@ def rules_string(rules: Rules) -> str:
 
 
 class Space:
-    """The graph's dim names, their sizes, which of them share a tensor, and the options of each."""
+    """The graph's dim names, their sizes, which of them share a tensor, and the options of each.
+    `part`: "all" tensors (Mesh-TensorFlow's rules), only the "weights" (weight-shaped tensors,
+    `layout.plan.weight_shapes`: the space of weight rules, `MeshImpl(weight_layout=...)`), or
+    only the "activations" (the rest: rules beside weight rules of their own)."""
 
-    def __init__(self, graph: Graph, mesh_shape: Shape, pinned: LayoutRules | None = None):
+    def __init__(self, graph: Graph, mesh_shape: Shape, pinned: LayoutRules | None = None, part: str = "all"):
         self.mesh_shape = mesh_shape
         self.sizes: dict[str, int] = {}
         self.shapes: dict[tuple[str, ...], Shape] = {}
+        weight_shaped = weight_shapes(graph.operations)
         for op in graph.operations:
             for t in op.outputs:
+                if part != "all" and (frozenset(t.shape.dimension_names) in weight_shaped) != (part == "weights"):
+                    continue
                 self.shapes.setdefault(tuple(t.shape.dimension_names), t.shape)
                 for d in t.shape:
                     self.sizes.setdefault(d.name, d.size)

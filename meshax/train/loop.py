@@ -74,8 +74,10 @@ def build(
     optimizer: Optimizer | None = None,
     seed: int = 0,
     compile: bool = True,
+    weight_layout: str | None = None,
 ):
-    """The task's graph with gradients and optimizer updates, laid out on the mesh."""
+    """The task's graph with gradients and optimizer updates, laid out on the mesh (weight-shaped
+    tensors by `weight_layout` where given: `MeshImpl`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
     graph = Graph()
@@ -85,7 +87,7 @@ def build(
     grads = gradients(built.loss, [v.value for v in params])
     optimizer = optimizer or AdamWeightDecayOptimizer(1e-3)
     updates = optimizer.apply_grads(grads, params)
-    lowering = Lowering(graph, {mesh: BACKENDS[backend](mesh_shape, layout)}, seed=seed)
+    lowering = Lowering(graph, {mesh: BACKENDS[backend](mesh_shape, layout, weight_layout=weight_layout)}, seed=seed)
     names = list(built.metrics)
     outputs = [built.loss] + [built.metrics[n] for n in names]
     if not compile:  # for planning: trace only, allocate nothing
@@ -154,6 +156,7 @@ def train(
             {
                 "mesh": str(";".join(f"{d.name}:{d.size}" for d in impl.shape)),
                 "layout": str(impl.layout_rules),
+                "weight_layout": None if impl.weight_rules is None else str(impl.weight_rules),
                 "task": task.name,
             },
         )
