@@ -268,8 +268,12 @@ def search_layout(
             ranked_activations = sorted(activation_sets, key=alone)
             best = sorted(range(len(rule_sets)), key=lambda i: compared[i].step_s)[:top]
             bases = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked_activations[:top]]))
+            weight_space = Space(graph, mesh_shape, part="weights")
             for a in bases:
-                for w in Space(graph, mesh_shape, part="weights"):
+                same = tuple((d, ms) for d, ms in a if d in weight_space.sizes)  # (a's own, already costed)
+                for w in weight_space:
+                    if w == same and a in rule_sets:
+                        continue
                     cost = estimator(space.rules_of(a), space.rules_of(w))
                     compared.append(_candidate(rules_string(a), cost, dev, mesh_shape, rules_string(w)))
                     choices.append((a, w))
