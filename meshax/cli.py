@@ -264,6 +264,21 @@ def _check(args) -> None:
             raise ConfigError(f"--{flag.replace('_', '-')} needs --pipeline-stages S")
     if args.data and not os.path.isdir(args.data):
         raise ConfigError(f"--data {args.data!r} is not a folder: give the folder with the four MNIST IDX files")
+    if args.command == "plan" and not args.search:
+        given = [
+            flag
+            for flag, value in (
+                ("--memory-budget", args.memory_budget),
+                ("--device", args.device),
+                ("--search-mesh", args.search_mesh),
+                ("--search-weights", args.search_weights),
+                ("--pin", args.pin),
+                ("--top", args.top != 5),
+            )
+            if value
+        ]
+        if given:
+            raise ConfigError(f"{', '.join(given)} applies to a layout search: add --search")
     if args.command != "train":
         return
     _check_paths(args)
@@ -555,14 +570,16 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _search(args, task, console, lowering, outputs, updates) -> int:
+def _search(args, task, lowering, outputs, updates) -> int:
     from meshax.layout import convert_to_mesh_shape
     from meshax.search import SearchResult, evaluate, search_layout
     from meshax.search.draw import draw_comparison
     from meshax.search.search import search_mesh_and_layout
 
     # beside the choice: the layout given (or the task's default, where it fits the mesh)
-    label = f"{args.layout} + annotations {args.sharding}".lstrip(" +") if args.sharding else None
+    label = None
+    if args.sharding:  # the annotations are the user's layout: name them
+        label = f"{args.layout} + annotations {args.sharding}" if args.layout else f"annotations {args.sharding}"
     baseline = None if getattr(args, "no_baseline", False) else evaluate(lowering, outputs, updates, args.device, label)
     searched = dataclasses.replace(task, sharding="") if getattr(task, "sharding", "") else task
     search: Callable[..., SearchResult] = search_mesh_and_layout if args.search_mesh else search_layout
@@ -616,7 +633,7 @@ def _plan(args, task, console) -> int:
         weight_layout=args.weight_layout,
     )
     if args.search:
-        return _search(args, task, console, lowering, outputs, updates)
+        return _search(args, task, lowering, outputs, updates)
     counters = lowering.trace_step(outputs, updates)
     summary = summarize(lowering, counters, outputs)
     if args.json:

@@ -246,7 +246,8 @@ def test_calibrate_writes_a_device_the_search_reads(capsys, tmp_path):
     assert main(["calibrate", "--mesh", "rows:2;cols:2", "--out", str(out)]) == 0
     assert "GFLOP/s" in capsys.readouterr().out
     dev = load_device(str(out))
-    assert dev.matmul_flops > 0 and {m for m, _ in dev.links} == {"rows", "cols"}
+    assert dev.matmul_flops > 0 and {m for m, _ in dev.links} == {"rows", "cols", "rows,cols"}
+    assert dev.link_of(("rows", "cols")) == dict(dev.links)["rows,cols"]
     assert all(x.bandwidth > 0 and x.latency_s >= 0 for _, x in dev.links)
     assert json.loads(out.read_text())["name"] == dev.name
     assert search_layout(MLP, "rows:2;cols:2", device=str(out), top=1).device == dev
@@ -336,3 +337,8 @@ def test_with_weight_rules_the_search_is_as_fast_as_gspmd_2d_finalized_per_layer
     result = search_layout(task, "x:16;y:32", memory_budget="16GB", device="tpu-v3", search_weights=True)
     assert result.best.weight_layout is not None and result.best.step_s <= hand.step_s
     assert result.best.memory_bytes <= 16 << 30
+
+
+def test_search_flags_without_search_are_refused(capsys):
+    assert main(["plan", "mlp", "--mesh", "rows:2;cols:4", "--memory-budget", "1GB", "--top", "3"]) == 2
+    assert "--memory-budget, --top applies to a layout search: add --search" in capsys.readouterr().err

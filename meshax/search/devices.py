@@ -2,15 +2,17 @@
 
 A `Device` comes from the table of known devices (`KNOWN_DEVICES`, by name) or from a file
 that `meshax calibrate` wrote after measuring the devices at hand (`calibrate`): a large
-matmul's throughput, an elementwise op's throughput, and, per mesh dim, the latency and
-bandwidth of an allreduce over it (the alpha-beta model: a message of B bytes takes
-alpha + B / beta).
+matmul's throughput, an elementwise op's throughput, and, per mesh dim and per group of mesh
+dims a collective runs over together, the latency and bandwidth of an allreduce over it (the
+alpha-beta model: a message of B bytes takes alpha + B / beta).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import os
 import time
 
@@ -40,8 +42,11 @@ class Device:
     links: tuple[tuple[str, Link], ...] = ()
 
     def link_of(self, mesh_dims: tuple[str, ...]) -> Link:
-        """The link a collective over `mesh_dims` runs at: the slowest of theirs."""
+        """The link a collective over `mesh_dims` runs at: measured for that group of mesh dims
+        (`links` keyed "rows,cols"), else the slowest of theirs."""
         named = dict(self.links)
+        if ",".join(mesh_dims) in named:
+            return named[",".join(mesh_dims)]
         links = [named.get(m, self.link) for m in mesh_dims] or [self.link]
         return Link(max(x.latency_s for x in links), min(x.bandwidth for x in links))
 
@@ -110,7 +115,8 @@ def _seconds(fn, *args, repeats: int = 5) -> float:
 
 def calibrate(mesh_shape, name: str = "", matmul_size: int = 512, message_bytes: int = 1 << 22) -> Device:
     """Measure the devices of the mesh as they run together: per-device matmul and elementwise
-    throughput (every device computing at once, as in a step), and per mesh dim the latency
+    throughput (every device computing at once, as in a step), and per mesh dim and group of
+    mesh dims the latency
     and bandwidth of its links from allreduces timed inside one program (no launch cost): the
     latency from 4 bytes, the bandwidth from the slope of the time over messages up to
     `message_bytes`, by the ring's 2(n-1) latency + 2(n-1)/n bytes / bandwidth."""
@@ -142,14 +148,16 @@ def calibrate(mesh_shape, name: str = "", matmul_size: int = 512, message_bytes:
     vector = local(lambda x: jax.lax.fori_loop(0, steps, lambda i, y: y * 1.0001 + 0.5, x))
     vector_flops = 2 * steps * (1 << 20) / _seconds(vector, v)
     links = []
-    for m, d in zip(names, shape):
-        if d.size == 1:
+    groups = [g for r in range(1, len(names) + 1) for g in itertools.combinations(names, r)]
+    for group in groups:  # each mesh dim, and each group of them a collective may run over together
+        n = math.prod(shape.get_dim_by_name(m).size for m in group)
+        if n == 1:
             continue
-        ring = 2 * (d.size - 1)
+        ring = 2 * (n - 1)
 
-        def per_psum(words: int, m=m) -> float:  # one allreduce inside a program: no launch cost
+        def per_psum(words: int, group=group) -> float:  # one allreduce inside a program: no launch cost
             def chain(k):
-                return local(lambda x: jax.lax.fori_loop(0, k, lambda i, y: jax.lax.psum(y, m) * 0.5, x))
+                return local(lambda x: jax.lax.fori_loop(0, k, lambda i, y: jax.lax.psum(y, group) * 0.5, x))
 
             x = ones(words)
             return max(_seconds(chain(17), x, repeats=9) - _seconds(chain(1), x, repeats=9), 1e-9) / 16
@@ -159,13 +167,13 @@ def calibrate(mesh_shape, name: str = "", matmul_size: int = 512, message_bytes:
         sizes = [message_bytes // 16, message_bytes // 4, message_bytes]
         latency = per_psum(1) / ring
         slope = np.polyfit(np.array(sizes, float), np.array([per_psum(b // 4) for b in sizes]), 1)[0]
-        bandwidth = ring / d.size / max(float(slope), 1e-15)
-        links.append((m, Link(latency, bandwidth)))
+        bandwidth = ring / n / max(float(slope), 1e-15)
+        links.append((",".join(group), Link(latency, bandwidth)))
     stats = jax.devices()[0].memory_stats() or {}
     memory = int(stats.get("bytes_limit", 0)) or int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     if jax.devices()[0].platform == "cpu":
         memory //= shape.size  # virtual devices share the host's memory
-    measured = [x for _, x in links] or [Link(0.0, 1e12)]
+    measured = [x for m, x in links if "," not in m] or [Link(0.0, 1e12)]
     mean = Link(float(np.mean([x.latency_s for x in measured])), float(np.mean([x.bandwidth for x in measured])))
     name = name or f"{jax.devices()[0].device_kind} (calibrated on {mesh_shape})"
     return Device(name, matmul_flops, vector_flops, memory, mean, tuple(links))
