@@ -2,7 +2,8 @@
 
 The devices are calibrated first (`meshax.search.calibrate`, in this run), and the search
 predicts with what was measured. Per model and mesh: every legal rule set is costed exactly by
-the cost model; the training steps of the layouts are compiled and timed in rotation (all of
+the cost model; the training steps of the layouts are compiled and timed, each in blocks of
+consecutive steps, the layouts in rotating order (`timing.in_blocks`; all of
 them where there are few; the third predicted best and an even spread of the rest where there are
 many, said in the record); reported are the measured step time of the search's choice over the
 measured best (target <= 1.05), the Spearman rank correlation of predicted and measured step
@@ -24,14 +25,14 @@ import jax
 from scipy.stats import spearmanr
 
 from benchmarks.records import record
-from benchmarks.timing import round_robin
+from benchmarks.timing import in_blocks
 from meshax.search import calibrate, search_layout
 from meshax.train import LmTask, MlpTask, Seq2SeqTask
 from meshax.train.loop import build
 
 MESHES = ("all:8", "rows:2;cols:4")
-QUICK = {"models": ["mlp"], "timed": 6, "reps": 5}
-FULL = {"models": ["mlp", "lm"], "timed": 24, "reps": 9}
+QUICK = {"models": ["mlp"], "timed": 6, "rounds": 2, "block": 3}
+FULL = {"models": ["mlp", "lm"], "timed": 24, "rounds": 3, "block": 5}
 
 
 def _task(model: str):
@@ -76,7 +77,7 @@ def run(quick: bool) -> list[dict]:
             if chosen.layout not in [c.layout for c in timed]:
                 timed.append(next(c for c in exact if c.layout == chosen.layout))
             steps = {c.layout: _step(task, mesh, c.layout)[0] for c in timed}
-            measured = round_robin(steps, p["reps"])
+            measured = in_blocks(steps, p["rounds"], p["block"])
             best = min(measured, key=measured.get)
             rho = float(spearmanr([c.step_s for c in timed], [measured[c.layout] for c in timed]).statistic)
             sample = f"{len(timed)} of {len(exact)} legal layouts timed"
