@@ -50,10 +50,11 @@ def _describe(code: int) -> str:
 # message per device and collective group, nothing a user can act on. Threads print them at once
 # and piece by piece, so a line may hold several, or a piece of one, or only the newline of one:
 # the launcher drops what it can tell is theirs (a lone count split from its message stays).
-_HEAD = r"\[Gloo\] Rank \d+"
+_HEAD = r"\[Gloo\] Rank \d*"
 _TAIL = r"peer ranks\. Expected number of connected peer ranks is : (\d+)?"
 _NOISE = re.compile(
-    rf"{_HEAD}|\s*is connected to \d+ {_TAIL}"
+    rf"{_HEAD}|^\s*\d+ is connected to \d+ {_TAIL}|\s*is connected to \d+ {_TAIL}"
+    # (split after "Rank ": the rank number starting the next line with the rest of the message)
     # pieces split at the count: "... is connected to " ending a line, "peer ranks. ..." starting one
     rf"|\s*is connected to \d*\s*$|^\s*(\d+ )?{_TAIL}"
 )

@@ -33,14 +33,15 @@ def _python(code: str) -> list[str]:
 
 
 def test_launch_sets_each_process_environment_and_prefixes_its_lines():
-    """...and drops gloo's line per connected group, whole or in pieces (split at its count too)."""
+    """...and drops gloo's line per connected group, whole or in pieces (split at its count, or
+    after "Rank ", too)."""
     out, err = io.StringIO(), io.StringIO()
     code = _python(
         "import os, sys; e = os.environ; print(e['MESHAX_PROCESS_ID'], e['MESHAX_NUM_PROCESSES'], "
         "e['JAX_NUM_CPU_DEVICES'], e['JAX_COORDINATOR_ADDRESS']); print('to stderr', file=sys.stderr); "
         "g = '[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1'; "
         "print(g); print(g + g); print(); print('kept:' + g); print(g[:13]); print(g[13:]); "
-        "print(g[13:30]); print(g[32:])"
+        "print(g[13:30]); print(g[32:]); print(g[:12]); print(g[12:])"
     )
     assert launch(code, 3, devices_per_process=4, port=23456, stdout=out, stderr=err) == 0
     lines = sorted(out.getvalue().splitlines())
