@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import re
+
 from meshax.lower.counters import KINDS
 from meshax.lower.hlo import hlo_collectives as collectives
 
-__all__ = ["KINDS", "collectives", "counts", "meshax_collectives", "summary"]
+__all__ = ["KINDS", "collectives", "copies", "counts", "meshax_collectives", "summary"]
 
 
 def counts(hlo_text: str) -> dict[str, int]:
     return {k: v["count"] for k, v in collectives(hlo_text).items()}
+
+
+def copies(hlo_text: str) -> int:
+    """`copy` instructions in compiled HLO text: layout changes and buffers copied in and out."""
+    return len(re.findall(r"\} copy\(", hlo_text))
 
 
 def meshax_collectives(counters) -> dict[str, dict[str, int]]:

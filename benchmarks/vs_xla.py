@@ -19,7 +19,7 @@ import numpy as np
 
 from benchmarks import hlo
 from benchmarks import transformer as lm
-from benchmarks.records import collectives_records, record, step_ratio
+from benchmarks.records import collectives_records, record, side, step_ratio
 from benchmarks.timing import interleaved
 from benchmarks.two_layer import LAYOUTS, Size, feeds, jax_twin, model, params_agree
 
@@ -137,6 +137,21 @@ def run_transformer(tc: dict) -> list[dict]:
             params_max_abs_diff_after={"value": diff, "variable": where, "steps": m.steps_run},
         )
     ]
+    if tc["layout"] == "batch:all":  # the data-parallel rows: the layout copies XLA also avoids
+        mine, xla = hlo.copies(m.compiled_text()), hlo.copies(j.compiled_text())
+        out.append(
+            record(
+                2,
+                "copy instructions meshax / XLA (compiled HLO)",
+                cfg,
+                mine / xla if xla else None,
+                "x",
+                target="<= 1.0",
+                met=mine <= xla,
+                numerator=side("meshax", mine, "copies"),
+                denominator=side("XLA partitioner", xla, "copies"),
+            )
+        )
     return out + collectives_records(
         2,
         cfg,

@@ -104,6 +104,26 @@ def _parser() -> argparse.ArgumentParser:
             "gspmd-16b-narrow)",
         )
         s.add_argument(
+            "--dtype",
+            choices=["float32", "bfloat16"],
+            default=None,
+            help="lm/seq2seq: the computation's dtype; bfloat16 keeps float32 master weights, optimizer "
+            "state, layer-norm statistics, softmax, logits, loss and weight-gradient sums (default float32)",
+        )
+        s.add_argument(
+            "--attention",
+            choices=["einsum", "fused"],
+            default=None,
+            help="lm/seq2seq: einsum (any layout; default) or fused (jax.nn.dot_product_attention per device, "
+            "cuDNN on a GPU; the sequence dims stay whole)",
+        )
+        s.add_argument(
+            "--remat",
+            action="store_true",
+            default=None,
+            help="lm/seq2seq: recompute each layer's activations in the backward pass (less memory, more compute)",
+        )
+        s.add_argument(
             "--pipeline-stages",
             type=_COUNT,
             default=None,
@@ -240,6 +260,9 @@ _ONLY_FOR = {
     "microbatches": ("lm", "seq2seq"),
     "circular_repeats": ("lm", "seq2seq"),
     "moe_experts": ("lm", "seq2seq"),
+    "dtype": ("lm", "seq2seq"),
+    "attention": ("lm", "seq2seq"),
+    "remat": ("lm", "seq2seq"),
     "length": ("lm", "seq2seq"),
     "hidden": ("mlp", "mnist"),
     "data": ("mnist", "cnn"),
@@ -339,6 +362,9 @@ def _task(args):
             ("microbatches", "microbatches"),
             ("circular_repeats", "circular_repeats"),
             ("moe_experts", "moe_experts"),
+            ("dtype", "dtype"),
+            ("attention", "attention"),
+            ("remat", "remat"),
         )
         if getattr(args, flag) is not None
     }

@@ -7,7 +7,7 @@ import math
 
 from meshax import initializers
 from meshax.core.errors import GraphError
-from meshax.core.graph import Tensor
+from meshax.core.graph import Tensor, is_floating
 from meshax.core.shape import Dimension, Shape
 from meshax.moe import MoeOutput, moe
 from meshax.ops import elementwise as ew
@@ -59,15 +59,19 @@ def dense(
 
 
 def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None) -> Tensor:
-    """Normalize over `dim` to zero mean and unit variance, then a learned scale and bias."""
+    """Normalize over `dim` to zero mean and unit variance, then a learned scale and bias. A
+    bfloat16 x is normalized in float32 (its statistics, scale and bias) and the result cast back."""
     d = dim_of(x, dim)
     name = _name(x, name, "layer_norm")
     scale = get_variable(x.mesh, f"{name}/scale", [d], initializer=initializers.ones())
     bias = get_variable(x.mesh, f"{name}/bias", [d])
-    mean = reduce_mean(x, reduced_dim=d)
-    centered = x - mean
+    narrow = is_floating(x.dtype) and x.dtype.itemsize < 4  # bfloat16: the statistics in float32
+    xf = ew.cast(x, "float32") if narrow else x
+    mean = reduce_mean(xf, reduced_dim=d)
+    centered = xf - mean
     variance = reduce_mean(ew.square(centered), reduced_dim=d)
-    return centered * ew.rsqrt(variance + epsilon) * ew.cast(scale, x.dtype) + ew.cast(bias, x.dtype)
+    out = centered * ew.rsqrt(variance + epsilon) * ew.cast(scale, xf.dtype) + ew.cast(bias, xf.dtype)
+    return ew.cast(out, x.dtype)
 
 
 def embedding(

@@ -15,6 +15,7 @@ from meshax.core.graph import Operation
 from meshax.lower.counters import KINDS, Counters
 from meshax.lower.lowering import Lowering, _needed_ops
 from meshax.ops.loops import ScanOperation
+from meshax.ops.recompute import RecomputeOperation
 from meshax.search.cost import family
 
 
@@ -50,16 +51,21 @@ def _slice_bytes(lowering: Lowering):
 
 def memory_per_device(lowering: Lowering, forward_outputs) -> dict[str, int]:
     """Bytes per device by the plan: "parameters" (trainable variables), "optimizer_state" (the
-    other variables), "activations" (every forward tensor's slice: an upper bound, none freed)
+    other variables), "activations" (every forward tensor's slice: an upper bound, none freed;
+    of a rematerialized layer, its output, plus the largest layer's internals once)
     and "inputs" (the placeholders' slices: the batch fed)."""
     slice_bytes, graph = _slice_bytes(lowering), lowering.graph
     forward: list[Operation] = [
         op for op in _needed_ops(graph, [t.operation for t in forward_outputs]) if not getattr(op, "is_input", False)
     ]
+    # a rematerialized region (recompute_grad) keeps only its outputs; its internals live again,
+    # one region at a time, while its gradient runs
+    regions = [op for op in forward if isinstance(op, RecomputeOperation)]
+    recomputed = max((sum(slice_bytes(t) for b in op.body for t in b.outputs) for op in regions), default=0)
     return {
         "parameters": sum(slice_bytes(v.value) for v in graph.trainable_variables),
         "optimizer_state": sum(slice_bytes(v.value) for v in graph.all_variables if not v.trainable),
-        "activations": sum(slice_bytes(t) for op in forward for t in op.outputs),
+        "activations": sum(slice_bytes(t) for op in forward for t in op.outputs) + recomputed,
         "inputs": sum(slice_bytes(op.outputs[0]) for op in graph.operations if getattr(op, "is_placeholder", False)),
     }
 

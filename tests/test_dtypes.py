@@ -51,6 +51,7 @@ BUILDERS = {
     "equal": lambda x, i, m: mx.equal(x, x),
     "erf": lambda x, i, m: mx.erf(x),
     "exp": lambda x, i, m: mx.exp(x),
+    "fused_attention": lambda x, i, m: mx.fused_attention(x, *[mx.rename_dimension(x, "b", "kb")] * 2, D),
     "gather": lambda x, i, m: mx.gather(x, i, B),
     "gelu": lambda x, i, m: mx.gelu(x),
     "get_variable": lambda x, i, m: mx.get_variable(m, "v4", [D], dtype=x.dtype),
@@ -96,6 +97,7 @@ BUILDERS = {
     "shard": lambda x, i, m: mx.shard(x, "d:cols"),
     "mesh_split": lambda x, i, m: mx.mesh_split(mx.identity(x), [mx.OPEN, "cols"]),
     "shift": lambda x, i, m: mx.shift(x, 1, B, wrap=False),
+    "recompute_grad": lambda x, i, m: mx.recompute_grad(mx.identity, [x]),
     "scan": lambda x, i, m: tuple(
         t
         for ts in mx.scan(lambda c, s: ([s[0]], [c[0]]), [mx.cast(mx.zeros(m, [B]), x.dtype)], [x], dim="d")
@@ -159,7 +161,7 @@ def test_declared_dtype_is_produced_or_refused_at_build_time(impl_cls, dtype):
     ]
     assert not wrong
     logical = {"logical_and", "logical_not", "logical_or"}  # bools only
-    floats_only = {"dropout", "random_normal", "random_uniform"}
+    floats_only = {"dropout", "fused_attention", "random_normal", "random_uniform"}
     expected = {
         "float32": logical | {"one_hot"},  # one_hot takes integer indices
         "bfloat16": logical | {"one_hot"},

@@ -24,6 +24,7 @@ SOURCES_AND_SINKS = {
     "AssignOperation",
     "LoopVariableOperation",  # a loop body's input, bound by its loop
     "ScanOperation",  # a container: its body's ops run by their rules, its carries in their planned layouts
+    "RecomputeOperation",  # a container too (a loop of one iteration)
 }
 
 
@@ -75,9 +76,12 @@ def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
     out += mx.reduce_sum(
         mx.conv2d_transpose(mx.broadcast(out, [A, B, mx.Dimension("o", 1)]), mx.ones(mesh, "fa:1;fb:2;C:2;o:1"), (1, 2))
     )
-    grads = mx.gradients([mx.reduce_sum(pooled) + out], [img, f])
+    q = mx.placeholder(mesh, "q", [A, B, C])  # fused attention (A: the queries' dim, M the keys')
+    kv = mx.placeholder(mesh, "kv", [mx.Dimension("M", 8), B, C])
+    attended = mx.recompute_grad(lambda q: mx.fused_attention(q, kv, kv, C, B), [q])  # and a recomputed region
+    grads = mx.gradients([mx.reduce_sum(pooled) + out + mx.reduce_sum(attended)], [img, f, q])
     low = mx.Lowering(out.graph, {mesh: mx.SimdMeshImpl("x:2;y:4", "C:y;B:x")})
-    low.function([out, pooled, *grads])
+    low.function([out, pooled, attended, *grads])
     expected = {c for c in _op_classes() if c.__name__ not in SOURCES_AND_SINKS}
     assert len(expected) >= 15
     assert expected - {type(op) for op in runs} == set(), "these ops derive their layout outside their sharding rule"

@@ -160,14 +160,19 @@ class Lowering:
                 ctx.op = op
                 op.lower(ctx)
             ctx.op = None
-            return [ctx.get(t).slices for t in outputs] + [ctx.updates[v] for v in updated]
+            # the variables' new values first, in the variables' argument order: JAX gives each
+            # output the first donated argument of its shape and dtype, so each new value then
+            # reuses its own variable's buffer (a loss must not take a scalar variable's, which
+            # forces XLA to copy every variable in and out)
+            return [ctx.updates[v] for v in updated] + [ctx.get(t).slices for t in outputs]
 
         return body
 
     def _program(self, outputs: list[Tensor], updates: list[AssignOperation], counters: Counters):
         ops = _needed_ops(self.graph, [*(t.operation for t in outputs), *updates])
         inputs = self._inputs_of(ops)
-        updated = [u.variable for u in updates]
+        position = {t.operation: i for i, t in enumerate(inputs)}
+        updated = sorted((u.variable for u in updates), key=lambda v: position.get(v, len(inputs)))
         return ops, inputs, updated, self._body(ops, inputs, outputs, updated, counters)
 
     @property
@@ -263,7 +268,7 @@ class LoweredFunction:
         specs = [lowering._spec(t) for t in self.inputs]
         lowering.impl.trace(body, specs)
         body = lowering._body(self.ops, self.inputs, outs, self._updated, Counters())
-        out_specs = [lowering._spec(t) for t in outs] + [lowering._spec(v.outputs[0]) for v in self._updated]
+        out_specs = [lowering._spec(v.outputs[0]) for v in self._updated] + [lowering._spec(t) for t in outs]
         donated = set(donate)
         consumed = [i for i, t in enumerate(self.inputs) if t.operation in self._updated or t in donated]
         self._run = lowering.impl.compile(body, specs, out_specs, consumed)
@@ -343,11 +348,11 @@ class LoweredFunction:
     def __call__(self, feeds: Mapping | None = None, seed: int = 0, rows: tuple[int, int] | None = None):
         """Run the program; with `rows` (from `feed_rows`), each fed array holds only those rows."""
         results = self._run(self._arguments(feeds, rows), seed)
-        n = len(self.outputs)
-        for var, value in zip(self._updated, results[n:]):
+        k = len(self._updated)  # (the new values of the variables come first)
+        for var, value in zip(self._updated, results[:k]):
             self.lowering._variables[var] = value
         impl, spec = self.lowering.impl, self.lowering._spec
-        outs = [impl.fetch(r, spec(t)) for r, t in zip(results[:n], self.outputs)]
+        outs = [impl.fetch(r, spec(t)) for r, t in zip(results[k:], self.outputs)]
         return outs[0] if self._single else outs
 
     def call_global(self, feeds: Mapping[Tensor, jax.Array], seed: int = 0) -> list[jax.Array]:
@@ -355,8 +360,10 @@ class LoweredFunction:
         arrays not laid out as the plan says are moved there first); the outputs come back as
         logical global jax.Arrays with their layouts' shardings, nothing fetched to the host."""
         results = self._run(self._global_arguments(feeds), seed)
-        for var, value in zip(self._updated, results[len(self.outputs) :]):
+        k = len(self._updated)
+        for var, value in zip(self._updated, results[:k]):
             self.lowering._variables[var] = value
+        results = results[k:]
         impl, spec = self.lowering.impl, self.lowering._spec
         return [
             impl.to_global(r, spec(t)) if t in self._padded else impl.to_padded(r, spec(t))

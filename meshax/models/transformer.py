@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from meshax import initializers
@@ -24,12 +25,14 @@ from meshax.layers import dense, layer_norm
 from meshax.layout import OPEN
 from meshax.moe import MoeOutput, moe
 from meshax.ops import elementwise as ew
+from meshax.ops.attention import fused_attention
 from meshax.ops.einsum import einsum
 from meshax.ops.indexing import gather
 from meshax.ops.inputs import import_tensor
 from meshax.ops.inputs import range as mrange
 from meshax.ops.layout_ops import mesh_split
 from meshax.ops.random import dropout
+from meshax.ops.recompute import recompute_grad
 from meshax.ops.reduce import softmax
 from meshax.ops.shape_ops import rename_dimension
 from meshax.ops.variables import get_variable
@@ -68,8 +71,32 @@ class TransformerConfig:
     moe_capacity_factor: float = 1.25
     moe_group_size: int = 0
     moe_loss_coef: float = 0.01
+    # Mixed precision (Mesh-TensorFlow's variable dtypes): variables and optimizer state stay
+    # float32 (the master weights); with dtype "bfloat16" the activations and matmuls are
+    # bfloat16, the weights cast to it where used, while layer-norm statistics, softmax, logits
+    # and loss are float32 and every weight gradient is summed in float32.
+    dtype: str = "float32"
+    # "einsum": attention as two einsums and a softmax (any layout, dropout on the weights);
+    # "fused": one jax.nn.dot_product_attention per device (cuDNN on a GPU, XLA elsewhere),
+    # which needs the sequence and d_kv dims whole on each device (batch and heads may be split)
+    attention: str = "einsum"
+    # Rematerialization (Mesh-TensorFlow's recompute_grad): each layer's activations are
+    # recomputed in the backward pass from its input, so only the layers' inputs are kept
+    remat: bool = False
 
     def __post_init__(self):
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(
+                f"dtype {self.dtype!r}: use 'float32' or 'bfloat16' (float16 would need loss scaling, "
+                "which meshax does not do)"
+            )
+        if self.attention not in ("einsum", "fused"):
+            raise ConfigError(f"attention {self.attention!r}: use 'einsum' or 'fused'")
+        if self.attention == "fused" and self.dropout:
+            raise ConfigError(
+                "fused attention has no dropout on the attention weights: use attention='einsum' "
+                "with dropout, or dropout=0"
+            )
         stacks = [("num_layers", self.num_layers)]
         if self.num_encoder_layers:
             stacks.append(("num_encoder_layers", self.num_encoder_layers))
@@ -83,6 +110,11 @@ class TransformerConfig:
                     )
             if self.moe_experts:
                 raise ConfigError("MoE layers inside a pipeline are not supported: use moe_experts or pipeline_stages")
+        if self.remat and (self.pipeline_stages > 1 or self.moe_experts):
+            raise ConfigError(
+                "remat is for plain layer stacks: a pipeline already recomputes each stage in its backward "
+                "pass, and MoE layers' balancing losses cannot leave a recomputed layer"
+            )
         if self.circular_repeats > 1 and self.pipeline_stages <= 1:
             raise ConfigError("circular_repeats needs pipeline_stages > 1")
 
@@ -202,6 +234,7 @@ class Transformer:
         self.d_kv = Dimension("d_kv", c.d_kv)
         self.d_ff = Dimension("d_ff", c.d_ff)
         self.vocab = Dimension("vocab", c.vocab_size)
+        self.dtype = np.dtype(jnp.bfloat16) if c.dtype == "bfloat16" else np.dtype(np.float32)
         self._vars: dict[str, Tensor] = {}
         if c.sharding and c.sharding not in GSPMD_SHARDINGS:
             raise ValueError(
@@ -226,6 +259,14 @@ class Transformer:
             self._vars[name] = get_variable(self.mesh, f"{self.name}/{name}", shape, initializer=init)
         return self._vars[name]
 
+    def _compute(self, x: Tensor) -> Tensor:
+        """x in the computation's dtype (a float32 weight cast to bfloat16 where it is used)."""
+        return ew.cast(x, self.dtype)
+
+    def _wide(self) -> np.dtype | None:
+        """The dtype of the sums that stay float32 (logits) in mixed precision; None in float32."""
+        return np.dtype(np.float32) if self.dtype != np.float32 else None
+
     def _drop(self, x: Tensor) -> Tensor:
         return dropout(x, self.config.dropout) if self.config.dropout else x
 
@@ -237,8 +278,8 @@ class Transformer:
     def embed(self, ids: Tensor, table_name: str, length: Dimension) -> Tensor:
         """ids [batch, length] -> embeddings [batch, length, d_model]: scaled by sqrt(d_model),
         plus positions, then dropout."""
-        x = gather(self._table(table_name), ids, self.vocab) * math.sqrt(self.config.d_model)
-        return self._drop(x + self.positions(length, table_name))
+        x = gather(self._compute(self._table(table_name)), ids, self.vocab) * math.sqrt(self.config.d_model)
+        return self._drop(x + self._compute(self.positions(length, table_name)))
 
     def positions(self, length: Dimension, prefix: str) -> Tensor:
         """The position encodings [length, d_model]: learned (a table per prefix) or sinusoidal, per the config."""
@@ -259,11 +300,14 @@ class Transformer:
         table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1).astype(np.float32)
         return import_tensor(self.mesh, table, [length, self.d_model], name="sinusoid")
 
-    def attention(self, x: Tensor, memory: Tensor, bias: Tensor | None, name: str) -> Tensor:
-        """Multi-head attention of x [.., length, d_model] over memory [.., memory_length, d_model]."""
+    def attention(self, x: Tensor, memory: Tensor, bias: Tensor | None, name: str, causal: bool = False) -> Tensor:
+        """Multi-head attention of x [.., length, d_model] over memory [.., memory_length, d_model].
+
+        `bias`: einsum attention's float bias (0 or -inf; the causal one included) or, fused, a
+        bool mask of the keys seen; `causal`: fused attention's own causal mask."""
         dims = [self.d_model, self.heads, self.d_kv]
         std = 1.0 / math.sqrt(self.config.d_model)
-        weight = lambda *a: self.annotate(self._var(*a), "weights")  # noqa: E731
+        weight = lambda *a: self._compute(self.annotate(self._var(*a), "weights"))  # noqa: E731
         wq = weight(f"{name}/q", dims, initializers.normal(std / math.sqrt(self.config.d_kv)))
         wk = weight(f"{name}/k", dims, initializers.normal(std))
         wv = weight(f"{name}/v", dims, initializers.normal(std))
@@ -275,11 +319,15 @@ class Transformer:
         q = self.annotate(einsum(x, wq, reduced_dims=[self.d_model]), "BSND")
         k = self.annotate(einsum(memory, wk, reduced_dims=[self.d_model]), "BSND")
         v = self.annotate(einsum(memory, wv, reduced_dims=[self.d_model]), "BSND")
-        logits = einsum(q, k, reduced_dims=[self.d_kv])
-        if bias is not None:
-            logits = logits + bias
-        weights = self._drop(softmax(logits, memory.shape.get_dim_by_name("memory_length")))
-        out = einsum(weights, v, reduced_dims=[memory.shape.get_dim_by_name("memory_length")])
+        memory_length = memory.shape.get_dim_by_name("memory_length")
+        if self.config.attention == "fused":
+            out = fused_attention(q, k, v, self.d_kv, self.heads, mask=bias, causal=causal, scale=1.0)
+        else:
+            logits = einsum(q, k, reduced_dims=[self.d_kv], dtype=self._wide())  # (float32 in mixed precision)
+            if bias is not None:
+                logits = logits + bias
+            weights = self._compute(self._drop(softmax(logits, memory_length)))
+            out = einsum(weights, v, reduced_dims=[memory_length])
         return einsum(out, wo, reduced_dims=[self.heads, self.d_kv])
 
     def feed_forward(self, x: Tensor, name: str) -> Tensor:
@@ -308,6 +356,11 @@ class Transformer:
         """x with its `length` dim renamed `memory_length`: the keys and values of attention."""
         return rename_dimension(x, "length", "memory_length")
 
+    def self_bias(self, length: Dimension) -> Tensor | None:
+        """The decoder's self-attention bias: the causal one (einsum attention); none where
+        fused attention applies its own causal mask."""
+        return None if self.config.attention == "fused" else self.causal_bias(length)
+
     def causal_bias(self, length: Dimension) -> Tensor:
         """[memory_length, length]: -inf where a key is in a query's future, else 0."""
         memory_length = Dimension("memory_length", length.size)
@@ -315,8 +368,10 @@ class Transformer:
         return ew.where(future, NEG_INF, 0.0)
 
     def padding_bias(self, ids: Tensor, pad_id: int = 0) -> Tensor:
-        """[batch, memory_length]: -inf on keys that are padding."""
-        return ew.where(ew.equal(self.as_memory(ids), pad_id), NEG_INF, 0.0)
+        """[batch, memory_length]: -inf on keys that are padding (fused attention: a bool mask,
+        True on the keys that are not)."""
+        pad = ew.equal(self.as_memory(ids), pad_id)
+        return ew.logical_not(pad) if self.config.attention == "fused" else ew.where(pad, NEG_INF, 0.0)
 
     def moe(self, x: Tensor, name: str) -> Tensor:
         """The MoE feed-forward block (meshax.moe); its loss and dropped fraction are kept in
@@ -339,16 +394,24 @@ class Transformer:
         """`count` Transformer layers: self-attention (with `self_bias`), cross-attention to
         `memory` if given, and feed-forward (MoE on odd layers, if configured), each pre-normed
         and with a residual."""
-        for i in range(count):
-            x = self.annotate(x, "BSM")
+        causal = prefix == "decoder"  # (the encoder's self-attention sees the whole input)
+
+        def layer(x: Tensor, i: int) -> Tensor:
             y = self.norm(x, f"{prefix}/{i}/self_attention_norm")
-            x = x + self._drop(self.attention(y, self.as_memory(y), self_bias, f"{prefix}/{i}/self_attention"))
+            x = x + self._drop(self.attention(y, self.as_memory(y), self_bias, f"{prefix}/{i}/self_attention", causal))
             if memory is not None:
                 y = self.norm(x, f"{prefix}/{i}/cross_attention_norm")
                 x = x + self._drop(self.attention(y, memory, memory_bias, f"{prefix}/{i}/cross_attention"))
             y = self.norm(x, f"{prefix}/{i}/ffn_norm")
             block = self.moe if self.config.is_moe(i) else self.feed_forward
-            x = x + self._drop(block(y, f"{prefix}/{i}/ffn"))
+            return x + self._compute(self._drop(block(y, f"{prefix}/{i}/ffn")))
+
+        for i in range(count):
+            x = self.annotate(x, "BSM")
+            if self.config.remat:  # (recomputed in the backward pass: only x is kept)
+                x = recompute_grad(lambda x, i=i: layer(x, i), [x], name=f"{prefix}/{i}/remat")
+            else:
+                x = layer(x, i)
         return x
 
     def stack(self, x: Tensor, layers: int, prefix: str, self_bias, memory=None, memory_bias=None) -> Tensor:
@@ -384,16 +447,19 @@ class Transformer:
     def logits(self, x: Tensor, table_name: str) -> Tensor:
         """x [..., d_model] -> logits [..., vocab]: the embedding table (tied) or a softmax weight."""
         if self.config.tie_embeddings:
-            return einsum(x, self._table(table_name), reduced_dims=[self.d_model])
-        w = self._var("softmax", [self.d_model, self.vocab], initializers.normal(1.0 / math.sqrt(self.config.d_model)))
-        return einsum(x, w, reduced_dims=[self.d_model])
+            w = self._table(table_name)
+        else:
+            w = self._var(
+                "softmax", [self.d_model, self.vocab], initializers.normal(1.0 / math.sqrt(self.config.d_model))
+            )
+        return einsum(x, self._compute(w), reduced_dims=[self.d_model], dtype=self._wide())
 
     # ---- models -------------------------------------------------------------------------------
     def language_model(self, ids: Tensor) -> Tensor:
         """Decoder-only LM: ids [batch, length] -> logits [batch, length, vocab] (causal)."""
         length = ids.shape.get_dim_by_name("length")
         x = self.embed(ids, "embedding", length)
-        x = self.stack(x, self.config.num_layers, "decoder", self.causal_bias(length))
+        x = self.stack(x, self.config.num_layers, "decoder", self.self_bias(length))
         return self.logits(x, "embedding")
 
     def encoder_decoder(self, inputs: Tensor, targets_in: Tensor, pad_id: int | None = 0) -> Tensor:
@@ -409,7 +475,7 @@ class Transformer:
         memory = self.as_memory(self.stack(x, self.config.num_encoder_layers, "encoder", pad))
         length = targets_in.shape.get_dim_by_name("length")
         y = self.embed(targets_in, "target_embedding", length)
-        y = self.stack(y, self.config.num_layers, "decoder", self.causal_bias(length), memory, pad)
+        y = self.stack(y, self.config.num_layers, "decoder", self.self_bias(length), memory, pad)
         return self.logits(y, "target_embedding")
 
 

@@ -1,5 +1,6 @@
 """Operations, one module per family: shape inference, lowering and gradient side by side."""
 
+from meshax.ops.attention import fused_attention
 from meshax.ops.conv import (
     avg_pool1d,
     avg_pool2d,
@@ -58,6 +59,7 @@ from meshax.ops.inputs import constant, import_tensor, ones, ones_like, placehol
 from meshax.ops.layout_ops import mesh_split, shard
 from meshax.ops.loops import scan
 from meshax.ops.random import dropout, random_normal, random_uniform
+from meshax.ops.recompute import recompute_grad
 from meshax.ops.reduce import (
     argmax,
     log_softmax,
@@ -102,6 +104,7 @@ __all__ = [
     "equal",
     "erf",
     "exp",
+    "fused_attention",
     "gather",
     "gelu",
     "get_variable",
@@ -136,6 +139,7 @@ __all__ = [
     "random_uniform",
     "range",
     "reciprocal",
+    "recompute_grad",
     "reduce_all",
     "reduce_any",
     "reduce_logsumexp",

@@ -65,3 +65,25 @@ def kernel_dtype(op: str, fn, *dtypes) -> np.dtype:
 def sum_dtype(dtype) -> np.dtype:
     """What a sum of `dtype` values is: bools count as int32, small ints widen (as jnp.sum)."""
     return kernel_dtype("a sum", jnp.sum, dtype)
+
+
+def gradient_dtype(t) -> np.dtype:
+    """The dtype to sum `t`'s gradient in: the master dtype where `t` is a weight cast to a
+    narrower float (a float32 variable, perhaps annotated or a loop's slice of one, cast to
+    bfloat16 for the computation: mixed precision), so that weight gradients are summed and
+    allreduced in float32; else t's own (activation gradients stay bfloat16)."""
+    from meshax.ops.elementwise import CastOperation
+    from meshax.ops.layout_ops import ShardOperation
+    from meshax.ops.loops import LoopVariableOperation
+
+    op = t.operation
+    if not isinstance(op, CastOperation):
+        return np.dtype(t.dtype)
+    source = op.inputs[0]
+    while isinstance(source.operation, ShardOperation):
+        source = source.operation.inputs[0]
+    weight = getattr(source.operation, "is_variable", False) or isinstance(source.operation, LoopVariableOperation)
+    wide = np.dtype(source.dtype)
+    if weight and is_floating(wide) and is_floating(t.dtype) and wide.itemsize > np.dtype(t.dtype).itemsize:
+        return wide
+    return np.dtype(t.dtype)

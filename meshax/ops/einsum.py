@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshax.core.errors import GraphError
-from meshax.core.graph import Operation, Tensor
+from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Shape, convert_to_shape
 from meshax.layout.rules import block_sizes
-from meshax.ops._dtypes import result_type
+from meshax.ops._dtypes import gradient_dtype, result_type
 from meshax.ops._util import as_dims
 from meshax.ops.elementwise import union_shape
 
@@ -35,7 +35,7 @@ def _subscripts(shapes: list[Shape], out: Shape) -> str:
 
 
 class EinsumOperation(Operation):
-    def __init__(self, inputs: list[Tensor], output_shape: Shape, name=None):
+    def __init__(self, inputs: list[Tensor], output_shape: Shape, name=None, dtype=None):
         super().__init__(inputs, name=name or "einsum")
         every = union_shape(*[t.shape for t in inputs])
         missing = [d for d in output_shape if d not in every]
@@ -44,7 +44,11 @@ class EinsumOperation(Operation):
         bools = [t.name for t in inputs if t.dtype == np.bool_]
         if bools:
             raise GraphError(f"einsum sums products, and {bools} are bool: cast them to int32 or a float first")
-        self._add_output(output_shape, result_type(*[t.dtype for t in inputs]))
+        natural = result_type(*[t.dtype for t in inputs])
+        out = natural if dtype is None else as_dtype(dtype)
+        if dtype is not None and (not is_floating(out) or not is_floating(natural)):
+            raise GraphError(f"einsum dtype={out}: a float output needs float inputs (they are {natural})")
+        self._add_output(output_shape, out)
         self._subscripts = _subscripts([t.shape for t in inputs], output_shape)
 
     def lower(self, ctx):
@@ -79,16 +83,21 @@ class EinsumOperation(Operation):
             others = [g] + [t for j, t in enumerate(self.inputs) if j != i]
             available = union_shape(*[t.shape for t in others])
             reachable = Shape([d for d in x.shape if d in available])
-            gx = einsum(others, output_shape=reachable)
+            # x's own dtype (a bfloat16 activation's gradient stays bfloat16 beside float32 logits),
+            # or a bfloat16 weight's master dtype (its gradient sums in float32)
+            dtype = gradient_dtype(x) if is_floating(x.dtype) else None
+            gx = einsum(others, output_shape=reachable, dtype=None if dtype == result_type(*others) else dtype)
             grads.append(gx if reachable == x.shape else broadcast(gx, x.shape))
         return grads
 
 
-def einsum(*xs, output_shape=None, reduced_dims=None, name=None) -> Tensor:
+def einsum(*xs, output_shape=None, reduced_dims=None, name=None, dtype=None) -> Tensor:
     """Einstein summation by dimension name: `einsum(x, w, output_shape=...)` or `einsum([x, w], ...)`.
 
     Without output_shape, the output has the dims that appear in exactly one input (in order of
-    first appearance), or, when reduced_dims is given, every dim except those."""
+    first appearance), or, when reduced_dims is given, every dim except those. `dtype`: the
+    output's float dtype, products summed in it (bfloat16 inputs, float32 sums and result: the
+    logits of a mixed-precision model); default JAX's promotion of the inputs'."""
     if len(xs) == 1 and isinstance(xs[0], list | tuple):
         xs = tuple(xs[0])
     if not xs:
@@ -106,7 +115,7 @@ def einsum(*xs, output_shape=None, reduced_dims=None, name=None) -> Tensor:
         else:
             counts = {d.name: sum(d in t.shape for t in xs) for d in every}
             output_shape = Shape([d for d in every if counts[d.name] == 1])
-    return EinsumOperation(list(xs), output_shape, name).outputs[0]
+    return EinsumOperation(list(xs), output_shape, name, dtype).outputs[0]
 
 
 def matmul(a: Tensor, b: Tensor, output_shape=None, reduced_dims=None, name=None) -> Tensor:

@@ -16,7 +16,7 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Dimension, Shape
-from meshax.ops._dtypes import inexact, kernel_dtype, result_type
+from meshax.ops._dtypes import gradient_dtype, inexact, kernel_dtype, result_type
 from meshax.ops._util import align, as_tensor
 
 # ---- unary ----------------------------------------------------------------------------------
@@ -221,7 +221,10 @@ def _sum_to(g: Tensor, x: Tensor) -> Tensor:
     from meshax.ops.shape_ops import transpose
 
     extra = [d for d in g.shape if d not in x.shape]
-    if extra:
+    if extra:  # (a bias cast to bfloat16: its gradient sums in float32)
+        wide = gradient_dtype(x)
+        if is_floating(g.dtype) and wide.itemsize > g.dtype.itemsize:
+            g = cast(g, wide)
         g = reduce_sum(g, reduced_dim=extra)
     if g.shape != x.shape:
         g = transpose(g, x.shape)

@@ -16,6 +16,7 @@ from meshax.core.graph import Operation, Tensor, as_dtype
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import ShardingRule, slice_shape
 from meshax.ops import elementwise as ew
+from meshax.ops._dtypes import gradient_dtype
 from meshax.ops._util import dim_of
 
 
@@ -92,7 +93,8 @@ class GatherOperation(Operation):
             tmp = self.dim.name + "_index"
             idx, g = rename_dimension(idx, self.dim.name, tmp), rename_dimension(g, self.dim.name, tmp)
         hot = one_hot(idx, self.dim, dtype=g.dtype)
-        return [einsum([hot, g], output_shape=w.shape), None]
+        wide = gradient_dtype(w)  # (a bfloat16 copy of a float32 table: the sums in float32)
+        return [einsum([hot, g], output_shape=w.shape, dtype=wide if wide != g.dtype else None), None]
 
 
 class TopKOperation(Operation):

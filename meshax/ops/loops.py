@@ -179,6 +179,7 @@ class ScanOperation(Operation):
     def gradient(self, grad_outputs):
         from meshax.autodiff import body_gradients
         from meshax.ops.einsum import einsum
+        from meshax.ops.elementwise import cast
         from meshax.ops.inputs import zeros_like
 
         k, m = len(self.final), len(self.ys)
@@ -203,8 +204,10 @@ class ScanOperation(Operation):
             def grad(t: Tensor) -> Tensor:
                 return grads.get(t) or zeros_like(t)
 
-            new_carry = [grad(v) for v in self.carry_vars]
-            new_acc = [a + grad(t) if grads.get(t) is not None else a for a, t in zip(acc, self._float_captured)]
+            new_carry = [cast(grad(v), v.dtype) for v in self.carry_vars]  # (mixed precision: sums may be wider)
+            new_acc = [
+                a + cast(grad(t), a.dtype) if grads.get(t) is not None else a for a, t in zip(acc, self._float_captured)
+            ]
             g_x = [grad(v) for v in self.x_vars]
         backward = ScanOperation(
             self.dim,

@@ -25,7 +25,8 @@ class SlicewiseOperation(Operation):
 
     `rule` relates the dims (default: by name, every dim whole unless in `splittable`).
     `linear`: fn is linear in each input (add, subtract, negate), so partial sums pass
-    through it. `flops`: FLOPs per output value, for the cost report."""
+    through it. `flops`: FLOPs per output value, for the cost report (or a function of the
+    outputs' local shapes giving the FLOPs of one device)."""
 
     def __init__(
         self,
@@ -35,7 +36,7 @@ class SlicewiseOperation(Operation):
         output_dtypes: Sequence,
         rule: ShardingRule | None = None,
         linear: bool = False,
-        flops: int = 0,
+        flops: int | Callable = 0,
         name: str | None = None,
     ):
         super().__init__(list(inputs), name=name or "slicewise")
@@ -64,7 +65,9 @@ class SlicewiseOperation(Operation):
                 for t, v, fs in zip(self.inputs, vals, rule.operands)
             ]
         local = [tuple(slice_shape(t.shape, lay, ctx.mesh_shape)) for t, lay in zip(self.outputs, run.results)]
-        if self.flops:
+        if callable(self.flops):
+            ctx.add_flops(self.flops(local))
+        elif self.flops:
             ctx.add_flops(self.flops * sum(int(np.prod(s, dtype=np.int64)) for s in local))
         outs = self._fn_slices(ctx, local, vals)
         pending = run.pending | (vals[0].pending if vals else frozenset())

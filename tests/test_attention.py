@@ -1,0 +1,90 @@
+"""Fused attention (`mx.fused_attention`) against the einsum attention, forward and gradient,
+with heads split and not, causal and with a padding mask, in float32 and bfloat16."""
+
+import numpy as np
+import pytest
+
+import meshax as mx
+from meshax.ops.attention import AttentionOperation
+from tests.conftest import rand, run
+
+BATCH, LENGTH, HEADS, D_KV = (mx.Dimension(n, s) for n, s in [("b", 4), ("length", 8), ("heads", 4), ("d_kv", 8)])
+MEMORY = mx.Dimension("memory_length", 8)
+
+
+def _both(mesh, dtype, causal):
+    """(fused, einsum) outputs and their gradients wrt q, k, v, and the feeds."""
+    q, k, v = (
+        mx.placeholder(mesh, n, s)
+        for n, s in [("q", [BATCH, LENGTH, HEADS, D_KV])] + [(n, [BATCH, MEMORY, HEADS, D_KV]) for n in "kv"]
+    )
+    ids = mx.placeholder(mesh, "ids", [BATCH, MEMORY], "int32")
+    w = mx.placeholder(mesh, "w", [BATCH, LENGTH, HEADS, D_KV])
+    keep = mx.not_equal(ids, 0)
+    qc, kc, vc = (mx.cast(t, dtype) for t in (q, k, v))
+    fused = mx.fused_attention(qc, kc, vc, D_KV, HEADS, mask=keep, causal=causal)
+    logits = mx.einsum(qc, kc, reduced_dims=[D_KV], dtype="float32") * (1.0 / D_KV.size**0.5)
+    bias = mx.where(keep, 0.0, -1e9)
+    if causal:
+        bias = bias + mx.where(mx.greater(mx.range(mesh, MEMORY), mx.range(mesh, LENGTH)), -1e9, 0.0)
+    weights = mx.cast(mx.softmax(logits + bias, MEMORY), dtype)
+    plain = mx.einsum(weights, vc, reduced_dims=[MEMORY])
+    outs = []
+    for out in (fused, plain):
+        loss = mx.reduce_sum(mx.cast(out, "float32") * w)
+        outs += [mx.cast(out, "float32"), *mx.gradients(loss, [q, k, v])]
+    ids_v = np.random.default_rng(0).integers(1, 5, (4, 8)).astype(np.int32)
+    ids_v[:, 6:] = 0  # the last two keys are padding
+    feeds = {
+        q: rand([4, 8, 4, 8], 1),
+        k: rand([4, 8, 4, 8], 2),
+        v: rand([4, 8, 4, 8], 3),
+        w: rand([4, 8, 4, 8], 4),
+        ids: ids_v,
+    }
+    return outs, feeds
+
+
+@pytest.mark.parametrize("layout", ["", "heads:cols", "b:rows;heads:cols", "length:cols;memory_length:rows"])
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
+def test_fused_attention_equals_einsum_attention(layout, dtype, tol):
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    outs, feeds = _both(mesh, dtype, causal=True)
+    got = run(outs, mx.SimdMeshImpl, "rows:2;cols:4", layout, feeds)
+    fused, plain = got[:4], got[4:]
+    for name, a, b in zip(["output", "dq", "dk", "dv"], fused, plain):
+        scale = max(1.0, float(np.abs(b).max()))
+        np.testing.assert_allclose(a, b, atol=tol * scale, rtol=tol, err_msg=f"{name} under {layout!r} in {dtype}")
+    assert np.abs(fused[0][:, 0]).max() > 0  # (causal: the first query sees one key, not none)
+
+
+def test_fused_attention_counts_the_einsums_flops_and_keeps_sequences_whole():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    outs, _ = _both(mesh, "float32", causal=False)
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "b:rows;heads:cols")})
+    lowering.function(outs)
+    flops = lowering.counters.flops
+    types = lowering.counters.op_types
+    fused = sum(f for n, f in flops.items() if types[n].startswith("Attention"))
+    # forward: q.k and w.v, 2 x 4*8*8*4*8 multiply-adds each; gradient: four such matmuls; per device 1/8
+    assert fused == (2 + 4) * 2 * 4 * 8 * 8 * 4 * 8 // 8
+    assert not any(s.op_type.startswith("Attention") for s in lowering.counters.sites())
+
+
+def test_fused_attention_errors_name_the_problem():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    q = mx.placeholder(mesh, "q", [BATCH, LENGTH, HEADS, D_KV])
+    k = mx.placeholder(mesh, "k", [BATCH, MEMORY, HEADS, D_KV])
+    with pytest.raises(mx.GraphError, match="same dims"):
+        mx.fused_attention(q, k, q, D_KV, HEADS)
+    with pytest.raises(mx.GraphError, match="exactly one dim"):
+        mx.fused_attention(q, q, q, D_KV, HEADS)
+    with pytest.raises(mx.GraphError, match="must be bool"):
+        mx.fused_attention(q, k, k, D_KV, HEADS, mask=mx.placeholder(mesh, "m", [BATCH, MEMORY]))
+    short = mx.placeholder(mesh, "s", [BATCH, mx.Dimension("memory_length", 4), HEADS, D_KV])
+    with pytest.raises(mx.GraphError, match="causal needs"):
+        mx.fused_attention(q, short, short, D_KV, HEADS, causal=True)
+    assert isinstance(mx.fused_attention(q, k, k, D_KV, HEADS).operation, AttentionOperation)
