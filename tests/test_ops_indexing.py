@@ -129,3 +129,25 @@ INDEX_CASES.update(
 @layouts
 def test_indexing(layout, impl_cls):
     check_cases(INDEX_CASES, impl_cls, layout)
+
+
+def test_gather_gradient_is_a_scatter_add_not_a_one_hot_product():
+    """The table's gradient adds each looked-up row's gradient at its index (JAX's transpose of
+    gather): no [indices, table rows] one-hot and no matmul, also with the table split."""
+    vocab, d, n = mx.Dimension("vocab", 16), mx.Dimension("d", 8), mx.Dimension("n", 8)
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    table = mx.placeholder(mesh, "table", [vocab, d])
+    ids = mx.placeholder(mesh, "ids", [n], "int32")
+    w = mx.placeholder(mesh, "w", [n, d])
+    (grad,) = mx.gradients(mx.reduce_sum(mx.gather(table, ids, vocab) * w), [table])
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "vocab:cols;n:rows")}).function(grad)
+    ids_v = np.array([3, 3, 0, 15, 7, 8, 3, 12], np.int32)
+    w_v = rand([8, 8], 1)
+    want = np.zeros((16, 8), np.float32)
+    np.add.at(want, ids_v, w_v)
+    feeds = {table: rand([16, 8], 2), ids: ids_v, w: w_v}
+    np.testing.assert_allclose(fn(feeds), want, rtol=1e-6)
+    text = fn.compiled_text(feeds)
+    assert " scatter(" in text and " dot(" not in text
+    assert sum(fn.counters.flops.values()) < 2 * 8 * 8  # the adds (and the product with w), per device

@@ -72,7 +72,7 @@ class GatherOperation(Operation):
         def f(table, ids, b, held):
             local = ids - b
             inside = (local >= 0) & (local < held)
-            got = jnp.take(table, jnp.clip(local, 0, n_local - 1), axis=axis)
+            got = jnp.take(table, jnp.clip(local, 0, n_local - 1), axis=axis, mode="clip")
             # jnp.take puts the index dims at `axis`: move them to the front
             perm = list(range(axis, axis + k)) + list(range(axis)) + list(range(axis + k, got.ndim))
             got = jnp.transpose(got, perm)
@@ -85,16 +85,57 @@ class GatherOperation(Operation):
         (g,) = grad_outputs
         if g is None:
             return [None, None]
-        from meshax.ops.einsum import einsum
-        from meshax.ops.shape_ops import rename_dimension
+        return [GatherGradOperation(self, g).outputs[0], None]
 
-        w, idx = self.inputs
-        if self.dim.name in idx.shape:  # the indices use the table's dim name (any size): rename it there
-            tmp = self.dim.name + "_index"
-            idx, g = rename_dimension(idx, self.dim.name, tmp), rename_dimension(g, self.dim.name, tmp)
-        hot = one_hot(idx, self.dim, dtype=g.dtype)
-        wide = gradient_dtype(w)  # (a bfloat16 copy of a float32 table: the sums in float32)
-        return [einsum([hot, g], output_shape=w.shape, dtype=wide if wide != g.dtype else None), None]
+
+class GatherGradOperation(Operation):
+    """The table's gradient: the upstream gradient's rows added into a table of zeros at their
+    indices (a scatter-add, as JAX's gather transposes; no [indices, table rows] one-hot). A
+    split table keeps its split: each device adds the rows it holds; split index dims leave a
+    sum owed over their mesh dims, as an einsum over them would. Summed in the table's master
+    dtype (a bfloat16 copy of a float32 table: float32)."""
+
+    def __init__(self, gather: GatherOperation, g: Tensor):
+        w, idx = gather.inputs
+        super().__init__([g, idx], name=f"{gather.name}_grad")
+        self.dim, self.table_shape = gather.dim, w.shape
+        self._add_output(w.shape, gradient_dtype(w))
+
+    def sharding_rule(self) -> ShardingRule:
+        """The table's rows a factor of their own (passed: a split table's gradient stays split);
+        the indices' dims reduced; the other table dims passed."""
+        g, idx = self.inputs
+        rows = f"{self.dim.name} (table rows)"
+        ids = {d.name: f"{d.name} (indices)" for d in idx.shape}
+        return ShardingRule(
+            (
+                tuple(ids.get(d.name, d.name) if i < idx.shape.rank else d.name for i, d in enumerate(g.shape)),
+                tuple(ids.values()),
+            ),
+            (tuple(rows if d == self.dim else d.name for d in self.table_shape),),
+        )
+
+    def lower(self, ctx):
+        (g, idx), (out,) = self.inputs, self.outputs
+        run = ctx.layouts(self)
+        (gl, il), (wl,) = run.operands, run.results
+        gv = ctx.masked(ctx.get(g, gl), g.shape, idx.shape.dimension_names, 0)  # (padding adds nothing)
+        iv = ctx.get(idx, il)
+        axis = self.table_shape.index(self.dim)
+        n_local = slice_shape(self.table_shape, wl, ctx.mesh_shape)[axis]
+        (begin,) = [b for d, b in zip(self.table_shape, ctx.slice_begins(self.table_shape, wl)) if d == self.dim]
+        valid = ctx.valid_sizes(self.dim.size, wl.axes[axis])  # rows held, not padding
+        k = idx.shape.rank
+        ctx.add_flops(ctx.local_size(g, gl))
+
+        def f(gs, ids, b, held):
+            local = ids - b
+            rows = jnp.where((local >= 0) & (local < held), local, n_local).reshape(-1)  # (n_local: dropped)
+            values = gs.reshape((-1, *gs.shape[k:])).astype(out.dtype)
+            table = jnp.zeros((n_local, *gs.shape[k:]), out.dtype).at[rows].add(values, mode="drop")
+            return jnp.moveaxis(table, 0, axis)
+
+        ctx.set_output(out, ctx.slicewise(f, gv, iv, begin, valid), wl, run.pending)
 
 
 class TopKOperation(Operation):
