@@ -323,7 +323,15 @@ class Transformer:
         if self.config.attention == "fused":
             out = fused_attention(q, k, v, self.d_kv, self.heads, mask=bias, causal=causal, scale=1.0)
         else:
-            logits = einsum(q, k, reduced_dims=[self.d_kv], dtype=self._wide())  # (float32 in mixed precision)
+            # [..., heads, length, memory_length]: the order the batched matmul produces (and XLA's
+            # own partitioner keeps), so no transpose of the largest activation; float32 in mixed precision
+            length = q.shape.get_dim_by_name("length")
+            order = [d for d in q.shape if d not in (length, self.heads, self.d_kv)] + [
+                self.heads,
+                length,
+                memory_length,
+            ]
+            logits = einsum(q, k, output_shape=order, dtype=self._wide())
             if bias is not None:
                 logits = logits + bias
             weights = self._compute(self._drop(softmax(logits, memory_length)))
