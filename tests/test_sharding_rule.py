@@ -79,7 +79,9 @@ def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
     q = mx.placeholder(mesh, "q", [A, B, C])  # fused attention (A: the queries' dim, M the keys')
     kv = mx.placeholder(mesh, "kv", [mx.Dimension("M", 8), B, C])
     attended = mx.recompute_grad(lambda q: mx.fused_attention(q, kv, kv, C, B), [q])  # and a recomputed region
-    grads = mx.gradients([mx.reduce_sum(pooled) + out + mx.reduce_sum(attended)], [img, f, q])
+    table = mx.placeholder(mesh, "table", [A, C])  # gather's gradient
+    looked_up = mx.reduce_sum(mx.gather(table, ids, A))
+    grads = mx.gradients([mx.reduce_sum(pooled) + out + mx.reduce_sum(attended) + looked_up], [img, f, q, table])
     low = mx.Lowering(out.graph, {mesh: mx.SimdMeshImpl("x:2;y:4", "C:y;B:x")})
     low.function([out, pooled, attended, *grads])
     expected = {c for c in _op_classes() if c.__name__ not in SOURCES_AND_SINKS}
