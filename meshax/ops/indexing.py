@@ -34,6 +34,15 @@ def one_hot(indices: Tensor, output_dim: Dimension, on_value=1.0, off_value=0.0,
     return ew.where(hit, constant(indices.mesh, on_value, [], dtype), constant(indices.mesh, off_value, [], dtype))
 
 
+def _rows_held(ctx, shape: Shape, layout, dim: Dimension):
+    """A table's looked-up dim on each device: (its axis, rows per slice, each device's first
+    row, and how many of its rows are not padding)."""
+    axis = shape.index(dim)
+    n_local = slice_shape(shape, layout, ctx.mesh_shape)[axis]
+    (begin,) = [b for d, b in zip(shape, ctx.slice_begins(shape, layout)) if d == dim]
+    return axis, n_local, begin, ctx.valid_sizes(dim.size, layout.axes[axis])
+
+
 class GatherOperation(Operation):
     def __init__(self, weights: Tensor, indices: Tensor, dim: Dimension, name=None):
         super().__init__([weights, indices], name=name or "gather")
@@ -63,10 +72,7 @@ class GatherOperation(Operation):
         run = ctx.layouts(self)
         (wl, il), (out_layout,) = run.operands, run.results
         wv, iv = ctx.get(w, wl), ctx.get(idx, il)
-        axis = w.shape.index(self.dim)
-        n_local = slice_shape(w.shape, wl, ctx.mesh_shape)[axis]
-        (begin,) = [b for d, b in zip(w.shape, ctx.slice_begins(w.shape, wl)) if d == self.dim]
-        valid = ctx.valid_sizes(self.dim.size, wl.axes[axis])  # rows held, not padding
+        axis, n_local, begin, valid = _rows_held(ctx, w.shape, wl, self.dim)
         k = idx.shape.rank
 
         def f(table, ids, b, held):
@@ -121,10 +127,7 @@ class GatherGradOperation(Operation):
         (gl, il), (wl,) = run.operands, run.results
         gv = ctx.masked(ctx.get(g, gl), g.shape, idx.shape.dimension_names, 0)  # (padding adds nothing)
         iv = ctx.get(idx, il)
-        axis = self.table_shape.index(self.dim)
-        n_local = slice_shape(self.table_shape, wl, ctx.mesh_shape)[axis]
-        (begin,) = [b for d, b in zip(self.table_shape, ctx.slice_begins(self.table_shape, wl)) if d == self.dim]
-        valid = ctx.valid_sizes(self.dim.size, wl.axes[axis])  # rows held, not padding
+        axis, n_local, begin, valid = _rows_held(ctx, self.table_shape, wl, self.dim)
         k = idx.shape.rank
         ctx.add_flops(ctx.local_size(g, gl))
 
