@@ -26,11 +26,23 @@ from meshax.core import (
     Operation,
     Shape,
     Tensor,
+    anonymous_shape,
+    combined_dimension,
+    convert_to_dimension,
     convert_to_shape,
 )
 from meshax.jaxpr import Partitioned, PartitionedProgram, partition, replicated_region
 from meshax.layout import OPEN, LayoutRules, ShardingRule, TensorLayout, convert_to_layout_rules
-from meshax.lower import Counters, LaidOutTensor, LoweredFunction, Lowering, MeshImpl, hlo_collectives
+from meshax.lower import (
+    Counters,
+    LaidOutTensor,
+    LoweredFunction,
+    Lowering,
+    MeshImpl,
+    hlo_collectives,
+    log_variable_sizes,
+    pretty_print_counters,
+)
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
 from meshax.ops import __all__ as _ops
 from meshax.pipeline import pipeline
@@ -63,6 +75,9 @@ __all__ = [
     "SimdMeshImpl",
     "Tensor",
     "TensorLayout",
+    "anonymous_shape",
+    "combined_dimension",
+    "convert_to_dimension",
     "convert_to_layout_rules",
     "convert_to_shape",
     "gradients",
@@ -71,9 +86,11 @@ __all__ = [
     "initializers",
     "is_main_process",
     "layers",
+    "log_variable_sizes",
     "optimize",
     "partition",
     "pipeline",
+    "pretty_print_counters",
     "replicated_region",
     "search",
     "search_layout",

@@ -41,19 +41,21 @@ def _as_x(x) -> Tensor:
 
 
 @overload
-def gradients(ys, xs: Tensor, grad_ys=None) -> Tensor | None: ...
+def gradients(ys, xs: Tensor, grad_ys=None, operations=None) -> Tensor | None: ...
 
 
 @overload
-def gradients(ys, xs: Sequence[Tensor], grad_ys=None) -> list[Tensor | None]: ...
+def gradients(ys, xs: Sequence[Tensor], grad_ys=None, operations=None) -> list[Tensor | None]: ...
 
 
-def gradients(ys, xs, grad_ys=None):
-    """d(sum of ys)/d(each x), as new graph tensors; None where no path connects them.
+def gradients(ys, xs, grad_ys=None, operations=None):
+    """d(sum of ys)/d(each x), as new graph tensors; None where no path connects them, and an
+    error where none of the xs has one (nothing would train).
 
     ys: a Tensor or a list; xs: a list of Tensors (variables' values, placeholders, any tensor)
-    or variables (`graph.trainable_variables`: each stands for its value);
-    grad_ys: upstream gradients for ys (default: ones, so a scalar loss gives its gradient)."""
+    or variables (`graph.trainable_variables`: each stands for its value, as Mesh-TensorFlow's
+    `v.outputs[0]`); grad_ys: upstream gradients for ys (default: ones, so a scalar loss gives
+    its gradient); operations: the forward ops to differentiate through (default: all)."""
     ys = [ys] if isinstance(ys, Tensor) else list(ys)
     single = isinstance(xs, Tensor | Operation)
     xs = [_as_x(x) for x in ([xs] if single else list(xs))]
@@ -65,8 +67,17 @@ def gradients(ys, xs, grad_ys=None):
     if len(grad_ys) != len(ys):
         raise GraphError(f"gradients got {len(ys)} ys but {len(grad_ys)} grad_ys")
     graph = ys[0].graph
-    ops = [op for op in graph.operations if not op.in_loop]  # (the gradient ops appended below are not walked)
-    return _backward(graph, ops, ys, xs, grad_ys, single)
+    ops = [op for op in (graph.operations if operations is None else operations) if not op.in_loop]
+    grads = _backward(graph, ops, ys, xs, grad_ys, False)  # (the gradient ops appended are not walked)
+    if xs and all(g is None for g in grads):
+        names = ", ".join(x.name for x in xs[:5]) + (f" and {len(xs) - 5} more" if len(xs) > 5 else "")
+        raise GraphError(
+            f"gradients: no gradient flows from {', '.join(y.name for y in ys)} back to any of {names} (no path, or "
+            "only through stop_gradient or integer values), so every gradient is None and nothing would train; "
+            "pass the tensors the loss is computed from: the variables' values "
+            "(v.value, v.outputs[0]) or the variables themselves (graph.trainable_variables)"
+        )
+    return grads[0] if single else grads
 
 
 def body_gradients(ys: list[Tensor], xs: list[Tensor], grad_ys: list[Tensor], ops: list[Operation]) -> list:

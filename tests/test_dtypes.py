@@ -123,6 +123,39 @@ BUILDERS = {
     "where": lambda x, i, m: mx.where(mx.less(i, 4), x, 0),
     "zeros": lambda x, i, m: mx.zeros(m, [B], x.dtype),
     "zeros_like": lambda x, i, m: mx.zeros_like(x),
+    # Mesh-TensorFlow's names (issue 17)
+    "Print": lambda x, i, m: mx.Print(x, [i], "ids"),
+    "add_n": lambda x, i, m: mx.add_n([x, x, x]),
+    "cwise": lambda x, i, m: mx.cwise(lambda a: a, [x]),
+    "custom_gradient": lambda x, i, m: mx.custom_gradient(mx.identity, lambda op, g: g, [x]),
+    "depend": lambda x, i, m: mx.depend(x, [i]),
+    "elu": lambda x, i, m: mx.elu(x),
+    "floordiv": lambda x, i, m: mx.floordiv(x, 2),
+    "import_fully_replicated": lambda x, i, m: mx.import_fully_replicated(m, np.ones([8], x.dtype), [B]),
+    "leaky_relu": lambda x, i, m: mx.leaky_relu(x),
+    "mod": lambda x, i, m: mx.mod(x, 2),
+    "mtf_abs": lambda x, i, m: mx.mtf_abs(x),
+    "mtf_pow": lambda x, i, m: mx.mtf_pow(x, x),
+    "mtf_range": lambda x, i, m: mx.mtf_range(m, B, x.dtype),
+    "mtf_slice": lambda x, i, m: mx.mtf_slice(x, 2, 4, "b"),
+    "nth_largest_element": lambda x, i, m: mx.nth_largest_element(x, 1, D),
+    "nth_smallest_element": lambda x, i, m: mx.nth_smallest_element(x, 2, D),
+    "reduce_first": lambda x, i, m: mx.reduce_first(x, D),
+    "sample_with_temperature": lambda x, i, m: mx.sample_with_temperature(x, D, 0.5),
+    "selu": lambda x, i, m: mx.selu(x),
+    "squared_relu": lambda x, i, m: mx.squared_relu(x),
+    "sub": lambda x, i, m: mx.sub(x, 1),
+    "swish": lambda x, i, m: mx.swish(x),
+    "to_bfloat16": lambda x, i, m: mx.to_bfloat16(x),
+    "to_float": lambda x, i, m: mx.to_float(x),
+    "to_int32": lambda x, i, m: mx.to_int32(x),
+    "top_1": lambda x, i, m: mx.top_1(x, D),
+    "anonymize": lambda x, i, m: mx.anonymize(x),
+    "halo_exchange": lambda x, i, m: mx.halo_exchange(x, B, D, 1),
+    "left_halo_exchange": lambda x, i, m: mx.left_halo_exchange(x, B, D, 2, wrap=True),
+    "pool_tensor_1d": lambda x, i, m: mx.pool_tensor_1d(x, D, mx.reduce_sum, 2),
+    "stride_tensor_1d": lambda x, i, m: mx.stride_tensor_1d(x, D, 4),
+    "read_variable": lambda x, i, m: mx.read_variable(mx.get_variable(m, "v5", [D], dtype=x.dtype)),
 }
 
 
@@ -168,7 +201,17 @@ def test_declared_dtype_is_produced_or_refused_at_build_time(impl_cls, dtype):
         "int32": logical | floats_only | {"conv2d_transpose", "conv3d_transpose"},
         # bools are not numbers: no products, negation, sign, max or min (reduce_any/all are those)
         "bool": floats_only
-        | {"einsum", "matmul", "negative", "one_hot", "reduce_max", "reduce_min", "sign"}
+        | {
+            "einsum",
+            "matmul",
+            "negative",
+            "one_hot",
+            "reduce_max",
+            "reduce_min",
+            "sign",
+            "nth_smallest_element",
+            "top_1",
+        }
         | {f"{op}{k}d" for op in ("conv", "max_pool", "avg_pool") for k in (1, 2, 3)}
         | {"conv2d_transpose", "conv3d_transpose"},
     }

@@ -25,6 +25,7 @@ SOURCES_AND_SINKS = {
     "LoopVariableOperation",  # a loop body's input, bound by its loop
     "ScanOperation",  # a container: its body's ops run by their rules, its carries in their planned layouts
     "RecomputeOperation",  # a container too (a loop of one iteration)
+    "CustomGradientOperation",  # a container too, whose gradient is the user's
 }
 
 
@@ -81,9 +82,12 @@ def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
     attended = mx.recompute_grad(lambda q: mx.fused_attention(q, kv, kv, C, B), [q])  # and a recomputed region
     table = mx.placeholder(mesh, "table", [A, C])  # gather's gradient
     looked_up = mx.reduce_sum(mx.gather(table, ids, A))
-    grads = mx.gradients([mx.reduce_sum(pooled) + out + mx.reduce_sum(attended) + looked_up], [img, f, q, table])
+    squared = mx.reduce_sum(mx.slicewise(lambda a: a * a, [q], splittable_dims=[A, B]))  # its gradient: a vjp
+    printed = mx.Print(x, [ids], "ids")  # Print (data gathered whole, x passed through)
+    total = mx.reduce_sum(pooled) + out + mx.reduce_sum(attended) + looked_up + squared
+    grads = mx.gradients([total], [img, f, q, table])
     low = mx.Lowering(out.graph, {mesh: mx.SimdMeshImpl("x:2;y:4", "C:y;B:x")})
-    low.function([out, pooled, attended, *grads])
+    low.function([out, pooled, attended, printed, *grads])
     expected = {c for c in _op_classes() if c.__name__ not in SOURCES_AND_SINKS}
     assert len(expected) >= 15
     assert expected - {type(op) for op in runs} == set(), "these ops derive their layout outside their sharding rule"

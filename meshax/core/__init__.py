@@ -2,7 +2,14 @@
 
 from meshax.core.errors import ConfigError, GraphError, LayoutError, LayoutWarning, MeshaxError
 from meshax.core.graph import Graph, Mesh, Operation, Tensor, as_dtype, is_floating
-from meshax.core.shape import Dimension, Shape, convert_to_shape
+from meshax.core.shape import (
+    Dimension,
+    Shape,
+    anonymous_shape,
+    combined_dimension,
+    convert_to_dimension,
+    convert_to_shape,
+)
 
 __all__ = [
     "ConfigError",
@@ -16,7 +23,10 @@ __all__ = [
     "Operation",
     "Shape",
     "Tensor",
+    "anonymous_shape",
     "as_dtype",
+    "combined_dimension",
+    "convert_to_dimension",
     "convert_to_shape",
     "is_floating",
 ]

@@ -7,6 +7,7 @@ numbers.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
@@ -163,6 +164,26 @@ def convert_to_shape(x) -> Shape:
     if isinstance(x, str):
         return Shape(_parse_pairs(x, what="shape", integer_values=True, example="batch:8"))
     return Shape(x)
+
+
+def convert_to_dimension(d) -> Dimension | None:
+    """A Dimension from a Dimension, a (name, size) pair, or "name:size"; None stays None."""
+    if d is None or isinstance(d, Dimension):
+        return d
+    (dim,) = convert_to_shape(d if isinstance(d, str) else [d]).dims
+    return dim
+
+
+def anonymous_shape(shape) -> Shape:
+    """`shape` with each dim renamed "_" + its name: layout rules name no such dim, so a tensor
+    of it is replicated (Mesh-TensorFlow's anonymous dims)."""
+    return Shape([d._replace(name="_" + d.name) for d in convert_to_shape(shape)])
+
+
+def combined_dimension(dims, name=None) -> Dimension:
+    """One Dimension as large as `dims` together, named `name` (default: their names joined by "_")."""
+    dims = list(convert_to_shape(dims))
+    return Dimension(name or "_".join(d.name for d in dims), math.prod(d.size for d in dims))
 
 
 _FORMS = {"shape": "dim_name:size", "mesh": "mesh_dim:devices", "layout": "tensor_dim:mesh_dim"}

@@ -94,3 +94,18 @@ class Counters(Mapping):
     def __repr__(self) -> str:
         body = ", ".join(f"{k}={r.count}x/{r.values}" for k, r in self._records.items())
         return f"Counters({body}, flops={self.total_flops})"
+
+
+def pretty_print_counters(counters: Counters) -> str:
+    """The counters as lines of text (Mesh-TensorFlow's name): each collective kind's count,
+    values and bytes per device, then the FLOPs, by op type."""
+    lines = [
+        f"{kind}: {r.count} collectives, {r.values} values, {r.bytes} bytes" for kind, r in counters.items() if r.count
+    ]
+    by_type: dict[str, int] = {}
+    for op, flops in counters.flops.items():
+        kind = counters.op_types.get(op, "")
+        by_type[kind] = by_type.get(kind, 0) + flops
+    lines.append(f"flops: {counters.total_flops}")
+    lines += [f"flops/{kind or 'other'}: {n}" for kind, n in sorted(by_type.items(), key=lambda kv: -kv[1])]
+    return "\n".join(lines)

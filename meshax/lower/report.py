@@ -101,3 +101,32 @@ _PADDED_ROWS = 12
 def _short(source: str) -> str:
     path, _, line = source.rpartition(":")
     return f"{path.rsplit('/', 1)[-1]}:{line}" if path else source
+
+
+def log_variable_sizes(var_list, tag: str | None = None, verbose: bool = True, mesh_to_impl=None, log_file=None) -> str:
+    """Each variable's name, shape and number of values, and the total (Mesh-TensorFlow's name);
+    with `mesh_to_impl` ({mesh: MeshImpl}), the values each device holds under its layout rules.
+    Logged to the "meshax" logger (and appended to `log_file`, a path, where given); returned."""
+    import logging
+
+    variables = [getattr(v, "operation", v) for v in var_list]
+    lines = [f"{tag or 'Variables'}: {len(variables)}"]
+    total = per_device = 0
+    for v in sorted(variables, key=lambda v: v.name):
+        size = v.shape.size
+        total += size
+        held = ""
+        if mesh_to_impl is not None and v.mesh in mesh_to_impl:
+            impl = mesh_to_impl[v.mesh]
+            local = math.prod(impl.slice_shape(v.shape))
+            per_device += local
+            held = f"  per device {local:>12,}  {impl.tensor_layout(v.shape)}"
+        if verbose:
+            lines.append(f"  {v.name:<40} {v.shape!s:<40} {size:>14,}{held}")
+    lines.append(f"  total {total:,} values" + (f", {per_device:,} per device" if mesh_to_impl is not None else ""))
+    text = "\n".join(lines)
+    logging.getLogger("meshax").info(text)
+    if log_file is not None:
+        with open(log_file, "a") as f:
+            f.write(text + "\n")
+    return text

@@ -62,3 +62,25 @@ def dim_of(x: Tensor, dim) -> Dimension:
     if not isinstance(dim, str) and d != dim:
         raise GraphError(f"tensor {x.name} has {d}, not {dim}")
     return d
+
+
+def also_accepts(**old_names: str):
+    """Let a function that takes Mesh-TensorFlow's argument names also take, as keywords, the
+    names meshax used before (`old="new"`), so code written either way runs. Its signature (and
+    so its documentation) shows Mesh-TensorFlow's names."""
+    import functools
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            for old, new in old_names.items():
+                if old in kwargs:
+                    if new in kwargs:
+                        raise TypeError(f"{fn.__name__}: give {new}= or its older name {old}=, not both")
+                    kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        call.also_accepts = dict(old_names)
+        return call
+
+    return wrap

@@ -91,15 +91,21 @@ class EinsumOperation(Operation):
         return grads
 
 
-def einsum(*xs, output_shape=None, reduced_dims=None, name=None, dtype=None) -> Tensor:
-    """Einstein summation by dimension name: `einsum(x, w, output_shape=...)` or `einsum([x, w], ...)`.
+def einsum(xs, *more, output_shape=None, reduced_dims=None, name=None, dtype=None) -> Tensor:
+    """Einstein summation by dimension name: `einsum([x, w], output_shape)` (Mesh-TensorFlow's
+    form, output_shape second or by keyword), or `einsum(x, w, output_shape=...)`.
 
     Without output_shape, the output has the dims that appear in exactly one input (in order of
     first appearance), or, when reduced_dims is given, every dim except those. `dtype`: the
     output's float dtype, products summed in it (bfloat16 inputs, float32 sums and result: the
     logits of a mixed-precision model); default JAX's promotion of the inputs'."""
-    if len(xs) == 1 and isinstance(xs[0], list | tuple):
-        xs = tuple(xs[0])
+    if isinstance(xs, list | tuple):  # einsum([x, w], output_shape, reduced_dims, name)
+        if len(more) > 3:
+            raise GraphError(f"einsum([...], output_shape, reduced_dims, name) got {len(more)} more arguments")
+        output_shape, reduced_dims, name = (*more, *(output_shape, reduced_dims, name)[len(more) :])
+        xs = tuple(xs)
+    else:
+        xs = (xs, *more)
     if not xs:
         raise GraphError("einsum needs at least one tensor")
     for t in xs:

@@ -17,7 +17,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Dimension, Shape
 from meshax.ops._dtypes import gradient_dtype, inexact, kernel_dtype, result_type
-from meshax.ops._util import align, as_tensor
+from meshax.ops._util import align, also_accepts, as_tensor
 
 # ---- unary ----------------------------------------------------------------------------------
 _UNARY = {
@@ -197,8 +197,11 @@ _BINARY = {
     "greater_equal": jnp.greater_equal,
     "logical_and": jnp.logical_and,
     "logical_or": jnp.logical_or,
+    "floordiv": jnp.floor_divide,
+    "mod": jnp.mod,
 }
 _COMPARISONS = {"equal", "not_equal", "less", "less_equal", "greater", "greater_equal"}
+_STEPS = {"floordiv", "mod"}  # piecewise constant in x: no gradient, as in Mesh-TensorFlow
 _LOGICAL = {"logical_and", "logical_or"}
 
 
@@ -260,7 +263,7 @@ class ElementwiseOperation(Operation):
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
-        if g is None or self.fn in _COMPARISONS | _LOGICAL:
+        if g is None or self.fn in _COMPARISONS | _LOGICAL | _STEPS:
             return [None] * len(self.inputs)
         if self.fn == "where":
             c, x, y = self.inputs
@@ -295,20 +298,34 @@ def _binary_dtype(fn, x: Tensor, y: Tensor):
     return kernel_dtype(fn, _BINARY[fn], x.dtype, y.dtype)
 
 
+def to_output_shape(y: Tensor, output_shape) -> Tensor:
+    """y with its dims in `output_shape`'s order, broadcast over the dims it lacks (Mesh-TensorFlow's
+    `output_shape` argument of elementwise ops); y itself when none is given."""
+    if output_shape is None:
+        return y
+    from meshax.ops.shape_ops import broadcast
+
+    return broadcast(y, output_shape)
+
+
 def _binary(fn):
-    def op(x, y, name=None) -> Tensor:
-        if not isinstance(x, Tensor) and not isinstance(y, Tensor):
-            raise GraphError(f"{fn} needs at least one meshax Tensor, got {x!r} and {y!r}")
-        t = x if isinstance(x, Tensor) else y
-        x = as_tensor(x, t.mesh, t.dtype)
-        y = as_tensor(y, t.mesh, t.dtype)
-        return ElementwiseOperation(
-            [x, y], fn, _BINARY[fn], _binary_dtype(fn, x, y), linear=fn in ("add", "subtract"), name=name
+    def op(x1, x2, output_shape=None, name=None) -> Tensor:
+        if not isinstance(x1, Tensor) and not isinstance(x2, Tensor):
+            raise GraphError(f"{fn} needs at least one meshax Tensor, got {x1!r} and {x2!r}")
+        t = x1 if isinstance(x1, Tensor) else x2
+        x1 = as_tensor(x1, t.mesh, t.dtype)
+        x2 = as_tensor(x2, t.mesh, t.dtype)
+        y = ElementwiseOperation(
+            [x1, x2], fn, _BINARY[fn], _binary_dtype(fn, x1, x2), linear=fn in ("add", "subtract"), name=name
         ).outputs[0]
+        return to_output_shape(y, output_shape)
 
     op.__name__ = op.__qualname__ = fn
-    op.__doc__ = f"Elementwise {fn} with broadcasting by dimension name; the output has the union of dims."
-    return op
+    op.__doc__ = (
+        f"Elementwise {fn} with broadcasting by dimension name; the output has the union of dims "
+        "(in `output_shape`'s order, and broadcast to it, where given)."
+    )
+    return also_accepts(x="x1", y="x2")(op)
 
 
 add = _binary("add")
@@ -317,7 +334,16 @@ multiply = _binary("multiply")
 divide = _binary("divide")
 maximum = _binary("maximum")
 minimum = _binary("minimum")
-pow = _binary("pow")
+_pow = _binary("pow")
+
+
+@also_accepts(x1="x", x2="y")
+def pow(x, y, output_shape=None, name=None) -> Tensor:
+    """x ** y elementwise, broadcast by dimension name (Mesh-TensorFlow names its arguments x, y
+    here, and x1, x2 in the other binary ops: both work)."""
+    return _pow(x, y, output_shape, name)
+
+
 equal = _binary("equal")
 not_equal = _binary("not_equal")
 less = _binary("less")
@@ -326,10 +352,16 @@ greater = _binary("greater")
 greater_equal = _binary("greater_equal")
 logical_and = _binary("logical_and")
 logical_or = _binary("logical_or")
+floordiv = _binary("floordiv")
+mod = _binary("mod")
+sub = subtract  # (Mesh-TensorFlow's name)
 
 
-def where(condition: Tensor, x, y, name=None) -> Tensor:
-    """x where condition holds, else y; broadcast by dimension name."""
+@also_accepts(x="if_true", y="if_false")
+def where(condition: Tensor, if_true, if_false, output_shape=None, name=None) -> Tensor:
+    """`if_true` where condition holds, else `if_false`; broadcast by dimension name (to
+    `output_shape`, where given)."""
+    x, y = if_true, if_false
     if not isinstance(condition, Tensor) or condition.dtype != np.bool_:
         raise GraphError("where: condition must be a bool meshax Tensor (build one with mx.less, mx.equal, ...)")
     if isinstance(x, Tensor) or isinstance(y, Tensor):
@@ -338,7 +370,7 @@ def where(condition: Tensor, x, y, name=None) -> Tensor:
         like = result_type(x, y)
     x = as_tensor(x, condition.mesh, like)
     y = as_tensor(y, condition.mesh, like)
-    return ElementwiseOperation(
+    out = ElementwiseOperation(
         [condition, x, y],
         "where",
         jnp.where,
@@ -346,3 +378,59 @@ def where(condition: Tensor, x, y, name=None) -> Tensor:
         linear=False,
         name=name,
     ).outputs[0]
+    return to_output_shape(out, output_shape)
+
+
+# ---- Mesh-TensorFlow's activations and casts, composed of the ops above (so their gradients) --
+def swish(x: Tensor) -> Tensor:
+    """x * sigmoid(x)."""
+    return x * sigmoid(x)
+
+
+def squared_relu(x: Tensor) -> Tensor:
+    """relu(x) squared."""
+    return square(relu(x))
+
+
+def leaky_relu(x: Tensor, alpha: float = 0.2, name=None) -> Tensor:
+    """x where x > 0, else alpha * x."""
+    return where(greater(x, 0.0), x, x * alpha, name=name)
+
+
+def elu(x: Tensor) -> Tensor:
+    """x where x > 0, else exp(x) - 1 (exp of min(x, 0): no overflow on the branch not taken)."""
+    return where(greater(x, 0.0), x, exp(minimum(x, 0.0)) - 1.0)
+
+
+_SELU_ALPHA, _SELU_SCALE = 1.6732632423543772, 1.0507009873554805
+
+
+def selu(x: Tensor) -> Tensor:
+    """scale * (x where x > 0, else alpha * (exp(x) - 1)), with tf.nn.selu's constants."""
+    return where(greater(x, 0.0), x, (exp(minimum(x, 0.0)) - 1.0) * _SELU_ALPHA) * _SELU_SCALE
+
+
+def to_float(x: Tensor, name=None) -> Tensor:
+    """x as float32."""
+    return cast(x, "float32", name)
+
+
+def to_bfloat16(x: Tensor, name=None) -> Tensor:
+    """x as bfloat16."""
+    return cast(x, "bfloat16", name)
+
+
+def to_int32(x: Tensor, name=None) -> Tensor:
+    """x as int32."""
+    return cast(x, "int32", name)
+
+
+def add_n(xs) -> Tensor:
+    """The sum of a list of tensors, broadcast by dimension name."""
+    xs = list(xs)
+    if not xs:
+        raise GraphError("add_n needs at least one tensor")
+    total = xs[0]
+    for t in xs[1:]:
+        total = add(total, t)
+    return total

@@ -17,7 +17,7 @@ from meshax.core.shape import Dimension, Shape
 from meshax.layout import ShardingRule, slice_shape
 from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import gradient_dtype
-from meshax.ops._util import dim_of
+from meshax.ops._util import also_accepts, dim_of
 
 
 def one_hot(indices: Tensor, output_dim: Dimension, on_value=1.0, off_value=0.0, dtype="float32", name=None) -> Tensor:
@@ -177,21 +177,25 @@ class TopKOperation(Operation):
         return [einsum([hot, g], output_shape=x.shape)]
 
 
-def gather(weights: Tensor, indices: Tensor, dim, name=None) -> Tensor:
-    """weights looked up at `indices` along `dim`: indices' dims followed by weights' other dims.
+def gather(weights: Tensor, indices: Tensor, dim, output_shape=None, name=None) -> Tensor:
+    """weights looked up at `indices` along `dim`: indices' dims followed by weights' other dims
+    (in `output_shape`'s order, where given).
 
     An index outside [0, dim.size) gives zeros. The lookup of a split table sums each device's
     rows (zeros where it holds none), so a bool table is looked up as int32 and cast back."""
     if weights.dtype == np.bool_:
-        return ew.cast(gather(ew.cast(weights, "int32"), indices, dim, name), bool)
-    return GatherOperation(weights, indices, dim_of(weights, dim), name).outputs[0]
+        return ew.cast(gather(ew.cast(weights, "int32"), indices, dim, output_shape, name), bool)
+    out = GatherOperation(weights, indices, dim_of(weights, dim), name).outputs[0]
+    return ew.to_output_shape(out, output_shape)
 
 
-def top_k(x: Tensor, reduced_dim, k, name=None) -> tuple[Tensor, Tensor]:
+@also_accepts(k="k_dim")
+def top_k(x: Tensor, reduced_dim, k_dim, name=None) -> tuple[Tensor, Tensor]:
     """The k largest values along reduced_dim, descending, and their int32 indices.
 
-    The new dim is `k` if it is a Dimension, else Dimension(reduced_dim.name + "_topk", k)."""
+    The new dim is `k_dim` (a Dimension), in reduced_dim's place; an int k names it
+    reduced_dim.name + "_topk"."""
     d = dim_of(x, reduced_dim)
-    k_dim = k if isinstance(k, Dimension) else Dimension(d.name + "_topk", int(k))
+    k_dim = k_dim if isinstance(k_dim, Dimension) else Dimension(d.name + "_topk", int(k_dim))
     op = TopKOperation(x, d, k_dim, name)
     return op.outputs[0], op.outputs[1]

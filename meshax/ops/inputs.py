@@ -9,6 +9,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Mesh, Operation, Tensor, as_dtype
 from meshax.core.shape import Dimension, convert_to_shape
 from meshax.layout import slice_shape
+from meshax.ops._util import also_accepts
 
 
 class PlaceholderOperation(Operation):
@@ -90,6 +91,12 @@ def import_tensor(mesh: Mesh, array, shape, name=None) -> Tensor:
     return ImportTensorOperation(mesh, array, shape, name).outputs[0]
 
 
+def import_fully_replicated(mesh: Mesh, tf_tensor, shape, name=None) -> Tensor:
+    """Mesh-TensorFlow's import of a whole host tensor (`tf_tensor`: a NumPy or JAX array here):
+    `import_tensor`, which gives each device its slice of it as the layout says."""
+    return import_tensor(mesh, tf_tensor, shape, name)
+
+
 def constant(mesh: Mesh, value, shape=(), dtype="float32", name=None) -> Tensor:
     """A tensor of `shape` filled with the scalar `value`, or an imported array if it is one."""
     shape = convert_to_shape(shape)
@@ -108,14 +115,16 @@ def ones(mesh: Mesh, shape, dtype="float32") -> Tensor:
     return constant(mesh, 1, shape, dtype, name="ones")
 
 
-def zeros_like(x: Tensor) -> Tensor:
-    """Zeros with x's shape and dtype."""
-    return zeros(x.mesh, x.shape, x.dtype)
+@also_accepts(x="t")
+def zeros_like(t: Tensor) -> Tensor:
+    """Zeros with t's shape and dtype."""
+    return zeros(t.mesh, t.shape, t.dtype)
 
 
-def ones_like(x: Tensor) -> Tensor:
-    """Ones with x's shape and dtype."""
-    return ones(x.mesh, x.shape, x.dtype)
+@also_accepts(x="t")
+def ones_like(t: Tensor) -> Tensor:
+    """Ones with t's shape and dtype."""
+    return ones(t.mesh, t.shape, t.dtype)
 
 
 def range(mesh: Mesh, dim: Dimension, dtype="int32", name=None) -> Tensor:

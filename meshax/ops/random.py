@@ -75,11 +75,20 @@ def random_normal(mesh: Mesh, shape, mean=0.0, stddev=1.0, dtype="float32", seed
     return RandomOperation(mesh, shape, "normal", mean, stddev, dtype, seed, name).outputs[0]
 
 
-def dropout(x: Tensor, rate: float, noise_shape=None, seed=None, name=None) -> Tensor:
-    """Zero each value with probability `rate` and scale the rest by 1 / (1 - rate).
+def dropout(x: Tensor, is_training=True, keep_prob=None, rate=0.0, noise_shape=None, name=None, seed=None) -> Tensor:
+    """Zero each value with probability `rate` (or 1 - `keep_prob`) and scale the rest by
+    1 / (1 - rate); x itself when `is_training` is False. Mesh-TensorFlow's arguments; meshax's
+    own `dropout(x, 0.1)` (the rate second) works too.
 
     noise_shape (a subset of x's dims) shares one draw across the dims it leaves out."""
     from meshax.ops import elementwise as ew
+
+    if not isinstance(is_training, bool):  # dropout(x, rate): the rate where is_training stands
+        rate, is_training = float(is_training), True
+    if keep_prob is not None:
+        rate = 1.0 - keep_prob
+    if not is_training:
+        return x
 
     if not is_floating(x.dtype):
         raise GraphError(
@@ -96,3 +105,17 @@ def dropout(x: Tensor, rate: float, noise_shape=None, seed=None, name=None) -> T
         raise GraphError(f"dropout noise_shape has dims {extra} that {x.name} {x.shape} lacks")
     keep = ew.greater_equal(random_uniform(x.mesh, noise_shape, dtype=x.dtype, seed=seed), rate)
     return x * ew.cast(keep, x.dtype) * (1.0 / (1.0 - rate))
+
+
+def sample_with_temperature(logits: Tensor, dim, temperature=1.0, name=None) -> Tensor:
+    """A sample along `dim` (int32 indices, without that dim): the argmax of the logits plus
+    Gumbel noise times `temperature`, as Mesh-TensorFlow's; temperature 0 is the argmax."""
+    from meshax.ops import elementwise as ew
+    from meshax.ops.reduce import argmax
+
+    if temperature != 0.0:
+        if not is_floating(logits.dtype):  # (the noise is a float)
+            logits = ew.cast(logits, "float32")
+        u = random_uniform(logits.mesh, logits.shape, minval=1e-9, maxval=1.0, dtype=logits.dtype)
+        logits = logits + ew.negative(ew.log(ew.negative(ew.log(u)))) * temperature
+    return argmax(logits, dim, name)

@@ -91,25 +91,68 @@ class RecomputeOperation(Operation):
         return [by_tensor.get(v) for v in self.vars] + [by_tensor.get(t) for t in self.captured]
 
 
-def recompute_grad(fn: Callable, explicit_inputs: Sequence[Tensor] | Tensor, name: str | None = None):
+class CustomGradientOperation(RecomputeOperation):
+    """`fn`'s ops run as one op whose gradient is the user's `grad_fn(op, grad_ys)`: gradients
+    of `op.inputs`, the explicit inputs first, then every outside tensor fn read (its weights)."""
+
+    def __init__(self, inputs, vars, results, body, grad_fn, name=None):
+        super().__init__(inputs, vars, results, body, name=name or "custom_gradient")
+        self.grad_fn = grad_fn
+
+    def gradient(self, grad_outputs):
+        grads = list(self.grad_fn(self, list(grad_outputs)))
+        if len(grads) == len(self.bound):  # (gradients of the explicit inputs alone: none for the rest)
+            grads += [None] * len(self.captured)
+        if len(grads) != len(self.inputs):
+            raise GraphError(
+                f"custom_gradient {self.name}: grad_fn returned {len(grads)} gradients; give one per explicit "
+                f"input ({len(self.bound)}) or one per input of the op ({len(self.inputs)}: "
+                f"{', '.join(t.name for t in self.inputs)})"
+            )
+        return grads
+
+
+def _record(fn: Callable, explicit_inputs, what: str):
+    """fn called on stand-ins of its explicit inputs, its ops recorded: (inputs, stand-ins,
+    results, recorded ops, whether fn returned one tensor)."""
+    inputs = _as_list(explicit_inputs, "explicit_inputs")
+    if not inputs:
+        raise GraphError(f"{what} needs at least one explicit input (the tensors fn is computed from)")
+    vars = [LoopVariableOperation(t.mesh, t.shape, t.dtype, f"{what}/input").outputs[0] for t in inputs]
+    with _recording(inputs[0].graph) as body:
+        out = fn(*vars)
+    results = _as_list(out, "fn's results")
+    if not results:
+        raise GraphError(f"{what}: fn returned no tensors")
+    passed = [r for r in results if r in vars]
+    if passed:
+        raise GraphError(f"{what}: fn returned its input {passed[0].name} unchanged; return a computed tensor")
+    return inputs, vars, results, body, isinstance(out, Tensor)
+
+
+def custom_gradient(fn: Callable, grad_fn: Callable, explicit_inputs: Sequence[Tensor] | Tensor):
+    """`fn(*explicit_inputs)` with the gradient `grad_fn(forward_op, grad_ys)` instead of its own
+    (Mesh-TensorFlow's `custom_gradient`): `grad_ys` the gradients of fn's results (None where
+    none flows), and grad_fn returns the gradients of `forward_op.inputs` (the explicit inputs,
+    then the outside tensors fn read), or of the explicit inputs alone."""
+    inputs, vars, results, body, single = _record(fn, explicit_inputs, "custom_gradient")
+    op = CustomGradientOperation(inputs, vars, results, body, grad_fn)
+    return op.outputs[0] if single else list(op.outputs)
+
+
+def recompute_grad(
+    fn: Callable,
+    explicit_inputs: Sequence[Tensor] | Tensor,
+    control_dependencies=None,
+    name: str | None = None,
+):
     """`fn(*explicit_inputs)` whose activations are recomputed in the backward pass instead of
     kept (Mesh-TensorFlow's `recompute_grad`): the backward pass holds only the inputs and
     outputs, plus one call's internals while its gradient runs. `fn` may read other tensors
     (weights) directly and create variables; it returns a Tensor or a list of Tensors, which
-    are returned the same way. Random ops inside draw the same values when recomputed."""
-    inputs = _as_list(explicit_inputs, "explicit_inputs")
-    if not inputs:
-        raise GraphError("recompute_grad needs at least one explicit input (the tensors fn is recomputed from)")
-    what = name or "recompute"
-    vars = [LoopVariableOperation(t.mesh, t.shape, t.dtype, f"{what}/input").outputs[0] for t in inputs]
-    with _recording(inputs[0].graph) as body:
-        out = fn(*vars)
-    single = isinstance(out, Tensor)
-    results = _as_list(out, "fn's results")
-    if not results:
-        raise GraphError("recompute_grad: fn returned no tensors")
-    passed = [r for r in results if r in vars]
-    if passed:
-        raise GraphError(f"recompute_grad: fn returned its input {passed[0].name} unchanged; return a computed tensor")
+    are returned the same way. Random ops inside draw the same values when recomputed.
+    `control_dependencies` (Mesh-TensorFlow's ordering of TensorFlow side effects) is accepted
+    and not needed: a meshax program runs in dataflow order, and its assignments come last."""
+    inputs, vars, results, body, single = _record(fn, explicit_inputs, name or "recompute_grad")
     op = RecomputeOperation(inputs, vars, results, body, name=name)
     return op.outputs[0] if single else list(op.outputs)

@@ -16,7 +16,7 @@ from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, convert_to_shape
 from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import inexact, sum_dtype
-from meshax.ops._util import as_dims, dim_of
+from meshax.ops._util import also_accepts, as_dims, dim_of
 
 _LOCAL = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
 
@@ -136,14 +136,20 @@ def reduce_mean(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Te
     return _in_order(total * (1.0 / count), output_shape)
 
 
-def reduce_logsumexp(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
-    """log(sum(exp(x))) over the reduced dims, computed stably (the max is subtracted first)."""
+def reduce_logsumexp(x: Tensor, reduced_dim=None, extra_logit=None, name=None, output_shape=None) -> Tensor:
+    """log(sum(exp(x))) over the reduced dims, computed stably (the max is subtracted first);
+    `extra_logit` (a scalar or a tensor of the output's dims): one more term exp(extra_logit) in
+    the sum, as Mesh-TensorFlow's."""
     reduced = _reduced_dims(x, reduced_dim, output_shape)
     x = _floating(x)
-    if not reduced:
+    if not reduced and extra_logit is None:
         return _in_order(x, output_shape)
-    m = ew.stop_gradient(reduce_max(x, reduced_dim=reduced))
-    return _in_order(ew.log(reduce_sum(ew.exp(x - m), reduced_dim=reduced)) + m, output_shape)
+    m = ew.stop_gradient(reduce_max(x, reduced_dim=reduced)) if reduced else x
+    if extra_logit is None:
+        return _in_order(ew.log(reduce_sum(ew.exp(x - m), reduced_dim=reduced)) + m, output_shape)
+    m = ew.stop_gradient(ew.maximum(m, extra_logit))
+    total = reduce_sum(ew.exp(x - m), reduced_dim=reduced) + ew.exp(extra_logit - m)
+    return _in_order(ew.log(total) + m, output_shape)
 
 
 def _truth(x: Tensor) -> Tensor:
@@ -161,25 +167,67 @@ def reduce_all(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Ten
     return ew.cast(reduce_min(_truth(x), reduced_dim, output_shape), bool)
 
 
-def softmax(x: Tensor, dim, name=None) -> Tensor:
-    """softmax along `dim`: exp(x - max) / sum; a split `dim` costs one max and one sum allreduce."""
-    d = dim_of(x, dim)
+@also_accepts(dim="reduced_dim")
+def softmax(x: Tensor, reduced_dim, extra_logit=None, name=None) -> Tensor:
+    """softmax along `reduced_dim`: exp(x - max) / sum (with one more term exp(extra_logit) in the
+    sum, where given); a split dim costs one max and one sum allreduce."""
+    if extra_logit is not None:
+        return ew.exp(log_softmax(x, reduced_dim, extra_logit))
+    d = dim_of(x, reduced_dim)
     x = _floating(x)
     e = ew.exp(x - ew.stop_gradient(reduce_max(x, reduced_dim=d)))
     return e / reduce_sum(e, reduced_dim=d)
 
 
-def log_softmax(x: Tensor, dim, name=None) -> Tensor:
-    """log(softmax(x)) along `dim`, computed stably."""
-    return x - reduce_logsumexp(x, reduced_dim=dim_of(x, dim))
+@also_accepts(dim="reduced_dim")
+def log_softmax(x: Tensor, reduced_dim, extra_logit=None, name=None) -> Tensor:
+    """log(softmax(x)) along `reduced_dim`, computed stably."""
+    return x - reduce_logsumexp(x, reduced_dim=dim_of(x, reduced_dim), extra_logit=extra_logit)
 
 
-def argmax(x: Tensor, dim, name=None) -> Tensor:
-    """Index of the largest value along `dim` (the first one on ties), as int32."""
+@also_accepts(dim="reduced_dim")
+def argmax(x: Tensor, reduced_dim, name=None) -> Tensor:
+    """Index of the largest value along `reduced_dim` (the first one on ties), as int32."""
     from meshax.ops.inputs import range as mrange
 
-    d = dim_of(x, dim)
+    d = dim_of(x, reduced_dim)
     if x.dtype == np.bool_:
         x = ew.cast(x, "int32")
     is_max = ew.equal(x, reduce_max(x, reduced_dim=d))
     return reduce_min(ew.where(is_max, mrange(x.mesh, d, "int32"), d.size), reduced_dim=d)
+
+
+def top_1(x: Tensor, reduced_dim, name=None) -> tuple[Tensor, Tensor]:
+    """The largest value along `reduced_dim` and its index (the first one on ties), as
+    Mesh-TensorFlow's: (values, int32 indices), without that dim."""
+    return reduce_max(x, reduced_dim=dim_of(x, reduced_dim), name=name), argmax(x, reduced_dim)
+
+
+def _nth_element(x: Tensor, n: int, reduced_dim, largest: bool) -> Tensor:
+    d = dim_of(x, reduced_dim)
+    if not 0 <= n < d.size:
+        raise GraphError(f"n = {n} is outside 0..{d.size - 1}, the indices of {d}")
+    from meshax.ops.indexing import top_k
+    from meshax.ops.slicing import entry
+
+    k_dim = Dimension(d.name + "_topk", n + 1)
+    values, _ = top_k(x if largest else ew.negative(x), d, k_dim)
+    nth = entry(values, n, k_dim)
+    return nth if largest else ew.negative(nth)
+
+
+def nth_largest_element(x: Tensor, n: int, reduced_dim, name=None) -> Tensor:
+    """The n-th largest value along `reduced_dim` (n = 0: the largest), without that dim."""
+    return _nth_element(x, n, reduced_dim, largest=True)
+
+
+def nth_smallest_element(x: Tensor, n: int, reduced_dim, name=None) -> Tensor:
+    """The n-th smallest value along `reduced_dim` (n = 0: the smallest), without that dim."""
+    return _nth_element(x, n, reduced_dim, largest=False)
+
+
+def reduce_first(tensor: Tensor, reduced_dim) -> Tensor:
+    """The entry at index 0 of `reduced_dim`, without that dim."""
+    from meshax.ops.slicing import entry
+
+    return entry(tensor, 0, reduced_dim)

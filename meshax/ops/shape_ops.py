@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
-from meshax.core.shape import Shape, convert_to_shape
+from meshax.core.shape import Shape, anonymous_shape, convert_to_shape
 from meshax.layout import ShardingRule, slice_shape
-from meshax.ops._util import align, as_dims
+from meshax.ops._util import align, also_accepts, as_dims
 
 
 def _aligned(a: Shape, b: Shape) -> dict[int, int]:
@@ -109,18 +109,25 @@ def rename_dimension(x: Tensor, old_name: str, new_name: str, name=None) -> Tens
     return reshape(x, Shape(dims), name=name or "rename_dimension")
 
 
-def replace_dimensions(x: Tensor, old_dims, new_dims, name=None) -> Tensor:
-    """Replace dim(s) `old_dims` (contiguous in x) with `new_dims` of the same total size."""
-    old, new = as_dims(old_dims), as_dims(new_dims)
-    names = x.shape.dimension_names
+@also_accepts(x="tensor_or_shape", old_dims="old_dim_or_dims", new_dims="new_dim_or_dims")
+def replace_dimensions(tensor_or_shape, old_dim_or_dims, new_dim_or_dims, name=None):
+    """Replace dim(s) `old_dim_or_dims` (adjacent) with `new_dim_or_dims` of the same total
+    size: in a tensor (a reshape), or in a Shape (the new Shape)."""
+    old, new = as_dims(old_dim_or_dims), as_dims(new_dim_or_dims)
+    x = tensor_or_shape
+    shape = x.shape if isinstance(x, Tensor) else convert_to_shape(x)
+    names = shape.dimension_names
     for d in old:
-        if d not in x.shape:
-            raise GraphError(f"replace_dimensions: {x.name} {x.shape} has no {d}")
+        if d not in shape:
+            raise GraphError(f"replace_dimensions: {shape} has no {d}")
     positions = sorted(names.index(d.name) for d in old)
     if positions != list(range(positions[0], positions[0] + len(old))):
-        raise GraphError(f"replace_dimensions: {[d.name for d in old]} are not adjacent in {x.shape}; transpose first")
-    dims = x.shape.dims
-    return reshape(x, Shape(dims[: positions[0]] + new + dims[positions[-1] + 1 :]), name=name or "replace_dimensions")
+        raise GraphError(f"replace_dimensions: {[d.name for d in old]} are not adjacent in {shape}; transpose first")
+    dims = shape.dims
+    new_shape = Shape(dims[: positions[0]] + new + dims[positions[-1] + 1 :])
+    if not isinstance(x, Tensor):
+        return new_shape
+    return reshape(x, new_shape, name=name or "replace_dimensions")
 
 
 class TransposeOperation(Operation):
@@ -182,3 +189,8 @@ def broadcast(x: Tensor, new_shape, name=None) -> Tensor:
     if new_shape == x.shape:
         return x
     return BroadcastOperation(x, new_shape, name).outputs[0]
+
+
+def anonymize(x: Tensor) -> Tensor:
+    """x with anonymous dims (`anonymous_shape`): replicated, whatever the layout of x."""
+    return reshape(x, anonymous_shape(x.shape), name="anonymize")

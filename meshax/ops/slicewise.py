@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import jax
 import numpy as np
 
 from meshax.core.errors import GraphError
-from meshax.core.graph import Operation, Tensor, as_dtype
+from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Shape, convert_to_shape
 from meshax.layout import ShardingRule, slice_shape
+from meshax.ops._util import also_accepts
 
 
 class SlicewiseOperation(Operation):
@@ -89,11 +91,70 @@ class SlicewiseOperation(Operation):
         )
 
 
-def slicewise(fn: Callable, xs, output_shape=None, output_dtype=None, splittable_dims=None, name=None) -> Tensor:
-    """`fn` (a JAX function of the slices of `xs`, in their dims' order) as an op whose output has
-    `output_shape` (default: the first input's) and `output_dtype` (default: the first input's).
-    Dims named in `splittable_dims` may stay split (fn must then be right on any slice of them,
-    as an elementwise function is); all others are gathered first. No gradient."""
+class UserSlicewiseOperation(SlicewiseOperation):
+    """A user's `slicewise` function: differentiated per slice with `jax.vjp` (right where the
+    split dims are ones the function works on slice by slice, as `splittable_dims` promises), or
+    by the user's `grad_function(op, grad_ys)`."""
+
+    def __init__(self, xs, fn, shape, dtype, rule, grad_function, name):
+        super().__init__(xs, lambda _local, *a: fn(*a), [shape], [dtype], rule=rule, name=name)
+        self.user_fn, self.grad_function = fn, grad_function
+        self.differentiable = grad_function != 0 and is_floating(self.outputs[0].dtype)
+
+    def gradient(self, grad_outputs):
+        (g,) = grad_outputs
+        if g is None:
+            return [None] * len(self.inputs)
+        if callable(self.grad_function):
+            grads = list(self.grad_function(self, [g]))
+            if len(grads) != len(self.inputs):
+                raise GraphError(
+                    f"slicewise op {self.name}: grad_function returned {len(grads)} gradients for "
+                    f"{len(self.inputs)} inputs"
+                )
+            return grads
+        floating = [i for i, t in enumerate(self.inputs) if is_floating(t.dtype)]
+        fn, n = self.user_fn, len(self.inputs)
+
+        def vjp(_local, *a):
+            _, pull = jax.vjp(fn, *a[:n])
+            grads = pull(a[n].astype(self.outputs[0].dtype))
+            return tuple(grads[i] for i in floating)
+
+        names = {d.name for t in [*self.inputs, g] for d in t.shape}
+        split = {d.name for d in self.outputs[0].shape} - self.sharding_rule().whole
+        shapes = [t.shape for t in [*self.inputs, g]]
+        outs = [self.inputs[i] for i in floating]
+        rule = ShardingRule.by_name(shapes, [t.shape for t in outs], whole=names - split)
+        op = SlicewiseOperation(
+            [*self.inputs, g],
+            vjp,
+            [t.shape for t in outs],
+            [t.dtype for t in outs],
+            rule=rule,
+            name=f"{self.name}_grad",
+        )
+        found = dict(zip(floating, op.outputs))
+        return [found.get(i) for i in range(n)]
+
+
+@also_accepts(fn="tf_fn")
+def slicewise(
+    tf_fn: Callable,
+    xs,
+    output_shape=None,
+    output_dtype=None,
+    splittable_dims=None,
+    grad_function=None,
+    name=None,
+) -> Tensor:
+    """`tf_fn` (a JAX function of the slices of `xs`, in their dims' order; Mesh-TensorFlow's
+    name) as an op whose output has `output_shape` (default: the first input's) and
+    `output_dtype` (default: the first input's). Dims named in `splittable_dims` may stay split
+    (the function must then be right on any slice of them, as an elementwise function is); all
+    others are gathered first. Its gradient is the function's own, slice by slice (`jax.vjp`);
+    `grad_function(op, grad_ys)` gives one instead (gradients of `op.inputs`), 0: none."""
+    fn = tf_fn
     xs = [xs] if isinstance(xs, Tensor) else list(xs)
     if not xs or not all(isinstance(x, Tensor) for x in xs):
         raise GraphError(f"slicewise needs a list of meshax Tensors, got {xs!r}")
@@ -103,7 +164,11 @@ def slicewise(fn: Callable, xs, output_shape=None, output_dtype=None, splittable
     shapes = [x.shape for x in xs]
     names = {d.name for s in [*shapes, shape] for d in s}
     rule = ShardingRule.by_name(shapes, [shape], whole=names - splittable)
-    op = SlicewiseOperation(
-        xs, lambda _local, *a: fn(*a), [shape], [output_dtype or xs[0].dtype], rule=rule, name=name or "slicewise"
-    )
+    op = UserSlicewiseOperation(xs, fn, shape, output_dtype or xs[0].dtype, rule, grad_function, name or "slicewise")
     return op.outputs[0]
+
+
+def cwise(tf_fn: Callable, xs, output_dtype=None, grad_function=None, name=None) -> Tensor:
+    """An elementwise JAX function of same-shaped tensors (`slicewise` with every dim splittable)."""
+    xs = [xs] if isinstance(xs, Tensor) else list(xs)
+    return slicewise(tf_fn, xs, xs[0].shape, output_dtype, xs[0].shape.dims, grad_function, name or "cwise")

@@ -15,7 +15,7 @@ from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import slice_shape
 from meshax.ops._dtypes import result_type, sum_dtype
-from meshax.ops._util import dim_of
+from meshax.ops._util import also_accepts, dim_of
 
 
 def _replace_dim(shape: Shape, name: str, size: int) -> Shape:
@@ -211,9 +211,10 @@ def _whole(t: Tensor, dim_name: str) -> Tensor:
     return t
 
 
-def slice(x: Tensor, begin: int, size: int, dim_name: str, name=None) -> Tensor:
-    """The `size` entries of dim `dim_name` from `begin` on."""
-    return SliceOperation(x, int(begin), int(size), dim_name, name).outputs[0]
+@also_accepts(dim_name="slice_dim_name")
+def slice(x: Tensor, begin: int, size: int, slice_dim_name: str, name=None) -> Tensor:
+    """The `size` entries of dim `slice_dim_name` from `begin` on."""
+    return SliceOperation(x, int(begin), int(size), slice_dim_name, name).outputs[0]
 
 
 def pad(x: Tensor, paddings, dim_name: str, name=None) -> Tensor:
@@ -221,17 +222,19 @@ def pad(x: Tensor, paddings, dim_name: str, name=None) -> Tensor:
     return PadOperation(x, paddings, dim_name, name).outputs[0]
 
 
-def concat(xs: list[Tensor], dim_name: str, name=None) -> Tensor:
-    """The tensors joined along dim `dim_name` (they agree on every other dim)."""
+@also_accepts(dim_name="concat_dim_name")
+def concat(xs: list[Tensor], concat_dim_name: str, name=None) -> Tensor:
+    """The tensors joined along dim `concat_dim_name` (they agree on every other dim)."""
     xs = list(xs)
     if not xs:
         raise GraphError("concat needs at least one tensor")
-    return ConcatOperation(xs, dim_name, name).outputs[0] if len(xs) > 1 else xs[0]
+    return ConcatOperation(xs, concat_dim_name, name).outputs[0] if len(xs) > 1 else xs[0]
 
 
-def split(x: Tensor, dim, sizes, name=None) -> list[Tensor]:
-    """Split x along `dim` into pieces of the given sizes (an int n: n equal pieces)."""
-    d = dim_of(x, dim)
+@also_accepts(dim="split_dim", sizes="num_or_size_splits")
+def split(x: Tensor, split_dim, num_or_size_splits, name=None) -> list[Tensor]:
+    """Split x along `split_dim` into pieces of the given sizes (an int n: n equal pieces)."""
+    d, sizes = dim_of(x, split_dim), num_or_size_splits
     if isinstance(sizes, int):
         if d.size % sizes:
             raise GraphError(f"cannot split {d} into {sizes} equal pieces")
@@ -259,13 +262,18 @@ def stack(xs: list[Tensor], dim_name: str, axis: int = 0, name=None) -> Tensor:
     return concat([_whole(reshape(t, one), dim_name) for t in xs], dim_name, name=name)
 
 
-def unstack(x: Tensor, dim, name=None) -> list[Tensor]:
-    """The slices of x at each index of `dim`, without that dim."""
+def entry(x: Tensor, index: int, dim) -> Tensor:
+    """The slice of x at `index` of `dim`, without that dim."""
     from meshax.ops.shape_ops import reshape
 
     d = dim_of(x, dim)
-    rest = Shape([e for e in x.shape if e != d])
-    return [reshape(_whole(slice(x, i, 1, d.name), d.name), rest) for i in range(d.size)]
+    return reshape(_whole(slice(x, index, 1, d.name), d.name), Shape([e for e in x.shape if e != d]))
+
+
+def unstack(x: Tensor, dim, name=None) -> list[Tensor]:
+    """The slices of x at each index of `dim`, without that dim."""
+    d = dim_of(x, dim)
+    return [entry(x, i, d) for i in range(d.size)]
 
 
 def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
@@ -276,3 +284,54 @@ def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
 def cumsum(x: Tensor, dim, exclusive: bool = False, name=None) -> Tensor:
     """The running sum along `dim` (exclusive: each entry leaves out its own value)."""
     return CumsumOperation(x, dim_of(x, dim), exclusive, name).outputs[0]
+
+
+def halo_exchange(x: Tensor, blocks_dim, block_size_dim, halo_size: int, wrap: bool = False) -> Tensor:
+    """Each block (an index of `blocks_dim`) extended along `block_size_dim` by `halo_size`
+    entries of its neighbours on both sides (zeros past the ends unless `wrap`); the block size
+    grows by 2 * halo_size. Where `blocks_dim` is split, the halos come from the neighbouring
+    devices (a shift over the mesh)."""
+    return _halos(x, blocks_dim, block_size_dim, halo_size, wrap, right=True)
+
+
+def left_halo_exchange(x: Tensor, blocks_dim, block_size_dim, halo_size: int, wrap: bool = False) -> Tensor:
+    """`halo_exchange` from the left neighbour only: the block size grows by halo_size."""
+    return _halos(x, blocks_dim, block_size_dim, halo_size, wrap, right=False)
+
+
+def _halos(x: Tensor, blocks_dim, block_size_dim, halo_size: int, wrap: bool, right: bool) -> Tensor:
+    blocks, size = dim_of(x, blocks_dim), dim_of(x, block_size_dim)
+    if not 0 <= halo_size <= size.size:
+        raise GraphError(f"halo_size {halo_size} must be within 0..{size.size}, the block size ({size})")
+    if halo_size == 0:
+        return x
+    left = shift(slice(x, size.size - halo_size, halo_size, size.name), 1, blocks, wrap)
+    pieces = [left, x]
+    if right:
+        pieces.append(shift(slice(x, 0, halo_size, size.name), -1, blocks, wrap))
+    return concat(pieces, size.name)
+
+
+def pool_tensor_1d(tensor: Tensor, pool_dim, reduce_fn, pool_size: int) -> Tensor:
+    """`reduce_fn` (e.g. mx.reduce_max) over windows of `pool_size` along `pool_dim`, which
+    shrinks to pool_dim.size // pool_size."""
+    from meshax.ops.shape_ops import replace_dimensions
+
+    d = dim_of(tensor, pool_dim)
+    if d.size % pool_size:
+        raise GraphError(f"pool_size {pool_size} does not divide {d}")
+    window = Dimension(d.name + "_pool", pool_size)
+    split = replace_dimensions(tensor, d, [Dimension(d.name, d.size // pool_size), window])
+    return reduce_fn(split, reduced_dim=window)
+
+
+def stride_tensor_1d(tensor: Tensor, pool_dim, pool_size: int) -> Tensor:
+    """Every `pool_size`-th entry along `pool_dim` (from the first), which shrinks to
+    pool_dim.size // pool_size."""
+    from meshax.ops.shape_ops import replace_dimensions
+
+    d = dim_of(tensor, pool_dim)
+    if d.size % pool_size:
+        raise GraphError(f"pool_size {pool_size} does not divide {d}")
+    window = Dimension(d.name + "_stride", pool_size)
+    return entry(replace_dimensions(tensor, d, [Dimension(d.name, d.size // pool_size), window]), 0, window)

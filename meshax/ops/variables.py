@@ -8,9 +8,10 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from meshax.core.errors import GraphError
-from meshax.core.graph import Mesh, Operation, Tensor
+from meshax.core.errors import ConfigError, GraphError
+from meshax.core.graph import Mesh, Operation, Tensor, as_dtype
 from meshax.core.shape import convert_to_shape
+from meshax.ops._util import also_accepts
 
 
 class VariableOperation(Operation):
@@ -99,9 +100,41 @@ def stacked_variables(dims: list, select: Callable[[Tensor], Tensor]) -> Iterato
         _STACKING.pop()
 
 
-def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype="float32", trainable=True) -> Tensor:
+def get_variable(
+    mesh: Mesh,
+    name: str,
+    shape,
+    dtype="float32",
+    master_dtype=None,
+    slice_dtype=None,
+    activation_dtype=None,
+    initializer=None,
+    trainable=True,
+) -> Tensor:
     """A variable's value, as a Tensor. `initializer(key, shape, dtype)` as in jax.nn.initializers
-    (see meshax.initializers); zeros by default."""
+    (see meshax.initializers); zeros by default. Mesh-TensorFlow's arguments: the variable is kept
+    in `master_dtype` (default `dtype`), each device's slice too (`slice_dtype`, if given, must be
+    the same), and read as `activation_dtype` (a cast; its gradient is summed in the master
+    dtype). meshax's own order, the initializer fourth (`get_variable(mesh, name, shape, init)`),
+    works too."""
+    if callable(dtype) and not isinstance(dtype, type | np.dtype):  # (mesh, name, shape, initializer)
+        dtype, initializer = "float32", dtype
+    dtype = master_dtype or dtype
+    if slice_dtype is not None and as_dtype(slice_dtype) != as_dtype(dtype):
+        raise ConfigError(
+            f"get_variable {name!r}: slice_dtype {slice_dtype} differs from the master dtype {dtype}; meshax keeps "
+            "each device's slice in the master dtype: leave slice_dtype out, or read it as another dtype with "
+            "activation_dtype"
+        )
+    value = _new_variable(mesh, name, shape, initializer, dtype, trainable)
+    if activation_dtype is not None:
+        from meshax.ops.elementwise import cast
+
+        value = cast(value, activation_dtype)
+    return value
+
+
+def _new_variable(mesh: Mesh, name: str, shape, initializer, dtype, trainable) -> Tensor:
     if _STACKING:
         from meshax import initializers
 
@@ -112,9 +145,19 @@ def get_variable(mesh: Mesh, name: str, shape, initializer=None, dtype="float32"
     return VariableOperation(mesh, name, shape, dtype, initializer, trainable).value
 
 
+def read_variable(var) -> Tensor:
+    """A variable's value (a variable, or its value: returned as is)."""
+    return _variable_of(var).outputs[0]
+
+
 def _assign(kind):
-    def op(var, value, name=None) -> AssignOperation:
-        v = _variable_of(var)
+    def op(var, new_val, assign_fn=None, name=None) -> AssignOperation:
+        if assign_fn is not None:
+            raise GraphError(
+                f"{kind}: assign_fn is a TensorFlow assignment function; meshax assigns the value itself: "
+                "compute the new value with meshax ops and pass it as new_val"
+            )
+        v, value = _variable_of(var), new_val
         if not isinstance(value, Tensor):
             from meshax.ops.inputs import constant
 
@@ -129,9 +172,9 @@ def _assign(kind):
     what = {"assign": "set to", "assign_add": "increased by", "assign_sub": "decreased by"}[kind]
     op.__doc__ = (
         f"An update: when the program runs (`lowering.function(..., updates=[...])`), the variable is "
-        f"{what} `value` (a tensor of its shape, or a scalar), after every read of it in that run."
+        f"{what} `new_val` (a tensor of its shape, or a scalar), after every read of it in that run."
     )
-    return op
+    return also_accepts(value="new_val")(op)
 
 
 assign = _assign("assign")

@@ -1,5 +1,7 @@
-"""Neural-network layers on named dims: dense, layer_norm, embedding, cross-entropy, dropout,
-and the mixture-of-experts layer (`meshax.moe`)."""
+"""Neural-network layers on named dims, with Mesh-TensorFlow's names and arguments: dense,
+layer_norm, embedding, cross-entropy, convolutions, dropout, the mixture-of-experts layer
+(`meshax.moe`); attention (`attention.py`) and the rest of Mesh-TensorFlow's `layers.py`
+(`common.py`)."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ from meshax.core.graph import Tensor, is_floating
 from meshax.core.shape import Dimension, Shape
 from meshax.moe import MoeOutput, moe
 from meshax.ops import elementwise as ew
-from meshax.ops._util import as_dims, dim_of
+from meshax.ops._util import also_accepts, as_dims, dim_of
 from meshax.ops.einsum import einsum
-from meshax.ops.indexing import gather
+from meshax.ops.indexing import gather, one_hot
 from meshax.ops.random import dropout
-from meshax.ops.reduce import log_softmax, reduce_mean, reduce_sum
+from meshax.ops.reduce import reduce_logsumexp, reduce_mean, reduce_sum
 from meshax.ops.variables import get_variable
 
 
@@ -27,35 +29,72 @@ def dense(
     x: Tensor,
     new_dims,
     reduced_dims=None,
+    expert_dims=None,
     use_bias: bool = True,
     activation=None,
-    name: str | None = None,
+    master_dtype=None,
+    slice_dtype=None,
+    variable_dtype=None,
     kernel_initializer=None,
-    variable_dtype="float32",
+    kernel_weights=None,
+    name: str | None = None,
     kernel_annotation=None,
 ) -> Tensor:
-    """x contracted with a kernel [reduced_dims + new_dims] (+ bias [new_dims]), then activation.
+    """x contracted with a kernel [expert_dims + reduced_dims + new_dims] (+ bias [expert_dims +
+    new_dims]), then activation; Mesh-TensorFlow's arguments.
 
-    reduced_dims defaults to x's last dim. Variables are named `<name>/kernel`, `<name>/bias`.
-    `kernel_annotation(kernel) -> kernel` is applied to the kernel before use (an mx.mesh_split,
-    say: the variable, its gradient and its optimizer slots then follow it)."""
+    reduced_dims defaults to x's last dim; `expert_dims` (dims of x) give each expert its own
+    kernel. Variables are named `<name>/kernel`, `<name>/bias`, kept in `variable_dtype` (or
+    `master_dtype`; default float32) and used in x's dtype. `kernel_weights`: a kernel tensor to
+    use instead of a new variable. `kernel_annotation(kernel) -> kernel` is applied to the kernel
+    before use (an mx.mesh_split, say: the variable, its gradient and its optimizer slots then
+    follow it)."""
     new = as_dims(new_dims)
+    experts = [dim_of(x, d) for d in as_dims(expert_dims)]
     reduced = [dim_of(x, d) for d in as_dims(reduced_dims)] if reduced_dims is not None else [x.shape[-1]]
-    clash = [d.name for d in new if d in x.shape and d not in reduced]
-    if clash:
-        raise GraphError(f"dense: new dims {clash} are already dims of {x.name}; give the output dims new names")
     name = _name(x, name, "dense")
-    fan_in = math.prod(d.size for d in reduced)
-    fan_out = math.prod(d.size for d in new)
-    init = kernel_initializer or initializers.glorot_uniform(fan_in, fan_out)
-    w = get_variable(x.mesh, f"{name}/kernel", Shape(reduced + new), initializer=init, dtype=variable_dtype)
+    dtype = variable_dtype or master_dtype or "float32"
+    if kernel_weights is None:
+        w = get_dense_kernel_weights(x, new, reduced, experts, kernel_initializer, name, dtype, None, slice_dtype)
+    else:
+        w = kernel_weights
     if kernel_annotation is not None:
         w = kernel_annotation(w)
     out_shape = Shape([d for d in x.shape if d not in reduced] + new)
     y = einsum([x, ew.cast(w, x.dtype)], output_shape=out_shape, name=name)
     if use_bias:
-        y = y + ew.cast(get_variable(x.mesh, f"{name}/bias", Shape(new), dtype=variable_dtype), x.dtype)
+        y = y + ew.cast(get_variable(x.mesh, f"{name}/bias", Shape(experts + new), dtype), x.dtype)
     return activation(y) if activation is not None else y
+
+
+def get_dense_kernel_weights(
+    x: Tensor,
+    new_dims,
+    reduced_dims,
+    expert_dims=None,
+    kernel_initializer=None,
+    name=None,
+    variable_dtype=None,
+    master_dtype=None,
+    slice_dtype=None,
+) -> Tensor:
+    """The kernel variable `<name>/kernel` [expert_dims + reduced_dims + new_dims] of `dense`
+    (glorot-uniform by default)."""
+    new, reduced = as_dims(new_dims), [dim_of(x, d) for d in as_dims(reduced_dims)]
+    experts = [dim_of(x, d) for d in as_dims(expert_dims)]
+    clash = [d.name for d in new if d in x.shape and d not in reduced]
+    if clash:
+        raise GraphError(f"dense: new dims {clash} are already dims of {x.name}; give the output dims new names")
+    fan_in, fan_out = math.prod(d.size for d in reduced), math.prod(d.size for d in new)
+    init = kernel_initializer or initializers.glorot_uniform(fan_in, fan_out)
+    return get_variable(
+        x.mesh,
+        f"{_name(x, name, 'dense')}/kernel",
+        Shape(experts + reduced + new),
+        variable_dtype or master_dtype or "float32",
+        slice_dtype=slice_dtype,
+        initializer=init,
+    )
 
 
 def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None) -> Tensor:
@@ -74,26 +113,48 @@ def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None) -
     return ew.cast(out, x.dtype)
 
 
+def embedding_weights(
+    mesh,
+    vocab_dim: Dimension,
+    output_dim: Dimension,
+    variable_dtype=None,
+    name="embedding",
+    ensemble_dim=None,
+    initializer=None,
+) -> Tensor:
+    """A [ensemble_dim..., vocab_dim, output_dim] table variable called `name` (normal(0, 1/sqrt(
+    output_dim)) values by default)."""
+    shape = Shape([*as_dims(ensemble_dim), vocab_dim, output_dim])
+    init = initializer or initializers.normal(1.0 / math.sqrt(output_dim.size))
+    return get_variable(mesh, name, shape, variable_dtype or "float32", initializer=init)
+
+
+@also_accepts(ids="indices")
 def embedding(
-    ids: Tensor, vocab_dim: Dimension, output_dim: Dimension, name: str | None = None, initializer=None
-) -> tuple[Tensor, Tensor]:
-    """Look up ids in a [vocab_dim, output_dim] table; returns (embeddings, the table)."""
-    name = _name(ids, name, "embedding")
-    table = get_variable(
-        ids.mesh,
-        f"{name}/table",
-        [vocab_dim, output_dim],
-        initializer=initializer or initializers.normal(1.0 / math.sqrt(output_dim.size)),
-    )
-    return gather(table, ids, vocab_dim), table
+    indices: Tensor, vocab_dim: Dimension, output_dim: Dimension, variable_dtype=None, name=None, initializer=None
+) -> Tensor:
+    """`indices` looked up in a [vocab_dim, output_dim] table variable `<name>/table`."""
+    name = _name(indices, name, "embedding")
+    table = embedding_weights(indices.mesh, vocab_dim, output_dim, variable_dtype, f"{name}/table", None, initializer)
+    return gather(table, indices, vocab_dim)
 
 
-def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim) -> Tensor:
-    """-sum(targets * log_softmax(logits)) over vocab_dim; targets are probabilities (e.g. one-hot)."""
+def softmax_cross_entropy_with_logits(logits: Tensor, targets: Tensor, vocab_dim, z_loss: float = 0.0) -> Tensor:
+    """-sum(targets * log_softmax(logits)) over vocab_dim. `targets`: probabilities over vocab_dim
+    (soft, e.g. one-hot), or integer class ids without vocab_dim (hard). `z_loss`: adds z_loss *
+    log(Z)^2 (Z the softmax's normalizer), which keeps the logits near normalized."""
     d = dim_of(logits, vocab_dim)
-    if d not in targets.shape:
+    if not is_floating(targets.dtype):
+        if d in targets.shape:
+            raise GraphError(
+                f"integer targets {targets.name} {targets.shape} are class ids: they have no vocab dim {d}"
+            )
+        targets = one_hot(targets, d, dtype=logits.dtype)
+    elif d not in targets.shape:
         raise GraphError(f"targets {targets.name} {targets.shape} lack the vocab dim {d}")
-    return -reduce_sum(targets * log_softmax(logits, d), reduced_dim=d)
+    log_z = reduce_logsumexp(logits, reduced_dim=d)
+    loss = -reduce_sum(targets * (logits - log_z), reduced_dim=d)
+    return loss + z_loss * ew.square(log_z) if z_loss else loss
 
 
 def _conv_layer(
@@ -234,17 +295,55 @@ def conv3d_transpose(
     )
 
 
+from meshax.layers.attention import (  # noqa: E402 (after the layers they build on)
+    attention_mask_autoregressive,
+    attention_mask_ignore_padding,
+    attention_mask_same_segment,
+    dot_product_attention,
+    multihead_attention,
+    multihead_attention_params,
+    multihead_attention_vars,
+    rename_length_to_memory_length,
+)
+from meshax.layers.common import (  # noqa: E402
+    batch_norm,
+    dense_relu_dense,
+    multiplicative_jitter,
+    sigmoid_cross_entropy_with_logits,
+    weights_nonzero,
+)
+from meshax.ops.conv import avg_pool2d, avg_pool3d, max_pool2d, max_pool3d  # noqa: E402 (also mtf.layers')
+
 __all__ = [
     "MoeOutput",
+    "attention_mask_autoregressive",
+    "attention_mask_ignore_padding",
+    "attention_mask_same_segment",
+    "avg_pool2d",
+    "avg_pool3d",
+    "batch_norm",
     "conv1d",
     "conv2d",
     "conv2d_transpose",
     "conv3d",
     "conv3d_transpose",
     "dense",
+    "dense_relu_dense",
+    "dot_product_attention",
     "dropout",
     "embedding",
+    "embedding_weights",
+    "get_dense_kernel_weights",
     "layer_norm",
+    "max_pool2d",
+    "max_pool3d",
     "moe",
+    "multihead_attention",
+    "multihead_attention_params",
+    "multihead_attention_vars",
+    "multiplicative_jitter",
+    "rename_length_to_memory_length",
+    "sigmoid_cross_entropy_with_logits",
     "softmax_cross_entropy_with_logits",
+    "weights_nonzero",
 ]

@@ -1,0 +1,103 @@
+"""The rest of Mesh-TensorFlow's layers: `dense_relu_dense`, `batch_norm`, the sigmoid loss,
+`weights_nonzero` and `multiplicative_jitter`."""
+
+from __future__ import annotations
+
+from meshax import initializers
+from meshax.core.graph import Tensor
+from meshax.core.shape import Dimension, Shape
+from meshax.ops import elementwise as ew
+from meshax.ops._util import as_dims
+from meshax.ops.random import dropout as _dropout
+from meshax.ops.random import random_uniform
+from meshax.ops.reduce import reduce_mean
+from meshax.ops.variables import assign, get_variable
+
+
+def dense_relu_dense(
+    x: Tensor,
+    hidden_channels: Dimension,
+    is_training=False,
+    dropout=0.0,
+    dropout_broadcast_dims=None,
+    master_dtype=None,
+    slice_dtype=None,
+    name=None,
+) -> Tensor:
+    """dense to `hidden_channels`, relu, dropout (while training), dense back to x's last dim;
+    no biases (variables `<name>/wi/kernel`, `<name>/wo/kernel`)."""
+    from meshax.layers import _name, dense
+
+    name = _name(x, name, "dense_relu_dense")
+    io_channels = x.shape.dims[-1]
+    h = dense(x, hidden_channels, use_bias=False, activation=ew.relu, master_dtype=master_dtype, name=f"{name}/wi")
+    if is_training and dropout:
+        broadcast = {d.name for d in as_dims(dropout_broadcast_dims)}
+        h = _dropout(h, rate=dropout, noise_shape=Shape([d for d in h.shape if d.name not in broadcast]))
+    return dense(h, io_channels, use_bias=False, master_dtype=master_dtype, name=f"{name}/wo")
+
+
+def batch_norm(
+    x: Tensor,
+    is_training: bool,
+    momentum: float,
+    epsilon: float = 1e-9,
+    dims_idx_start: int = 0,
+    dims_idx_end: int = -1,
+    init_zero: bool = False,
+    name=None,
+):
+    """Batch normalization over x's dims [dims_idx_start, dims_idx_end), as Mesh-TensorFlow's:
+    returns (normalized x, the update ops of the moving mean and variance). While training, the
+    batch's statistics are used and the moving ones updated (pass the updates to
+    `lowering.function(..., updates=...)`); otherwise the moving ones, and no updates."""
+    from meshax.layers import _name
+
+    name = _name(x, name, "batch_norm")
+    normalized = x.shape.dims[dims_idx_start:dims_idx_end]
+    kept = Shape([d for d in x.shape if d not in normalized])
+    scale = get_variable(
+        x.mesh,
+        f"{name}/batch_norm_scale",
+        kept,
+        initializer=initializers.zeros() if init_zero else initializers.ones(),
+        activation_dtype=x.dtype,
+    )
+    bias = get_variable(x.mesh, f"{name}/batch_norm_bias", kept, activation_dtype=x.dtype)
+    moving_mean = get_variable(
+        x.mesh, f"{name}/bn_moving_mean", kept, initializer=initializers.normal(1.0), trainable=False
+    )
+    moving_variance = get_variable(
+        x.mesh, f"{name}/bn_moving_variance", kept, initializer=initializers.ones(), trainable=False
+    )
+    if not is_training:
+        mean, variance = ew.cast(moving_mean, x.dtype), ew.cast(moving_variance, x.dtype)
+        return (x - mean) * ew.rsqrt(variance + epsilon) * scale + bias, []
+    mean = reduce_mean(x, output_shape=kept)
+    variance = reduce_mean(ew.square(x - mean), output_shape=kept)
+    updates = [
+        assign(moving_mean, moving_mean * momentum + ew.cast(mean, moving_mean.dtype) * (1 - momentum)),
+        assign(moving_variance, moving_variance * momentum + ew.cast(variance, moving_variance.dtype) * (1 - momentum)),
+    ]
+    return (x - mean) * ew.rsqrt(variance + epsilon) * scale + bias, updates
+
+
+def sigmoid_cross_entropy_with_logits(logits: Tensor, targets: Tensor) -> Tensor:
+    """The sigmoid loss per value, stably: relu(x) - x z + log(1 + exp(-|x|))."""
+    from meshax.core.errors import GraphError
+
+    if logits.shape != targets.shape:
+        raise GraphError(f"sigmoid_cross_entropy_with_logits: logits {logits.shape} and targets {targets.shape} differ")
+    return ew.relu(logits) - logits * targets + ew.log(ew.exp(-ew.abs(logits)) + 1.0)
+
+
+def weights_nonzero(targets: Tensor, dtype="float32") -> Tensor:
+    """1 where targets is nonzero, else 0 (the loss weights of padded targets)."""
+    return ew.cast(ew.not_equal(targets, 0), dtype)
+
+
+def multiplicative_jitter(x: Tensor, epsilon: float = 1e-2) -> Tensor:
+    """x times uniform noise in [1 - epsilon, 1 + epsilon] (robustness to bfloat16 rounding)."""
+    if epsilon == 0:
+        return x
+    return x * random_uniform(x.mesh, x.shape, minval=1.0 - epsilon, maxval=1.0 + epsilon, dtype=x.dtype)

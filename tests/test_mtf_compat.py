@@ -1,0 +1,762 @@
+"""Mesh-TensorFlow parity (issue 17): the compatibility page is generated from the code, every
+function it calls "same" takes Mesh-TensorFlow's argument names in Mesh-TensorFlow's order, and
+each one runs under a split layout against NumPy, called with those names as keywords."""
+
+import importlib.util
+import inspect
+import math
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import meshax as mx
+from tests.conftest import B, D, H, assert_close, new_mesh, rand, run
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("mtf_compat", ROOT / "scripts" / "mtf_compat.py")
+mtf_compat = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mtf_compat)
+ROWS = mtf_compat.table()
+SAME = {(r["module"], r["name"]) for r in ROWS if r["status"] == "same"}
+
+LAYOUT = "b:rows;d:cols;heads:cols"  # the split every case runs under, on rows:2;cols:4
+HEADS, IO, KV = mx.Dimension("heads", 4), mx.Dimension("io", 8), mx.Dimension("d_kv", 4)
+L, M = mx.Dimension("length", 8), mx.Dimension("memory_length", 8)
+K2, E = mx.Dimension("k", 2), mx.Dimension("e", 2)
+X = rand([8, 8], 1, -2.0, 2.0)  # [b, d]
+Y = rand([8, 8], 2, -2.0, 2.0)
+POS = rand([8, 8], 3, 0.2, 3.0)
+X3 = rand([8, 4, 8], 4)  # [b, h, d]
+IDS = (np.arange(8, dtype=np.int32) * 3) % 8
+
+
+def test_the_page_is_generated_from_the_code():
+    page = mtf_compat.PAGE.read_text()
+    assert page == mtf_compat.render(ROWS), "run python scripts/mtf_compat.py"
+    assert "differs" not in {r["status"] for r in ROWS}, [r for r in ROWS if r["status"] == "differs"]
+    assert len(ROWS) == 205 and len(SAME) >= 140
+
+
+def test_each_same_function_takes_mesh_tensorflow_argument_names():
+    for r in ROWS:
+        if r["status"] != "same":
+            continue
+        params = inspect.signature(mtf_compat.meshax_function(r["module"], r["name"])).parameters
+        exempt = mtf_compat.EXEMPT_ARGUMENTS.get(r["name"], set())
+        missing = [a for a in r["args"] if a not in params and a not in exempt]
+        assert not missing, f"{r['meshax']} lacks {missing}"
+
+
+def test_older_argument_names_still_work():
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B, D])
+    assert mx.softmax(x, dim=D).shape == x.shape and mx.argmax(x, dim=D).shape == mx.Shape([B])
+    assert mx.concat([x, x], dim_name="d").shape[1].size == 16
+    assert len(mx.split(x, dim=D, sizes=2)) == 2 and mx.add(x=x, y=1.0).shape == x.shape
+    assert mx.where(mx.less(x, 0.0), x=x, y=0.0).shape == x.shape
+    assert mx.dropout(x, 0.5).shape == x.shape  # (meshax's rate second)
+    assert mx.get_variable(mesh, "w", [D], mx.initializers.ones()).dtype == np.float32  # (initializer fourth)
+    with pytest.raises(TypeError, match="not both"):
+        mx.softmax(x, reduced_dim=D, dim=D)
+
+
+class _Case:
+    """A case's inputs: placeholders with unique names, and their values."""
+
+    def __init__(self, mesh, name: str):
+        self.mesh, self.name, self.feeds, self.n = mesh, name, {}, 0
+
+    def input(self, shape, value, dtype="float32"):
+        self.n += 1
+        t = mx.placeholder(self.mesh, f"{self.name}/{self.n}", shape, dtype)
+        self.feeds[t] = np.asarray(value)
+        return t
+
+
+def _fixed(value):
+    """An initializer giving `value`."""
+    return lambda key, shape, dtype: jnp.asarray(value, dtype).reshape(shape)
+
+
+def close(want, **kw):
+    return lambda got: assert_close(got, np.asarray(want, np.float32), **kw)
+
+
+def equal(want):
+    return lambda got: np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def _softmax(a, axis, extra=None):
+    m = a.max(axis, keepdims=True)
+    e = np.exp(a - m)
+    s = e.sum(axis, keepdims=True) + (0 if extra is None else np.exp(extra - m))
+    return e / s
+
+
+# name -> builder(case) -> (tensors, check(*values)); ("layers", name) for mx.layers
+UNARY = {
+    "identity": (lambda a: a, X),
+    "sin": (np.sin, X),
+    "cos": (np.cos, X),
+    "square": (np.square, X),
+    "sqrt": (np.sqrt, POS),
+    "rsqrt": (lambda a: 1 / np.sqrt(a), POS),
+    "log": (np.log, POS),
+    "exp": (np.exp, X),
+    "sigmoid": (lambda a: 1 / (1 + np.exp(-a)), X),
+    "tanh": (np.tanh, X),
+    "negative": (np.negative, X),
+    "swish": (lambda a: a / (1 + np.exp(-a)), X),
+    "gelu": (lambda a: 0.5 * a * (1 + np.vectorize(math.erf)(a / math.sqrt(2))), X),
+    "elu": (lambda a: np.where(a > 0, a, np.expm1(np.minimum(a, 0))), X),
+    "selu": (lambda a: 1.0507009873554805 * np.where(a > 0, a, 1.6732632423543772 * np.expm1(np.minimum(a, 0))), X),
+    "softplus": (lambda a: np.log1p(np.exp(a)), X),
+    "reciprocal": (lambda a: 1 / a, POS),
+    "relu": (lambda a: np.maximum(a, 0), X),
+    "squared_relu": (lambda a: np.maximum(a, 0) ** 2, X),
+    "sign": (np.sign, X),
+    "mtf_abs": (np.abs, X),
+    "stop_gradient": (lambda a: a, X),
+    "to_float": (lambda a: a, X),
+    "leaky_relu": (lambda a: np.where(a > 0, a, 0.2 * a), X),
+}
+BINARY = {
+    "less": np.less,
+    "greater": np.greater,
+    "less_equal": np.less_equal,
+    "greater_equal": np.greater_equal,
+    "equal": np.equal,
+    "not_equal": np.not_equal,
+    "minimum": np.minimum,
+    "maximum": np.maximum,
+    "add": np.add,
+    "sub": np.subtract,
+    "multiply": np.multiply,
+    "divide": np.divide,
+    "floordiv": np.floor_divide,
+    "mod": np.mod,
+}
+
+
+def _unary(name):
+    fn, value = UNARY[name]
+
+    def build(c):
+        return [getattr(mx, name)(x=c.input([B, D], value))], close(fn(value.astype(np.float64)), atol=1e-4)
+
+    return build
+
+
+def _binary(name):
+    def build(c):
+        x1, x2 = c.input([B, D], X), c.input([D], Y[0])
+        # output_shape orders (and broadcasts) the result: [d, b]
+        out = getattr(mx, name)(x1=x1, x2=x2, output_shape=[D, B])
+        want = BINARY[name](X, Y[0][None, :]).T
+        return [out], (equal(want) if want.dtype == bool else close(want))
+
+    return build
+
+
+def _reduce(name, np_fn):
+    def build(c):
+        x = c.input([B, H, D], X3 > 0.0 if name in ("reduce_all", "reduce_any") else X3, "float32")
+        outs = [getattr(mx, name)(x, output_shape=[D, B]), getattr(mx, name)(x, reduced_dim=H)]
+        want = np_fn(X3 > 0.0 if name in ("reduce_all", "reduce_any") else X3, axis=1)
+
+        def check(a, b):
+            assert_close(np.asarray(a, np.float32), want.T.astype(np.float32))
+            assert_close(np.asarray(b, np.float32), want.astype(np.float32))
+
+        return outs, check
+
+    return build
+
+
+def _variable_case(c):
+    v = mx.get_variable(
+        c.mesh,
+        "mtf/v",
+        [B, D],
+        dtype="float32",
+        master_dtype="float32",
+        activation_dtype="bfloat16",
+        initializer=_fixed(X),
+    )
+    assert v.dtype == jnp.bfloat16
+    update = mx.assign(var=v.operation.inputs[0], new_val=mx.to_float(v) * 2.0)
+    assert mx.read_variable(var=v.operation.inputs[0]) is v.operation.inputs[0]
+    return [v, update.inputs[1]], lambda a, b: (
+        close(X, atol=2e-2)(np.asarray(a, np.float32)),
+        close(2 * X, atol=4e-2)(b),
+    )
+
+
+def _gradients_case(c):
+    x = c.input([B, D], X)
+    y = mx.reduce_sum(mx.square(x))
+    (g,) = mx.gradients(ys=[y], xs=[x], grad_ys=None, operations=list(x.graph.operations))
+    return [g], close(2 * X)
+
+
+def _slicewise_case(c):
+    x = c.input([B, D], X)
+    y = mx.slicewise(tf_fn=lambda a: a * a * a, xs=[x], output_shape=x.shape, splittable_dims=[B, D])
+    (g,) = mx.gradients(mx.reduce_sum(y), [x])  # its gradient: jax.vjp slice by slice
+    custom = mx.slicewise(
+        tf_fn=jnp.sin, xs=[x], splittable_dims=[B], grad_function=lambda op, dys: [dys[0] * 10.0], name="sw"
+    )
+    (gc,) = mx.gradients(mx.reduce_sum(custom), [x])
+    return [y, g, gc], lambda a, b, d: (close(X**3)(a), close(3 * X**2)(b), close(np.full_like(X, 10.0))(d))
+
+
+def _cwise_case(c):
+    x = c.input([B, D], X)
+    y = mx.cwise(tf_fn=jnp.cos, xs=[x], output_dtype="float32")
+    (g,) = mx.gradients(mx.reduce_sum(y), [x])
+    return [y, g], lambda a, b: (close(np.cos(X))(a), close(-np.sin(X), atol=1e-4)(b))
+
+
+def _custom_gradient_case(c):
+    x = c.input([B, D], X)
+    y = mx.custom_gradient(fn=lambda a: a * 3.0, grad_fn=lambda op, dys: [dys[0] * -1.0], explicit_inputs=[x])
+    (g,) = mx.gradients(mx.reduce_sum(y), [x])
+    return [y, g], lambda a, b: (close(3 * X)(a), close(-np.ones_like(X))(b))
+
+
+def _recompute_case(c):
+    x = c.input([B, D], X)
+    y = mx.recompute_grad(fn=lambda a: mx.tanh(a), explicit_inputs=[x], control_dependencies=[])
+    (g,) = mx.gradients(mx.reduce_sum(y), [x])
+    return [y, g], lambda a, b: (close(np.tanh(X))(a), close(1 - np.tanh(X) ** 2, atol=1e-4)(b))
+
+
+def _top_case(c):
+    x = c.input([B, D], X)
+    v, i = mx.top_k(x, reduced_dim=D, k_dim=mx.Dimension("top", 3))
+    v1, i1 = mx.top_1(x, reduced_dim=D)
+    order = np.argsort(-X, axis=1)
+    return [
+        v,
+        i,
+        v1,
+        i1,
+        mx.nth_largest_element(x, n=2, reduced_dim=D),
+        mx.nth_smallest_element(x, n=0, reduced_dim=D),
+    ], (
+        lambda a, b, a1, b1, nl, ns: (
+            close(np.take_along_axis(X, order[:, :3], 1))(a),
+            equal(order[:, :3])(b),
+            close(X.max(1))(a1),
+            equal(X.argmax(1))(b1),
+            close(-np.sort(-X, 1)[:, 2])(nl),
+            close(X.min(1))(ns),
+        )
+    )
+
+
+def _softmax_case(c):
+    x = c.input([B, D], X)
+    outs = [
+        mx.softmax(x, reduced_dim=D, extra_logit=0.5),
+        mx.log_softmax(x, reduced_dim=D),
+        mx.reduce_logsumexp(x, reduced_dim=D, extra_logit=1.0),
+        mx.argmax(x, reduced_dim=D),
+    ]
+    lse = np.log(np.exp(X).sum(1) + np.exp(1.0))
+    return outs, lambda a, b, d, e: (
+        close(_softmax(X, 1, 0.5))(a),
+        close(np.log(_softmax(X, 1)), atol=1e-4)(b),
+        close(lse)(d),
+        equal(X.argmax(1))(e),
+    )
+
+
+def _shape_case(c):
+    x = c.input([B, D], X)
+    x3 = c.input([B, H, D], X3)
+    pieces = mx.split(x, split_dim=D, num_or_size_splits=[3, 5])
+    joined = mx.concat(xs=pieces[::-1], concat_dim_name="d")
+    stacked = mx.stack(xs=[x, x * 2.0], dim_name="s", axis=1)
+    rows = mx.unstack(x, dim=B)
+    bd = mx.Dimension("bd", 64)
+    outs = [
+        joined,
+        stacked,
+        rows[3],
+        mx.reshape(x, new_shape=[bd]),
+        mx.transpose(x3, new_shape=[D, B, H]),
+        mx.rename_dimension(x, old_name="d", new_name="e8"),
+        mx.replace_dimensions(tensor_or_shape=x, old_dim_or_dims=D, new_dim_or_dims=[K2, mx.Dimension("q", 4)]),
+        mx.broadcast(x, new_shape=[B, H, D]),
+        mx.mtf_slice(x, begin=2, size=3, slice_dim_name="d"),
+        mx.pad(x, paddings=[1, 2], dim_name="d"),
+        mx.cumsum(x, dim=D, exclusive=True),
+        mx.shift(x, offset=1, dim=D, wrap=True),
+        mx.anonymize(x),
+    ]
+    assert mx.replace_dimensions(x.shape, D, [K2, mx.Dimension("q", 4)]).to_integer_list == [8, 2, 4]
+    wants = [
+        np.concatenate([X[:, 3:], X[:, :3]], 1),
+        np.stack([X, 2 * X], 1),
+        X[3],
+        X.reshape(64),
+        X3.transpose(2, 0, 1),
+        X,
+        X.reshape(8, 2, 4),
+        np.broadcast_to(X[:, None, :], (8, 4, 8)),
+        X[:, 2:5],
+        np.pad(X, [(0, 0), (1, 2)]),
+        np.cumsum(X, 1) - X,
+        np.roll(X, 1, 1),
+        X,
+    ]
+    return outs, lambda *got: [close(w)(g) for g, w in zip(got, wants)]
+
+
+def _create_case(c):
+    x = c.input([B, D], X)
+    outs = [
+        mx.constant(c.mesh, value=2.5, shape=[B], dtype="float32"),
+        mx.zeros(c.mesh, shape=[B], dtype="int32"),
+        mx.ones(c.mesh, shape=[D], dtype="float32"),
+        mx.zeros_like(t=x),
+        mx.ones_like(t=x),
+        mx.mtf_range(c.mesh, dim=D, dtype="int32"),
+        mx.import_fully_replicated(c.mesh, tf_tensor=X, shape=[B, D]),
+        mx.one_hot(indices=c.input([B], IDS, "int32"), output_dim=D, on_value=2.0, off_value=-1.0, dtype="float32"),
+        mx.depend(x, dependencies=[]),
+        mx.Print(x, data=[x], message="mtf Print"),
+    ]
+    hot = np.where(np.eye(8)[IDS] > 0, 2.0, -1.0)
+    wants = [np.full(8, 2.5), np.zeros(8, np.int32), np.ones(8), 0 * X, 1 + 0 * X, np.arange(8), X, hot, X, X]
+    return outs, lambda *got: [close(w)(np.asarray(g, np.float32)) for g, w in zip(got, wants)]
+
+
+def _indexing_case(c):
+    table = c.input([D, H], X3[0].T)  # [d, h]
+    ids = c.input([B], IDS, "int32")
+    x = c.input([B, D], X)
+    gathered = mx.gather(weights=table, indices=ids, dim=D, output_shape=[H, B])
+    chosen = mx.where(condition=mx.greater(x, 0.0), if_true=x, if_false=0.0, output_shape=[D, B])
+    total = mx.add_n(xs=[x, x, x])
+    sample = mx.sample_with_temperature(logits=x * 100.0, dim=D, temperature=0.0)
+    return [gathered, chosen, total, sample], lambda a, b, t, s: (
+        close(X3[0].T[IDS].T)(a),
+        close(np.where(X > 0, X, 0).T)(b),
+        close(3 * X)(t),
+        equal(X.argmax(1))(s),
+    )
+
+
+def _einsum_case(c):
+    x3, w = c.input([B, H, D], X3), c.input([D, H], X3[1].T)
+    return [
+        mx.einsum(xs=[x3, w], output_shape=[B, H]),
+        mx.matmul(a=x3, b=w, output_shape=[B], reduced_dims=[H, D]),
+    ], lambda a, b: (close(np.einsum("bhd,dh->bh", X3, X3[1].T))(a), close(np.einsum("bhd,dh->b", X3, X3[1].T))(b))
+
+
+def _casts_case(c):
+    x = c.input([B, D], X)
+    outs = [mx.cast(x, dtype="int32"), mx.to_int32(x), mx.to_bfloat16(x), mx.mtf_pow(x=mx.abs(x), y=0.5)]
+    outs.append(mx.logical_not(x=mx.greater(x, 0.0)))
+    return outs, lambda a, b, h, p, n: (
+        equal(X.astype(np.int32))(a),
+        equal(X.astype(np.int32))(b),
+        close(X, atol=2e-2)(np.asarray(h, np.float32)),
+        close(np.sqrt(np.abs(X)))(p),
+        equal(~(X > 0))(n),
+    )
+
+
+def _logical_case(c):
+    p, q = c.input([B, D], X > 0, "bool"), c.input([D], Y[0] > 0, "bool")
+    return [mx.logical_and(x1=p, x2=q, output_shape=[B, D]), mx.logical_or(x1=p, x2=q)], lambda a, b: (
+        equal((X > 0) & (Y[0] > 0))(a),
+        equal((X > 0) | (Y[0] > 0))(b),
+    )
+
+
+def _halo_case(c):
+    x = c.input([B, D], X)  # b: the blocks (split over rows), d: the block
+    both = mx.halo_exchange(x, blocks_dim=B, block_size_dim=D, halo_size=2, wrap=False)
+    left = mx.left_halo_exchange(x, blocks_dim=B, block_size_dim=D, halo_size=1, wrap=True)
+    before = np.concatenate([np.zeros((1, 2)), X[:-1, -2:]])
+    after = np.concatenate([X[1:, :2], np.zeros((1, 2))])
+    return [both, left], lambda a, b: (
+        close(np.concatenate([before, X, after], 1))(a),
+        close(np.concatenate([np.roll(X, 1, 0)[:, -1:], X], 1))(b),
+    )
+
+
+def _pooling_helpers_case(c):
+    x = c.input([B, D], X)
+    return [
+        mx.pool_tensor_1d(tensor=x, pool_dim=D, reduce_fn=mx.reduce_max, pool_size=2),
+        mx.stride_tensor_1d(tensor=x, pool_dim=D, pool_size=4),
+        mx.reduce_first(tensor=x, reduced_dim=D),
+    ], lambda a, b, f: (close(X.reshape(8, 4, 2).max(2))(a), close(X[:, ::4])(b), close(X[:, 0])(f))
+
+
+def _random_case(c):
+    u = mx.random_uniform(c.mesh, shape=[B, D], minval=2.0, maxval=3.0, seed=1)
+    n = mx.random_normal(c.mesh, shape=[B, D], seed=2)
+    x = c.input([B, D], 1.0 + 0 * X)
+    kept = mx.dropout(x, is_training=True, keep_prob=0.5, noise_shape=[B, D], seed=3)
+    off = mx.dropout(x, is_training=False, rate=0.5)
+
+    def check(a, b, k, o):
+        a, k = np.asarray(a), np.asarray(k)
+        assert ((a >= 2) & (a < 3)).all() and np.asarray(b).std() > 0.5
+        assert set(np.unique(k)) <= {0.0, 2.0} and 0 < (k == 0).sum() < 64
+        close(np.ones_like(X))(o)
+
+    return [u, n, kept, off], check
+
+
+def _layers_dense_case(c):
+    x = c.input([B, D], X)
+    w = rand([2, 8, 4], 5)  # [e, d, h]: a kernel per expert
+    x2 = c.input([E, B, D], np.stack([X, Y]))
+    y = mx.layers.dense(
+        x2,
+        new_dims=H,
+        reduced_dims=[D],
+        expert_dims=[E],
+        use_bias=False,
+        activation=mx.relu,
+        master_dtype="float32",
+        kernel_initializer=_fixed(w),
+        name="mtf_dense",
+    )
+    k = mx.layers.get_dense_kernel_weights(x, new_dims=[H], reduced_dims=[D], kernel_initializer=_fixed(w[0]), name="k")
+    rd = mx.layers.dense_relu_dense(x, hidden_channels=H, is_training=False, dropout=0.1, name="drd")
+    variables = {v.name: v.value for v in x.graph.trainable_variables}
+    wi, wo = variables["drd/wi/kernel"], variables["drd/wo/kernel"]
+    return [y, k, rd, wi, wo], lambda a, kk, r, wiv, wov: (
+        close(np.maximum(np.einsum("ebd,edh->ebh", np.stack([X, Y]), w), 0))(a),
+        close(w[0])(kk),
+        close(np.maximum(X @ wiv, 0) @ wov, atol=1e-4)(r),
+    )
+
+
+def _layers_norms_case(c):
+    x = c.input([B, D], X)
+    ln = mx.layers.layer_norm(x, dim=D, epsilon=1e-6, name="ln")
+    bn, updates = mx.layers.batch_norm(
+        x, is_training=True, momentum=0.9, epsilon=1e-9, dims_idx_start=0, dims_idx_end=1
+    )
+    moving = updates[0].inputs[1]
+    centered = X - X.mean(1, keepdims=True)
+    mean = X.mean(0)
+    moving_mean0 = mx.read_variable(updates[0].inputs[0])
+    return [ln, bn, moving, moving_mean0], lambda a, b, m, m0: (
+        close(centered / np.sqrt((centered**2).mean(1, keepdims=True) + 1e-6), atol=1e-4)(a),
+        close((X - mean) / np.sqrt(X.var(0) + 1e-9), atol=1e-4)(b),
+        close(0.9 * np.asarray(m0) + 0.1 * mean)(m),
+    )
+
+
+def _layers_losses_case(c):
+    logits, soft = c.input([B, D], X), c.input([B, D], _softmax(Y, 1))
+    targets = c.input([B], IDS, "int32")
+    hard = mx.layers.softmax_cross_entropy_with_logits(logits, targets=targets, vocab_dim=D, z_loss=1e-2)
+    soft_loss = mx.layers.softmax_cross_entropy_with_logits(logits=logits, targets=soft, vocab_dim=D)
+    sig = mx.layers.sigmoid_cross_entropy_with_logits(logits=logits, targets=soft)
+    nz = mx.layers.weights_nonzero(targets=targets, dtype="float32")
+    log_z = np.log(np.exp(X).sum(1))
+    logp = X - log_z[:, None]
+    sm = _softmax(Y, 1)
+    return [hard, soft_loss, sig, nz], lambda h, s, g, n: (
+        close(-logp[np.arange(8), IDS] + 1e-2 * log_z**2)(h),
+        close(-(sm * logp).sum(1))(s),
+        close(np.maximum(X, 0) - X * sm + np.log1p(np.exp(-np.abs(X))))(g),
+        close((IDS != 0).astype(np.float32))(n),
+    )
+
+
+def _layers_attention_case(c):
+    q_in = c.input([B, L, IO], rand([8, 8, 8], 6))
+    pos = c.input([L], np.arange(8, dtype=np.int32), "int32")
+    mask = mx.layers.attention_mask_autoregressive(query_pos=pos, dtype="float32")
+    out = mx.layers.multihead_attention(
+        q_in, memory_antecedent=None, mask=mask, kv_channels=KV, heads=HEADS, is_training=False, name="att"
+    )
+    variables = {v.name: v.value for v in q_in.graph.trainable_variables}
+    ws = [variables[f"att/{n}"] for n in "qkvo"]
+    seg = c.input([L], np.array([0, 0, 0, 1, 1, 2, 2, 2], np.int32), "int32")
+    ids = c.input([B, L], np.where(np.arange(8) < 6, 1, 0)[None].repeat(8, 0).astype(np.int32), "int32")
+    same = mx.layers.attention_mask_same_segment(query_segment=seg, memory_segment=None, dtype="float32")
+    pad = mx.layers.attention_mask_ignore_padding(inputs=ids, dtype="float32")
+    renamed = mx.layers.rename_length_to_memory_length(pos, length_name="length", memory_length_name="memory_length")
+    params = mx.layers.multihead_attention_params(c.mesh, heads=HEADS, io_channels=IO, kv_channels=KV, combine=True)
+    vars_ = mx.layers.multihead_attention_vars(c.mesh, HEADS, IO, KV, activation_dtype="bfloat16", name="mav")
+    a_q, a_k = c.input([B, HEADS, L, KV], rand([8, 4, 8, 4], 7)), c.input([B, HEADS, M, KV], rand([8, 4, 8, 4], 8))
+    dpa = mx.layers.dot_product_attention(q=a_q, k=a_k, v=a_k, mask=None, is_training=False, extra_logit=0.0)
+    assert [w.shape for w in params] == [mx.Shape([HEADS, IO, KV])] * 4 and vars_[0].dtype == jnp.bfloat16
+
+    def check(o, wq, wk, wv, wo, s, p, r, d):
+        x = np.asarray(c.feeds[q_in], np.float64)
+        qv, kv, vv = (np.einsum("blc,hck->bhlk", x, np.asarray(w)) for w in (wq, wk, wv))
+        logits = np.einsum("bhlk,bhmk->bhlm", qv, kv) + np.where(np.arange(8)[:, None] < np.arange(8)[None], -1e9, 0)
+        want = np.einsum("bhlm,bhmk,hck->blc", _softmax(logits, -1), vv, np.asarray(wo))
+        close(want, atol=1e-4)(o)
+        segs = c.feeds[seg]
+        close(np.where(segs[:, None] != segs[None, :], -1e9, 0))(s)
+        close(np.where(c.feeds[ids] == 0, -1e9, 0))(p)
+        equal(np.arange(8))(r)
+        aq, ak = c.feeds[a_q].astype(np.float64), c.feeds[a_k].astype(np.float64)
+        close(np.einsum("bhlm,bhmk->bhlk", _softmax(np.einsum("bhlk,bhmk->bhlm", aq, ak), -1, 0.0), ak), atol=1e-4)(d)
+
+    return [out, *ws, same, pad, renamed, dpa], check
+
+
+def _layers_embedding_case(c):
+    ids = c.input([B], IDS, "int32")
+    table = rand([8, 4], 9)
+    emb = mx.layers.embedding(indices=ids, vocab_dim=D, output_dim=H, variable_dtype="float32", name="emb")
+    weights = mx.layers.embedding_weights(
+        c.mesh,
+        vocab_dim=D,
+        output_dim=H,
+        variable_dtype="float32",
+        name="emb2",
+        ensemble_dim=[K2],
+        initializer=_fixed(np.stack([table, table])),
+    )
+    variables = {v.name: v.value for v in ids.graph.trainable_variables}
+    x = c.input([B, D], X)
+    jitter = mx.layers.multiplicative_jitter(x, epsilon=1e-2)
+    return [emb, variables["emb/table"], weights, jitter], lambda e, t, w, j: (
+        close(np.asarray(t)[IDS])(e),
+        close(np.stack([table, table]))(w),
+        close(X, atol=0.021)(j),
+    )
+
+
+def _layers_conv_case(c):
+    img = c.input([B, L, D], rand([8, 8, 8], 10))  # [b, length, channels d]
+    out_c = mx.Dimension("o", 2)
+    y1 = mx.layers.conv1d(img, output_dim=out_c, filter_size=1, stride=1)
+    img2 = c.input([B, L, M, H], rand([8, 8, 8, 4], 11))
+    y2 = mx.layers.conv2d(
+        img2,
+        output_dim=out_c,
+        filter_size=(1, 1),
+        strides=(1, 1),
+        padding="SAME",
+        filter_initializer=mx.initializers.ones(),
+        variable_dtype="float32",
+        name="c2",
+    )
+    y2t = mx.layers.conv2d_transpose(
+        img2,
+        output_dim=out_c,
+        filter_size=(1, 1),
+        strides=(1, 1),
+        padding="SAME",
+        filter_initializer=mx.initializers.ones(),
+        name="c2t",
+    )
+    img3 = c.input([B, L, M, K2, H], rand([8, 8, 8, 2, 4], 12))
+    y3 = mx.layers.conv3d(
+        img3,
+        output_dim=out_c,
+        filter_size=(1, 1, 1),
+        strides=(1, 1, 1),
+        padding="SAME",
+        filter_initializer=mx.initializers.ones(),
+        name="c3",
+    )
+    y3t = mx.layers.conv3d_transpose(
+        img3,
+        output_dim=out_c,
+        filter_size=(1, 1, 1),
+        strides=(1, 1, 1),
+        padding="SAME",
+        filter_initializer=mx.initializers.ones(),
+        name="c3t",
+    )
+    pools = [
+        mx.layers.max_pool2d(img2, ksize=(2, 2)),
+        mx.layers.avg_pool2d(img2, ksize=(2, 2)),
+        mx.layers.max_pool3d(img3, ksize=(2, 2, 1)),
+        mx.layers.avg_pool3d(img3, ksize=(2, 2, 1)),
+    ]
+    variables = {v.name: v.value for v in img.graph.trainable_variables}
+    k1 = next(v for n, v in variables.items() if n.startswith("conv1d") and n.endswith("kernel"))
+    i2, i3 = c.feeds[img2], c.feeds[img3]
+
+    def check(a, k, b, bt, d, dt, mp2, ap2, mp3, ap3):
+        close(np.einsum("blc,co->blo", c.feeds[img], np.asarray(k)[0]), atol=1e-4)(a)
+        for got in (b, bt):
+            close(np.repeat(i2.sum(-1, keepdims=True), 2, -1), atol=1e-4)(got)
+        for got in (d, dt):
+            close(np.repeat(i3.sum(-1, keepdims=True), 2, -1), atol=1e-4)(got)
+        close(i2.reshape(8, 4, 2, 4, 2, 4).max((2, 4)))(mp2)
+        close(i2.reshape(8, 4, 2, 4, 2, 4).mean((2, 4)))(ap2)
+        close(i3.reshape(8, 4, 2, 4, 2, 2, 4).max((2, 4)))(mp3)
+        close(i3.reshape(8, 4, 2, 4, 2, 2, 4).mean((2, 4)))(ap3)
+
+    return [y1, k1, y2, y2t, y3, y3t, *pools], check
+
+
+def _no_tensor_case(c):
+    """The functions that build no tensor: shapes, rules, counters, variable sizes."""
+    assert mx.convert_to_dimension(d=("a", 3)) == mx.Dimension("a", 3) and mx.convert_to_dimension("a:3").size == 3
+    assert mx.convert_to_shape(x="a:2;b:3").to_integer_list == [2, 3]
+    assert str(mx.convert_to_layout_rules(x="batch:rows")) == "batch:rows"
+    assert mx.anonymous_shape(shape="a:2").dimension_names == ["_a"]
+    assert mx.combined_dimension(dims=[K2, E], name="ke") == mx.Dimension("ke", 4)
+    x = c.input([B, D], X)
+    v = mx.get_variable(c.mesh, "sizes/v", [B, D])
+    impl = mx.SimdMeshImpl("rows:2;cols:4", "b:rows;d:cols")
+    text = mx.log_variable_sizes(var_list=[v.operation], tag="vars", verbose=True, mesh_to_impl={c.mesh: impl})
+    assert "sizes/v" in text and "64 values, 8 per device" in text
+    low = mx.Lowering(x.graph, {c.mesh: impl})
+    counters = low.trace_step([mx.reduce_sum(x)])
+    assert "allreduce: " in mx.pretty_print_counters(counters=counters)
+    return [], lambda: None
+
+
+CASES = {
+    **{("ops", n): _unary(n) for n in UNARY},
+    **{("ops", n): _binary(n) for n in BINARY},
+    **{
+        ("ops", n): _reduce(n, f)
+        for n, f in [
+            ("reduce_sum", np.sum),
+            ("reduce_mean", np.mean),
+            ("reduce_max", np.max),
+            ("reduce_min", np.min),
+            ("reduce_all", np.all),
+            ("reduce_any", np.any),
+        ]
+    },
+    ("ops", "get_variable"): _variable_case,
+    ("ops", "gradients"): _gradients_case,
+    ("ops", "slicewise"): _slicewise_case,
+    ("ops", "cwise"): _cwise_case,
+    ("ops", "custom_gradient"): _custom_gradient_case,
+    ("ops", "recompute_grad"): _recompute_case,
+    ("ops", "top_k"): _top_case,
+    ("ops", "softmax"): _softmax_case,
+    ("ops", "split"): _shape_case,
+    ("ops", "constant"): _create_case,
+    ("ops", "gather"): _indexing_case,
+    ("ops", "einsum"): _einsum_case,
+    ("ops", "cast"): _casts_case,
+    ("ops", "logical_and"): _logical_case,
+    ("ops", "halo_exchange"): _halo_case,
+    ("ops", "pool_tensor_1d"): _pooling_helpers_case,
+    ("ops", "random_uniform"): _random_case,
+    ("ops", "convert_to_shape"): _no_tensor_case,
+    ("layers", "dense"): _layers_dense_case,
+    ("layers", "layer_norm"): _layers_norms_case,
+    ("layers", "softmax_cross_entropy_with_logits"): _layers_losses_case,
+    ("layers", "multihead_attention"): _layers_attention_case,
+    ("layers", "embedding"): _layers_embedding_case,
+    ("layers", "conv2d"): _layers_conv_case,
+}
+# The functions each case exercises beyond the one it is filed under.
+ALSO = {
+    ("ops", "get_variable"): ["assign", "assign_add", "assign_sub", "read_variable", "to_float"],
+    ("ops", "top_k"): ["top_1", "nth_largest_element", "nth_smallest_element"],
+    ("ops", "softmax"): ["log_softmax", "reduce_logsumexp", "argmax"],
+    ("ops", "split"): [
+        "concat",
+        "stack",
+        "unstack",
+        "reshape",
+        "transpose",
+        "rename_dimension",
+        "replace_dimensions",
+        "broadcast",
+        "mtf_slice",
+        "pad",
+        "cumsum",
+        "shift",
+        "anonymize",
+    ],
+    ("ops", "constant"): [
+        "zeros",
+        "ones",
+        "zeros_like",
+        "ones_like",
+        "mtf_range",
+        "import_fully_replicated",
+        "one_hot",
+        "depend",
+        "Print",
+    ],
+    ("ops", "gather"): ["where", "add_n", "sample_with_temperature"],
+    ("ops", "einsum"): ["matmul"],
+    ("ops", "cast"): ["to_int32", "to_bfloat16", "mtf_pow", "logical_not"],
+    ("ops", "logical_and"): ["logical_or"],
+    ("ops", "halo_exchange"): ["left_halo_exchange"],
+    ("ops", "pool_tensor_1d"): ["stride_tensor_1d", "reduce_first"],
+    ("ops", "random_uniform"): ["random_normal", "dropout"],
+    ("ops", "convert_to_shape"): [
+        "convert_to_dimension",
+        "convert_to_layout_rules",
+        "anonymous_shape",
+        "combined_dimension",
+        "log_variable_sizes",
+        "pretty_print_counters",
+    ],
+    ("layers", "dense"): ["get_dense_kernel_weights", "dense_relu_dense"],
+    ("layers", "layer_norm"): ["batch_norm"],
+    ("layers", "softmax_cross_entropy_with_logits"): ["sigmoid_cross_entropy_with_logits", "weights_nonzero"],
+    ("layers", "multihead_attention"): [
+        "attention_mask_autoregressive",
+        "attention_mask_same_segment",
+        "attention_mask_ignore_padding",
+        "rename_length_to_memory_length",
+        "multihead_attention_params",
+        "multihead_attention_vars",
+        "dot_product_attention",
+    ],
+    ("layers", "embedding"): ["embedding_weights", "multiplicative_jitter"],
+    ("layers", "conv2d"): [
+        "conv1d",
+        "conv2d_transpose",
+        "conv3d",
+        "conv3d_transpose",
+        "max_pool2d",
+        "avg_pool2d",
+        "max_pool3d",
+        "avg_pool3d",
+    ],
+}
+
+
+def test_every_same_function_has_a_case():
+    covered = set(CASES) | {(m, n) for (m, _), names in ALSO.items() for n in names}
+    assert SAME - covered == set(), "functions the page calls same that no case runs"
+    assert covered - SAME == set()
+
+
+def test_each_function_under_a_split_layout_against_numpy():
+    _, mesh = new_mesh()
+    outputs, checks, feeds, errors = [], [], {}, []
+    for (module, name), build in CASES.items():
+        c = _Case(mesh, f"{module}.{name}")
+        try:
+            tensors, check = build(c)
+        except Exception as err:  # (reported with the case's name)
+            errors.append(f"{module}.{name}: building raised {type(err).__name__}: {err}")
+            continue
+        feeds.update(c.feeds)
+        checks.append((f"{module}.{name}", len(outputs), len(tensors), check))
+        outputs += tensors
+    assert not errors, "\n".join(errors)
+    results = run(outputs, mx.SimdMeshImpl, "rows:2;cols:4", LAYOUT, feeds)
+    for name, start, n, check in checks:
+        try:
+            check(*results[start : start + n])
+        except AssertionError as err:
+            errors.append(f"{name}: {err}")
+    assert not errors, "\n".join(errors)
