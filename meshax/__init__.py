@@ -14,6 +14,8 @@ program with explicit collectives, and tells you what each layout costs.
 from meshax import initializers, layers, optimize, search
 from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
+from meshax.backends import placement as placement_mesh_impl  # (Mesh-TensorFlow's module names)
+from meshax.backends import simd as simd_mesh_impl
 from meshax.core import (
     ConfigError,
     Dimension,
@@ -90,10 +92,12 @@ __all__ = [
     "optimize",
     "partition",
     "pipeline",
+    "placement_mesh_impl",
     "pretty_print_counters",
     "replicated_region",
     "search",
     "search_layout",
+    "simd_mesh_impl",
     "use_cpu_devices",
     *_ops,
 ]

@@ -82,6 +82,29 @@ class Stacked:
         return jax.vmap(one)(jax.random.split(key, self.count)).reshape(shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorFlowDefault:
+    """What `tf.get_variable` (and so Mesh-TensorFlow's `get_variable`) gives a variable without
+    an initializer: Glorot uniform for floats, with TensorFlow's fans (a kernel [..., in, out] of
+    receptive field r = the product of the leading dims: fan_in = in r, fan_out = out r; one dim
+    n: n and n; a scalar: 1 and 1), and zeros for integers and bools."""
+
+    def __call__(self, key, shape, dtype):
+        if not jnp.issubdtype(dtype, jnp.floating):
+            return jnp.zeros(shape, dtype)
+        if len(shape) < 2:
+            fan_in = fan_out = shape[0] if shape else 1
+        else:
+            field = math.prod(shape[:-2])
+            fan_in, fan_out = shape[-2] * field, shape[-1] * field
+        return Glorot(fan_in, fan_out, "uniform")(key, shape, dtype)
+
+
+def tensorflow_default():
+    """TensorFlow's default initializer (`TensorFlowDefault`): `get_variable`'s default."""
+    return TensorFlowDefault()
+
+
 def zeros():
     """Initialize to zeros."""
     return Constant(0.0)

@@ -93,7 +93,11 @@ class Optimizer:
 
     def _step(self, mesh) -> Tensor:
         if self.step is None:
-            self.step = get_variable(mesh, "global_step", [], dtype="float32", trainable=False)
+            from meshax import initializers
+
+            self.step = get_variable(
+                mesh, "global_step", [], dtype="float32", initializer=initializers.zeros(), trainable=False
+            )
         return self.step
 
     def learning_rate(self, step: Tensor):

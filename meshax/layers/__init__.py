@@ -63,7 +63,9 @@ def dense(
     out_shape = Shape([d for d in x.shape if d not in reduced] + new)
     y = einsum([x, ew.cast(w, x.dtype)], output_shape=out_shape, name=name)
     if use_bias:
-        y = y + ew.cast(get_variable(x.mesh, f"{name}/bias", Shape(experts + new), dtype), x.dtype)
+        y = y + ew.cast(
+            get_variable(x.mesh, f"{name}/bias", Shape(experts + new), dtype, initializer=initializers.zeros()), x.dtype
+        )
     return activation(y) if activation is not None else y
 
 
@@ -103,7 +105,7 @@ def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None) -
     d = dim_of(x, dim)
     name = _name(x, name, "layer_norm")
     scale = get_variable(x.mesh, f"{name}/scale", [d], initializer=initializers.ones())
-    bias = get_variable(x.mesh, f"{name}/bias", [d])
+    bias = get_variable(x.mesh, f"{name}/bias", [d], initializer=initializers.zeros())
     narrow = is_floating(x.dtype) and x.dtype.itemsize < 4  # bfloat16: the statistics in float32
     xf = ew.cast(x, "float32") if narrow else x
     mean = reduce_mean(xf, reduced_dim=d)
@@ -184,7 +186,10 @@ def _conv_layer(
     )
     y = getattr(conv, op_name)(x, ew.cast(kernel, x.dtype), strides, padding, name=name)
     if use_bias:
-        y = y + ew.cast(get_variable(x.mesh, f"{name}/bias", [output_dim], dtype=variable_dtype), x.dtype)
+        y = y + ew.cast(
+            get_variable(x.mesh, f"{name}/bias", [output_dim], dtype=variable_dtype, initializer=initializers.zeros()),
+            x.dtype,
+        )
     return y
 
 

@@ -63,7 +63,9 @@ def batch_norm(
         initializer=initializers.zeros() if init_zero else initializers.ones(),
         activation_dtype=x.dtype,
     )
-    bias = get_variable(x.mesh, f"{name}/batch_norm_bias", kept, activation_dtype=x.dtype)
+    bias = get_variable(
+        x.mesh, f"{name}/batch_norm_bias", kept, activation_dtype=x.dtype, initializer=initializers.zeros()
+    )
     moving_mean = get_variable(
         x.mesh, f"{name}/bn_moving_mean", kept, initializer=initializers.normal(1.0), trainable=False
     )

@@ -74,7 +74,9 @@ class MeshImpl:
 
     def __init__(self, shape, layout=None, devices: Sequence | None = None, weight_layout=None):
         """`layout`: the layout rules; `weight_layout`: rules for weight-shaped tensors (weights,
-        their gradients and optimizer slots) instead of `layout` (default: `layout` for all)."""
+        their gradients and optimizer slots) instead of `layout` (default: `layout` for all).
+        `devices`: JAX devices in pnum order (default: the first of `jax.devices()`); TensorFlow
+        device names, as Mesh-TensorFlow takes them ("gpu:0", ...), stand for that default."""
         self.shape: Shape = convert_to_mesh_shape(shape)
         self.layout_rules = convert_to_layout_rules(layout)
         check_mesh_dims(self.layout_rules, self.shape)
@@ -84,6 +86,8 @@ class MeshImpl:
         self._devices = list(devices) if devices is not None else None
         if self._devices is not None and len(self._devices) != self.size:
             raise ValueError(f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given")
+        if self._devices is not None and all(isinstance(d, str) for d in self._devices):
+            self._devices = None  # TensorFlow device names ("gpu:0", as Mesh-TensorFlow takes): JAX's first devices
 
     # ---- geometry -------------------------------------------------------------------------
     @property

@@ -20,7 +20,7 @@ def two_layer(x: Tensor, hidden_dim: Dimension, io_dim: Dimension | None = None,
     io = io_dim or x.shape[-1]
     prefix = f"{name}/" if name else ""
     w = get_variable(x.mesh, prefix + "w", [io, hidden_dim], initializer=initializers.normal(1 / math.sqrt(io.size)))
-    bias = get_variable(x.mesh, prefix + "bias", [hidden_dim])
+    bias = get_variable(x.mesh, prefix + "bias", [hidden_dim], initializer=initializers.zeros())
     v = get_variable(
         x.mesh, prefix + "v", [hidden_dim, io], initializer=initializers.normal(1 / math.sqrt(hidden_dim.size))
     )

@@ -112,11 +112,12 @@ def get_variable(
     trainable=True,
 ) -> Tensor:
     """A variable's value, as a Tensor. `initializer(key, shape, dtype)` as in jax.nn.initializers
-    (see meshax.initializers); zeros by default. Mesh-TensorFlow's arguments: the variable is kept
-    in `master_dtype` (default `dtype`), each device's slice too (`slice_dtype`, if given, must be
-    the same), and read as `activation_dtype` (a cast; its gradient is summed in the master
-    dtype). meshax's own order, the initializer fourth (`get_variable(mesh, name, shape, init)`),
-    works too."""
+    (see meshax.initializers); by default TensorFlow's, as in Mesh-TensorFlow: Glorot uniform for
+    floats, zeros for integers and bools (`initializers.tensorflow_default`). Mesh-TensorFlow's
+    arguments: the variable is kept in `master_dtype` (default `dtype`), each device's slice too
+    (`slice_dtype`, if given, must be the same), and read as `activation_dtype` (a cast; its
+    gradient is summed in the master dtype). meshax's own order, the initializer fourth
+    (`get_variable(mesh, name, shape, init)`), works too."""
     if callable(dtype) and not isinstance(dtype, type | np.dtype):  # (mesh, name, shape, initializer)
         dtype, initializer = "float32", dtype
     dtype = master_dtype or dtype
@@ -126,6 +127,10 @@ def get_variable(
             "each device's slice in the master dtype: leave slice_dtype out, or read it as another dtype with "
             "activation_dtype"
         )
+    if initializer is None:
+        from meshax import initializers
+
+        initializer = initializers.tensorflow_default()
     value = _new_variable(mesh, name, shape, initializer, dtype, trainable)
     if activation_dtype is not None:
         from meshax.ops.elementwise import cast
