@@ -89,7 +89,7 @@ def equal(want):
 
 
 def _softmax(a, axis, extra=None):
-    m = a.max(axis, keepdims=True)
+    m = a.max(axis, keepdims=True) if extra is None else np.maximum(a.max(axis, keepdims=True), extra)
     e = np.exp(a - m)
     s = e.sum(axis, keepdims=True) + (0 if extra is None else np.exp(extra - m))
     return e / s
@@ -206,7 +206,7 @@ def _slicewise_case(c):
     y = mx.slicewise(tf_fn=lambda a: a * a * a, xs=[x], output_shape=x.shape, splittable_dims=[B, D])
     (g,) = mx.gradients(mx.reduce_sum(y), [x])  # its gradient: jax.vjp slice by slice
     custom = mx.slicewise(
-        tf_fn=jnp.sin, xs=[x], splittable_dims=[B], grad_function=lambda op, dys: [dys[0] * 10.0], name="sw"
+        tf_fn=jnp.sin, xs=[x], splittable_dims=[B], grad_function=lambda op, dy: [dy * 10.0], name="sw"
     )
     (gc,) = mx.gradients(mx.reduce_sum(custom), [x])
     return [y, g, gc], lambda a, b, d: (close(X**3)(a), close(3 * X**2)(b), close(np.full_like(X, 10.0))(d))
@@ -221,9 +221,19 @@ def _cwise_case(c):
 
 def _custom_gradient_case(c):
     x = c.input([B, D], X)
-    y = mx.custom_gradient(fn=lambda a: a * 3.0, grad_fn=lambda op, dys: [dys[0] * -1.0], explicit_inputs=[x])
-    (g,) = mx.gradients(mx.reduce_sum(y), [x])
-    return [y, g], lambda a, b: (close(3 * X)(a), close(-np.ones_like(X))(b))
+    w = c.input([D], Y[0])
+
+    def grad_fn(explicit_inputs, all_inputs, forward_operations, outputs, output_grads):
+        assert explicit_inputs == [x] and all_inputs == [x, w] and outputs[0].shape == x.shape
+        return [output_grads[0] * -1.0, mx.reduce_sum(output_grads[0] * outputs[0], reduced_dim=B)]
+
+    y = mx.custom_gradient(fn=lambda a: a * 3.0 + w, grad_fn=grad_fn, explicit_inputs=[x])
+    gx, gw = mx.gradients(mx.reduce_sum(y), [x, w])
+    return [y, gx, gw], lambda a, b, d: (
+        close(3 * X + Y[0])(a),
+        close(-np.ones_like(X))(b),
+        close((3 * X + Y[0]).sum(0))(d),
+    )
 
 
 def _recompute_case(c):
@@ -514,6 +524,154 @@ def _layers_attention_case(c):
     return [out, *ws, same, pad, renamed, dpa], check
 
 
+def np_local_attention(x, wq, wk, wv, wo, window, per_split):
+    """masked_local_attention_1d in NumPy: position p attends to the positions of its block up to
+    itself and to the `window` before the block (zeros before the start), as Mesh-TensorFlow's."""
+    block = max(window, 128)
+    while per_split % block:
+        block -= 1
+    q, k, v = (np.einsum("blc,hck->bhlk", x, w) for w in (wq, wk, wv))
+    length = x.shape[1]
+    out = np.zeros_like(q)
+    for p in range(length):
+        start, qb = p - p % block, p % block
+        keys = [start - window + j for j in range(window + block)]
+        seen = [g for j, g in enumerate(keys) if qb + window - block < j <= qb + window]
+        kk = np.stack([k[:, :, g] if g >= 0 else 0 * k[:, :, 0] for g in seen], 2)
+        vv = np.stack([v[:, :, g] if g >= 0 else 0 * v[:, :, 0] for g in seen], 2)
+        w = _softmax(np.einsum("bhk,bhmk->bhm", q[:, :, p], kk), -1)
+        out[:, :, p] = np.einsum("bhm,bhmk->bhk", w, vv)
+    return np.einsum("bhlk,hck->blc", out, wo)
+
+
+def _local_attention(c, per_split):
+    x = c.input([B, L, IO], rand([8, 8, 8], 13))
+    kv = []
+    out = mx.layers.masked_local_attention_1d(
+        x, kv_channels=KV, heads=HEADS, is_training=False, window_size=2, length_per_split=per_split, return_kv=kv
+    )
+    variables = {v.name: v.value for v in x.graph.trainable_variables}
+    ws = [variables[f"masked_local_attention_1d/{n}"] for n in "qkvo"]
+    assert len(kv) == 2 and kv[0].shape == mx.Shape([B, HEADS, L, KV])
+
+    def check(o, *w):
+        close(np_local_attention(np.asarray(c.feeds[x], np.float64), *w, 2, per_split), atol=1e-4)(o)
+
+    return [out, *ws], check
+
+
+def _layers_local_case(c):
+    tensors, check = _local_attention(c, 2)
+    k = c.input([B, L, IO], rand([8, 8, 8], 14))
+    block = mx.Dimension("memory_block_length", 4)
+    blocks = mx.Dimension("length", 2)
+    k4 = mx.reshape(k, [B, blocks, block, IO])
+    hk, hv = mx.layers.local_1d_halo_exchange(k4, k4 * 2.0, num_w_blocks=blocks, w_dim=block, mask_right=True)
+    pk, _ = mx.layers.local_1d_halo_exchange(k4, k4, num_w_blocks=None, w_dim=block, mask_right=False)
+    bias = mx.layers.attention_bias_local_block(c.mesh, block_length=mx.Dimension("q4", 4), memory_length=block)
+    compressed = mx.layers.compress_mean(c.input([B, D], X), dim=D, compression_factor=4)
+    kv4 = c.feeds[k].reshape(8, 2, 4, 8)
+    before = np.concatenate([np.zeros((8, 1, 4, 8)), kv4[:, :1]], 1)
+    want_bias = np.concatenate([np.zeros((4, 4)), np.where(np.arange(4)[:, None] < np.arange(4)[None], -1e9, 0)], 1)
+
+    def more(o, *rest):
+        check(o, *rest[:4])
+        a, b, p, bi, cm = rest[4:]
+        close(np.concatenate([before, kv4], 2))(a)
+        close(2 * np.concatenate([before, kv4], 2))(b)
+        close(np.pad(kv4, [(0, 0), (0, 0), (4, 4), (0, 0)]))(p)
+        close(want_bias)(bi)
+        close(X.reshape(8, 2, 4).mean(2))(cm)
+
+    return [*tensors, hk, hv, pk, bias, compressed], more
+
+
+def _dynamic_shift_case(c):
+    x = c.input([B, D], X)
+    offsets = c.input([B], np.arange(8, dtype=np.int32) % 3 - 1, "int32")  # -1, 0, 1, ... per row
+    rolled = mx.dynamic_shift(x, offset=offsets, dim=D, wrap=True)
+    filled = mx.dynamic_shift(x, offset=offsets, dim=D, wrap=False)
+    off = c.feeds[offsets]
+    want_roll = np.stack([np.roll(X[b], off[b]) for b in range(8)])
+    want_fill = np.stack([[X[b, i - off[b]] if 0 <= i - off[b] < 8 else 0.0 for i in range(8)] for b in range(8)])
+    return [rolled, filled], lambda a, f: (close(want_roll)(a), close(want_fill)(f))
+
+
+def _layers_more_case(c):
+    x = c.input([B, D], X)
+    gated = mx.layers.dense_product(
+        x,
+        reduced_dims=[D],
+        new_dims=[H],
+        activation_functions=["relu", "linear"],
+        name="dp",
+        use_bias=False,
+        kernel_initializer=None,
+    )
+    variables = {v.name: v.value for v in x.graph.trainable_variables}
+    k0, k1 = variables["dp_0/kernel"], variables["dp_1/kernel"]
+    pearson = mx.layers.corr(x, dim=D)
+    seq = c.input([B, L, IO], rand([8, 8, 8], 15))
+    compressed = mx.layers.multihead_self_attention_memory_compressed(
+        seq, mask_right=True, compression_factor=2, kv_channels=KV, heads=HEADS, name="mc"
+    )
+    variables = {v.name: v.value for v in x.graph.trainable_variables}
+    ws = [variables[f"mc/{n}"] for n in "qkvo"]
+
+    def check(g, a, b, p, o, wq, wk, wv, wo):
+        close(np.maximum(X @ np.asarray(a), 0) * (X @ np.asarray(b)), atol=1e-4)(g)
+        close(np.corrcoef(X.T), atol=1e-4)(p)
+        xs = np.asarray(c.feeds[seq], np.float64)
+        mem = xs.reshape(8, 4, 2, 8).mean(2)
+        q = np.einsum("blc,hck->bhlk", xs, np.asarray(wq))
+        k, v = (np.einsum("bmc,hck->bhmk", mem, np.asarray(w_)) for w_ in (wk, wv))
+        mask = np.where(np.arange(4)[None, :] * 2 + 1 > np.arange(8)[:, None], -1e9, 0.0)
+        logits = np.einsum("bhlk,bhmk->bhlm", q, k) + mask
+        want = np.einsum("bhlm,bhmk,hkc->blc", _softmax(logits, -1, 0.0), v, np.asarray(wo).transpose(0, 2, 1))
+        close(want, atol=1e-4)(o)
+
+    return [gated, k0, k1, pearson, compressed, *ws], check
+
+
+def _layers_clip_case(c):
+    x = c.input([B, D], X)
+    y = mx.layers.clip_activation_gradient(x, clip_rms_norm=0.5)
+    (g,) = mx.gradients(mx.reduce_sum(y * 3.0), [x])  # upstream gradient: 3 everywhere, RMS 3
+    return [y, g], lambda a, b: (close(X)(a), close(np.full_like(X, 0.5))(b))
+
+
+def _incremental_case(c):
+    """Decoding step by step with key/value caches equals causal attention over the whole
+    sequence (the weights of the layer of the same name, shared); attention to an encoder's
+    keys and values likewise."""
+    x = c.input([B, L, IO], rand([8, 8, 8], 16))
+    pos = mx.range(c.mesh, L, "int32")
+    full = mx.layers.multihead_attention(
+        x, None, mx.layers.attention_mask_autoregressive(pos), kv_channels=KV, heads=HEADS, name="inc"
+    )
+    k = v = mx.zeros(c.mesh, [B, HEADS, M, KV])
+    steps = []
+    for t, x_t in enumerate(mx.unstack(x, L)):
+        y, k, v = mx.layers.multihead_self_attention_incremental(
+            x_t, prev_k=k, prev_v=v, step_num=mx.constant(c.mesh, t, [], "int32"), name="inc"
+        )
+        steps.append(y)
+    memory = c.input([B, M, IO], rand([8, 8, 8], 17))
+    cross = mx.layers.multihead_attention(x, memory, None, kv_channels=KV, heads=HEADS, name="cross")
+    variables = {v.name: v.value for v in x.graph.trainable_variables}
+    wq, wk, wv, wo = [variables[f"cross/{n}"] for n in "qkvo"]
+    mk, mv = (mx.einsum([memory, w], output_shape=[B, HEADS, M, KV]) for w in (wk, wv))
+    x3 = mx.unstack(x, L)[3]
+    cross3 = mx.layers.multihead_encdec_attention_incremental(x3, wq=wq, wo=wo, k=mk, v=mv, mask=None)
+    assert len([n for n in variables if n.startswith("inc")]) == 4  # (shared, not made anew)
+
+    def check(f, stacked, cr, cr3):
+        close(np.asarray(f), atol=1e-5)(np.asarray(stacked).transpose(1, 0, 2))
+        close(np.asarray(cr)[:, 3], atol=1e-5)(cr3)
+
+    return [full, mx.stack(steps, "steps"), cross, cross3], check
+
+
 def _layers_embedding_case(c):
     ids = c.input([B], IDS, "int32")
     table = rand([8, 4], 9)
@@ -660,6 +818,11 @@ CASES = {
     ("layers", "multihead_attention"): _layers_attention_case,
     ("layers", "embedding"): _layers_embedding_case,
     ("layers", "conv2d"): _layers_conv_case,
+    ("layers", "masked_local_attention_1d"): _layers_local_case,
+    ("layers", "clip_activation_gradient"): _layers_clip_case,
+    ("ops", "dynamic_shift"): _dynamic_shift_case,
+    ("layers", "multihead_self_attention_incremental"): _incremental_case,
+    ("layers", "dense_product"): _layers_more_case,
 }
 # The functions each case exercises beyond the one it is filed under.
 ALSO = {
@@ -720,6 +883,9 @@ ALSO = {
         "dot_product_attention",
     ],
     ("layers", "embedding"): ["embedding_weights", "multiplicative_jitter"],
+    ("layers", "masked_local_attention_1d"): ["local_1d_halo_exchange", "attention_bias_local_block", "compress_mean"],
+    ("layers", "dense_product"): ["corr", "multihead_self_attention_memory_compressed"],
+    ("layers", "multihead_self_attention_incremental"): ["multihead_encdec_attention_incremental"],
     ("layers", "conv2d"): [
         "conv1d",
         "conv2d_transpose",
@@ -760,3 +926,40 @@ def test_each_function_under_a_split_layout_against_numpy():
         except AssertionError as err:
             errors.append(f"{name}: {err}")
     assert not errors, "\n".join(errors)
+
+
+def test_local_attention_exchanges_halos_between_devices():
+    """With the length split (one block of 2 per device), each block's keys and values come
+    from its left neighbour's device: permutes, and the values of one device."""
+    _, mesh = new_mesh()
+    c = _Case(mesh, "local")
+    tensors, check = _local_attention(c, 2)
+    lowering = mx.Lowering(mesh.graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "length:cols;heads:rows")})
+    fn = lowering.function(tensors)
+    check(*fn({t.operation.name: v for t, v in c.feeds.items()}))
+    assert fn.counters["permute"].count >= 2 and fn.counters["allgather"].count == 0
+
+
+def test_log_scalar_is_written_with_the_training_metrics(tmp_path):
+    """Mesh-TensorFlow's scalar_summary, without TensorFlow: each step's value in the JSON lines."""
+    import dataclasses
+    import json
+
+    from meshax.train import MlpTask, train
+
+    @dataclasses.dataclass
+    class Logged(MlpTask):
+        def build(self, mesh):
+            built = super().build(mesh)
+            mx.log_scalar("twice_the_loss", built.loss * 2.0)
+            return built
+
+    path = tmp_path / "metrics.jsonl"
+    result = train(Logged(batch_size=16, io=8, hidden=32), "all:2", "batch:all", steps=3, metrics_path=str(path))
+    steps = [e for e in map(json.loads, path.read_text().splitlines()) if "step_seconds" in e]
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    np.testing.assert_allclose([e["twice_the_loss"] for e in steps], 2 * np.asarray(result.losses), rtol=1e-6)
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B])
+    with pytest.raises(mx.GraphError, match="scalar"):
+        mx.log_scalar("x", x)

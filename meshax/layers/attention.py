@@ -1,5 +1,6 @@
 """Mesh-TensorFlow's attention layers: `dot_product_attention`, `multihead_attention` and its
-weights, and the masks (additive biases of -1e9 where attention is not allowed).
+weights, the masks (additive biases of -1e9 where attention is not allowed), and local
+attention within blocks (`masked_local_attention_1d`, halos exchanged between devices).
 
 As in Mesh-TensorFlow, the dims say what attends to what: queries run over `length`, keys and
 values over `memory_length` (`rename_length_to_memory_length`), and the logits are not scaled:
@@ -16,10 +17,13 @@ from meshax.core.shape import Dimension, Shape
 from meshax.ops import elementwise as ew
 from meshax.ops._util import as_dims
 from meshax.ops.einsum import einsum
+from meshax.ops.indexing import one_hot
+from meshax.ops.inputs import constant, zeros
+from meshax.ops.inputs import range as mtf_range
 from meshax.ops.random import dropout as _dropout
 from meshax.ops.reduce import softmax
-from meshax.ops.shape_ops import rename_dimension
-from meshax.ops.slicing import unstack
+from meshax.ops.shape_ops import rename_dimension, reshape
+from meshax.ops.slicing import concat, halo_exchange, left_halo_exchange, pad, unstack
 from meshax.ops.variables import get_variable
 
 
@@ -84,12 +88,21 @@ def multihead_attention_params(
     shape = [heads, io_channels, kv_channels]
     if combine:
         qkvo = Dimension("qkvo", 4)
-        var = get_variable(mesh, f"{name}/qkvo", [qkvo, *shape], dtype, initializer=initializers.normal(1.0))
+        var = _variable(mesh, f"{name}/qkvo", [qkvo, *shape], dtype, initializers.normal(1.0))
         return [w * s for w, s in zip(unstack(var, qkvo), scales)]
-    return [
-        get_variable(mesh, f"{name}/{n}", shape, dtype, initializer=initializers.normal(s))
-        for n, s in zip("qkvo", scales)
-    ]
+    return [_variable(mesh, f"{name}/{n}", shape, dtype, initializers.normal(s)) for n, s in zip("qkvo", scales)]
+
+
+def _variable(mesh, name: str, shape, dtype, initializer) -> Tensor:
+    """The variable `name`: the graph's own if it has one of that shape (a decode step shares
+    the weights of the layer of the same name, as TensorFlow's variable scopes with reuse do),
+    else a new one."""
+    for v in mesh.graph.all_variables:
+        if v.name == name:
+            if v.shape != Shape(shape):
+                raise GraphError(f"variable {name!r} exists with shape {v.shape}, not {Shape(shape)}")
+            return v.value
+    return get_variable(mesh, name, shape, dtype, initializer=initializer)
 
 
 def multihead_attention_vars(
@@ -151,3 +164,157 @@ def multihead_attention(
     v = einsum([memory_antecedent, wv], output_shape=Shape([*batch_dims, heads, memory_length, kv_channels]))
     o = dot_product_attention(q, k, v, mask, is_training, dropout, dropout_broadcast_dims)
     return einsum([o, wo], output_shape=Shape([*batch_dims, query_length, io_channels]))
+
+
+def local_1d_halo_exchange(k: Tensor, v: Tensor, num_w_blocks, w_dim: Dimension, mask_right: bool):
+    """Keys and values of each block of `w_dim` extended by a block of their neighbours' (the
+    left one; and the right one unless `mask_right`): a halo exchange over `num_w_blocks` where
+    blocks are given, else zero padding of the one block."""
+    if num_w_blocks is not None:
+        exchange = left_halo_exchange if mask_right else halo_exchange
+        return tuple(exchange(t, num_w_blocks, w_dim, w_dim.size) for t in (k, v))
+    paddings = [w_dim.size, 0] if mask_right else [w_dim.size, w_dim.size]
+    return tuple(pad(t, paddings, w_dim.name) for t in (k, v))
+
+
+def attention_bias_local_block(mesh, block_length: Dimension, memory_length: Dimension, dtype="int32") -> Tensor:
+    """The bias of local attention within blocks, [block_length, memory_length of 2 blocks]: the
+    previous block all visible, this block up to the query's own position (-1e9 beyond)."""
+    memory = Dimension(memory_length.name, block_length.size)
+    earlier = zeros(mesh, [block_length, memory], dtype=dtype)
+    later = ew.cast(ew.less(mtf_range(mesh, block_length, dtype), mtf_range(mesh, memory, dtype)), dtype)
+    return ew.cast(concat([earlier, later], memory.name), "float32") * -1e9
+
+
+def masked_local_attention_1d(
+    x: Tensor,
+    kv_channels: Dimension,
+    heads: Dimension,
+    is_training=False,
+    window_size: int = 128,
+    master_dtype=None,
+    slice_dtype=None,
+    length_per_split=None,
+    return_kv=None,
+    params=None,
+    name=None,
+) -> Tensor:
+    """Attention from each position to itself and the positions before it within a block, x
+    [batch..., length, io_channels] -> the same shape, as Mesh-TensorFlow's: the length is cut
+    into blocks (the largest divisor of `length_per_split` up to max(window_size, 128)), whose
+    dim keeps the length's name and so its split, and each block's keys and values are extended
+    by the `window_size` before it from the block to its left (a halo exchange between devices
+    where the length is split). `params`: (wq, wk, wv, wo), else new weights; `return_kv`: a
+    list that receives k and v."""
+    batch_dims = x.shape.dims[:-2]
+    length, io_channels = x.shape.dims[-2:]
+    name = x.graph.unique_name(name or "masked_local_attention_1d")
+    if params is None:
+        wq, wk, wv, wo = multihead_attention_vars(
+            x.mesh, heads, io_channels, kv_channels, master_dtype, slice_dtype, x.dtype, name=name
+        )
+    else:
+        wq, wk, wv, wo = params
+    qkv_shape = Shape([*batch_dims, heads, length, kv_channels])
+    q, k, v = (einsum([x, w], output_shape=qkv_shape) for w in (wq, wk, wv))
+    if return_kv is not None:
+        return_kv.extend([k, v])
+    per_split = length_per_split or length.size
+    block = max(window_size, 128)
+    while per_split % block:
+        block -= 1
+    query_block = Dimension("query_block_length", block)
+    memory_block = Dimension("memory_block_length", block)
+    blocks = Dimension(length.name, length.size // block)  # (the length's name: split as it is)
+    q = reshape(q, [*batch_dims, heads, blocks, query_block, kv_channels])
+    k, v = (reshape(t, [*batch_dims, heads, blocks, memory_block, kv_channels]) for t in (k, v))
+    k, v = (left_halo_exchange(t, blocks, memory_block, window_size) for t in (k, v))
+    padded = Dimension("memory_block_length", window_size + block)
+    mpos = mtf_range(x.mesh, padded, "float32")
+    qpos = mtf_range(x.mesh, query_block, "float32") + float(window_size)
+    mask = ew.cast(ew.greater(mpos, qpos), x.dtype) * -1e9  # not forward
+    mask = mask + ew.cast(ew.less_equal(mpos, qpos - float(block)), x.dtype) * -1e9  # not a block back or more
+    o = dot_product_attention(q, k, v, mask=mask, is_training=is_training)
+    o = reshape(o, [*batch_dims, heads, length, kv_channels])
+    return einsum([o, wo], output_shape=Shape([*batch_dims, length, io_channels]))
+
+
+def multihead_self_attention_memory_compressed(
+    x: Tensor,
+    mask_right: bool,
+    compression_factor: int,
+    kv_channels: Dimension,
+    heads: Dimension,
+    is_training=False,
+    dropout=0.0,
+    dropout_broadcast_dims=None,
+    master_dtype=None,
+    slice_dtype=None,
+    name="multihead_attention",
+) -> Tensor:
+    """Self-attention to a memory of x shortened by `compression_factor` (group means,
+    `compress_mean`), as Mesh-TensorFlow's; `mask_right`: a query sees only the groups that end
+    at or before it. x [batch..., length, io_channels] -> the same shape."""
+    from meshax.layers.common import compress_mean
+
+    batch_dims = x.shape.dims[:-2]
+    length, io_channels = x.shape.dims[-2:]
+    name = x.graph.unique_name(name)
+    wq, wk, wv, wo = multihead_attention_vars(
+        x.mesh, heads, io_channels, kv_channels, master_dtype, slice_dtype, x.dtype, name=name
+    )
+    memory = rename_length_to_memory_length(compress_mean(x, length, compression_factor), length.name)
+    memory_length = memory.shape.dims[-2]
+    q = einsum([x, wq], output_shape=Shape([*batch_dims, heads, length, kv_channels]))
+    k, v = (einsum([memory, w], output_shape=Shape([*batch_dims, heads, memory_length, kv_channels])) for w in (wk, wv))
+    mask = None
+    if mask_right:
+        query_pos = mtf_range(x.mesh, length, "int32")
+        memory_pos = mtf_range(x.mesh, memory_length, "int32") * compression_factor + (compression_factor - 1)
+        mask = ew.cast(ew.greater(memory_pos, query_pos), x.dtype) * -1e9
+    o = dot_product_attention(q, k, v, mask, is_training, dropout, dropout_broadcast_dims, extra_logit=0.0)
+    return einsum([o, wo], output_shape=Shape([*batch_dims, length, io_channels]))
+
+
+def multihead_self_attention_incremental(
+    query_antecedent: Tensor,
+    prev_k: Tensor,
+    prev_v: Tensor,
+    step_num,
+    master_dtype=None,
+    slice_dtype=None,
+    name="multihead_attention",
+):
+    """One decoding step of self-attention, as Mesh-TensorFlow's: the query at position
+    `step_num` (an int32 scalar tensor, or an int) [batch..., io_channels] writes its key and
+    value into the caches prev_k, prev_v [batch..., heads, memory_length, kv_channels] (laid out
+    like any tensor of theirs) and attends to positions up to its own. The weights are those of
+    the layer `name` (`multihead_attention(..., name=name)`'s, shared). Returns (y, new_k, new_v)."""
+    batch_dims = query_antecedent.shape.dims[:-1]
+    io_channels = query_antecedent.shape.dims[-1]
+    heads, memory_length, kv_channels = prev_k.shape.dims[-3:]
+    mesh = query_antecedent.mesh
+    wq, wk, wv, wo = multihead_attention_vars(
+        mesh, heads, io_channels, kv_channels, master_dtype, slice_dtype, query_antecedent.dtype, name=name
+    )
+    step = step_num if isinstance(step_num, Tensor) else constant(mesh, int(step_num), [], "int32")
+    q, k, v = (
+        einsum([query_antecedent, w], output_shape=Shape([*batch_dims, heads, kv_channels])) for w in (wq, wk, wv)
+    )
+    here = one_hot(step, memory_length, dtype=prev_k.dtype)
+    k = prev_k + ew.multiply(k, here, output_shape=prev_k.shape)
+    v = prev_v + ew.multiply(v, here, output_shape=prev_v.shape)
+    mask = ew.cast(ew.greater(mtf_range(mesh, memory_length, "int32"), step), q.dtype) * -1e9
+    o = dot_product_attention(q, k, v, mask, is_training=False)
+    return einsum([o, wo], output_shape=query_antecedent.shape), k, v
+
+
+def multihead_encdec_attention_incremental(
+    query_antecedent: Tensor, wq: Tensor, wo: Tensor, k: Tensor, v: Tensor, mask, name="multihead_attention"
+) -> Tensor:
+    """One decoding step of attention to the encoder's keys and values k, v [memory dims...,
+    heads, memory_length, kv_channels] (computed once), with the layer's wq and wo."""
+    heads, _, kv_channels = k.shape.dims[-3:]
+    q = einsum([query_antecedent, wq], output_shape=Shape([*query_antecedent.shape.dims[:-1], heads, kv_channels]))
+    o = dot_product_attention(q, k, v, mask, is_training=False)
+    return einsum([o, wo], output_shape=query_antecedent.shape)

@@ -103,3 +103,71 @@ def multiplicative_jitter(x: Tensor, epsilon: float = 1e-2) -> Tensor:
     if epsilon == 0:
         return x
     return x * random_uniform(x.mesh, x.shape, minval=1.0 - epsilon, maxval=1.0 + epsilon, dtype=x.dtype)
+
+
+def compress_mean(x: Tensor, dim: Dimension, compression_factor: int) -> Tensor:
+    """x with `dim` shrunk by `compression_factor`: each group of that many consecutive entries
+    replaced by its mean (the dim keeps its name)."""
+    from meshax.ops.shape_ops import replace_dimensions
+
+    factor = Dimension("compression_factor", compression_factor)
+    grouped = replace_dimensions(x, dim, [Dimension(dim.name, dim.size // compression_factor), factor])
+    return reduce_mean(grouped, reduced_dim=factor)
+
+
+def clip_activation_gradient(x: Tensor, clip_rms_norm=None) -> Tensor:
+    """x, whose gradient is scaled down to an RMS of at most `clip_rms_norm` (None: unchanged)."""
+    from meshax.ops.recompute import custom_gradient
+
+    def grad_fn(explicit_inputs, all_inputs, forward_operations, outputs, output_grads):
+        if not clip_rms_norm:
+            return output_grads
+        clipped = []
+        for g in output_grads:
+            rms = ew.sqrt(reduce_mean(ew.square(g)))
+            clipped.append(g / ew.maximum(rms / clip_rms_norm, 1.0))
+        return clipped
+
+    return custom_gradient(ew.identity, grad_fn, [x])
+
+
+def dense_product(x: Tensor, reduced_dims, new_dims, activation_functions=None, name="dense_product", **kwargs):
+    """The product of dense layers of x, one per activation function (a function, its name in
+    meshax, or "linear"/None): e.g. a gated unit, ["gelu", "linear"]. `kwargs` go to `dense`."""
+    from meshax import ops
+    from meshax.layers import dense
+
+    activations = activation_functions if isinstance(activation_functions, list) else [activation_functions]
+    product = None
+    for i, activation in enumerate(activations):
+        if activation == "linear":
+            activation = None
+        elif isinstance(activation, str):
+            activation = getattr(ops, activation)
+        factor = dense(
+            x,
+            new_dims,
+            reduced_dims=reduced_dims,
+            activation=activation,
+            name=f"{name}_{i}" if len(activations) > 1 else name,
+            **kwargs,
+        )
+        product = factor if product is None else product * factor
+    return product
+
+
+def corr(x: Tensor, dim: Dimension, epsilon: float = 1e-20, name="pearson_correlation") -> Tensor:
+    """The Pearson correlations between the entries of `dim` (x's last dim) over x's other dims:
+    [dim_1, dim_2], as Mesh-TensorFlow's."""
+    from meshax.ops.einsum import matmul
+    from meshax.ops.reduce import reduce_sum
+    from meshax.ops.shape_ops import rename_dimension
+
+    centered = x - reduce_mean(x, output_shape=[dim])
+    x1 = rename_dimension(centered, dim.name, f"{dim.name}_1")
+    x2 = rename_dimension(centered, dim.name, f"{dim.name}_2")
+
+    def norm(z: Tensor) -> Tensor:
+        return ew.sqrt(reduce_sum(ew.square(z), output_shape=z.shape.dims[-1:])) + epsilon
+
+    return matmul(x1, x2) / matmul(norm(x1), norm(x2))

@@ -14,7 +14,7 @@ from meshax.ops.conv import (
     max_pool2d,
     max_pool3d,
 )
-from meshax.ops.debug import Print, depend
+from meshax.ops.debug import Print, depend, log_scalar
 from meshax.ops.einsum import einsum, matmul
 from meshax.ops.elementwise import (
     abs,
@@ -104,6 +104,7 @@ from meshax.ops.slicewise import cwise, slicewise
 from meshax.ops.slicing import (
     concat,
     cumsum,
+    dynamic_shift,
     halo_exchange,
     left_halo_exchange,
     pad,
@@ -149,6 +150,7 @@ __all__ = [
     "depend",
     "divide",
     "dropout",
+    "dynamic_shift",
     "einsum",
     "elu",
     "equal",
@@ -170,6 +172,7 @@ __all__ = [
     "less",
     "less_equal",
     "log",
+    "log_scalar",
     "log_softmax",
     "logical_and",
     "logical_not",

@@ -92,24 +92,34 @@ class RecomputeOperation(Operation):
 
 
 class CustomGradientOperation(RecomputeOperation):
-    """`fn`'s ops run as one op whose gradient is the user's `grad_fn(op, grad_ys)`: gradients
-    of `op.inputs`, the explicit inputs first, then every outside tensor fn read (its weights)."""
+    """`fn`'s ops run as one op whose gradient is the user's `grad_fn`, called as
+    Mesh-TensorFlow calls it (see `custom_gradient`)."""
 
     def __init__(self, inputs, vars, results, body, grad_fn, name=None):
         super().__init__(inputs, vars, results, body, name=name or "custom_gradient")
         self.grad_fn = grad_fn
 
     def gradient(self, grad_outputs):
-        grads = list(self.grad_fn(self, list(grad_outputs)))
-        if len(grads) == len(self.bound):  # (gradients of the explicit inputs alone: none for the rest)
-            grads += [None] * len(self.captured)
-        if len(grads) != len(self.inputs):
-            raise GraphError(
-                f"custom_gradient {self.name}: grad_fn returned {len(grads)} gradients; give one per explicit "
-                f"input ({len(self.bound)}) or one per input of the op ({len(self.inputs)}: "
-                f"{', '.join(t.name for t in self.inputs)})"
+        external = [t for t in self.captured if is_floating(t.dtype)]
+        all_inputs = [*self.bound, *external]
+        grads = list(
+            self.grad_fn(
+                explicit_inputs=list(self.bound),
+                all_inputs=all_inputs,
+                forward_operations=list(self.body),
+                outputs=list(self.outputs),
+                output_grads=list(grad_outputs),
             )
-        return grads
+        )
+        if len(grads) == len(self.bound):  # (gradients of the explicit inputs alone: none for the rest)
+            grads += [None] * len(external)
+        if len(grads) != len(all_inputs):
+            raise GraphError(
+                f"custom_gradient {self.name}: grad_fn returned {len(grads)} gradients; give one per tensor of "
+                f"all_inputs ({len(all_inputs)}: {', '.join(t.name for t in all_inputs)}) or per explicit input"
+            )
+        by_tensor = dict(zip(all_inputs, grads))
+        return [by_tensor.get(t) for t in self.inputs]
 
 
 def _record(fn: Callable, explicit_inputs, what: str):
@@ -131,10 +141,12 @@ def _record(fn: Callable, explicit_inputs, what: str):
 
 
 def custom_gradient(fn: Callable, grad_fn: Callable, explicit_inputs: Sequence[Tensor] | Tensor):
-    """`fn(*explicit_inputs)` with the gradient `grad_fn(forward_op, grad_ys)` instead of its own
-    (Mesh-TensorFlow's `custom_gradient`): `grad_ys` the gradients of fn's results (None where
-    none flows), and grad_fn returns the gradients of `forward_op.inputs` (the explicit inputs,
-    then the outside tensors fn read), or of the explicit inputs alone."""
+    """`fn(*explicit_inputs)` with a gradient of the user's instead of its own (Mesh-TensorFlow's
+    `custom_gradient`). `grad_fn` is called with the keywords `explicit_inputs`, `all_inputs`
+    (the explicit inputs, then the outside float tensors fn read: its weights),
+    `forward_operations` (fn's ops), `outputs` (fn's results) and `output_grads` (their
+    gradients, None where none flows), and returns the gradients of `all_inputs` (or of the
+    explicit inputs alone)."""
     inputs, vars, results, body, single = _record(fn, explicit_inputs, "custom_gradient")
     op = CustomGradientOperation(inputs, vars, results, body, grad_fn)
     return op.outputs[0] if single else list(op.outputs)

@@ -94,7 +94,7 @@ class SlicewiseOperation(Operation):
 class UserSlicewiseOperation(SlicewiseOperation):
     """A user's `slicewise` function: differentiated per slice with `jax.vjp` (right where the
     split dims are ones the function works on slice by slice, as `splittable_dims` promises), or
-    by the user's `grad_function(op, grad_ys)`."""
+    by the user's `grad_function(op, *grad_ys)`."""
 
     def __init__(self, xs, fn, shape, dtype, rule, grad_function, name):
         super().__init__(xs, lambda _local, *a: fn(*a), [shape], [dtype], rule=rule, name=name)
@@ -106,7 +106,7 @@ class UserSlicewiseOperation(SlicewiseOperation):
         if g is None:
             return [None] * len(self.inputs)
         if callable(self.grad_function):
-            grads = list(self.grad_function(self, [g]))
+            grads = list(self.grad_function(self, g))  # (Mesh-TensorFlow's call: op, *grad_ys)
             if len(grads) != len(self.inputs):
                 raise GraphError(
                     f"slicewise op {self.name}: grad_function returned {len(grads)} gradients for "
@@ -153,7 +153,7 @@ def slicewise(
     `output_dtype` (default: the first input's). Dims named in `splittable_dims` may stay split
     (the function must then be right on any slice of them, as an elementwise function is); all
     others are gathered first. Its gradient is the function's own, slice by slice (`jax.vjp`);
-    `grad_function(op, grad_ys)` gives one instead (gradients of `op.inputs`), 0: none."""
+    `grad_function(op, *grad_ys)` gives one instead (the gradients of `op.inputs`), 0: none."""
     fn = tf_fn
     xs = [xs] if isinstance(xs, Tensor) else list(xs)
     if not xs or not all(isinstance(x, Tensor) for x in xs):

@@ -335,3 +335,23 @@ def stride_tensor_1d(tensor: Tensor, pool_dim, pool_size: int) -> Tensor:
         raise GraphError(f"pool_size {pool_size} does not divide {d}")
     window = Dimension(d.name + "_stride", pool_size)
     return entry(replace_dimensions(tensor, d, [Dimension(d.name, d.size // pool_size), window]), 0, window)
+
+
+def dynamic_shift(x: Tensor, offset: Tensor, dim, wrap: bool) -> Tensor:
+    """`shift` by a tensor: out[i] = x[i - offset] along `dim`, with a different offset for each
+    index of offset's dims (a subset of x's, without `dim`); wrap=True rolls, wrap=False fills
+    with zeros. A product with a permutation matrix, as Mesh-TensorFlow's."""
+    from meshax.ops import elementwise as ew
+    from meshax.ops.einsum import einsum
+    from meshax.ops.inputs import range as mrange
+    from meshax.ops.shape_ops import replace_dimensions
+
+    d = dim_of(x, dim)
+    if d in offset.shape or any(e not in x.shape for e in offset.shape):
+        raise GraphError(f"dynamic_shift: offset {offset.shape} must have dims of x {x.shape} only, not {d}")
+    tmp = Dimension("dynamic_shift_tmp", d.size)
+    moved = mrange(x.mesh, tmp, "int32") + offset
+    if wrap:
+        moved = ew.mod(moved, d.size)
+    permutation = ew.cast(ew.equal(mrange(x.mesh, d, "int32"), moved), x.dtype)
+    return einsum([replace_dimensions(x, d, tmp), permutation], output_shape=x.shape)

@@ -64,6 +64,7 @@ class Program:
     train_fn: LoweredFunction
     eval_fn: LoweredFunction
     metric_names: list[str]
+    logged_names: list[str] = dataclasses.field(default_factory=list)  # `mx.log_scalar`s, after the metrics
 
 
 def build(
@@ -92,9 +93,10 @@ def build(
     outputs = [built.loss] + [built.metrics[n] for n in names]
     if not compile:  # for planning: trace only, allocate nothing
         return lowering, outputs, updates
-    train_fn = lowering.function(outputs, updates=updates)
+    logged = list(graph.logged_scalars)
+    train_fn = lowering.function(outputs + [graph.logged_scalars[n] for n in logged], updates=updates)
     eval_fn = lowering.function([built.metrics[n] for n in names])
-    return Program(lowering, train_fn, eval_fn, names)
+    return Program(lowering, train_fn, eval_fn, names, logged)
 
 
 def evaluate(task: Task, program: Program) -> dict[str, float]:
@@ -167,11 +169,13 @@ def train(
     for step in range(first, steps):
         feeds = task.train_batch(step, rows)
         start = time.perf_counter()
-        loss, *_ = program.train_fn(feeds, seed=step, rows=rows)
+        loss, *rest = program.train_fn(feeds, seed=step, rows=rows)
         seconds = time.perf_counter() - start
         times.append(seconds)
         losses.append(float(loss))
         entry = {"step": step + 1, "loss": losses[-1], "step_seconds": seconds}
+        logged = rest[len(program.metric_names) :]
+        entry.update({n: float(v) for n, v in zip(program.logged_names, logged)})
         if task.tokens_per_batch:
             entry["tokens_per_second"] = task.tokens_per_batch / seconds
         record(entry)
