@@ -102,6 +102,7 @@ def on_page_markdown(markdown: str, page, **kwargs) -> str:
         ["calibrate"],
         ["launch"],
         ["plot"],
+        ["generate", "lm"],
     ):
         command = " ".join(["meshax", *argv[:1]])
         sections.append(

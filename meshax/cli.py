@@ -67,7 +67,11 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="meshax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"meshax {__version__}")
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name, helptext in (("train", "train a model"), ("plan", "print layouts and costs; run nothing")):
+    for name, helptext in (
+        ("train", "train a model"),
+        ("plan", "print layouts and costs; run nothing"),
+        ("generate", "lm/seq2seq: decode from a checkpoint (sampling or beam search)"),
+    ):
         s = sub.add_parser(name, help=helptext)
         s.add_argument(
             "task",
@@ -190,6 +194,27 @@ def _parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="join the job JAX detects from the environment (SLURM, Open MPI, Kubernetes)",
             )
+        elif name == "generate":
+            s.add_argument("--resume", required=True, metavar="DIR", help="the checkpoint folder `meshax train` wrote")
+            s.add_argument(
+                "--prompt",
+                default=None,
+                help="lm: the text to continue (bytes; --source markov: token ids like 3,5,2); "
+                "seq2seq: the input token ids (--length of them, e.g. 5,3,9,2,7,4,8,6)",
+            )
+            s.add_argument("--samples", type=_COUNT, default=1, help="how many continuations (default 1)")
+            s.add_argument(
+                "--new", type=_COUNT, default=None, metavar="N", help="lm: tokens to generate (default: to --length)"
+            )
+            s.add_argument(
+                "--temperature",
+                type=_number(float, 0.0, math.inf, "a temperature >= 0"),
+                default=0.0,
+                help="0 (default): the most likely token each step; above: sample",
+            )
+            s.add_argument("--top-k", type=_NATURAL, default=0, help="sample among the K most likely tokens (0: all)")
+            s.add_argument("--beam-size", type=_NATURAL, default=0, help="beam search with this many beams (0: none)")
+            s.add_argument("--alpha", type=float, default=0.6, help="beam search's length penalty exponent")
         else:
             s.add_argument("--json", action="store_true", help="print the plan as JSON")
             s.add_argument(
@@ -302,6 +327,8 @@ def _check(args) -> None:
         ]
         if given:
             raise ConfigError(f"{', '.join(given)} applies to a layout search: add --search")
+    if args.command == "generate":
+        _check_generate(args)
     if args.command != "train":
         return
     _check_paths(args)
@@ -329,6 +356,75 @@ def _check(args) -> None:
                 f"--checkpoint-dir {args.checkpoint_dir!r} already holds the checkpoint of step {last}: "
                 "continue it with --resume, or give an empty folder"
             )
+
+
+def _check_generate(args) -> None:
+    from meshax.core.errors import ConfigError
+    from meshax.train.checkpoint import latest_step
+
+    if args.task not in ("lm", "seq2seq"):
+        raise ConfigError(f"generate decodes the Transformers (lm, seq2seq), not {args.task}")
+    if latest_step(args.resume) is None:
+        raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (train one with --checkpoint-dir)")
+    if args.task == "lm" and not args.prompt:
+        raise ConfigError("generate lm needs --prompt: the text to continue")
+    if args.task == "seq2seq" and args.new is not None:
+        raise ConfigError("--new applies to lm; a seq2seq output has --length tokens")
+    if args.beam_size and args.temperature:
+        raise ConfigError("--beam-size searches for the most likely output; it takes no --temperature")
+
+
+def _generate(args, task, console) -> int:
+    """Decode from the checkpoint in --resume and print each output."""
+    import numpy as np
+
+    from meshax.core.errors import ConfigError
+    from meshax.train.decode import Decoder
+
+    beams = args.beam_size or 1
+    batch = args.samples * beams
+    text = args.task == "lm" and task.source == "text"
+    if args.task == "seq2seq":
+        ids = _token_ids(args.prompt or "")
+        if len(ids) != task.length:
+            raise ConfigError(f"--prompt has {len(ids)} tokens; the model reads --length {task.length}")
+        inputs, prompt = np.tile(np.asarray(ids, np.int32), (args.samples, 1)), None
+    else:
+        ids = list(args.prompt.encode()) if text else _token_ids(args.prompt)
+        if len(ids) >= task.length:
+            raise ConfigError(f"--prompt has {len(ids)} tokens; leave room within --length {task.length}")
+        inputs, prompt = None, np.tile(np.asarray(ids, np.int32), (args.samples, 1))
+    decoder = Decoder(
+        task.config,
+        args.mesh,
+        args.layout,
+        batch=batch,
+        length=task.length,
+        input_length=task.length if args.task == "seq2seq" else None,
+    )
+    decoder.load(args.resume)
+    steps = args.new if args.new is not None else None
+    if args.beam_size:
+        tokens, scores = decoder.beam_search(
+            inputs=inputs, prompt=prompt, beam_size=beams, steps=steps, alpha=args.alpha
+        )
+    else:
+        tokens = decoder.sample(prompt, inputs, steps, args.temperature, args.top_k, args.seed)
+        scores = None
+    for i, row in enumerate(tokens):
+        shown = bytes(int(t) for t in row).decode(errors="replace") if text else ",".join(str(int(t)) for t in row)
+        score = f"  (score {scores[i]:.4f})" if scores is not None else ""
+        console.print(f"{args.prompt if text else ''}{shown}{score}", markup=False, highlight=False)
+    return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    from meshax.core.errors import ConfigError
+
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ConfigError(f"--prompt {text!r}: give token ids separated by commas, like 5,3,9,2") from None
 
 
 def _check_paths(args) -> None:
@@ -493,6 +589,10 @@ def _run(args) -> int:
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
         _start_devices(args, mesh_shape.size)
+    if args.command == "generate":
+        from meshax.runtime import use_cpu_devices
+
+        use_cpu_devices(mesh_shape.size)
     _check(args)
     if args.command == "train":
         from meshax.runtime import is_main_process
@@ -505,6 +605,8 @@ def _run(args) -> int:
         task = _task(args)
         if args.command == "plan":
             return _plan(args, task, console)
+        if args.command == "generate":
+            return _generate(args, task, console)
         program = build(
             task, args.mesh, args.layout, args.backend, _optimizer(args), args.seed, weight_layout=args.weight_layout
         )

@@ -78,7 +78,7 @@ NOT_YET = {
     "us_einsum": "the unit-scaling convention of layers",
     "separable_conv1d": "with the convolution issue",
     "local_self_attention_spatial_blocks": "local attention with halo exchange",
-    "masked_local_attention_1d_incremental": "with autoregressive decoding",
+    "masked_local_attention_1d_incremental": "a decoding step of local attention",
     "local_2d_halo_exchange": "local attention with halo exchange",
     "local_2d_self_attention_spatial_blocks": "local attention with halo exchange",
     "attention_bias_local_2d_block": "local attention with halo exchange",

@@ -128,6 +128,17 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
     assert "resuming from step 3" in out
     steps = [json.loads(line).get("step") for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert steps[:2] == [4, 5]
+    # decoding from the checkpoint (the tokens themselves: tests/test_decode.py)
+    model = ["--model", "tiny", "--source", "markov", "--length", "16", "--resume", ckpt, "--prompt", "3,5,2"]
+    assert main(["generate", "lm", *model, "--mesh", "all:4", "--layout", "heads:all", "--samples", "2"]) == 0
+    lines = capsys.readouterr().out.split("\n")
+    assert len([line for line in lines if line.count(",") == 13]) == 2  # 14 new: positions 3 .. --length
+    assert main(["generate", "lm", *model, "--mesh", "all:1", "--layout", "", "--new", "4", "--beam-size", "2"]) == 0
+    assert "score" in capsys.readouterr().out
+    assert main(["generate", "lm", *model[:-2], "--mesh", "all:1", "--layout", ""]) == 2
+    assert "needs --prompt" in capsys.readouterr().err
+    assert main(["generate", "seq2seq", "--resume", ckpt, "--prompt", "1,2", "--mesh", "all:1", "--layout", ""]) == 2
+    assert main(["generate", "mlp", "--resume", ckpt, "--mesh", "all:1", "--layout", ""]) == 2
 
 
 def test_plan_with_a_gspmd_sharding_and_explain(capsys):

@@ -1,0 +1,290 @@
+"""Autoregressive decoding of the Transformer (`meshax.models.transformer`), as Mesh-TensorFlow's
+transformer decodes: one compiled step per token, attention incremental over key/value caches.
+
+`Decoder(config, mesh_shape, layout, batch)` lays out a step graph with the training graph's
+variable names (so a checkpoint, or a trained lowering's values, loads into it) and the training
+tensors' dim names: the caches [batch, heads, memory_length, d_kv] of each layer are split by
+the same layout rules as the keys and values in training, and a model-parallel layout decodes
+model-parallel. The step takes the token at position t and the caches, writes the token's keys
+and values at t, attends to positions up to t, and returns the logits and the new caches. An
+encoder-decoder runs its encoder once (`encode`): its keys and values are computed once per
+layer and fed to every step.
+
+Search runs on the host over the step's logits: `greedy`, `sample` (temperature, top-k; 0 is
+greedy) and `beam_search` (beams in the batch dim, caches reordered by each step's choice,
+length penalty ((5 + length) / 6) ** alpha as in Mesh-TensorFlow's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from meshax.core.errors import ConfigError
+from meshax.core.graph import Graph, Mesh, Tensor
+from meshax.core.shape import Dimension, Shape
+from meshax.models.transformer import Transformer, TransformerConfig
+from meshax.ops import elementwise as ew
+from meshax.ops.einsum import einsum
+from meshax.ops.indexing import gather, one_hot
+from meshax.ops.inputs import import_tensor, placeholder
+from meshax.ops.inputs import range as mrange
+from meshax.ops.reduce import softmax
+
+NEG = -1e9
+
+
+class Decoder:
+    """The Transformer's decoding step (and encoder), laid out on a mesh. `batch`: sequences
+    decoded together (beams included); `length`: the longest output; `input_length`: the
+    encoder's input length (encoder-decoders)."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        mesh_shape="all:1",
+        layout="",
+        batch: int = 1,
+        length: int | None = None,
+        input_length: int | None = None,
+        backend: str = "simd",
+    ):
+        from meshax.train.loop import BACKENDS
+
+        if config.pipeline_stages > 1 or config.moe_experts:
+            raise ConfigError("decoding supports dense, unpipelined Transformers (no --pipeline-stages, no MoE)")
+        self.config = dataclasses.replace(config, dropout=0.0)
+        self.encoder_decoder = config.num_encoder_layers > 0
+        if self.encoder_decoder and not input_length:
+            raise ConfigError("an encoder-decoder decodes from inputs: give input_length")
+        self.batch_size, self.length = batch, length or config.max_length
+        graph = Graph()
+        self.mesh = Mesh(graph, "mesh")
+        self.model = Transformer(self.config, self.mesh)
+        m = self.model
+        self.batch = Dimension("batch", batch)
+        self.memory_length = Dimension("memory_length", self.length)
+        self.cache_shape = Shape([self.batch, m.heads, self.memory_length, m.d_kv])
+        enc_outputs: list[Tensor] = []
+        if input_length is not None and self.encoder_decoder:
+            enc_outputs = self._encoder(Dimension("length", input_length))
+        step_outputs = self._step()
+        from meshax.lower.lowering import Lowering
+
+        self.lowering = Lowering(graph, {self.mesh: BACKENDS[backend](mesh_shape, layout)})
+        self.step_fn = self.lowering.function(step_outputs)
+        self.encode_fn = self.lowering.function(enc_outputs) if self.encoder_decoder else None
+
+    # ---- the graphs --------------------------------------------------------------------------
+    def _prefix(self) -> tuple[str, str]:
+        """The decoder's embedding table and layer prefix, as the training graph names them."""
+        return ("target_embedding" if self.encoder_decoder else "embedding"), "decoder"
+
+    def _encoder(self, length: Dimension) -> list[Tensor]:
+        """The encoder over inputs [batch, length] and, per decoder layer, the keys and values of
+        its cross-attention over the encoder's output, [batch, heads, encoder_length, d_kv]."""
+        m = self.model
+        inputs = placeholder(self.mesh, "inputs", [self.batch, length], dtype="int32")
+        x = m.embed(inputs, "input_embedding", length)
+        memory = m.as_memory(m.stack(x, self.config.num_encoder_layers, "encoder", None))
+        out: list[Tensor] = []
+        for i in range(self.config.num_layers):
+            wk, wv = (self._weight(f"decoder/{i}/cross_attention/{n}") for n in "kv")
+            self.encoder_length = memory.shape.get_dim_by_name("memory_length")
+            shape = [self.batch, m.heads, self.encoder_length, m.d_kv]
+            out += [einsum(memory, wk, output_shape=shape), einsum(memory, wv, output_shape=shape)]
+        return out
+
+    def _weight(self, name: str, dims=None) -> Tensor:
+        m = self.model
+        if dims is None:
+            dims = [m.heads, m.d_kv, m.d_model] if name.endswith("/o") else [m.d_model, m.heads, m.d_kv]
+        return m._compute(m._var(name, dims, None))
+
+    def _position(self, step: Tensor, table: str) -> Tensor:
+        """The position encoding of `step` [d_model]: a row of the learned table, or the sinusoid."""
+        m, c = self.model, self.config
+        positions = Dimension("max_length", c.max_length)
+        if c.positions == "learned":
+            full = m._var(f"{table}_positions", [positions, m.d_model], None)
+        else:
+            pos = np.arange(c.max_length)[:, None]
+            i = np.arange(c.d_model // 2)[None, :]
+            angles = pos / np.power(10000.0, 2 * i / c.d_model)
+            values = np.concatenate([np.sin(angles), np.cos(angles)], axis=1).astype(np.float32)
+            full = import_tensor(self.mesh, values, [positions, m.d_model], name="sinusoid")
+        return m._compute(gather(full, step, positions))
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias, memory_length: Dimension, name: str) -> Tensor:
+        m = self.model
+        logits = einsum(q, k, output_shape=[self.batch, m.heads, memory_length], dtype=m._wide())
+        weights = m._compute(softmax(logits + bias if bias is not None else logits, memory_length))
+        out = einsum(weights, v, reduced_dims=[memory_length])
+        return einsum(out, self._weight(f"{name}/o"), reduced_dims=[m.heads, m.d_kv])
+
+    def _step(self) -> list[Tensor]:
+        """ids [batch] at position `step`, the caches -> logits [batch, vocab] and the new caches."""
+        m, c = self.model, self.config
+        table, prefix = self._prefix()
+        ids = placeholder(self.mesh, "ids", [self.batch], dtype="int32")
+        step = placeholder(self.mesh, "step", [], dtype="int32")
+        x = gather(m._compute(m._table(table)), ids, m.vocab) * math.sqrt(c.d_model) + self._position(step, table)
+        here = one_hot(step, self.memory_length, dtype="float32")
+        future = ew.greater(mrange(self.mesh, self.memory_length, "int32"), step)
+        self_bias = ew.where(future, NEG, 0.0)
+        caches = []
+        for i in range(c.num_layers):
+            name = f"{prefix}/{i}/self_attention"
+            y = m.norm(x, f"{prefix}/{i}/self_attention_norm")
+            q, k, v = (einsum(y, self._weight(f"{name}/{n}"), reduced_dims=[m.d_model]) for n in "qkv")
+            prev_k, prev_v = (
+                placeholder(self.mesh, f"cache/{i}/{n}", self.cache_shape, dtype=self.config.dtype) for n in "kv"
+            )
+            k = prev_k + ew.multiply(k, ew.cast(here, k.dtype), output_shape=self.cache_shape)
+            v = prev_v + ew.multiply(v, ew.cast(here, v.dtype), output_shape=self.cache_shape)
+            caches += [k, v]
+            x = x + self._attend(q, k, v, self_bias, self.memory_length, name)
+            if self.encoder_decoder:
+                name = f"{prefix}/{i}/cross_attention"
+                y = m.norm(x, f"{prefix}/{i}/cross_attention_norm")
+                q = einsum(y, self._weight(f"{name}/q"), reduced_dims=[m.d_model])
+                enc_shape = Shape([self.batch, m.heads, self.encoder_length, m.d_kv])
+                ek, ev = (placeholder(self.mesh, f"encoded/{i}/{n}", enc_shape, dtype=self.config.dtype) for n in "kv")
+                x = x + self._attend(q, ek, ev, None, self.encoder_length, name)
+            y = m.norm(x, f"{prefix}/{i}/ffn_norm")
+            x = x + m._compute(m.feed_forward(y, f"{prefix}/{i}/ffn"))
+        logits = m.logits(m.norm(x, f"{prefix}/final_norm"), table)
+        return [logits, *caches]
+
+    # ---- running ---------------------------------------------------------------------------------
+    def load(self, source, step: int | None = None) -> None:
+        """The weights from a checkpoint directory, or from a trained `Lowering` (by variable name)."""
+        if isinstance(source, str):
+            import warnings
+
+            from meshax.train.checkpoint import restore_checkpoint
+
+            with warnings.catch_warnings():  # (the optimizer's slots, which decoding does not need)
+                warnings.filterwarnings("ignore", message=".*the graph lacks")
+                restore_checkpoint(source, self.lowering, step)
+            return
+        trained = {v.name: v for v in source.graph.all_variables}
+        for v in self.lowering.graph.all_variables:
+            if v.name not in trained:
+                raise ConfigError(f"the trained model has no variable {v.name!r}: is it the same model config?")
+            self.lowering.set_variable_value(v, source.variable_value(trained[v.name]))
+
+    def _zeros(self) -> list[np.ndarray]:
+        dtype = np.dtype(self.config.dtype) if self.config.dtype != "bfloat16" else np.float32
+        shape = tuple(self.cache_shape.to_integer_list)
+        return [np.zeros(shape, dtype) for _ in range(2 * self.config.num_layers)]
+
+    def _feeds(self, ids, step: int, caches, encoded) -> dict:
+        feeds = {"ids": np.asarray(ids, np.int32), "step": np.int32(step)}
+        for i in range(self.config.num_layers):
+            feeds[f"cache/{i}/k"], feeds[f"cache/{i}/v"] = caches[2 * i], caches[2 * i + 1]
+            if encoded is not None:
+                feeds[f"encoded/{i}/k"], feeds[f"encoded/{i}/v"] = encoded[2 * i], encoded[2 * i + 1]
+        return feeds
+
+    def _start(self, prompt, inputs):
+        """(the tokens so far [batch, n], caches after them, the encoder's keys and values, the
+        last logits): the prompt run through the decoder (an encoder-decoder starts from BOS)."""
+        encoded = None
+        if self.encoder_decoder:
+            encoded = [np.asarray(t) for t in self.encode_fn({"inputs": np.asarray(inputs, np.int32)})]
+            prompt = np.ones((self.batch_size, 1), np.int32) if prompt is None else prompt
+        prompt = np.asarray(prompt, np.int32).reshape(self.batch_size, -1)
+        if prompt.shape[1] == 0 or prompt.shape[1] > self.length:
+            raise ConfigError(f"a prompt of 1 to {self.length} tokens is needed, got {prompt.shape[1]}")
+        caches = self._zeros()
+        for t in range(prompt.shape[1]):
+            logits, *caches = self.step_fn(self._feeds(prompt[:, t], t, caches, encoded))
+        return prompt, caches, encoded, np.asarray(logits, np.float64)
+
+    def sample(self, prompt=None, inputs=None, steps: int | None = None, temperature=1.0, top_k=0, seed=0):
+        """Tokens [batch, steps] after the prompt (LM: [batch, n] ids; encoder-decoder: BOS by
+        default, `inputs` [batch, input_length]): each drawn from softmax(logits / temperature),
+        among the `top_k` most likely (0: all); temperature 0: the most likely (greedy)."""
+        rng = np.random.default_rng(seed)
+        tokens, caches, encoded, logits = self._start(prompt, inputs)
+        first = tokens.shape[1]
+        steps = self.length - first + 1 if steps is None else steps
+        out = []
+        for t in range(first, first + steps):
+            nxt = _choose(logits, temperature, top_k, rng)
+            out.append(nxt)
+            if t >= self.length or len(out) == steps:
+                break
+            logits, *caches = self.step_fn(self._feeds(nxt, t, caches, encoded))
+            logits = np.asarray(logits, np.float64)
+        return np.stack(out, 1)
+
+    def greedy(self, prompt=None, inputs=None, steps: int | None = None):
+        """The most likely token at each step (`sample` at temperature 0)."""
+        return self.sample(prompt, inputs, steps, temperature=0.0)
+
+    def beam_search(self, inputs=None, prompt=None, beam_size: int = 4, steps: int | None = None, alpha=0.6):
+        """The best of `beam_size` hypotheses per sequence, scored by log-probability / ((5 +
+        length) / 6) ** alpha (Mesh-TensorFlow's length penalty). The decoder's batch holds
+        sequences x beams (batch = sequences * beam_size). Returns (tokens [sequences, steps],
+        their scores)."""
+        if self.batch_size % beam_size:
+            raise ConfigError(f"the decoder's batch {self.batch_size} must be sequences x beam_size {beam_size}")
+        n = self.batch_size // beam_size
+        rep = lambda a: None if a is None else np.repeat(np.asarray(a), beam_size, axis=0)  # noqa: E731
+        tokens, caches, encoded, logits = self._start(rep(prompt), rep(inputs))
+        first = tokens.shape[1]
+        steps = self.length - first + 1 if steps is None else steps
+        scores = np.zeros((n, beam_size))
+        scores[:, 1:] = -np.inf  # (the beams start equal: keep one of them)
+        history = np.zeros((n, beam_size, 0), np.int32)
+        for t in range(first, first + steps):
+            logp = _log_softmax(logits).reshape(n, beam_size, -1)
+            total = scores[:, :, None] + logp
+            vocab = total.shape[-1]
+            best = np.argsort(-total.reshape(n, -1), axis=1, kind="stable")[:, :beam_size]
+            beam, token = best // vocab, best % vocab
+            scores = np.take_along_axis(total.reshape(n, -1), best, 1)
+            history = np.concatenate([np.take_along_axis(history, beam[:, :, None], 1), token[:, :, None]], 2)
+            rows = (np.arange(n)[:, None] * beam_size + beam).reshape(-1)
+            caches = [np.asarray(c)[rows] for c in caches]
+            if t >= self.length or history.shape[2] == steps:
+                break
+            logits, *caches = self.step_fn(self._feeds(token.reshape(-1), t, caches, encoded))
+            logits = np.asarray(logits, np.float64)
+        penalty = ((5.0 + history.shape[2]) / 6.0) ** alpha
+        pick = np.argmax(scores, axis=1)
+        return history[np.arange(n), pick], scores[np.arange(n), pick] / penalty
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _choose(logits: np.ndarray, temperature: float, top_k: int, rng) -> np.ndarray:
+    if temperature == 0.0:
+        return np.argmax(logits, -1).astype(np.int32)
+    scaled = logits / temperature
+    if top_k:
+        kth = np.sort(scaled, -1)[:, -top_k][:, None]
+        scaled = np.where(scaled < kth, -np.inf, scaled)
+    p = np.exp(_log_softmax(scaled))
+    return np.array([rng.choice(len(row), p=row / row.sum()) for row in p], np.int32)
+
+
+def sequence_log_probability(decoder: Decoder, inputs, tokens) -> np.ndarray:
+    """The log-probability of `tokens` [batch, n] under the model (teacher forcing from BOS, an
+    encoder-decoder's): the score beam search maximizes, before its length penalty."""
+    bos = np.ones((decoder.batch_size, 1), np.int32)
+    _, caches, encoded, logits = decoder._start(bos, inputs)
+    total = np.zeros(decoder.batch_size)
+    for t in range(tokens.shape[1]):
+        total += _log_softmax(logits)[np.arange(decoder.batch_size), tokens[:, t]]
+        if t + 1 < tokens.shape[1]:
+            logits, *caches = decoder.step_fn(decoder._feeds(tokens[:, t], t + 1, caches, encoded))
+            logits = np.asarray(logits, np.float64)
+    return total
