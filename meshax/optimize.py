@@ -93,11 +93,9 @@ class Optimizer:
 
     def _step(self, mesh) -> Tensor:
         if self.step is None:
-            from meshax import initializers
+            from meshax.ops.variables import global_step
 
-            self.step = get_variable(
-                mesh, "global_step", [], dtype="float32", initializer=initializers.zeros(), trainable=False
-            )
+            self.step = global_step(mesh)
         return self.step
 
     def learning_rate(self, step: Tensor):

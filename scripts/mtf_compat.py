@@ -73,17 +73,7 @@ NOT_APPLICABLE = {
 NOT_YET = {
     "import_laid_out_tensor": "a tensor from each device's slice (a `mx.LaidOutTensor`)",
     "while_loop": "with the loop issue; `mx.scan` runs a loop over a dim today",
-    "serialize_training_step": "gradient accumulation over microbatches",
-    "unit_scaling_convention": "the unit-scaling convention of layers",
-    "us_einsum": "the unit-scaling convention of layers",
     "separable_conv1d": "with the convolution issue",
-    "local_self_attention_spatial_blocks": "local attention with halo exchange",
-    "masked_local_attention_1d_incremental": "a decoding step of local attention",
-    "local_2d_halo_exchange": "local attention with halo exchange",
-    "local_2d_self_attention_spatial_blocks": "local attention with halo exchange",
-    "attention_bias_local_2d_block": "local attention with halo exchange",
-    "reversible_half_residual_and_swap": "reversible residual layers",
-    "annealed_dropout": "dropout annealed over steps",
 }
 # Arguments meshax takes differently, with why (the rest are taken by Mesh-TensorFlow's names).
 ARGUMENT_NOTES = {

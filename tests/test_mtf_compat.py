@@ -672,6 +672,125 @@ def _incremental_case(c):
     return [full, mx.stack(steps, "steps"), cross, cross3], check
 
 
+def _np_attend(q, keys, values, visible):
+    """q [b, h, k]; keys, values [b, h, m, k]; visible [m] bool: softmax attention."""
+    logits = np.einsum("bhk,bhmk->bhm", q, keys) + np.where(visible, 0.0, -1e9)
+    return np.einsum("bhm,bhmk->bhk", _softmax(logits, -1), values)
+
+
+def _spatial_case(c):
+    """1-D and 2-D attention within blocks (the previous blocks seen through halos, the own
+    block causally), and a decoding step of local attention over a ring of cached positions."""
+    x1 = c.input([B, E, H, IO], rand([8, 2, 4, 8], 30))  # [batch, w blocks, w, io]
+    y1 = mx.layers.local_self_attention_spatial_blocks(x1, kv_channels=KV, heads=HEADS, mask_right=True, name="sb1")
+    h2, w2 = mx.Dimension("h", 2), mx.Dimension("w", 2)
+    x2 = c.input([B, E, K2, h2, w2, IO], rand([8, 2, 2, 2, 2, 8], 31))  # [batch, h blocks, w blocks, h, w, io]
+    y2 = mx.layers.local_2d_self_attention_spatial_blocks(x2, kv_channels=KV, heads=HEADS, mask_right=True, name="sb2")
+    window = mx.Dimension("window", 3)
+    xs = c.input([B, L, IO], rand([8, 8, 8], 32))
+    k = v = mx.zeros(c.mesh, [B, HEADS, window, KV])
+    steps = []
+    for t, x_t in enumerate(mx.unstack(xs, L)):
+        y, k, v = mx.layers.masked_local_attention_1d_incremental(x_t, prev_k=k, prev_v=v, step_num=t, name="ring")
+        steps.append(y)
+    variables = {v.name: v.value for v in c.mesh.graph.trainable_variables}
+    weights = [variables[f"{n}/{w}"] for n in ("sb1", "sb2", "ring") for w in "qkvo"]
+
+    def check(a, b, ring, *w):
+        q_, k_, v_, o_ = (np.asarray(t, np.float64) for t in w[:4])
+        x = np.asarray(c.feeds[x1], np.float64).reshape(8, 8, 8)  # positions 0..7 (2 blocks of 4)
+        q, kk, vv = (np.einsum("blc,hck->bhlk", x, t) for t in (q_, k_, v_))
+        out = np.zeros_like(q)
+        zero = np.zeros_like(kk[:, :, 0])
+        for p in range(8):  # the previous block (zeros before the first: seen, as in Mesh-TensorFlow), own causally
+            seen = [m for m in range(p - p % 4 - 4, p + 1)]
+            keys = np.stack([kk[:, :, m] if m >= 0 else zero for m in seen], 2)
+            vals = np.stack([vv[:, :, m] if m >= 0 else zero for m in seen], 2)
+            out[:, :, p] = _np_attend(q[:, :, p], keys, vals, np.ones(len(seen), bool))
+        close(np.einsum("bhlk,hck->blc", out, o_).reshape(8, 2, 4, 8), atol=1e-4)(a)
+        q_, k_, v_, o_ = (np.asarray(t, np.float64) for t in w[4:8])
+        img = np.asarray(c.feeds[x2], np.float64).transpose(0, 1, 3, 2, 4, 5).reshape(8, 4, 4, 8)  # [b, row, col]
+        q, kk, vv = (np.einsum("brsc,hck->bhrsk", img, t) for t in (q_, k_, v_))
+        out = np.zeros_like(q)
+        for r in range(4):
+            for col in range(4):
+                br, bc = r // 2, col // 2
+                seen = [  # the 2 x 2 blocks ending at the own one (zeros outside the image), own causally
+                    (mr, mc)
+                    for mr in range(2 * br - 2, 2 * br + 2)
+                    for mc in range(2 * bc - 2, 2 * bc + 2)
+                    if not (mr // 2 == br and mc // 2 == bc and (mr, mc) > (r, col))
+                ]
+                zero = np.zeros_like(kk[:, :, 0, 0])
+                keys = np.stack([kk[:, :, mr, mc] if min(mr, mc) >= 0 else zero for mr, mc in seen], 2)
+                vals = np.stack([vv[:, :, mr, mc] if min(mr, mc) >= 0 else zero for mr, mc in seen], 2)
+                out[:, :, r, col] = _np_attend(q[:, :, r, col], keys, vals, np.ones(len(seen), bool))
+        want = np.einsum("bhrsk,hck->brsc", out, o_).reshape(8, 2, 2, 2, 2, 8).transpose(0, 1, 3, 2, 4, 5)
+        close(want, atol=1e-4)(b)
+        q_, k_, v_, o_ = (np.asarray(t, np.float64) for t in w[8:])
+        x = np.asarray(c.feeds[xs], np.float64)
+        q, kk, vv = (np.einsum("blc,hck->bhlk", x, t) for t in (q_, k_, v_))
+        for t in range(8):  # the ring holds positions t-2 .. t (zeros where none yet)
+            keys = np.stack([kk[:, :, p] if p >= 0 else 0 * kk[:, :, 0] for p in range(t - 2, t + 1)], 2)
+            vals = np.stack([vv[:, :, p] if p >= 0 else 0 * vv[:, :, 0] for p in range(t - 2, t + 1)], 2)
+            want = np.einsum("bhk,hck->bc", _np_attend(q[:, :, t], keys, vals, np.ones(3, bool)), o_)
+            close(want, atol=1e-4)(np.asarray(ring)[t])
+
+    return [y1, y2, mx.stack(steps, "steps"), *weights], check
+
+
+def _schedule_case(c):
+    """annealed_dropout at step 0 of a start 0, end 10, init_rate 0.5 schedule: keep half, scaled
+    by 2; us_einsum without the unit-scaling convention is einsum."""
+    x = c.input([B, D], 1.0 + 0 * X)
+    dropped = mx.layers.annealed_dropout(x, is_training=True, start_step=0, end_step=10, init_rate=0.5)
+    same = mx.layers.annealed_dropout(x, is_training=False, start_step=0, end_step=10, init_rate=0.5)
+    y = mx.layers.us_einsum([x, c.input([D], Y[0])], output_shape=[B])
+    assert mx.layers.unit_scaling_convention() is False
+
+    def check(d, s_, u):
+        d = np.asarray(d)
+        assert set(np.unique(d)) <= {0.0, 2.0} and 0 < (d == 0).sum() < 64
+        close(np.ones_like(X))(s_)
+        close(np.full(8, Y[0].sum()))(u)
+
+    return [dropped, same, y], check
+
+
+def _accumulation_case(c):
+    """serialize_training_step's summed microbatch gradients and reassembled outputs equal the
+    whole batch's; reversible_half_residual_and_swap's values and gradients equal its formula's."""
+    x = c.input([B, D], X)
+    w0 = rand([8, 4], 40)
+
+    def model_fn(features):
+        w = mx.get_variable(c.mesh, "acc/w", [D, H], initializer=_fixed(w0))
+        y = mx.einsum(features["x"], w, output_shape=[features["x"].shape[0], H])
+        return {"loss": mx.reduce_sum(mx.square(y)), "y": y}
+
+    grads, outputs = mx.serialize_training_step({"x": x}, model_fn, batch_dim=B, num_splits=4)
+    w = c.mesh.graph.trainable_variables[-1].value
+    x1, x2 = c.input([B, D], Y), c.input([B, D], X * 0.5)
+    f = lambda t: mx.tanh(t * 2.0)  # noqa: E731
+    a, a_back, b, b_back = mx.layers.reversible_half_residual_and_swap(x1, None, x2, None, f, recompute_grads=True)
+    ga = mx.gradients(mx.reduce_sum(b * b) + mx.reduce_sum(a), [x1, x2])
+
+    def check(g, y, loss, wv, av, abv, bv, bbv, g1, g2):
+        want_y = X @ np.asarray(wv)
+        close(want_y)(y)
+        close((want_y**2).sum(), atol=1e-3)(loss)
+        close(2 * X.T @ want_y, atol=1e-3)(g)
+        close(X * 0.5)(av)
+        close(Y + np.tanh(X))(bv)
+        close(0 * X)(abv)
+        close(0 * X)(bbv)
+        by = Y + np.tanh(X)
+        close(2 * by)(g1)
+        close(1 + 2 * by * 2 * (1 - np.tanh(X) ** 2), atol=1e-4)(g2)
+
+    return [grads[-1], outputs["y"], outputs["loss"], w, a, a_back, b, b_back, *ga], check
+
+
 def _layers_embedding_case(c):
     ids = c.input([B], IDS, "int32")
     table = rand([8, 4], 9)
@@ -822,9 +941,12 @@ CASES = {
     ("layers", "clip_activation_gradient"): _layers_clip_case,
     ("ops", "dynamic_shift"): _dynamic_shift_case,
     ("layers", "multihead_self_attention_incremental"): _incremental_case,
+    ("layers", "local_self_attention_spatial_blocks"): _spatial_case,
+    ("layers", "annealed_dropout"): _schedule_case,
+    ("ops", "serialize_training_step"): _accumulation_case,
     ("layers", "dense_product"): _layers_more_case,
 }
-# The functions each case exercises beyond the one it is filed under.
+# The functions each case exercises beyond the one it is filed under ("layers.x": mx.layers.x).
 ALSO = {
     ("ops", "get_variable"): ["assign", "assign_add", "assign_sub", "read_variable", "to_float"],
     ("ops", "top_k"): ["top_1", "nth_largest_element", "nth_smallest_element"],
@@ -886,6 +1008,14 @@ ALSO = {
     ("layers", "masked_local_attention_1d"): ["local_1d_halo_exchange", "attention_bias_local_block", "compress_mean"],
     ("layers", "dense_product"): ["corr", "multihead_self_attention_memory_compressed"],
     ("layers", "multihead_self_attention_incremental"): ["multihead_encdec_attention_incremental"],
+    ("layers", "local_self_attention_spatial_blocks"): [
+        "local_2d_self_attention_spatial_blocks",
+        "local_2d_halo_exchange",
+        "attention_bias_local_2d_block",
+        "masked_local_attention_1d_incremental",
+    ],
+    ("layers", "annealed_dropout"): ["us_einsum", "unit_scaling_convention"],
+    ("ops", "serialize_training_step"): ["layers.reversible_half_residual_and_swap"],
     ("layers", "conv2d"): [
         "conv1d",
         "conv2d_transpose",
@@ -900,7 +1030,12 @@ ALSO = {
 
 
 def test_every_same_function_has_a_case():
-    covered = set(CASES) | {(m, n) for (m, _), names in ALSO.items() for n in names}
+    also = {
+        ("layers", n[len("layers.") :]) if n.startswith("layers.") else (m, n)
+        for (m, _), ns in ALSO.items()
+        for n in ns
+    }
+    covered = set(CASES) | also
     assert SAME - covered == set(), "functions the page calls same that no case runs"
     assert covered - SAME == set()
 

@@ -301,13 +301,18 @@ def conv3d_transpose(
 
 
 from meshax.layers.attention import (  # noqa: E402 (after the layers they build on)
+    attention_bias_local_2d_block,
     attention_bias_local_block,
     attention_mask_autoregressive,
     attention_mask_ignore_padding,
     attention_mask_same_segment,
     dot_product_attention,
     local_1d_halo_exchange,
+    local_2d_halo_exchange,
+    local_2d_self_attention_spatial_blocks,
+    local_self_attention_spatial_blocks,
     masked_local_attention_1d,
+    masked_local_attention_1d_incremental,
     multihead_attention,
     multihead_attention_params,
     multihead_attention_vars,
@@ -317,6 +322,7 @@ from meshax.layers.attention import (  # noqa: E402 (after the layers they build
     rename_length_to_memory_length,
 )
 from meshax.layers.common import (  # noqa: E402
+    annealed_dropout,
     batch_norm,
     clip_activation_gradient,
     compress_mean,
@@ -324,13 +330,18 @@ from meshax.layers.common import (  # noqa: E402
     dense_product,
     dense_relu_dense,
     multiplicative_jitter,
+    reversible_half_residual_and_swap,
     sigmoid_cross_entropy_with_logits,
+    unit_scaling_convention,
+    us_einsum,
     weights_nonzero,
 )
 from meshax.ops.conv import avg_pool2d, avg_pool3d, max_pool2d, max_pool3d  # noqa: E402 (also mtf.layers')
 
 __all__ = [
     "MoeOutput",
+    "annealed_dropout",
+    "attention_bias_local_2d_block",
     "attention_bias_local_block",
     "attention_mask_autoregressive",
     "attention_mask_ignore_padding",
@@ -356,7 +367,11 @@ __all__ = [
     "get_dense_kernel_weights",
     "layer_norm",
     "local_1d_halo_exchange",
+    "local_2d_halo_exchange",
+    "local_2d_self_attention_spatial_blocks",
+    "local_self_attention_spatial_blocks",
     "masked_local_attention_1d",
+    "masked_local_attention_1d_incremental",
     "max_pool2d",
     "max_pool3d",
     "moe",
@@ -368,7 +383,10 @@ __all__ = [
     "multihead_self_attention_memory_compressed",
     "multiplicative_jitter",
     "rename_length_to_memory_length",
+    "reversible_half_residual_and_swap",
     "sigmoid_cross_entropy_with_logits",
     "softmax_cross_entropy_with_logits",
+    "unit_scaling_convention",
+    "us_einsum",
     "weights_nonzero",
 ]

@@ -22,9 +22,9 @@ from meshax.ops.inputs import constant, zeros
 from meshax.ops.inputs import range as mtf_range
 from meshax.ops.random import dropout as _dropout
 from meshax.ops.reduce import softmax
-from meshax.ops.shape_ops import rename_dimension, reshape
+from meshax.ops.shape_ops import rename_dimension, replace_dimensions, reshape
 from meshax.ops.slicing import concat, halo_exchange, left_halo_exchange, pad, unstack
-from meshax.ops.variables import get_variable
+from meshax.ops.variables import get_variable, reuse_variables
 
 
 def rename_length_to_memory_length(x: Tensor, length_name="length", memory_length_name="memory_length") -> Tensor:
@@ -94,15 +94,10 @@ def multihead_attention_params(
 
 
 def _variable(mesh, name: str, shape, dtype, initializer) -> Tensor:
-    """The variable `name`: the graph's own if it has one of that shape (a decode step shares
-    the weights of the layer of the same name, as TensorFlow's variable scopes with reuse do),
-    else a new one."""
-    for v in mesh.graph.all_variables:
-        if v.name == name:
-            if v.shape != Shape(shape):
-                raise GraphError(f"variable {name!r} exists with shape {v.shape}, not {Shape(shape)}")
-            return v.value
-    return get_variable(mesh, name, shape, dtype, initializer=initializer)
+    """The variable `name`: the graph's own if it has one (a decode step shares the weights of
+    the layer of the same name, as TensorFlow's variable scopes with reuse do), else a new one."""
+    with reuse_variables():
+        return get_variable(mesh, name, shape, dtype, initializer=initializer)
 
 
 def multihead_attention_vars(
@@ -318,3 +313,143 @@ def multihead_encdec_attention_incremental(
     q = einsum([query_antecedent, wq], output_shape=Shape([*query_antecedent.shape.dims[:-1], heads, kv_channels]))
     o = dot_product_attention(q, k, v, mask, is_training=False)
     return einsum([o, wo], output_shape=query_antecedent.shape)
+
+
+def masked_local_attention_1d_incremental(
+    x: Tensor, prev_k: Tensor, prev_v: Tensor, step_num, master_dtype=None, slice_dtype=None, params=None, name=None
+):
+    """One decoding step of local attention over a window of caches prev_k, prev_v [batch...,
+    heads, window_length, kv_channels]: the step's key and value replace the window's entry
+    step_num mod window_length, and the query attends to the window. Returns (y, new_k, new_v)."""
+    batch_dims, io_channels = x.shape.dims[:-1], x.shape.dims[-1]
+    heads, window, kv_channels = prev_k.shape.dims[-3:]
+    if params is None:
+        params = multihead_attention_vars(
+            x.mesh,
+            heads,
+            io_channels,
+            kv_channels,
+            master_dtype,
+            slice_dtype,
+            x.dtype,
+            name=name or "masked_local_attention_1d",
+        )
+    wq, wk, wv, wo = params
+    q, k, v = (einsum([x, w], output_shape=Shape([*batch_dims, heads, kv_channels])) for w in (wq, wk, wv))
+    step = step_num if isinstance(step_num, Tensor) else constant(x.mesh, int(step_num), [], "int32")
+    here = ew.equal(mtf_range(x.mesh, window, "int32"), ew.mod(step, window.size))
+    k = ew.where(here, k, prev_k, output_shape=prev_k.shape)
+    v = ew.where(here, v, prev_v, output_shape=prev_v.shape)
+    o = dot_product_attention(q, k, v, mask=None, is_training=False)
+    return einsum([o, wo], output_shape=x.shape), k, v
+
+
+def local_self_attention_spatial_blocks(
+    query_antecedent: Tensor,
+    kv_channels: Dimension,
+    heads: Dimension,
+    is_training=False,
+    memory_w_dim=None,
+    mask_right=False,
+    master_dtype=None,
+    slice_dtype=None,
+    name=None,
+) -> Tensor:
+    """Attention within blocks of a sequence laid out as [batch, num_w_blocks, ..., w_dim,
+    io_channels], each block also seeing the block before it (and after, unless `mask_right`)
+    through a halo exchange over num_w_blocks (so between devices where it is split)."""
+    x = query_antecedent
+    w_dim, io_channels = x.shape.dims[-2:]
+    batch, blocks = x.shape.dims[:2]
+    wq, wk, wv, wo = multihead_attention_vars(
+        x.mesh,
+        heads,
+        io_channels,
+        kv_channels,
+        master_dtype,
+        slice_dtype,
+        x.dtype,
+        name=x.graph.unique_name(name or "multihead_attention"),
+    )
+    memory = rename_dimension(x, w_dim.name, "memory_" + w_dim.name)
+    memory_w = memory.shape.dims[-2]
+    q = einsum([x, wq], output_shape=Shape([batch, heads, blocks, w_dim, kv_channels]))
+    k, v = (einsum([memory, w], output_shape=Shape([batch, heads, blocks, memory_w, kv_channels])) for w in (wk, wv))
+    k, v = local_1d_halo_exchange(k, v, blocks, memory_w, mask_right)
+    mask = attention_bias_local_block(x.mesh, w_dim, memory_w) if mask_right else None
+    o = dot_product_attention(q, k, v, mask=mask, is_training=is_training)
+    return einsum([o, wo], output_shape=Shape([batch, blocks, w_dim, io_channels]))
+
+
+def local_2d_halo_exchange(k: Tensor, v: Tensor, num_h_blocks, h_dim: Dimension, num_w_blocks, w_dim, mask_right):
+    """`local_1d_halo_exchange` along both block dims of an image: height, then width."""
+    for blocks, size in ((num_h_blocks, h_dim), (num_w_blocks, w_dim)):
+        k, v = local_1d_halo_exchange(k, v, blocks, size, mask_right)
+    return k, v
+
+
+def attention_bias_local_2d_block(mesh, h_dim, w_dim, memory_h_dim, memory_w_dim, dtype="int32") -> Tensor:
+    """The bias of causal 2-D local attention, [h_dim, w_dim, memory_h, memory_w] over the
+    memory of 2 x 2 blocks (the blocks above-left, above and left, then the query's own): -1e9
+    on the positions of the query's own block after it in raster order. (Mesh-TensorFlow's
+    version concatenates masks of different shapes and cannot run; this is the mask it means.)"""
+    mh = Dimension(memory_h_dim.name, 2 * h_dim.size) if memory_h_dim.size == h_dim.size else memory_h_dim
+    mw = Dimension(memory_w_dim.name, 2 * w_dim.size) if memory_w_dim.size == w_dim.size else memory_w_dim
+    row = mtf_range(mesh, mh, "int32") - h_dim.size  # (negative: the blocks above)
+    col = mtf_range(mesh, mw, "int32") - w_dim.size
+    qh, qw = mtf_range(mesh, h_dim, "int32"), mtf_range(mesh, w_dim, "int32")
+    own = ew.logical_and(ew.greater_equal(row, 0), ew.greater_equal(col, 0))
+    after = ew.logical_or(ew.greater(row, qh), ew.logical_and(ew.equal(row, qh), ew.greater(col, qw)))
+    masked = ew.logical_and(own, after, output_shape=[h_dim, w_dim, mh, mw])
+    return ew.cast(ew.cast(masked, dtype), "float32") * -1e9
+
+
+def local_2d_self_attention_spatial_blocks(
+    query_antecedent: Tensor,
+    kv_channels: Dimension,
+    heads: Dimension,
+    is_training=False,
+    memory_h_dim=None,
+    memory_w_dim=None,
+    mask_right=False,
+    master_dtype=None,
+    slice_dtype=None,
+    name=None,
+) -> Tensor:
+    """Attention within 2-D blocks of an image [batch, num_h_blocks, num_w_blocks, h_dim, w_dim,
+    io_channels], each block also seeing its neighbours' (above and left; and below and right
+    unless `mask_right`) through halo exchanges over the block dims. Each position attends to
+    every position of its window (Mesh-TensorFlow's version sums its logits over the memory
+    rows: its `dot_product_attention` takes one memory dim; here the window's rows and columns
+    are one dim)."""
+    x = query_antecedent
+    h_dim, w_dim, io_channels = x.shape.dims[-3:]
+    batch, h_blocks, w_blocks = x.shape.dims[:3]
+    wq, wk, wv, wo = multihead_attention_vars(
+        x.mesh,
+        heads,
+        io_channels,
+        kv_channels,
+        master_dtype,
+        slice_dtype,
+        x.dtype,
+        name=x.graph.unique_name(name or "multihead_attention"),
+    )
+    memory = rename_dimension(
+        rename_dimension(x, h_dim.name, "memory_" + h_dim.name), w_dim.name, "memory_" + w_dim.name
+    )
+    memory_h, memory_w = memory.shape.dims[-3:-1]
+    q = einsum([x, wq], output_shape=Shape([batch, heads, h_blocks, w_blocks, h_dim, w_dim, kv_channels]))
+    kv_shape = Shape([batch, heads, h_blocks, w_blocks, memory_h, memory_w, kv_channels])
+    k, v = (einsum([memory, w], output_shape=kv_shape) for w in (wk, wv))
+    k, v = local_2d_halo_exchange(k, v, h_blocks, memory_h, w_blocks, memory_w, mask_right)
+    # one memory dim of the window's positions (rows x columns), which the attention runs over
+    memory_h, memory_w = k.shape.dims[-3:-1]
+    window = Dimension("memory_" + h_dim.name + "_" + w_dim.name, memory_h.size * memory_w.size)
+    k, v = (replace_dimensions(t, [memory_h, memory_w], window) for t in (k, v))
+    mask = None
+    if mask_right:
+        bias = attention_bias_local_2d_block(x.mesh, h_dim, w_dim, memory_h, memory_w)
+        mask = replace_dimensions(bias, bias.shape.dims[-2:], window)
+    o = dot_product_attention(q, k, v, mask=mask, is_training=is_training)
+    return einsum([o, wo], output_shape=Shape([batch, h_blocks, w_blocks, h_dim, w_dim, io_channels]))

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from meshax import initializers
+from meshax.core.errors import GraphError
 from meshax.core.graph import Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.ops import elementwise as ew
@@ -86,8 +87,6 @@ def batch_norm(
 
 def sigmoid_cross_entropy_with_logits(logits: Tensor, targets: Tensor) -> Tensor:
     """The sigmoid loss per value, stably: relu(x) - x z + log(1 + exp(-|x|))."""
-    from meshax.core.errors import GraphError
-
     if logits.shape != targets.shape:
         raise GraphError(f"sigmoid_cross_entropy_with_logits: logits {logits.shape} and targets {targets.shape} differ")
     return ew.relu(logits) - logits * targets + ew.log(ew.exp(-ew.abs(logits)) + 1.0)
@@ -171,3 +170,52 @@ def corr(x: Tensor, dim: Dimension, epsilon: float = 1e-20, name="pearson_correl
         return ew.sqrt(reduce_sum(ew.square(z), output_shape=z.shape.dims[-1:])) + epsilon
 
     return matmul(x1, x2) / matmul(norm(x1), norm(x2))
+
+
+def annealed_dropout(x: Tensor, is_training: bool, start_step, end_step, init_rate=None, noise_shape=None, name=None):
+    """Dropout whose rate falls linearly from `init_rate` at `start_step` to 0 at `end_step`,
+    counted by the optimizer's step (`global_step`), as Mesh-TensorFlow's; x itself when not
+    training."""
+    from meshax.ops.variables import global_step
+
+    if init_rate is None:
+        raise GraphError("annealed_dropout needs init_rate: the dropout rate at start_step")
+    if not is_training:
+        return x
+    fraction = (global_step(x.mesh) - float(start_step)) * (1.0 / (float(end_step) - float(start_step)))
+    keep = ew.minimum(fraction * init_rate + (1.0 - init_rate), 1.0)
+    shape = x.shape if noise_shape is None else Shape(as_dims(noise_shape))
+    noise = ew.cast(ew.less(random_uniform(x.mesh, shape, dtype=x.dtype), ew.cast(keep, x.dtype)), x.dtype)
+    return x * (noise / ew.cast(keep, x.dtype))
+
+
+def unit_scaling_convention(value: bool = False) -> bool:
+    """Whether layers follow the unit-scaling convention (Mesh-TensorFlow's gin switch): here,
+    as there, the value given (default False)."""
+    return value
+
+
+def us_einsum(xs, *args, **kwargs) -> Tensor:
+    """`einsum`, scaled by 1/sqrt(the size of the reduced dims) under the unit-scaling convention."""
+    from meshax.ops.einsum import einsum
+
+    y = einsum(xs, *args, **kwargs)
+    if unit_scaling_convention():
+        reduced = {d for x in xs for d in x.shape if d not in y.shape}
+        y = y * Shape(sorted(reduced, key=lambda d: d.name)).size ** -0.5
+    return y
+
+
+def reversible_half_residual_and_swap(x1, x1_backwards, x2, x2_backwards, f, recompute_grads=True):
+    """Half a reversible residual layer, as Mesh-TensorFlow's: (x2, x2_backwards, x1 + f(x2),
+    x1_backwards). With `recompute_grads`, f's activations are recomputed in the backward pass
+    (`recompute_grad`); Mesh-TensorFlow's version also rebuilds x1 from the outputs and passes it
+    back through the `_backwards` tensors, which here are passed through unchanged (the values
+    and gradients are the same; x1 is kept)."""
+    from meshax.ops.inputs import zeros_like
+    from meshax.ops.recompute import recompute_grad
+
+    x1_backwards = zeros_like(x1) if x1_backwards is None else x1_backwards
+    x2_backwards = zeros_like(x2) if x2_backwards is None else x2_backwards
+    fx2 = recompute_grad(f, [x2]) if recompute_grads else f(x2)
+    return x2, x2_backwards, x1 + fx2, x1_backwards

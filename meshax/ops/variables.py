@@ -86,6 +86,18 @@ def _variable_of(var) -> VariableOperation:
 
 
 _STACKING: list[tuple[list, Callable[[Tensor], Tensor]]] = []
+_REUSING: list[bool] = []
+
+
+@contextlib.contextmanager
+def reuse_variables() -> Iterator[None]:
+    """Inside, `get_variable` of a name the graph has gives that variable (TensorFlow's
+    variable scope with reuse): a model function called again shares its weights."""
+    _REUSING.append(True)
+    try:
+        yield
+    finally:
+        _REUSING.pop()
 
 
 @contextlib.contextmanager
@@ -131,7 +143,10 @@ def get_variable(
         from meshax import initializers
 
         initializer = initializers.tensorflow_default()
-    value = _new_variable(mesh, name, shape, initializer, dtype, trainable)
+    existing = next((v for v in mesh.graph.all_variables if v.name == name), None) if _REUSING else None
+    if existing is not None and existing.shape != convert_to_shape(shape):
+        raise GraphError(f"variable {name!r} exists with shape {existing.shape}, not {convert_to_shape(shape)}")
+    value = existing.value if existing is not None else _new_variable(mesh, name, shape, initializer, dtype, trainable)
     if activation_dtype is not None:
         from meshax.ops.elementwise import cast
 
@@ -148,6 +163,17 @@ def _new_variable(mesh: Mesh, name: str, shape, initializer, dtype, trainable) -
         shape = convert_to_shape(shape)
         return select(VariableOperation(mesh, name, [*dims, *shape], dtype, init, trainable).value)
     return VariableOperation(mesh, name, shape, dtype, initializer, trainable).value
+
+
+def global_step(mesh: Mesh) -> Tensor:
+    """The step counter `global_step` (float32, from 0): the one the optimizer increments at each
+    update, created here if nothing made it yet (TensorFlow's `get_or_create_global_step`)."""
+    for v in mesh.graph.all_variables:
+        if v.name == "global_step":
+            return v.value
+    from meshax import initializers
+
+    return get_variable(mesh, "global_step", [], dtype="float32", initializer=initializers.zeros(), trainable=False)
 
 
 def read_variable(var) -> Tensor:
