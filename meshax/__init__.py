@@ -47,6 +47,7 @@ from meshax.lower import (
 )
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
 from meshax.ops import __all__ as _ops
+from meshax.optimize import serialize_training_step
 from meshax.pipeline import pipeline
 from meshax.runtime import initialize_distributed, is_main_process, use_cpu_devices
 from meshax.search import search_layout
@@ -97,6 +98,7 @@ __all__ = [
     "replicated_region",
     "search",
     "search_layout",
+    "serialize_training_step",
     "simd_mesh_impl",
     "use_cpu_devices",
     *_ops,

@@ -156,12 +156,6 @@ BUILDERS = {
     "pool_tensor_1d": lambda x, i, m: mx.pool_tensor_1d(x, D, mx.reduce_sum, 2),
     "stride_tensor_1d": lambda x, i, m: mx.stride_tensor_1d(x, D, 4),
     "dynamic_shift": lambda x, i, m: mx.dynamic_shift(x, i, D, wrap=True),
-    "serialize_training_step": lambda x, i, m: mx.serialize_training_step(
-        {"x": x},
-        lambda f: {"loss": mx.reduce_sum(mx.cast(f["x"], "float32") * mx.get_variable(m, "acc", [D]))},
-        B,
-        2,
-    )[1]["loss"],
     "log_scalar": lambda x, i, m: mx.log_scalar("total", mx.reduce_sum(x)),
     "read_variable": lambda x, i, m: mx.read_variable(mx.get_variable(m, "v5", [D], dtype=x.dtype)),
 }
