@@ -116,6 +116,15 @@ def multihead_attention_vars(
     return [ew.cast(w, activation_dtype) if activation_dtype is not None else w for w in ws]
 
 
+def _own_weights(x: Tensor, heads, kv_channels, master_dtype, slice_dtype, name: str) -> list[Tensor]:
+    """A layer's wq, wk, wv, wo for input x [..., io_channels], under a name of its own."""
+    io_channels = x.shape.dims[-1]
+    name = x.graph.unique_name(name)
+    return multihead_attention_vars(
+        x.mesh, heads, io_channels, kv_channels, master_dtype, slice_dtype, x.dtype, name=name
+    )
+
+
 def multihead_attention(
     query_antecedent: Tensor,
     memory_antecedent,
@@ -203,13 +212,9 @@ def masked_local_attention_1d(
     list that receives k and v."""
     batch_dims = x.shape.dims[:-2]
     length, io_channels = x.shape.dims[-2:]
-    name = x.graph.unique_name(name or "masked_local_attention_1d")
     if params is None:
-        wq, wk, wv, wo = multihead_attention_vars(
-            x.mesh, heads, io_channels, kv_channels, master_dtype, slice_dtype, x.dtype, name=name
-        )
-    else:
-        wq, wk, wv, wo = params
+        params = _own_weights(x, heads, kv_channels, master_dtype, slice_dtype, name or "masked_local_attention_1d")
+    wq, wk, wv, wo = params
     qkv_shape = Shape([*batch_dims, heads, length, kv_channels])
     q, k, v = (einsum([x, w], output_shape=qkv_shape) for w in (wq, wk, wv))
     if return_kv is not None:
@@ -254,10 +259,7 @@ def multihead_self_attention_memory_compressed(
 
     batch_dims = x.shape.dims[:-2]
     length, io_channels = x.shape.dims[-2:]
-    name = x.graph.unique_name(name)
-    wq, wk, wv, wo = multihead_attention_vars(
-        x.mesh, heads, io_channels, kv_channels, master_dtype, slice_dtype, x.dtype, name=name
-    )
+    wq, wk, wv, wo = _own_weights(x, heads, kv_channels, master_dtype, slice_dtype, name)
     memory = rename_length_to_memory_length(compress_mean(x, length, compression_factor), length.name)
     memory_length = memory.shape.dims[-2]
     q = einsum([x, wq], output_shape=Shape([*batch_dims, heads, length, kv_channels]))
@@ -361,16 +363,7 @@ def local_self_attention_spatial_blocks(
     x = query_antecedent
     w_dim, io_channels = x.shape.dims[-2:]
     batch, blocks = x.shape.dims[:2]
-    wq, wk, wv, wo = multihead_attention_vars(
-        x.mesh,
-        heads,
-        io_channels,
-        kv_channels,
-        master_dtype,
-        slice_dtype,
-        x.dtype,
-        name=x.graph.unique_name(name or "multihead_attention"),
-    )
+    wq, wk, wv, wo = _own_weights(x, heads, kv_channels, master_dtype, slice_dtype, name or "multihead_attention")
     memory = rename_dimension(x, w_dim.name, "memory_" + w_dim.name)
     memory_w = memory.shape.dims[-2]
     q = einsum([x, wq], output_shape=Shape([batch, heads, blocks, w_dim, kv_channels]))
@@ -425,16 +418,7 @@ def local_2d_self_attention_spatial_blocks(
     x = query_antecedent
     h_dim, w_dim, io_channels = x.shape.dims[-3:]
     batch, h_blocks, w_blocks = x.shape.dims[:3]
-    wq, wk, wv, wo = multihead_attention_vars(
-        x.mesh,
-        heads,
-        io_channels,
-        kv_channels,
-        master_dtype,
-        slice_dtype,
-        x.dtype,
-        name=x.graph.unique_name(name or "multihead_attention"),
-    )
+    wq, wk, wv, wo = _own_weights(x, heads, kv_channels, master_dtype, slice_dtype, name or "multihead_attention")
     memory = rename_dimension(
         rename_dimension(x, h_dim.name, "memory_" + h_dim.name), w_dim.name, "memory_" + w_dim.name
     )
