@@ -73,7 +73,6 @@ NOT_APPLICABLE = {
 NOT_YET = {
     "import_laid_out_tensor": "a tensor from each device's slice (a `mx.LaidOutTensor`)",
     "while_loop": "with the loop issue; `mx.scan` runs a loop over a dim today",
-    "separable_conv1d": "with the convolution issue",
 }
 # Arguments meshax takes differently, with why (the rest are taken by Mesh-TensorFlow's names).
 ARGUMENT_NOTES = {

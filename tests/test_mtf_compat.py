@@ -791,6 +791,31 @@ def _accumulation_case(c):
     return [grads[-1], outputs["y"], outputs["loss"], w, a, a_back, b, b_back, *ga], check
 
 
+def _separable_case(c):
+    """separable_conv1d: a filter per depth channel over relative positions -1, 0, 1 (zeros
+    past the ends), then a pointwise dense; under the split layout the length is whole, d split."""
+    x = c.input([B, L, D], rand([8, 8, 8], 50))  # [b, length, depth d]
+    taps = [rand([8], 51 + i) for i in range(3)]
+    out = mx.layers.separable_conv1d(
+        x,
+        output_dim=H,
+        min_relative_pos=-1,
+        max_relative_pos=1,
+        name="sep",
+        use_bias=False,
+        kernel_depth_weights=[c.input([D], t) for t in taps],
+    )
+    variables = {v.name: v.value for v in c.mesh.graph.trainable_variables}
+
+    def check(y, pointwise):
+        xs = np.asarray(c.feeds[x], np.float64)
+        padded = np.pad(xs, [(0, 0), (1, 1), (0, 0)])
+        depthwise = sum(padded[:, 1 + r : 9 + r] * taps[r + 1] for r in (-1, 0, 1))
+        close(depthwise @ np.asarray(pointwise), atol=1e-4)(y)
+
+    return [out, variables["sep/pointwise_dense/kernel"]], check
+
+
 def _layers_embedding_case(c):
     ids = c.input([B], IDS, "int32")
     table = rand([8, 4], 9)
@@ -944,6 +969,7 @@ CASES = {
     ("layers", "local_self_attention_spatial_blocks"): _spatial_case,
     ("layers", "annealed_dropout"): _schedule_case,
     ("ops", "serialize_training_step"): _accumulation_case,
+    ("layers", "separable_conv1d"): _separable_case,
     ("layers", "dense_product"): _layers_more_case,
 }
 # The functions each case exercises beyond the one it is filed under ("layers.x": mx.layers.x).

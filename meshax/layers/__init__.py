@@ -211,6 +211,50 @@ def conv1d(
     )
 
 
+def separable_conv1d(
+    x: Tensor,
+    output_dim: Dimension,
+    min_relative_pos: int = -1,
+    max_relative_pos: int = 1,
+    depthwise_filter_initializer_scale: float = 1.0,
+    pointwise_filter_initializer_scale: float = 1.0,
+    name=None,
+    use_bias: bool = True,
+    kernel_depth_weights=None,
+) -> Tensor:
+    """A 1-D convolution with separable filters, x [..., length, depth] -> [..., length,
+    output_dim], as Mesh-TensorFlow's: a depthwise filter over the relative positions
+    min_relative_pos .. max_relative_pos (each a shift of x along length, zeros past the ends,
+    times a weight per depth channel; `kernel_depth_weights`: those weights, one [depth] tensor
+    per position), then a pointwise dense to output_dim. A split length exchanges halos."""
+    from meshax.ops.slicing import shift
+
+    depth, length = x.shape.dims[-1], x.shape.dims[-2]
+    name = _name(x, name, "separable_conv1d")
+    size = max_relative_pos - min_relative_pos + 1
+    depthwise = None
+    for i in range(size):
+        term = dense(
+            shift(x, -(min_relative_pos + i), length, wrap=False),
+            new_dims=[],
+            reduced_dims=[],
+            expert_dims=[depth],
+            kernel_weights=kernel_depth_weights[i] if kernel_depth_weights else None,
+            name=f"{name}/depthwise_dense_{i}",
+            use_bias=use_bias and i == 0,
+            kernel_initializer=initializers.truncated_normal(math.sqrt(depthwise_filter_initializer_scale / size)),
+        )
+        depthwise = term if depthwise is None else depthwise + term
+    return dense(
+        depthwise,
+        new_dims=[output_dim],
+        reduced_dims=[depth],
+        name=f"{name}/pointwise_dense",
+        use_bias=use_bias,
+        kernel_initializer=initializers.truncated_normal(math.sqrt(pointwise_filter_initializer_scale / depth.size)),
+    )
+
+
 def conv2d(
     x,
     output_dim,
@@ -384,6 +428,7 @@ __all__ = [
     "multiplicative_jitter",
     "rename_length_to_memory_length",
     "reversible_half_residual_and_swap",
+    "separable_conv1d",
     "sigmoid_cross_entropy_with_logits",
     "softmax_cross_entropy_with_logits",
     "unit_scaling_convention",
