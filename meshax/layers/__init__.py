@@ -227,14 +227,14 @@ def separable_conv1d(
     min_relative_pos .. max_relative_pos (each a shift of x along length, zeros past the ends,
     times a weight per depth channel; `kernel_depth_weights`: those weights, one [depth] tensor
     per position), then a pointwise dense to output_dim. A split length exchanges halos."""
+    from meshax.ops.elementwise import add_n
     from meshax.ops.slicing import shift
 
     depth, length = x.shape.dims[-1], x.shape.dims[-2]
     name = _name(x, name, "separable_conv1d")
     size = max_relative_pos - min_relative_pos + 1
-    depthwise = None
-    for i in range(size):
-        term = dense(
+    terms = [
+        dense(
             shift(x, -(min_relative_pos + i), length, wrap=False),
             new_dims=[],
             reduced_dims=[],
@@ -244,7 +244,9 @@ def separable_conv1d(
             use_bias=use_bias and i == 0,
             kernel_initializer=initializers.truncated_normal(math.sqrt(depthwise_filter_initializer_scale / size)),
         )
-        depthwise = term if depthwise is None else depthwise + term
+        for i in range(size)
+    ]
+    depthwise = add_n(terms)
     return dense(
         depthwise,
         new_dims=[output_dim],
