@@ -7,8 +7,9 @@ tensors' dim names: the caches [batch, heads, memory_length, d_kv] of each layer
 the same layout rules as the keys and values in training, and a model-parallel layout decodes
 model-parallel. The step takes the token at position t and the caches, writes the token's keys
 and values at t, attends to positions up to t, and returns the logits and the new caches. An
-encoder-decoder runs its encoder once (`encode`): its keys and values are computed once per
-layer and fed to every step.
+encoder-decoder runs its encoder once (`encode_fn`): its keys and values are computed once per
+layer and fed to every step. The encoder attends to every input position, as `Seq2SeqTask`
+trains it (no padding mask).
 
 Search runs on the host over the step's logits: `greedy`, `sample` (temperature, top-k; 0 is
 greedy) and `beam_search` (beams in the batch dim, caches reordered by each step's choice,
