@@ -71,7 +71,6 @@ NOT_APPLICABLE = {
 }
 # Not built yet: what each will be (Mesh-TensorFlow parity, issue 17, and the loop issue).
 NOT_YET = {
-    "import_laid_out_tensor": "a tensor from each device's slice (a `mx.LaidOutTensor`)",
     "while_loop": "with the loop issue; `mx.scan` runs a loop over a dim today",
 }
 # Arguments meshax takes differently, with why (the rest are taken by Mesh-TensorFlow's names).

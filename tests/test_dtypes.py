@@ -156,6 +156,9 @@ BUILDERS = {
     "pool_tensor_1d": lambda x, i, m: mx.pool_tensor_1d(x, D, mx.reduce_sum, 2),
     "stride_tensor_1d": lambda x, i, m: mx.stride_tensor_1d(x, D, 4),
     "dynamic_shift": lambda x, i, m: mx.dynamic_shift(x, i, D, wrap=True),
+    "import_laid_out_tensor": lambda x, i, m: mx.import_laid_out_tensor(
+        m, mx.LaidOutTensor([np.ones([4], x.dtype)] * 4, mx.TensorLayout([(0,)])), [B]
+    ),
     "log_scalar": lambda x, i, m: mx.log_scalar("total", mx.reduce_sum(x)),
     "read_variable": lambda x, i, m: mx.read_variable(mx.get_variable(m, "v5", [D], dtype=x.dtype)),
 }

@@ -340,8 +340,11 @@ def _create_case(c):
         mx.depend(x, dependencies=[]),
         mx.Print(x, data=[x], message="mtf Print"),
     ]
+    # each device's slice of X on rows:2;cols:4, b over rows and d over cols, in device order
+    slices = [X[r * 4 : r * 4 + 4, col * 2 : col * 2 + 2] for r in range(2) for col in range(4)]
+    outs.append(mx.import_laid_out_tensor(c.mesh, mx.LaidOutTensor(slices, mx.TensorLayout([(0,), (1,)])), [B, D]))
     hot = np.where(np.eye(8)[IDS] > 0, 2.0, -1.0)
-    wants = [np.full(8, 2.5), np.zeros(8, np.int32), np.ones(8), 0 * X, 1 + 0 * X, np.arange(8), X, hot, X, X]
+    wants = [np.full(8, 2.5), np.zeros(8, np.int32), np.ones(8), 0 * X, 1 + 0 * X, np.arange(8), X, hot, X, X, X]
     return outs, lambda *got: [close(w)(np.asarray(g, np.float32)) for g, w in zip(got, wants)]
 
 
@@ -1002,6 +1005,7 @@ ALSO = {
         "one_hot",
         "depend",
         "Print",
+        "import_laid_out_tensor",
     ],
     ("ops", "gather"): ["where", "add_n", "sample_with_temperature"],
     ("ops", "einsum"): ["matmul"],

@@ -17,6 +17,7 @@ K = mx.Dimension("K", 2)
 SOURCES_AND_SINKS = {
     "PlaceholderOperation",
     "ImportTensorOperation",
+    "ImportLaidOutTensorOperation",
     "ConstantOperation",
     "RangeOperation",
     "RandomOperation",

@@ -341,7 +341,9 @@ class LoweredFunction:
                 args.append(self.lowering._variable_state(op))
             else:
                 if t not in self._constants:
-                    self._constants[t] = self.lowering.impl.put(op.value, self.lowering._spec(t))
+                    impl = self.lowering.impl
+                    value = op.value_on(impl) if hasattr(op, "value_on") else op.value  # (imported slices)
+                    self._constants[t] = impl.put(value, self.lowering._spec(t))
                 args.append(self._constants[t])
         return args
 

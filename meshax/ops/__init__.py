@@ -71,6 +71,7 @@ from meshax.ops.indexing import gather, one_hot, top_k
 from meshax.ops.inputs import (
     constant,
     import_fully_replicated,
+    import_laid_out_tensor,
     import_tensor,
     ones,
     ones_like,
@@ -166,6 +167,7 @@ __all__ = [
     "halo_exchange",
     "identity",
     "import_fully_replicated",
+    "import_laid_out_tensor",
     "import_tensor",
     "leaky_relu",
     "left_halo_exchange",

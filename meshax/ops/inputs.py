@@ -46,6 +46,42 @@ class ImportTensorOperation(Operation):
         return []
 
 
+class ImportLaidOutTensorOperation(ImportTensorOperation):
+    """A tensor from its slices as a mesh holds them (a `LaidOutTensor`: one array per device, in
+    the mesh's device order, laid out by `layout`): put together when the program first runs
+    (the mesh is known then), then laid out as the plan says, as `import_tensor`'s array is."""
+
+    def __init__(self, mesh: Mesh, laid_out_tensor, shape, name=None):
+        Operation.__init__(self, [], mesh=mesh, name=name or "import_laid_out_tensor")
+        self.laid_out = laid_out_tensor
+        slices = [np.asarray(s) for s in laid_out_tensor.slices]
+        if not slices:
+            raise GraphError("import_laid_out_tensor: the LaidOutTensor has no slices")
+        if len(laid_out_tensor.layout.axes) != convert_to_shape(shape).rank:
+            raise GraphError(
+                f"import_laid_out_tensor: its layout {laid_out_tensor.layout} is not for a tensor of {shape}"
+            )
+        self._add_output(convert_to_shape(shape), slices[0].dtype)
+
+    def value_on(self, impl) -> np.ndarray:
+        from meshax.layout.rules import slice_begin, valid_size
+
+        shape, mesh_shape, layout = self.outputs[0].shape, impl.shape, self.laid_out.layout
+        slices = [np.asarray(s) for s in self.laid_out.slices]
+        if len(slices) != impl.size:
+            raise GraphError(
+                f"import_laid_out_tensor {self.name}: {len(slices)} slices, but the mesh {mesh_shape} has "
+                f"{impl.size} devices: give one slice per device, in the mesh's device order"
+            )
+        full = np.zeros(shape.to_integer_list, slices[0].dtype)
+        for pnum, piece in enumerate(slices):
+            coords = [int(c) for c in np.unravel_index(pnum, mesh_shape.to_integer_list)]
+            begin = slice_begin(shape, layout, mesh_shape, coords)
+            sizes = [valid_size(d.size, axes, mesh_shape, coords) for d, axes in zip(shape, layout.axes)]
+            full[tuple(slice(b, b + n) for b, n in zip(begin, sizes))] = piece[tuple(slice(0, n) for n in sizes)]
+        return full
+
+
 class ConstantOperation(Operation):
     """A tensor filled with one scalar."""
 
@@ -89,6 +125,14 @@ def placeholder(mesh: Mesh, name: str, shape, dtype="float32") -> Tensor:
 def import_tensor(mesh: Mesh, array, shape, name=None) -> Tensor:
     """A constant tensor holding `array` (a host array of `shape`'s sizes), split as its layout says."""
     return ImportTensorOperation(mesh, array, shape, name).outputs[0]
+
+
+def import_laid_out_tensor(mesh: Mesh, laid_out_tensor, shape, name=None) -> Tensor:
+    """A tensor from the slices each device holds: `laid_out_tensor` is a `mx.LaidOutTensor`
+    whose `slices` are one array per device of the mesh (in its device order) and `layout` their
+    `mx.TensorLayout` (which mesh axes split each dim). The slices are put together when the
+    program first runs, and the tensor is then laid out as the plan says."""
+    return ImportLaidOutTensorOperation(mesh, laid_out_tensor, shape, name).outputs[0]
 
 
 def import_fully_replicated(mesh: Mesh, tf_tensor, shape, name=None) -> Tensor:
