@@ -159,6 +159,15 @@ BUILDERS = {
     "import_laid_out_tensor": lambda x, i, m: mx.import_laid_out_tensor(
         m, mx.LaidOutTensor([np.ones([4], x.dtype)] * 4, mx.TensorLayout([(0,)])), [B]
     ),
+    "assign_slice": lambda x, i, m: mx.assign(
+        mx.get_variable(m, "v6", x.shape, dtype=x.dtype), x, assign_fn=mx.assign_slice
+    ).inputs[0],
+    "assign_add_slice": lambda x, i, m: mx.assign(
+        mx.get_variable(m, "v7", x.shape, dtype=x.dtype), x, assign_fn=mx.assign_add_slice
+    ).inputs[0],
+    "assign_sub_slice": lambda x, i, m: mx.assign(
+        mx.get_variable(m, "v8", x.shape, dtype=x.dtype), x, assign_fn=mx.assign_sub_slice
+    ).inputs[0],
     "log_scalar": lambda x, i, m: mx.log_scalar("total", mx.reduce_sum(x)),
     "read_variable": lambda x, i, m: mx.read_variable(mx.get_variable(m, "v5", [D], dtype=x.dtype)),
 }

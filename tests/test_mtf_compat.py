@@ -194,6 +194,27 @@ def _variable_case(c):
     )
 
 
+def test_assign_fn_computes_each_slice_as_mesh_tensorflow_s():
+    """assign(var, val, assign_fn=mtf.assign_add_slice) adds; a JAX function of one's own runs
+    on each device's slices; assign_add takes no assign_fn."""
+    _, mesh = new_mesh()
+    v = mx.get_variable(mesh, "v", [B, D], initializer=_fixed(X))
+    w = mx.get_variable(mesh, "w", [B, D], initializer=_fixed(X))
+    u = mx.get_variable(mesh, "u", [B, D], initializer=_fixed(X))
+    updates = [
+        mx.assign(v, mx.ones_like(v), assign_fn=mx.assign_add_slice),
+        mx.assign(w, mx.ones_like(w), assign_fn=mx.assign_sub_slice),
+        mx.assign(u, mx.ones_like(u) * 3.0, assign_fn=lambda var, old, new: old * new),
+    ]
+    lowering = mx.Lowering(mesh.graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "b:rows;d:cols")})
+    lowering.function([mx.reduce_sum(v)], updates=updates)({})
+    close(X + 1)(lowering.variable_value(v.operation))
+    close(X - 1)(lowering.variable_value(w.operation))
+    close(3 * X)(lowering.variable_value(u.operation))
+    with pytest.raises(mx.GraphError, match="takes no assign_fn"):
+        mx.assign_add(v, 1.0, assign_fn=mx.assign_add_slice)
+
+
 def _gradients_case(c):
     x = c.input([B, D], X)
     y = mx.reduce_sum(mx.square(x))
@@ -975,9 +996,19 @@ CASES = {
     ("layers", "separable_conv1d"): _separable_case,
     ("layers", "dense_product"): _layers_more_case,
 }
-# The functions each case exercises beyond the one it is filed under ("layers.x": mx.layers.x).
+# The functions each case exercises beyond the one it is filed under ("layers.x": mx.layers.x);
+# the assign_fn slices run in test_assign_fn_computes_each_slice_as_mesh_tensorflow_s.
 ALSO = {
-    ("ops", "get_variable"): ["assign", "assign_add", "assign_sub", "read_variable", "to_float"],
+    ("ops", "get_variable"): [
+        "assign",
+        "assign_add",
+        "assign_sub",
+        "read_variable",
+        "to_float",
+        "assign_slice",
+        "assign_add_slice",
+        "assign_sub_slice",
+    ],
     ("ops", "top_k"): ["top_1", "nth_largest_element", "nth_smallest_element"],
     ("ops", "softmax"): ["log_softmax", "reduce_logsumexp", "argmax"],
     ("ops", "split"): [

@@ -117,7 +117,16 @@ from meshax.ops.slicing import (
     stride_tensor_1d,
     unstack,
 )
-from meshax.ops.variables import assign, assign_add, assign_sub, get_variable, read_variable
+from meshax.ops.variables import (
+    assign,
+    assign_add,
+    assign_add_slice,
+    assign_slice,
+    assign_sub,
+    assign_sub_slice,
+    get_variable,
+    read_variable,
+)
 
 # Mesh-TensorFlow's own names of the ops that shadow Python builtins.
 mtf_abs, mtf_pow, mtf_range, mtf_slice = abs, pow, range, slice
@@ -131,7 +140,10 @@ __all__ = [
     "argmax",
     "assign",
     "assign_add",
+    "assign_add_slice",
+    "assign_slice",
     "assign_sub",
+    "assign_sub_slice",
     "avg_pool1d",
     "avg_pool2d",
     "avg_pool3d",

@@ -57,19 +57,23 @@ class AssignOperation(Operation):
 
     differentiable = False
 
-    def __init__(self, var: VariableOperation, value: Tensor, kind: str, name=None):
+    def __init__(self, var: VariableOperation, value: Tensor, kind: str, name=None, assign_fn=None):
         super().__init__([var.value, value], name=name or f"assign_{var.name}")
         if value.shape != var.shape:
             raise GraphError(f"{kind}: value {value.name} {value.shape} does not match variable {var.name} {var.shape}")
         self.variable = var
         self.kind = kind
+        self.assign_fn = assign_fn
 
     def lower(self, ctx):
         old, value = self.inputs
         layout = ctx.layout(old)
         v = ctx.get(value, layout)
         dtype = old.dtype
-        if self.kind == "assign":
+        if self.assign_fn is not None:  # (each device's slice: assign_fn(variable, old slice, new value's slice))
+            fn, var = self.assign_fn, self.variable
+            new = ctx.slicewise(lambda a, b: fn(var, a, b).astype(dtype), ctx.get(old), v)
+        elif self.kind == "assign":
             new = ctx.slicewise(lambda b: b.astype(dtype), v)
         else:
             sign = 1 if self.kind == "assign_add" else -1
@@ -183,11 +187,8 @@ def read_variable(var) -> Tensor:
 
 def _assign(kind):
     def op(var, new_val, assign_fn=None, name=None) -> AssignOperation:
-        if assign_fn is not None:
-            raise GraphError(
-                f"{kind}: assign_fn is a TensorFlow assignment function; meshax assigns the value itself: "
-                "compute the new value with meshax ops and pass it as new_val"
-            )
+        if assign_fn is not None and kind != "assign":
+            raise GraphError(f"{kind} takes no assign_fn: give it to assign (assign_fn=mx.assign_add_slice adds)")
         v, value = _variable_of(var), new_val
         if not isinstance(value, Tensor):
             from meshax.ops.inputs import constant
@@ -197,15 +198,38 @@ def _assign(kind):
                 if np.ndim(value) == 0
                 else constant(v.mesh, np.asarray(value), v.shape, v.dtype)
             )
-        return AssignOperation(v, value, kind, name)
+        return AssignOperation(v, value, kind, name, assign_fn)
 
     op.__name__ = op.__qualname__ = kind
     what = {"assign": "set to", "assign_add": "increased by", "assign_sub": "decreased by"}[kind]
     op.__doc__ = (
         f"An update: when the program runs (`lowering.function(..., updates=[...])`), the variable is "
         f"{what} `new_val` (a tensor of its shape, or a scalar), after every read of it in that run."
+        + (
+            " `assign_fn(variable, slice, new_slice)`, Mesh-TensorFlow's, computes each device's new slice "
+            "instead (`assign_slice`, `assign_add_slice`, `assign_sub_slice`, or a JAX function of yours)."
+            if kind == "assign"
+            else ""
+        )
     )
     return also_accepts(value="new_val")(op)
+
+
+def assign_slice(variable, slice_var, val):
+    """The slice's new value is `val` (Mesh-TensorFlow's default `assign_fn` of `assign`):
+    `assign_fn(variable, slice_var, val)` maps each device's slice of the variable and of the
+    value (JAX arrays) to its new slice."""
+    return val
+
+
+def assign_add_slice(variable, slice_var, val):
+    """An `assign_fn` that adds: the slice plus `val`."""
+    return slice_var + val
+
+
+def assign_sub_slice(variable, slice_var, val):
+    """An `assign_fn` that subtracts: the slice minus `val`."""
+    return slice_var - val
 
 
 assign = _assign("assign")
