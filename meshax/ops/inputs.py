@@ -53,8 +53,8 @@ class ImportLaidOutTensorOperation(ImportTensorOperation):
 
     def __init__(self, mesh: Mesh, laid_out_tensor, shape, name=None):
         Operation.__init__(self, [], mesh=mesh, name=name or "import_laid_out_tensor")
-        self.laid_out = laid_out_tensor
-        slices = [np.asarray(s) for s in laid_out_tensor.slices]
+        self.layout = laid_out_tensor.layout
+        self.slices = slices = [np.asarray(s) for s in laid_out_tensor.slices]
         if not slices:
             raise GraphError("import_laid_out_tensor: the LaidOutTensor has no slices")
         if len(laid_out_tensor.layout.axes) != convert_to_shape(shape).rank:
@@ -66,8 +66,7 @@ class ImportLaidOutTensorOperation(ImportTensorOperation):
     def value_on(self, impl) -> np.ndarray:
         from meshax.layout.rules import slice_begin, valid_size
 
-        shape, mesh_shape, layout = self.outputs[0].shape, impl.shape, self.laid_out.layout
-        slices = [np.asarray(s) for s in self.laid_out.slices]
+        shape, mesh_shape, layout, slices = self.outputs[0].shape, impl.shape, self.layout, self.slices
         if len(slices) != impl.size:
             raise GraphError(
                 f"import_laid_out_tensor {self.name}: {len(slices)} slices, but the mesh {mesh_shape} has "

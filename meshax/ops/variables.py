@@ -172,12 +172,10 @@ def _new_variable(mesh: Mesh, name: str, shape, initializer, dtype, trainable) -
 def global_step(mesh: Mesh) -> Tensor:
     """The step counter `global_step` (float32, from 0): the one the optimizer increments at each
     update, created here if nothing made it yet (TensorFlow's `get_or_create_global_step`)."""
-    for v in mesh.graph.all_variables:
-        if v.name == "global_step":
-            return v.value
     from meshax import initializers
 
-    return get_variable(mesh, "global_step", [], dtype="float32", initializer=initializers.zeros(), trainable=False)
+    with reuse_variables():
+        return get_variable(mesh, "global_step", [], dtype="float32", initializer=initializers.zeros(), trainable=False)
 
 
 def read_variable(var) -> Tensor:

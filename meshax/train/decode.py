@@ -30,7 +30,7 @@ from meshax.models.transformer import Transformer, TransformerConfig
 from meshax.ops import elementwise as ew
 from meshax.ops.einsum import einsum
 from meshax.ops.indexing import gather, one_hot
-from meshax.ops.inputs import import_tensor, placeholder
+from meshax.ops.inputs import placeholder
 from meshax.ops.inputs import range as mrange
 from meshax.ops.reduce import softmax
 
@@ -105,18 +105,10 @@ class Decoder:
         return m._compute(m._var(name, dims, None))
 
     def _position(self, step: Tensor, table: str) -> Tensor:
-        """The position encoding of `step` [d_model]: a row of the learned table, or the sinusoid."""
-        m, c = self.model, self.config
-        positions = Dimension("max_length", c.max_length)
-        if c.positions == "learned":
-            full = m._var(f"{table}_positions", [positions, m.d_model], None)
-        else:
-            pos = np.arange(c.max_length)[:, None]
-            i = np.arange(c.d_model // 2)[None, :]
-            angles = pos / np.power(10000.0, 2 * i / c.d_model)
-            values = np.concatenate([np.sin(angles), np.cos(angles)], axis=1).astype(np.float32)
-            full = import_tensor(self.mesh, values, [positions, m.d_model], name="sinusoid")
-        return m._compute(gather(full, step, positions))
+        """The position encoding of `step` [d_model]: a row of the model's own encodings (learned
+        or sinusoidal) of every position up to max_length."""
+        positions = Dimension("positions", self.config.max_length)
+        return self.model._compute(gather(self.model.positions(positions, table), step, positions))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias, memory_length: Dimension, name: str) -> Tensor:
         m = self.model
@@ -202,8 +194,13 @@ class Decoder:
             raise ConfigError(f"a prompt of 1 to {self.length} tokens is needed, got {prompt.shape[1]}")
         caches = self._zeros()
         for t in range(prompt.shape[1]):
-            logits, *caches = self.step_fn(self._feeds(prompt[:, t], t, caches, encoded))
-        return prompt, caches, encoded, np.asarray(logits, np.float64)
+            logits, caches = self._advance(prompt[:, t], t, caches, encoded)
+        return prompt, caches, encoded, logits
+
+    def _advance(self, ids, step: int, caches, encoded) -> tuple[np.ndarray, list]:
+        """One step: the tokens `ids` at position `step` -> (the next tokens' logits, the caches)."""
+        logits, *caches = self.step_fn(self._feeds(ids, step, caches, encoded))
+        return np.asarray(logits, np.float64), caches
 
     def sample(self, prompt=None, inputs=None, steps: int | None = None, temperature=1.0, top_k=0, seed=0):
         """Tokens [batch, steps] after the prompt (LM: [batch, n] ids; encoder-decoder: BOS by
@@ -219,8 +216,7 @@ class Decoder:
             out.append(nxt)
             if t >= self.length or len(out) == steps:
                 break
-            logits, *caches = self.step_fn(self._feeds(nxt, t, caches, encoded))
-            logits = np.asarray(logits, np.float64)
+            logits, caches = self._advance(nxt, t, caches, encoded)
         return np.stack(out, 1)
 
     def greedy(self, prompt=None, inputs=None, steps: int | None = None):
@@ -254,8 +250,7 @@ class Decoder:
             caches = [np.asarray(c)[rows] for c in caches]
             if t >= self.length or history.shape[2] == steps:
                 break
-            logits, *caches = self.step_fn(self._feeds(token.reshape(-1), t, caches, encoded))
-            logits = np.asarray(logits, np.float64)
+            logits, caches = self._advance(token.reshape(-1), t, caches, encoded)
         penalty = ((5.0 + history.shape[2]) / 6.0) ** alpha
         pick = np.argmax(scores, axis=1)
         return history[np.arange(n), pick], scores[np.arange(n), pick] / penalty
@@ -286,6 +281,5 @@ def sequence_log_probability(decoder: Decoder, inputs, tokens) -> np.ndarray:
     for t in range(tokens.shape[1]):
         total += _log_softmax(logits)[np.arange(decoder.batch_size), tokens[:, t]]
         if t + 1 < tokens.shape[1]:
-            logits, *caches = decoder.step_fn(decoder._feeds(tokens[:, t], t + 1, caches, encoded))
-            logits = np.asarray(logits, np.float64)
+            logits, caches = decoder._advance(tokens[:, t], t + 1, caches, encoded)
     return total
