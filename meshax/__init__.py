@@ -34,7 +34,7 @@ from meshax.core import (
     convert_to_shape,
 )
 from meshax.jaxpr import Partitioned, PartitionedProgram, partition, replicated_region
-from meshax.layout import OPEN, LayoutRules, ShardingRule, TensorLayout, convert_to_layout_rules
+from meshax.layout import OPEN, LayoutRules, ShardingRule, TensorLayout, WeightRules, convert_to_layout_rules
 from meshax.lower import (
     Counters,
     LaidOutTensor,
@@ -62,6 +62,7 @@ __all__ = [
     "LaidOutTensor",
     "LayoutError",
     "LayoutRules",
+    "WeightRules",
     "LayoutWarning",
     "LoweredFunction",
     "Lowering",

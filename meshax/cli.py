@@ -91,7 +91,8 @@ def _parser() -> argparse.ArgumentParser:
             default=None,
             metavar="RULES",
             help="layout rules for weight-shaped tensors (weights, their gradients and optimizer state) instead of "
-            '--layout, e.g. "d_model:x;heads:y;d_ff:y" (GSPMD\'s 2D sharding)',
+            '--layout, e.g. "d_model:x;heads:y;d_ff:y" (GSPMD\'s 2D sharding); "... except [vocab,d_model]" leaves '
+            "the weights of that shape to --layout",
         )
         s.add_argument("--backend", choices=["simd", "placement"], default="simd")
         s.add_argument(
@@ -565,7 +566,7 @@ def _run(args) -> int:
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return launch(cmd, args.num_processes, args.devices_per_process, args.port)
     from meshax.core.errors import ConfigError, LayoutError, LayoutWarning
-    from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape
+    from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape, convert_to_weight_rules
     from meshax.lower.mesh_impl import check_mesh_dims
     from meshax.train.loop import build
 
@@ -585,7 +586,7 @@ def _run(args) -> int:
                 ) from None
     convert_to_layout_rules(args.layout)
     if args.weight_layout is not None:
-        check_mesh_dims(convert_to_layout_rules(args.weight_layout), mesh_shape)
+        check_mesh_dims(convert_to_weight_rules(args.weight_layout), mesh_shape)
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
         _start_devices(args, mesh_shape.size)

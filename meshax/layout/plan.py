@@ -21,7 +21,9 @@ class Plan(dict):
     def __init__(self, operations: list[Operation], rules: LayoutRules, mesh_shape: Shape, weight_rules=None):
         super().__init__()
         self.rules, self.mesh_shape = rules, mesh_shape
-        self.weights = None if weight_rules is None else (weight_rules, weight_shapes(operations))
+        self.weights = None
+        if weight_rules is not None:  # (the weight shapes the weight rules lay out: all but those exempt)
+            self.weights = (weight_rules, weight_shapes(operations) - getattr(weight_rules, "exempt", frozenset()))
         self.propagation = Propagation(operations, rules, mesh_shape, self.weights)
         for op in operations:
             for t in op.outputs:

@@ -8,6 +8,7 @@ with mesh dims as indices.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from meshax.core.errors import LayoutError
@@ -65,6 +66,52 @@ def convert_to_layout_rules(x) -> LayoutRules:
     if isinstance(x, str):
         return LayoutRules(_parse_pairs(x, what="layout", integer_values=False, example="batch:rows;hidden:cols"))
     return LayoutRules(x)
+
+
+class WeightRules(LayoutRules):
+    """The layout rules of weight-shaped tensors (weights, their gradients and optimizer slots:
+    `MeshImpl(weight_layout=...)`), and the weight shapes they leave to the layout rules instead,
+    each by its dim names: "d_model:x;heads:y except [vocab,d_model]" splits every weight by
+    these rules but the embedding-shaped ones, which follow the layout rules like activations."""
+
+    def __init__(self, pairs: Iterable[tuple[str, str]] = (), exempt: Iterable[Iterable[str]] = ()):
+        super().__init__(pairs)
+        self.exempt: frozenset[frozenset[str]] = frozenset(frozenset(s) for s in exempt)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LayoutRules) and self.pairs == other.pairs and self.exempt == _exempt(other)
+
+    def __hash__(self) -> int:
+        return hash((self.pairs, self.exempt))
+
+    def __str__(self) -> str:
+        shapes = " ".join(f"[{','.join(sorted(s))}]" for s in sorted(self.exempt, key=sorted))
+        return super().__str__() + (f" except {shapes}" if shapes else "")
+
+    def __repr__(self) -> str:
+        return f"WeightRules({str(self)!r})"
+
+
+def _exempt(rules: LayoutRules) -> frozenset:
+    return getattr(rules, "exempt", frozenset())
+
+
+def convert_to_weight_rules(x) -> WeightRules:
+    """WeightRules from WeightRules, LayoutRules, pairs, or text: rules, then optionally "except"
+    and the exempt weight shapes, each its dim names in brackets ("d_model:x except [vocab,d_model]")."""
+    if isinstance(x, WeightRules):
+        return x
+    if not isinstance(x, str):
+        return WeightRules(convert_to_layout_rules(x).pairs)
+    rules, _, rest = x.partition("except")
+    shapes = re.findall(r"\[([^\]]*)\]", rest)
+    if rest.strip() and (not shapes or re.sub(r"\[[^\]]*\]", "", rest).strip()):
+        raise LayoutError(
+            f"bad weight layout {x!r}: after 'except', write each weight shape left to the layout rules as its "
+            "dim names in brackets, e.g. 'd_model:x;heads:y except [vocab,d_model]'"
+        )
+    exempt = [[d for d in re.split(r"[\s,]+", s) if d] for s in shapes]
+    return WeightRules(convert_to_layout_rules(rules).pairs, exempt)
 
 
 class TensorLayout:

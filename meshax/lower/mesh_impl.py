@@ -25,6 +25,7 @@ from meshax.layout import (
     TensorLayout,
     convert_to_layout_rules,
     convert_to_mesh_shape,
+    convert_to_weight_rules,
     pnum_to_processor_coordinates,
     processor_coordinates_to_pnum,
     slice_begin,
@@ -80,7 +81,7 @@ class MeshImpl:
         self.shape: Shape = convert_to_mesh_shape(shape)
         self.layout_rules = convert_to_layout_rules(layout)
         check_mesh_dims(self.layout_rules, self.shape)
-        self.weight_rules = None if weight_layout is None else convert_to_layout_rules(weight_layout)
+        self.weight_rules = None if weight_layout is None else convert_to_weight_rules(weight_layout)
         if self.weight_rules is not None:
             check_mesh_dims(self.weight_rules, self.shape)
         self._devices = list(devices) if devices is not None else None

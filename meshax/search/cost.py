@@ -103,3 +103,36 @@ def from_counters(counters: Counters, memory: dict[str, int]) -> StepCost:
         grouped[(s.kind, s.mesh_axes, s.bytes)] += 1
     collectives = [Collective(k, m, b, n) for (k, m, b), n in grouped.items()]
     return StepCost(dict(flops), collectives, memory)
+
+
+def affine_counts(base: dict, terms: list[tuple[float, dict]]) -> dict:
+    """base + the sum of weight x (counts - base) over `terms`, key by key."""
+    out: dict = defaultdict(float, base)
+    for weight, counts in terms:
+        for k, v in counts.items():
+            out[k] += weight * v
+        for k, v in base.items():
+            out[k] -= weight * v
+    return dict(out)
+
+
+def affine(base: StepCost, terms: list[tuple[float, StepCost]]) -> StepCost:
+    """A StepCost extrapolated from others, `affine_counts` of each of its counts (a model's costs
+    at a few depths: `meshax.search.program.Extrapolated`)."""
+
+    def counts(cost: StepCost) -> dict:
+        out: dict[tuple, int] = defaultdict(int)
+        for c in cost.collectives:
+            out[(c.kind, c.mesh_dims, c.bytes)] += c.count
+        return out
+
+    numbers = affine_counts(counts(base), [(w, counts(c)) for w, c in terms])
+    memory = affine_counts(base.memory, [(w, c.memory) for w, c in terms])
+    if any(v < -0.5 for v in [*numbers.values(), *memory.values()]):
+        raise ValueError("costs extrapolated to a negative count: the costs given are not affine in the depth")
+    return StepCost(
+        affine_counts(base.flops, [(w, c.flops) for w, c in terms]),
+        [Collective(kind, dims, nbytes, round(n)) for (kind, dims, nbytes), n in numbers.items() if round(n) > 0],
+        {k: round(v) for k, v in memory.items()},
+        base.exact and all(c.exact for _, c in terms),
+    )

@@ -16,7 +16,7 @@ def draw_comparison(result, path: str) -> str:
     rows = [(f"#{i + 1}", c) for i, c in enumerate(result.ranked)]
     if result.baseline is not None:
         rows.append(("yours", result.baseline))
-    labels = [f"{tag} {c.layout or '(replicated)'}" for tag, c in rows]
+    labels = [f"{tag} {c.name}" for tag, c in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 0.55 * len(rows) + 1.8), sharey=True)
     kinds = ["compute", *[k for k in rows[0][1].comm_s if any(c.comm_s[k] for _, c in rows)]]
     lefts = [0.0] * len(rows)

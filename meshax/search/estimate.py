@@ -17,6 +17,7 @@ so a rule set costs a few milliseconds whatever the depth.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from meshax.layout.sharding_rule import choose, rule_of
 from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.lowering import Lowering, _needed_ops
 from meshax.lower.reshard import reshard
-from meshax.search.cost import Collective, StepCost, family
+from meshax.search.cost import Collective, StepCost, affine_counts, family
 
 
 class _Meter:
@@ -154,6 +155,25 @@ class Estimator:
         self._moves: dict[tuple, list] = {}
         self._weight_shapes = weight_shapes(graph.operations)
 
+    @staticmethod
+    def affine(base: Estimator, terms: list[tuple[float, Estimator]]) -> Estimator:
+        """An Estimator whose counts are `affine_counts` of others' (the same model at other
+        depths, `meshax.search.program.Extrapolated`)."""
+
+        def combine(part) -> dict:
+            return {k: round(v) for k, v in affine_counts(part(base), [(w, part(e)) for w, e in terms]).items()}
+
+        out = copy.copy(base)
+        everyone = [base, *(e for _, e in terms)]
+        out._reps = {k: v for e in reversed(everyone) for k, v in e._reps.items()}
+        out._shapes = {k: v for e in everyone for k, v in e._shapes.items()}
+        out._flops = affine_counts(base._flops, [(w, e._flops) for w, e in terms])
+        out._uses = combine(lambda e: e._uses)
+        out._memory = {part: combine(lambda e, part=part: e._memory[part]) for part in base._memory}
+        out._moves = {}
+        out._weight_shapes = frozenset().union(*(e._weight_shapes for e in everyone))
+        return out
+
     def __call__(self, rules: LayoutRules, weight_rules: LayoutRules | None = None) -> StepCost:
         """The estimated StepCost of `rules` (and `weight_rules` for weight-shaped tensors)."""
         mesh = self.mesh_shape
@@ -164,12 +184,13 @@ class Estimator:
 
         by_dim = axes_of(rules)
         by_weight_dim = by_dim if weight_rules is None else axes_of(weight_rules)
+        weight_shaped = self._weight_shapes - getattr(weight_rules, "exempt", frozenset())
         layouts: dict[tuple, TensorLayout] = {}
 
         def layout(key) -> TensorLayout:
             if key not in layouts:
                 names = frozenset(n for n, _ in key[0])
-                use = by_weight_dim if names in self._weight_shapes else by_dim
+                use = by_weight_dim if names in weight_shaped else by_dim
                 layouts[key] = TensorLayout(use.get(n, ()) for n, _ in key[0])
             return layouts[key]
 

@@ -21,12 +21,18 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from meshax.core.errors import ConfigError, LayoutError
-from meshax.core.graph import Graph, Tensor
-from meshax.layout import LayoutRules, convert_to_layout_rules, convert_to_mesh_shape
+from meshax.core.graph import Tensor
+from meshax.layout import (
+    LayoutRules,
+    WeightRules,
+    convert_to_layout_rules,
+    convert_to_mesh_shape,
+    convert_to_weight_rules,
+)
 from meshax.lower.lowering import Lowering
-from meshax.search.cost import StepCost, collective_seconds, from_counters, predict
+from meshax.search.cost import StepCost, collective_seconds, predict
 from meshax.search.devices import Device, load_device
-from meshax.search.estimate import Estimator
+from meshax.search.program import exact_cost, model_of
 from meshax.search.space import Rules, Space, rules_string
 
 
@@ -42,6 +48,7 @@ class Candidate:
     by_link: dict[tuple[str, tuple[str, ...]], float]  # (kind, mesh dims) -> seconds
     mesh: str = ""  # the mesh it is for, as --mesh takes it
     weight_layout: str | None = None  # rules of the weight-shaped tensors, as --weight-layout takes them
+    label: str | None = None  # what the report calls it, where not its rules (annotations, say)
 
     @property
     def memory_bytes(self) -> int:
@@ -49,7 +56,9 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """The layout as one line: its rules, and its weight rules where it has its own."""
+        """The layout as one line: its label, or its rules and its weight rules where it has its own."""
+        if self.label:
+            return self.label
         text = self.layout or "(replicated)"
         return text if self.weight_layout is None else f"{text} | weights {self.weight_layout or '(replicated)'}"
 
@@ -66,26 +75,6 @@ def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape, weight_l
 def mesh_text(mesh_shape) -> str:
     """A mesh shape as --mesh takes it: "rows:2;cols:4"."""
     return ";".join(f"{d.name}:{d.size}" for d in mesh_shape)
-
-
-def exact_cost(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = ()) -> StepCost:
-    """The StepCost of the program a lowering would run (traced abstractly: no devices needed)."""
-    counters = lowering.trace_step(list(outputs), list(updates))
-    return from_counters(counters, memory_of(lowering, outputs, updates))
-
-
-def memory_of(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = ()) -> dict[str, int]:
-    """Bytes per device by part, from the plan alone: parameters, their gradients (when there are
-    updates), optimizer state, and activations (every forward tensor, none freed, and the batch)."""
-    from meshax.plan import memory_per_device
-
-    m = memory_per_device(lowering, outputs)
-    return {
-        "parameters": m["parameters"],
-        "gradients": m["parameters"] if updates else 0,
-        "optimizer_state": m["optimizer_state"],
-        "activations": m["activations"] + m["inputs"],
-    }
 
 
 def parse_bytes(text: str | int | float | None) -> int | None:
@@ -181,8 +170,70 @@ class SearchResult:
             rule_diff.insert(0, f"mesh {other.mesh} -> {self.best.mesh}")
         if other.weight_layout != self.best.weight_layout:
             rule_diff.append(f"weights: {_weights(other)} -> {_weights(self.best)}")
+        if other.label:  # (annotations, or rules beside them: the rules alone are not the layout)
+            rule_diff = [f"{other.label} -> {self.best.name}"]
         changes = "; ".join(rule_diff) or "nothing"
         return f"{other.step_s / self.best.step_s:.2f}x the best's time; best changes {changes}; {said or 'same costs'}"
+
+
+def _with_weight_rules(graph, space: Space, layout: str, time_of, compared, rule_sets, top: int):
+    """(rules, weight rules) to compare beside the rule sets: the bases (the `top` best rule sets,
+    and the `top` best sets of rules legal for the activations alone, ranked with the weights
+    replicated), each with every legal set of weight rules."""
+    activation_sets = list(Space(graph, space.mesh_shape, convert_to_layout_rules(layout), part="activations"))
+    ranked_activations = sorted(activation_sets, key=lambda a: time_of(a, LayoutRules())[0])
+    best = sorted(range(len(rule_sets)), key=lambda i: compared[i].step_s)[:top]
+    bases = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked_activations[:top]]))
+    weight_space = Space(graph, space.mesh_shape, part="weights")
+    for a in bases:
+        same = tuple((d, ms) for d, ms in a if d in weight_space.sizes)  # (a's own, already costed)
+        for w in weight_space:
+            if w != same or a not in rule_sets:
+                yield a, WeightRules(space.rules_of(w).pairs)
+
+
+def _leave_to_rules(starts: list[Candidate], graph, mesh_shape, time_of) -> list[tuple[Rules, WeightRules]]:
+    """From each of `starts` (with weight rules), weight shapes left to the rules one at a time
+    (`WeightRules.exempt`) while the estimate improves; each start's last step. GSPMD annotates
+    the layers' weights and leaves the embedding and the norms' scales to propagation."""
+    shapes = _weight_shape_names(graph, mesh_shape)
+    ends = []
+    for c in starts:
+        a, w = tuple(_pairs(c.layout)), convert_to_weight_rules(c.weight_layout)
+        t, moved = time_of(a, w)[0], False
+        while True:
+            trials = [(time_of(a, x)[0], x) for b, x in _exemptions(a, w, shapes) if b == a]
+            if not trials or min(trials, key=lambda tr: tr[0])[0] >= t:
+                break
+            t, w = min(trials, key=lambda tr: tr[0])
+            moved = True
+        if moved and (a, w) not in ends:
+            ends.append((a, w))
+    return ends
+
+
+def _weight_shape_names(graph, mesh_shape) -> list[frozenset]:
+    return sorted({frozenset(n) for n in Space(graph, mesh_shape, part="weights").shapes if n}, key=sorted)
+
+
+def _exemptions(a: Rules, w: WeightRules, shapes: list[frozenset]):
+    """(rules, weight rules) with one more weight shape left to the rules; where the rules split
+    two of its dims over one mesh dim, with the rule of each of those dims dropped in turn."""
+    for s in shapes:
+        if s in w.exempt:
+            continue
+        exempt = WeightRules(w.pairs, w.exempt | {s})
+        by_mesh: dict[str, list[str]] = {}
+        for d, ms in a:
+            for m in ms:
+                if d in s:
+                    by_mesh.setdefault(m, []).append(d)
+        clashing = sorted({d for ds in by_mesh.values() if len(ds) > 1 for d in ds})
+        if not clashing:
+            yield a, exempt
+        for d in clashing:
+            if all(len(ds) < 2 or d in ds for ds in by_mesh.values()):
+                yield tuple((e, ms) for e, ms in a if e != d), exempt
 
 
 def _weights(c: Candidate) -> str:
@@ -212,7 +263,8 @@ def search_layout(
     """The layout rules for `graph` on `mesh_shape` that minimise the predicted step time of the
     program computing `outputs` and applying `updates`, within `memory_budget` per device
     (default: the device's memory). `graph` may be a training task (`meshax.train` tasks): its
-    loss, metrics and Adam updates are the program. `layout`: rules the user pins (kept in every
+    loss, metrics and Adam updates are the program, and a deep one is costed at small depths and
+    extrapolated, exactly (`program.Extrapolated`). `layout`: rules the user pins (kept in every
     candidate). `device`: a known device name or a `meshax calibrate` file (default: the CPU's
     entry, or $MESHAX_DEVICE). Spaces of at most `exact_limit` rule sets are costed exactly;
     larger ones by the estimate, and the best that fit re-costed exactly: `top` of them, and on
@@ -223,29 +275,20 @@ def search_layout(
     ZeRO), for each of the `top` best rule sets every legal set of weight rules, by the estimate."""
     start = time.perf_counter()
     mesh_shape = convert_to_mesh_shape(mesh_shape)
-    if not isinstance(graph, Graph):
-        graph, outputs, updates = _build_task(graph)
-    outputs, updates = list(outputs), list(updates)
-    if not outputs and not updates:
+    model = model_of(graph, outputs, updates)
+    if not model.base.outputs and not model.base.updates:
         raise ConfigError("search_layout needs the program to cost: give its outputs (the loss) and updates")
     dev = load_device(device)
     budget = parse_bytes(memory_budget) if memory_budget is not None else dev.memory_bytes
     if budget is None or budget <= 0:
         raise ConfigError(f"memory budget {memory_budget!r}: give a positive size, like 16GB")
+    program = model.on(mesh_shape)
+    graph = program.graph
     space = Space(graph, mesh_shape, convert_to_layout_rules(layout))
     rule_sets: list[Rules] = list(space)
-    mesh = graph.operations[0].mesh
 
-    def lowering_of(rules: Rules, weight_rules: Rules | None = None) -> Lowering:
-        from meshax.backends import SimdMeshImpl
-
-        weights = None if weight_rules is None else rules_string(weight_rules)
-        return Lowering(graph, {mesh: SimdMeshImpl(mesh_shape, rules_string(rules), weight_layout=weights)})
-
-    def exact(rules: Rules, lowering: Lowering | None = None, weight_rules: Rules | None = None) -> Candidate:
-        cost = exact_cost(lowering or lowering_of(rules, weight_rules), outputs, updates)
-        weights = None if weight_rules is None else rules_string(weight_rules)
-        return _candidate(rules_string(rules), cost, dev, mesh_shape, weights)
+    def exact(rules: Rules, weights: str | None = None) -> Candidate:
+        return _candidate(rules_string(rules), program.exact(rules, weights), dev, mesh_shape, weights)
 
     annotated = any(hasattr(op, "annotation") for op in graph.operations)
     if (len(rule_sets) <= exact_limit or annotated) and not search_weights:
@@ -253,30 +296,18 @@ def search_layout(
         method = "every one traced exactly"
         exact_ones: list[Candidate] = compared
     else:
-        estimator = Estimator(graph, mesh_shape, outputs, updates)
+        estimator = program.estimator
         compared = [_candidate(rules_string(r), estimator(space.rules_of(r)), dev, mesh_shape) for r in rule_sets]
-        choices: list[tuple[Rules, Rules | None]] = [(r, None) for r in rule_sets]
+        choices: list[tuple[Rules, str | None]] = [(r, None) for r in rule_sets]
+
+        def time_of(a: Rules, w: LayoutRules) -> tuple[float, StepCost]:
+            cost = estimator(space.rules_of(a), w)
+            return predict(cost, dev, mesh_shape).step_s, cost
+
         if search_weights:
-            # The bases: the best rule sets, and the best sets of rules legal for the activations
-            # alone (ranked with the weights replicated); each with every legal set of weight rules.
-            activation_sets = list(Space(graph, mesh_shape, convert_to_layout_rules(layout), part="activations"))
-            replicated = LayoutRules()
-
-            def alone(a: Rules) -> float:  # its predicted time with the weights replicated
-                return predict(estimator(space.rules_of(a), replicated), dev, mesh_shape).step_s
-
-            ranked_activations = sorted(activation_sets, key=alone)
-            best = sorted(range(len(rule_sets)), key=lambda i: compared[i].step_s)[:top]
-            bases = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked_activations[:top]]))
-            weight_space = Space(graph, mesh_shape, part="weights")
-            for a in bases:
-                same = tuple((d, ms) for d, ms in a if d in weight_space.sizes)  # (a's own, already costed)
-                for w in weight_space:
-                    if w == same and a in rule_sets:
-                        continue
-                    cost = estimator(space.rules_of(a), space.rules_of(w))
-                    compared.append(_candidate(rules_string(a), cost, dev, mesh_shape, rules_string(w)))
-                    choices.append((a, w))
+            for a, w in _with_weight_rules(graph, space, layout, time_of, compared, rule_sets, top):
+                compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
+                choices.append((a, str(w)))
         # Re-score in the estimate's order. The estimate lays tensors out by the rules alone;
         # propagation may split more (dims no rule names), so a layout's true memory (its plan's,
         # cheap: no trace) can be less than estimated, never more: check it before tracing (for
@@ -285,7 +316,7 @@ def search_layout(
         # estimate of the best found (the estimate is not exact near the top), up to 2 x top.
         exact_ones = []
         estimated: dict[str, float] = {}
-        for c, (rules, weight_rules) in sorted(zip(compared, choices), key=lambda cr: cr[0].step_s):
+        for c, (rules, weights) in sorted(zip(compared, choices), key=lambda cr: cr[0].step_s):
             if len(exact_ones) >= top and (
                 len(exact_ones) >= 2 * top
                 or c.step_s > (1 + rescore_margin) * estimated[min(exact_ones, key=lambda e: e.step_s).name]
@@ -293,15 +324,34 @@ def search_layout(
                 break
             if c.memory_bytes > 2 * budget:
                 continue
-            lowering = lowering_of(rules, weight_rules)
-            if sum(memory_of(lowering, outputs, updates).values()) <= budget:
-                exact_ones.append(exact(rules, lowering, weight_rules))
+            if sum(program.memory(rules, weights).values()) <= budget:
+                exact_ones.append(exact(rules, weights))
                 estimated[c.name] = c.step_s
+        if search_weights:  # the best that fit, improved by leaving some weight shapes to the rules
+            starts = [c for c in sorted(exact_ones, key=lambda c: c.step_s)[:top] if c.weight_layout is not None]
+            for a, w in _leave_to_rules(starts, graph, mesh_shape, time_of):
+                compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
+                if sum(program.memory(a, str(w)).values()) <= budget:
+                    exact_ones.append(exact(a, str(w)))
+            # and around the best, the moves that drop a rule too, traced exactly (the estimate
+            # is least sure where the activations' rules change)
+            best = min(
+                (c for c in exact_ones if c.weight_layout is not None and c.memory_bytes <= budget),
+                key=lambda c: c.step_s,
+                default=None,
+            )
+            if best is not None:
+                a, w = tuple(_pairs(best.layout)), convert_to_weight_rules(best.weight_layout)
+                for b, x in _exemptions(a, w, _weight_shape_names(graph, mesh_shape)):
+                    if b != a and sum(program.memory(b, str(x)).values()) <= budget:
+                        exact_ones.append(exact(b, str(x)))
+                        compared.append(exact_ones[-1])
         with_weights = f" ({len(compared) - len(rule_sets)} with weight rules of their own)" if search_weights else ""
         method = f"all estimated{with_weights}, the best {len(exact_ones)} that fit traced exactly"
+    method += model.note
     fits = [c for c in exact_ones if c.memory_bytes <= budget]
     if not fits:
-        _no_fit(compared, budget, mesh_shape, lowering_of)
+        _no_fit(compared, budget, mesh_shape, program.lowering)
     ranked = sorted(fits, key=lambda c: c.step_s)[:top]  # (a stable sort: ties keep the fixed order)
     if isinstance(baseline, str):
         baseline = exact(tuple(_pairs(baseline)))
@@ -334,16 +384,15 @@ def search_mesh_and_layout(
 ) -> SearchResult:
     """`search_layout` over every mesh of `devices` devices (`mesh_shapes`): the best layouts of
     all of them together. Pinned rules (`layout=`) keep to the meshes whose dims they name."""
-    if not isinstance(graph, Graph):
-        graph, outputs, updates = _build_task(graph)
     start = time.perf_counter()
+    model = model_of(graph, outputs, updates)  # (built once, for every mesh)
     pinned = convert_to_layout_rules(kw.get("layout", ""))
     results = []
     for mesh in mesh_shapes(devices):
         names = convert_to_mesh_shape(mesh).dimension_names
         if all(m in names for d in pinned.tensor_dim_names for m in pinned.mesh_dims_for(d)):
             with contextlib.suppress(LayoutError):  # (no layout fits this mesh; another may)
-                results.append(search_layout(graph, mesh, outputs, updates, **kw))
+                results.append(search_layout(model, mesh, **kw))
     if not results:
         raise LayoutError(
             f"no mesh of {devices} devices ({', '.join(mesh_shapes(devices))}) has a layout that fits "
@@ -374,16 +423,9 @@ def evaluate(
     impl = lowering.impl
     weights = None if impl.weight_rules is None else str(impl.weight_rules)
     cost = exact_cost(lowering, outputs, updates)
-    return _candidate(label or str(impl.layout_rules), cost, dev, impl.shape, weights)
-
-
-def _build_task(task):
-    from meshax.train.loop import build
-
-    if not hasattr(task, "build"):
-        raise TypeError(f"search_layout takes a Graph (with outputs and updates) or a training task, got {task!r}")
-    lowering, outputs, updates = build(task, "all:1", "", compile=False)
-    return lowering.graph, outputs, updates
+    candidate = _candidate(str(impl.layout_rules), cost, dev, impl.shape, weights)
+    candidate.label = label
+    return candidate
 
 
 def _no_fit(compared: list[Candidate], budget: int, mesh_shape, lowering_of) -> None:
@@ -412,9 +454,7 @@ def _no_fit(compared: list[Candidate], budget: int, mesh_shape, lowering_of) -> 
             f"{_human(least.memory_bytes)}B per device ({parts}), {_human(least.memory_bytes - budget)}B over "
             "the budget; its activations do not fit: use a smaller batch or sequence, more devices, or a larger budget"
         )
-    lowering = lowering_of(
-        tuple(_pairs(least.layout)), None if least.weight_layout is None else tuple(_pairs(least.weight_layout))
-    )
+    lowering = lowering_of(tuple(_pairs(least.layout)), least.weight_layout)
     tensors = {t: None for op in lowering.graph.operations for t in op.outputs}
     impl = lowering.impl
     per_device = ((math.prod(impl.slice_shape(t.shape, lowering.plan[t])) * t.dtype.itemsize, t.name) for t in tensors)

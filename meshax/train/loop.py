@@ -67,6 +67,17 @@ class Program:
     logged_names: list[str] = dataclasses.field(default_factory=list)  # `mx.log_scalar`s, after the metrics
 
 
+def training_graph(task: Task, optimizer: Optimizer | None = None):
+    """The task's graph with gradients and optimizer updates (default Adam), on no mesh yet:
+    (graph, what the task built, outputs: the loss then each metric, updates)."""
+    graph = Graph()
+    built = task.build(Mesh(graph, "mesh"))
+    params = list(graph.trainable_variables)
+    grads = gradients(built.loss, [v.value for v in params])
+    updates = (optimizer or AdamWeightDecayOptimizer(1e-3)).apply_grads(grads, params)
+    return graph, built, [built.loss, *built.metrics.values()], updates
+
+
 def build(
     task: Task,
     mesh_shape: str,
@@ -81,16 +92,10 @@ def build(
     tensors by `weight_layout` where given: `MeshImpl`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
-    graph = Graph()
-    mesh = Mesh(graph, "mesh")
-    built = task.build(mesh)
-    params = list(graph.trainable_variables)
-    grads = gradients(built.loss, [v.value for v in params])
-    optimizer = optimizer or AdamWeightDecayOptimizer(1e-3)
-    updates = optimizer.apply_grads(grads, params)
+    graph, built, outputs, updates = training_graph(task, optimizer)
+    mesh = graph.operations[0].mesh
     lowering = Lowering(graph, {mesh: BACKENDS[backend](mesh_shape, layout, weight_layout=weight_layout)}, seed=seed)
     names = list(built.metrics)
-    outputs = [built.loss] + [built.metrics[n] for n in names]
     if not compile:  # for planning: trace only, allocate nothing
         return lowering, outputs, updates
     logged = list(graph.logged_scalars)

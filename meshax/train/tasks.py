@@ -89,6 +89,16 @@ class Task:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{type(self).__name__}: {field}={value!r} must be a whole number >= 1")
 
+    def depths(self) -> dict[str, int]:
+        """The model's stacks of identical layers, by config field, and their depths: a layout
+        search costs the model at small depths and extrapolates (`meshax.search.program`).
+        None by default."""
+        return {}
+
+    def at_depths(self, depths: dict[str, int]) -> Task:
+        """A copy of the task whose stacks have these depths (fields of `depths`)."""
+        raise NotImplementedError(f"{type(self).__name__} has no stacks of layers to deepen")
+
     def _feeds(self, rngs: list[np.random.Generator], val: bool) -> dict:
         """Rows of synthetic (or sampled) feeds, row i drawn with rngs[i]; `val`: held-out data."""
         raise NotImplementedError
@@ -265,8 +275,26 @@ def model_config(model: str | TransformerConfig, **overrides) -> TransformerConf
     return dataclasses.replace(PRESETS[model], **overrides)
 
 
+class _TransformerTask(Task):
+    """A task of a `Transformer` (`self.config`): its stacks are the decoder's and the encoder's
+    layers, identical layer by layer unless pipelined (stages) or MoE (every other layer)."""
+
+    config: TransformerConfig
+
+    def depths(self) -> dict[str, int]:
+        c = self.config
+        if c.pipeline_stages > 1 or c.moe_experts:
+            return {}
+        stacks = {"num_layers": c.num_layers, "num_encoder_layers": c.num_encoder_layers}
+        return {k: v for k, v in stacks.items() if v}
+
+    def at_depths(self, depths: dict[str, int]) -> Task:
+        config = dataclasses.replace(self.config, **depths)  # type: ignore[arg-type]
+        return dataclasses.replace(self, model=config)  # type: ignore[type-var]
+
+
 @dataclasses.dataclass
-class LmTask(Task):
+class LmTask(_TransformerTask):
     """Decoder-only language model on bytes of text (source="text") or a Markov chain ("markov")."""
 
     model: str | TransformerConfig = "tiny"
@@ -331,7 +359,7 @@ class LmTask(Task):
 
 
 @dataclasses.dataclass
-class Seq2SeqTask(Task):
+class Seq2SeqTask(_TransformerTask):
     """Encoder-decoder on reversing (or sorting) random sequences, scored by exact match.
 
     Exact match under teacher forcing equals greedy decoding's: if every position's argmax is
