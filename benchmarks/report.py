@@ -132,6 +132,7 @@ HEADER = ("§", "measurement", "configuration", "value", "target", "status", "de
 
 def print_table(info: dict, records: list[dict], wall_s: float) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console(width=max(160, Console().width))
@@ -144,7 +145,7 @@ def print_table(info: dict, records: list[dict], wall_s: float) -> None:
             table.add_section()
         last = r["section"]
         style = "red" if row[5] == "MISSED" else None
-        table.add_row(*row, style=style)
+        table.add_row(*map(escape, row), style=style)
     console.print(table)
     console.print(targets_line(records))
 

@@ -272,7 +272,9 @@ def search_layout(
     `baseline`: the user's own layout (rules, or a Candidate from `evaluate`), shown beside.
     `search_weights`: also give the weight-shaped tensors rules of their own (weights, their
     gradients and optimizer state split one way, activations another: GSPMD's 2D sharding,
-    ZeRO), for each of the `top` best rule sets every legal set of weight rules, by the estimate."""
+    ZeRO), for each of the `top` best rule sets every legal set of weight rules, by the estimate;
+    then weight shapes left to the rules (`WeightRules`: "... except [vocab,d_model]") where that
+    makes the best ones faster."""
     start = time.perf_counter()
     mesh_shape = convert_to_mesh_shape(mesh_shape)
     model = model_of(graph, outputs, updates)
@@ -343,7 +345,8 @@ def search_layout(
             if best is not None:
                 a, w = tuple(_pairs(best.layout)), convert_to_weight_rules(best.weight_layout)
                 for b, x in _exemptions(a, w, _weight_shape_names(graph, mesh_shape)):
-                    if b != a and sum(program.memory(b, str(x)).values()) <= budget:
+                    pins_kept = all(dict(b).get(d) == ms for d, ms in space.pinned.items() if ms)
+                    if b != a and pins_kept and sum(program.memory(b, str(x)).values()) <= budget:
                         exact_ones.append(exact(b, str(x)))
                         compared.append(exact_ones[-1])
         with_weights = f" ({len(compared) - len(rule_sets)} with weight rules of their own)" if search_weights else ""
