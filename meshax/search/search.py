@@ -267,15 +267,17 @@ def search_layout(
     extrapolated, exactly (`program.Extrapolated`). `layout`: rules the user pins (kept in every
     candidate). `device`: a known device name or a `meshax calibrate` file (default: the CPU's
     entry, or $MESHAX_DEVICE). Spaces of at most `exact_limit` rule sets are costed exactly;
-    larger ones by the estimate, and the best that fit re-costed exactly: `top` of them, and on
-    while their estimate is within `rescore_margin` of the best one's (at most 2 x top).
+    larger ones by the estimate, and the best that fit re-costed exactly: `top` of them (at least
+    5, however few are listed), and on while their estimate is within `rescore_margin` of the best
+    one's (at most twice as many).
     `baseline`: the user's own layout (rules, or a Candidate from `evaluate`), shown beside.
     `search_weights`: also give the weight-shaped tensors rules of their own (weights, their
     gradients and optimizer state split one way, activations another: GSPMD's 2D sharding,
-    ZeRO), for each of the `top` best rule sets every legal set of weight rules, by the estimate;
+    ZeRO), for each of the best rule sets (as many) every legal set of weight rules, by the estimate;
     then weight shapes left to the rules (`WeightRules`: "... except [vocab,d_model]") where that
     makes the best ones faster."""
     start = time.perf_counter()
+    breadth = max(top, 5)  # (how many the search looks at closely: listing fewer changes nothing)
     mesh_shape = convert_to_mesh_shape(mesh_shape)
     model = model_of(graph, outputs, updates)
     if not model.base.outputs and not model.base.updates:
@@ -307,20 +309,20 @@ def search_layout(
             return predict(cost, dev, mesh_shape).step_s, cost
 
         if search_weights:
-            for a, w in _with_weight_rules(graph, space, layout, time_of, compared, rule_sets, top):
+            for a, w in _with_weight_rules(graph, space, layout, time_of, compared, rule_sets, breadth):
                 compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
                 choices.append((a, str(w)))
         # Re-score in the estimate's order. The estimate lays tensors out by the rules alone;
         # propagation may split more (dims no rule names), so a layout's true memory (its plan's,
         # cheap: no trace) can be less than estimated, never more: check it before tracing (for
         # the layouts estimated to need at most twice the budget; the rest are taken not to fit).
-        # Enough: `top` of them, and then on while the estimate is within `rescore_margin` of the
-        # estimate of the best found (the estimate is not exact near the top), up to 2 x top.
+        # Enough: `breadth` of them, and then on while the estimate is within `rescore_margin` of
+        # the estimate of the best found (the estimate is not exact near the top), up to 2 x breadth.
         exact_ones = []
         estimated: dict[str, float] = {}
         for c, (rules, weights) in sorted(zip(compared, choices), key=lambda cr: cr[0].step_s):
-            if len(exact_ones) >= top and (
-                len(exact_ones) >= 2 * top
+            if len(exact_ones) >= breadth and (
+                len(exact_ones) >= 2 * breadth
                 or c.step_s > (1 + rescore_margin) * estimated[min(exact_ones, key=lambda e: e.step_s).name]
             ):
                 break
@@ -330,7 +332,7 @@ def search_layout(
                 exact_ones.append(exact(rules, weights))
                 estimated[c.name] = c.step_s
         if search_weights:  # the best that fit, improved by leaving some weight shapes to the rules
-            starts = [c for c in sorted(exact_ones, key=lambda c: c.step_s)[:top] if c.weight_layout is not None]
+            starts = [c for c in sorted(exact_ones, key=lambda c: c.step_s)[:breadth] if c.weight_layout is not None]
             for a, w in _leave_to_rules(starts, graph, mesh_shape, time_of):
                 compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
                 if sum(program.memory(a, str(w)).values()) <= budget:
