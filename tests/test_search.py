@@ -330,6 +330,9 @@ def test_weight_shapes_left_to_the_rules_follow_them():
     assert low.layout_of(by_name["embedding"]) == low.layout_of(by_name["embedding/adam_v"]) == "d_model:y"
     assert low.layout_of(by_name["decoder/0/ffn/wi/kernel"]) == "d_model:x;d_ff:y"
     assert low.layout_of(by_name["decoder/0/ffn/wo/bias"]) == "d_model:y"  # ([d_model] left to the rules)
+    assert str(convert_to_weight_rules("except [vocab,d_model]")) == "except [d_model,vocab]"
+    assert convert_to_weight_rules("exception_dim:x").pairs == (("exception_dim", "x"),)  # (a dim, not "except")
+    assert hash(convert_to_weight_rules("d_model:x")) == hash(mx.convert_to_layout_rules("d_model:x"))
     for bad in ("d_model:x except vocab", "d_model:x except [vocab] tail"):
         with pytest.raises(mx.LayoutError, match=r"after 'except', write each weight shape .* in brackets"):
             convert_to_weight_rules(bad)

@@ -81,12 +81,12 @@ class WeightRules(LayoutRules):
     def __eq__(self, other) -> bool:
         return isinstance(other, LayoutRules) and self.pairs == other.pairs and self.exempt == _exempt(other)
 
-    def __hash__(self) -> int:
-        return hash((self.pairs, self.exempt))
+    def __hash__(self) -> int:  # (equal LayoutRules when nothing is exempt: the same hash)
+        return hash((self.pairs, self.exempt)) if self.exempt else hash(self.pairs)
 
     def __str__(self) -> str:
         shapes = " ".join(f"[{','.join(sorted(s))}]" for s in sorted(self.exempt, key=sorted))
-        return super().__str__() + (f" except {shapes}" if shapes else "")
+        return " ".join(part for part in (super().__str__(), f"except {shapes}" if shapes else "") if part)
 
     def __repr__(self) -> str:
         return f"WeightRules({str(self)!r})"
@@ -103,7 +103,8 @@ def convert_to_weight_rules(x) -> WeightRules:
         return x
     if not isinstance(x, str):
         return WeightRules(convert_to_layout_rules(x).pairs)
-    rules, _, rest = x.partition("except")
+    m = re.search(r"\bexcept\b", x)
+    rules, rest = (x[: m.start()], x[m.end() :]) if m else (x, "")
     shapes = re.findall(r"\[([^\]]*)\]", rest)
     if rest.strip() and (not shapes or re.sub(r"\[[^\]]*\]", "", rest).strip()):
         raise LayoutError(
