@@ -332,10 +332,15 @@ def search_layout(
                 exact_ones.append(exact(rules, weights))
                 estimated[c.name] = c.step_s
         if search_weights:  # the best that fit, improved by leaving some weight shapes to the rules
+            traced = {(c.layout, c.weight_layout) for c in exact_ones}
+
+            def new_and_fits(a: Rules, w: WeightRules) -> bool:
+                return (rules_string(a), str(w)) not in traced and sum(program.memory(a, str(w)).values()) <= budget
+
             starts = [c for c in sorted(exact_ones, key=lambda c: c.step_s)[:breadth] if c.weight_layout is not None]
             for a, w in _leave_to_rules(starts, graph, mesh_shape, time_of):
                 compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
-                if sum(program.memory(a, str(w)).values()) <= budget:
+                if new_and_fits(a, w):
                     exact_ones.append(exact(a, str(w)))
             # and around the best, the moves that drop a rule too, traced exactly (the estimate
             # is least sure where the activations' rules change)
@@ -348,7 +353,7 @@ def search_layout(
                 a, w = tuple(_pairs(best.layout)), convert_to_weight_rules(best.weight_layout)
                 for b, x in _exemptions(a, w, _weight_shape_names(graph, mesh_shape)):
                     pins_kept = all(dict(b).get(d) == ms for d, ms in space.pinned.items() if ms)
-                    if b != a and pins_kept and sum(program.memory(b, str(x)).values()) <= budget:
+                    if b != a and pins_kept and new_and_fits(b, x):
                         exact_ones.append(exact(b, str(x)))
                         compared.append(exact_ones[-1])
         with_weights = f" ({len(compared) - len(rule_sets)} with weight rules of their own)" if search_weights else ""
