@@ -47,20 +47,21 @@ def step_ratio(
     config: dict,
     t: dict,
     baseline: str,
-    target: float = 1.0,
+    target: float | None = 1.0,
     baseline_key: str = "xla",
     **extra: Any,
 ) -> dict:
     """The record of an interleaved timing `t` (benchmarks.timing.interleaved): meshax's median
-    step over the baseline's, met when <= `target`; `baseline_key` names the baseline's IQR."""
+    step over the baseline's, met when <= `target` (None: reported, no target); `baseline_key`
+    names the baseline's IQR."""
     return record(
         section,
         name,
         config,
         t["ratio"],
         "ratio",
-        target=f"<= {target}",
-        met=t["ratio"] <= target,
+        target=None if target is None else f"<= {target}",
+        met=None if target is None else t["ratio"] <= target,
         numerator=side("meshax step (median)", t["a_s"], "s"),
         denominator=side(f"{baseline} step (median)", t["b_s"], "s"),
         steps=t["steps"],

@@ -74,6 +74,7 @@ def config_text(r: dict) -> str:
     c = r["config"]
     parts = []
     keys = ("mesh", "meshes", "layout", "size", "platform") + (("program",) if r["section"] in (5, 9) else ())
+    keys += ("reduce_scatter_as",)
     for k in keys:
         if k in c:
             v = c[k]

@@ -8,7 +8,7 @@ import pytest
 
 import meshax as mx
 from meshax.lower.counters import KINDS
-from tests.conftest import IMPL_IDS, IMPLS, LAYOUTS, B, D, H, assert_close, lower, new_mesh, rand
+from tests.conftest import IMPL_IDS, IMPLS, LAYOUTS, MESH_SHAPE, B, D, H, assert_close, lower, new_mesh, rand
 
 impls = pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
 
@@ -149,6 +149,34 @@ def test_shard_partial_einsum_reduce_scatters(impl_cls):
     assert c["reduce_scatter"].values == 64  # each device puts in its whole partial [b, d]
     assert tuple(c["reduce_scatter"].sites[0].mesh_axes) == ("cols",)
     _check_hlo(fn, feeds, impl_cls)
+
+
+@impls
+def test_reduce_scatter_as_allreduce_runs_and_counts_an_allreduce_and_a_slice(impl_cls):
+    """`reduce_scatter_as="allreduce"` (what XLA's partitioner emits on CPU): the same result,
+    with an uneven split too; the one reduce-scatter becomes an all-reduce of the same input,
+    and the counters say so (and, SIMD, equal the HLO: no reduce-scatter there)."""
+    _, mesh = new_mesh()
+    hh, dd = mx.Dimension("h", 32), mx.Dimension("d", 10)  # d: 10 over cols:4, uneven
+    x, w = mx.placeholder(mesh, "x", [B, hh]), mx.placeholder(mesh, "w", [hh, dd])
+    ys = mx.shard(mx.einsum(x, w, output_shape=[B, dd]), "d:cols")
+    graph = mesh.graph
+    xv, wv = rand([8, 32], 5), rand([32, 10], 6)
+    feeds = {x: xv, w: wv}
+    counts = {}
+    for how in ("reduce_scatter", "allreduce"):
+        impl = impl_cls(MESH_SHAPE, "h:cols", reduce_scatter_as=how)
+        fn = mx.Lowering(graph, {mesh: impl}).function(ys)
+        assert_close(fn(feeds), xv.astype(np.float64) @ wv)
+        counts[how] = (_counts(fn.counters), _values(fn.counters))
+        _check_hlo(fn, feeds, impl_cls)
+    (native, native_values), (got, got_values) = counts["reduce_scatter"], counts["allreduce"]
+    assert native == {**_counts(mx.Counters()), "reduce_scatter": 1}
+    assert got == {**native, "reduce_scatter": 0, "allreduce": 1}
+    assert native_values["reduce_scatter"] == 8 * 12  # [b, d] padded to 12 first, for 4 equal parts
+    assert got_values["allreduce"] == 8 * 10  # the sum of the whole [b, d]; padded after, locally
+    with pytest.raises(mx.ConfigError, match=r"reduce_scatter_as='ring' is not one of 'reduce_scatter', 'allreduce'"):
+        impl_cls(MESH_SHAPE, "h:cols", reduce_scatter_as="ring")
 
 
 # --------------------------------------------------------------- (3) reshard

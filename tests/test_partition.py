@@ -125,6 +125,27 @@ def test_mlp_step_equals_one_device_and_table_1(mlp_case, sharding):
     assert new_state[0].mu["wout"].sharding.shard_shape((H, M)) == (H // Y, M // X)
 
 
+def test_reduce_scatters_as_allreduce_and_slice_where_asked(mlp_case):
+    """`reduce_scatter_as="allreduce"` (faster on CPU, as XLA's partitioner chooses there): the
+    same step; each of the finalized sharding's reduce-scatters runs as an all-reduce of the
+    same input, the counters record those, and they still equal the compiled HLO."""
+    params, opt, state, x, y = mlp_case
+    step = pj.train_step(pj.mlp_loss, opt, sharding="finalized")
+    args = (params, state, x, y)
+    native = mx.partition(step, MESH, in_shardings=pj.MLP_WEIGHTS).lower(*args).counters
+    f = mx.partition(step, MESH, in_shardings=pj.MLP_WEIGHTS, reduce_scatter_as="allreduce")
+    assert_trees_close(f(*args), one_device(step, *args))
+    program = f.lower(*args)
+    got = program.counters
+    assert native["reduce_scatter"].count == 3 and got["reduce_scatter"].count == 0
+    for what in ("count", "values"):
+        summed = getattr(native["allreduce"], what) + getattr(native["reduce_scatter"], what)
+        assert getattr(got["allreduce"], what) == summed
+        assert getattr(got["allgather"], what) == getattr(native["allgather"], what)
+    assert_counters_equal_hlo(program, *args)
+    assert " reduce-scatter(" not in program.compiled_text(*args)
+
+
 # ---- the decoder Transformer ---------------------------------------------------------------------
 CONFIG = pj.Config()
 

@@ -75,11 +75,12 @@ class Partitioned:
         static_argnames: str | Sequence[str] = (),
         donate_argnums: int | Sequence[int] = (),
         devices: Sequence | None = None,
+        reduce_scatter_as: str = "reduce_scatter",
     ):
         if not callable(fn):
             raise ConfigError(f"mx.partition needs a function, got {fn!r}")
         self.fn = fn
-        self.impl = SimdMeshImpl(mesh, layout, devices)
+        self.impl = SimdMeshImpl(mesh, layout, devices, reduce_scatter_as=reduce_scatter_as)
         self.in_shardings, self.out_shardings = in_shardings, out_shardings
         self.static_argnums = {static_argnums} if isinstance(static_argnums, int) else set(static_argnums)
         self.static_argnames = {static_argnames} if isinstance(static_argnames, str) else set(static_argnames)
@@ -415,6 +416,7 @@ def partition(
     static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
     devices: Sequence | None = None,
+    reduce_scatter_as: str = "reduce_scatter",
 ) -> Partitioned:
     """`fn`, a plain single-device JAX function, partitioned over `mesh` ("x:2;y:4").
 
@@ -424,7 +426,17 @@ def partition(
     `out_shardings` likewise for the results. `layout`: layout rules against the dim names
     `explain()` lists ("x[0]:x"). Inside `fn`, `jax.lax.with_sharding_constraint(x, P(...))` and
     `mx.mesh_split(x, [...], priority=p)` annotate intermediate values. `static_argnums`,
-    `static_argnames` and `donate_argnums` are `jax.jit`'s."""
+    `static_argnames` and `donate_argnums` are `jax.jit`'s. `reduce_scatter_as="allreduce"` runs
+    each reduce-scatter as an all-reduce and a local slice (faster on CPU; `MeshImpl`)."""
     return Partitioned(
-        fn, mesh, in_shardings, out_shardings, layout, static_argnums, static_argnames, donate_argnums, devices
+        fn,
+        mesh,
+        in_shardings,
+        out_shardings,
+        layout,
+        static_argnums,
+        static_argnames,
+        donate_argnums,
+        devices,
+        reduce_scatter_as,
     )

@@ -209,6 +209,8 @@ class LoweringContext:
     def reduce_scatter(self, xs: list, axis: int, dim: int) -> list:
         if not self._live([axis]):
             return xs
+        if self.impl.reduce_scatter_as == "allreduce":  # the sum whole, then this device's part
+            return self.allsplit(self.allreduce(xs, [axis]), axis, dim)
         xs = _pad_to_parts(self, xs, dim, self.mesh_shape[axis].size)
         return self._run("reduce_scatter", xs, [axis], lambda: self.impl.reduce_scatter(xs, axis, dim))
 
