@@ -66,12 +66,12 @@ NOT_APPLICABLE = {
     "conv3d_with_blocks": _BLOCKS,
     "conv3d_transpose_with_blocks": _BLOCKS,
 }
-# Not built yet: what each will be (Mesh-TensorFlow parity, issue 17, and the loop issue).
-NOT_YET = {
-    "while_loop": "with the loop issue; `mx.scan` runs a loop over a dim today",
-}
+# Not built yet: what each will be.
+NOT_YET: dict[str, str] = {}
 # Arguments meshax takes differently, with why (the rest are taken by Mesh-TensorFlow's names).
 ARGUMENT_NOTES = {
+    "while_loop": "not differentiable: `has_accumulators=True` is refused (`mx.scan` is, for a fixed trip count); "
+    "`num_loop_vars` returns the first ones",
     **{
         f"reduce_{k}": "`disable_positional_args` is not needed: meshax also takes `reduced_dim` second"
         for k in ("sum", "mean", "max", "min", "all", "any")

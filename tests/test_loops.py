@@ -126,3 +126,73 @@ def test_annotations_propagate_across_the_loop_boundary():
     v = np.random.RandomState(0).randn(4, 6).astype(np.float32)
     unsplit = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:1")})
     np.testing.assert_allclose(low.function(out)({"x": v}), unsplit.function(out)({"x": v}), rtol=1e-6)
+
+
+# ---- while_loop: a trip count the data decide ---------------------------------------------------
+def _halving(layout_dims=("batch", "d")):
+    """Halve x until its squared norm (a sum over the split dims: a collective in the condition)
+    is below 1, counting the halvings; a weight built outside is read by the body."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+    w = mx.placeholder(mesh, "w", [D, E])
+    n0 = mx.zeros(mesh, [], dtype=np.int32)
+
+    def cond(h, n):
+        return mx.less(mx.reduce_sum(h * h), 1.0)
+
+    def body(h, n):
+        return [mx.rename_dimension(mx.einsum(h, w, output_shape=[B, E]), "e", "d") * 0.5, n + 1]
+
+    h, n = mx.while_loop(lambda h, n: mx.logical_not(cond(h, n)), body, [x, n0])
+    return graph, mesh, h, n
+
+
+def _halving_numpy(x, w):
+    h, n = x.astype(np.float64), 0
+    while (h * h).sum() >= 1.0:
+        h, n = h @ w * 0.5, n + 1
+    return h, n
+
+
+@pytest.mark.parametrize(
+    "backend,mesh_shape,layout",
+    [
+        (mx.SimdMeshImpl, "rows:2;cols:4", ""),
+        (mx.SimdMeshImpl, "rows:2;cols:4", "batch:rows;d:cols"),
+        (mx.SimdMeshImpl, "rows:2;cols:4", "batch:rows;e:cols"),
+        (mx.PlacementMeshImpl, "rows:2;cols:2", "batch:rows;d:cols"),
+    ],
+)
+def test_while_loop_runs_until_its_condition_fails(backend, mesh_shape, layout):
+    rng = np.random.RandomState(1)
+    xv, wv = (rng.randn(4, 6) * 3).astype(np.float32), (rng.randn(6, 6) * 0.4).astype(np.float32)
+    graph, mesh, h, n = _halving()
+    fn = mx.Lowering(graph, {mesh: backend(mesh_shape, layout)}).function([h, n])
+    got_h, got_n = fn({"x": xv, "w": wv})
+    want_h, want_n = _halving_numpy(xv, wv)
+    assert want_n >= 3
+    assert int(got_n) == want_n
+    np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-6)
+    if layout:  # the condition's sum over split dims is an allreduce, counted once (one iteration)
+        assert fn.counters["allreduce"].count >= 1
+    if backend is mx.SimdMeshImpl:
+        found = hlo_collectives(fn.compiled_text({"x": xv, "w": wv}))
+        assert {k: v["count"] for k, v in found.items()} == {k: fn.counters[k].count for k in found}
+        assert {k: v["values"] for k, v in found.items()} == {k: fn.counters[k].values for k in found}
+
+
+def test_while_loop_errors_name_the_cause():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+    with pytest.raises(mx.GraphError, match=r"cond_fn must return a scalar meshax Tensor \(shape \[\]\), got"):
+        mx.while_loop(lambda h: h, lambda h: [h], [x])
+    with pytest.raises(mx.GraphError, match="keep its shape and dtype"):
+        mx.while_loop(lambda h: mx.reduce_sum(h) > 0, lambda h: [mx.reduce_sum(h, reduced_dim=D)], [x])
+    with pytest.raises(mx.GraphError, match=r"not differentiable.*mx\.scan"):
+        mx.while_loop(lambda h: mx.reduce_sum(h) > 0, lambda h: [h], [x], has_accumulators=True)
+    w = mx.get_variable(mesh, "w", [D], initializer=mx.initializers.ones())
+    (out,) = mx.while_loop(lambda h: mx.reduce_sum(h) > 0, lambda h: [h * 0.5], [x * w])
+    with pytest.raises(mx.GraphError, match=r"not differentiable.*mx\.scan"):
+        mx.gradients(mx.reduce_sum(out), [w])

@@ -288,6 +288,22 @@ def _top_case(c):
     )
 
 
+def _while_case(c):
+    x = c.input([B, D], X)
+    h, n = X, 0
+    while (h * h).max() < 2500:  # the trip count the data decide: under "b:rows;d:cols" a max over devices
+        h, n = h * 2, n + 1
+
+    outs = mx.while_loop(
+        cond_fn=lambda h, k: mx.less(mx.reduce_max(h * h), 2500.0),
+        body_fn=lambda h, k: [h * 2.0, k + 1],
+        inputs=[x, mx.zeros(c.mesh, [], dtype=np.int32)],
+        num_loop_vars=None,
+        has_accumulators=False,
+    )
+    return outs, lambda a, k: (close(h)(a), equal(n)(k))
+
+
 def _softmax_case(c):
     x = c.input([B, D], X)
     outs = [
@@ -969,6 +985,7 @@ CASES = {
     ("ops", "custom_gradient"): _custom_gradient_case,
     ("ops", "recompute_grad"): _recompute_case,
     ("ops", "top_k"): _top_case,
+    ("ops", "while_loop"): _while_case,
     ("ops", "softmax"): _softmax_case,
     ("ops", "split"): _shape_case,
     ("ops", "constant"): _create_case,

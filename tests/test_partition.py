@@ -402,6 +402,44 @@ def test_scan_and_fori_loop_become_one_meshax_loop():
     )
 
 
+def test_while_loop_with_a_data_dependent_trip_count():
+    """jax.lax.while_loop (and a fori_loop with bounds known only when it runs) becomes one
+    mx.while_loop: the condition, a sum over the split x (a collective), is the same on every
+    device, so all stop together; values equal jax.jit's, the annotation reaches the loop's
+    carries, and the counters (one iteration's collectives) equal the compiled HLO."""
+
+    def halve(x, w):
+        def cond(c):
+            return jnp.sum(c[0] ** 2) >= 1.0
+
+        def body(c):
+            h, n = c
+            return jnp.tanh(h @ w) * 0.5 + 0.01, n + 1
+
+        return jax.lax.while_loop(cond, body, (x, 0))
+
+    x = jax.random.normal(jax.random.key(0), (8, 16)) * 3
+    w = jax.random.normal(jax.random.key(1), (16, 16)) * 0.3
+    want = jax.jit(halve)(x, w)
+    assert int(want[1]) >= 3
+    f = mx.partition(halve, MESH, in_shardings=(P("x", "y"), P("y", None)))
+    assert_trees_close(f(x, w), want, rtol=1e-5, atol=1e-6)
+    program = f.lower(x, w)
+    (loop,) = [op for op in program.graph.operations if type(op).__name__ == "WhileOperation"]
+    assert program.lowering.layout_of(loop.carry_vars[0]).startswith("x[0]:x")
+    assert program.counters["allreduce"].count >= 1
+    assert_counters_equal_hlo(program, x, w)
+
+    def fori(x, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: jnp.sin(c) * 2 + i, x)
+
+    g = mx.partition(fori, MESH, in_shardings=(P("x"), None))
+    for n in (0, 3):
+        np.testing.assert_allclose(
+            np.asarray(g(jnp.ones((8, 4)), n)), np.asarray(jax.jit(fori)(jnp.ones((8, 4)), n)), rtol=1e-6
+        )
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 def test_unsupported_primitive_names_it_its_line_and_the_way_around():
     def f(a):
@@ -436,8 +474,8 @@ def test_bad_annotations_and_argument_trees_are_named():
         mx.partition(lambda params: params["w"] * 2, MESH, in_shardings={"params/v": P("x")})({"w": a})
     with pytest.raises(mx.ConfigError, match="one entry per positional"):
         mx.partition(lambda x, y: x + y, MESH, in_shardings=(P("x"),))(a, a)
-    with pytest.raises(mx.GraphError, match=r"'while' \(at .*test_partition.py:\d+\).*fori_loop with static bounds"):
-        mx.partition(lambda x: jax.lax.while_loop(lambda c: c.sum() < 100, lambda c: c * 2, x), MESH)(a)
+    with pytest.raises(mx.GraphError, match=r"'cond' \(at .*test_partition.py:\d+\).*jnp.where"):
+        mx.partition(lambda x: jax.lax.cond(x.sum() > 0, jnp.sin, jnp.cos, x), MESH)(a)
 
 
 # ---- random programs ------------------------------------------------------------------------------

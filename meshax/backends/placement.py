@@ -29,6 +29,7 @@ class PlacementMeshImpl(MeshImpl):
     # op call instead of one per primitive, and runs one dispatch instead of several.
     _jitted: list | None = None
     _call = 0
+    _tracing = False  # `trace` runs: values are abstract, a loop's condition cannot be read
 
     @property
     def devices(self) -> list:
@@ -124,6 +125,17 @@ class PlacementMeshImpl(MeshImpl):
         ys = [[self._put(jnp.stack([y[k][p] for y in outs]), p) for p in range(self.size)] for k in range(len(outs[0]))]
         return carry, ys
 
+    def while_loop(self, cond, body, carry):
+        if self._tracing:  # traced for the counters: one iteration
+            cond(carry)
+            return body(carry)
+        start = self._call
+        while True:  # in Python: the condition, the same on every device, read from the first
+            self._call = start  # every iteration makes the same calls: reuse the first one's jitted functions
+            if not bool(np.asarray(cond(carry)[0])):
+                return carry
+            carry = body(carry)
+
     # ---- values: a list of per-device arrays, in pnum order ------------------------------------
     def from_padded(self, array, spec):
         by_device = {s.device: s.data for s in array.addressable_shards}
@@ -169,7 +181,11 @@ class PlacementMeshImpl(MeshImpl):
             for s, d, lay in in_specs
             for _ in range(self.size)
         ]
-        return jax.make_jaxpr(run)(jax.ShapeDtypeStruct((), jnp.uint32), *flat)
+        self._tracing = True
+        try:
+            return jax.make_jaxpr(run)(jax.ShapeDtypeStruct((), jnp.uint32), *flat)
+        finally:
+            self._tracing = False
 
     def compile(self, body, in_specs, out_specs, donate=()):
         jitted: list = []

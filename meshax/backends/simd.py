@@ -69,6 +69,12 @@ class SimdMeshImpl(MeshImpl):
         c, ys = jax.lax.scan(one, [s[0] for s in carry], [s[0] for s in xs], length=length, reverse=reverse)
         return [[a] for a in c], [[a] for a in ys]
 
+    def while_loop(self, cond, body, carry):
+        out = jax.lax.while_loop(
+            lambda c: cond([[a] for a in c])[0], lambda c: [s[0] for s in body([[a] for a in c])], [s[0] for s in carry]
+        )
+        return [[a] for a in out]
+
     # ---- values ----------------------------------------------------------------------------
     # A value is the padded global array (the logical one, where the layout's splits divide).
     def from_padded(self, array, spec):

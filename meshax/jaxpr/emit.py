@@ -268,6 +268,15 @@ def _random(em, e, ins, outs, in_roles, out_roles):
 
 
 # ---- loops ---------------------------------------------------------------------------------------
+def _sub(em: Emitter, flat: Flat, values: list[Tensor]) -> Emitter:
+    """A loop's body or condition emitted with its variables bound to `values`."""
+    sub = Emitter(em.mesh, flat, em.names, em.mesh_dims, parent=em)
+    for v, t in zip(flat.invars, values):
+        sub.env[v] = conform(t, sub.out_shape(v))
+    sub.run()
+    return sub
+
+
 def _scan(em, e, ins, outs, in_roles, out_roles):
     """jax.lax.scan as mx.scan: one loop in the SPMD program, its body emitted from the body's jaxpr."""
     p = e.params
@@ -279,15 +288,30 @@ def _scan(em, e, ins, outs, in_roles, out_roles):
     dim = stacked[0][0] if stacked else Dimension(em.fresh("scan"), p["length"])
 
     def step(carry, x):
-        sub = Emitter(em.mesh, body, em.names, em.mesh_dims, parent=em)
-        for v, t in zip(body.invars, [*consts, *carry, *x]):
-            sub.env[v] = conform(t, sub.out_shape(v))
-        sub.run()
+        sub = _sub(em, body, [*consts, *carry, *x])
         new = [conform(sub.value(a), c.shape) for a, c in zip(body.outvars[:ncar], carry)]
         return new, [sub.value(a) for a in body.outvars[ncar:]]
 
     final, ys = mops.scan(step, init, xs, dim=dim, reverse=p["reverse"], name="scan")
     return [*final, *ys]
+
+
+def _while(em, e, ins, outs, in_roles, out_roles):
+    """jax.lax.while_loop as mx.while_loop: one loop in the SPMD program, its condition and body
+    emitted from their jaxprs (the condition's scalar is the same on every device)."""
+    cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
+    cond_consts, body_consts, init = ins[:cn], ins[cn : cn + bn], ins[cn + bn :]
+    cond, body = e.cond, e.body
+    assert cond is not None and body is not None
+
+    def cond_fn(*carry):
+        return _sub(em, cond, [*cond_consts, *carry]).value(cond.outvars[0])
+
+    def body_fn(*carry):
+        b = _sub(em, body, [*body_consts, *carry])
+        return [conform(b.value(a), c.shape) for a, c in zip(body.outvars, carry)]
+
+    return mops.while_loop(cond_fn, body_fn, init, name="while")
 
 
 # ---- primitives that map onto meshax ops ---------------------------------------------------------
@@ -474,6 +498,7 @@ _HANDLERS: dict[str, Callable] = {
     "sharding_constraint": _annotation,
     "reshard": _annotation,
     "scan": _scan,
+    "while": _while,
     **dict.fromkeys(RANDOM, _random),
     "meshax_mesh_split": _annotation,
 }

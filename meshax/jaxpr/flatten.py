@@ -44,7 +44,8 @@ class Eqn:
     params: dict
     source: str  # "file:line" of the user's code
     replicated: bool  # inside mx.replicated_region: run whole on each device
-    body: Flat | None = None  # a scan's body, flattened
+    body: Flat | None = None  # a loop's body (scan, while), flattened
+    cond: Flat | None = None  # a while loop's condition, flattened
 
     @property
     def name(self) -> str:
@@ -117,6 +118,9 @@ class Flat:
             eqn = Eqn(e.primitive, ins, list(e.outvars), dict(e.params), source, replicated or scope)
             if e.primitive.name == "scan":  # a loop stays a loop (mx.scan), its body flattened too
                 eqn.body = Flat(e.params["jaxpr"], replicated or scope, source)
+            elif e.primitive.name == "while":  # likewise (mx.while_loop), its condition too
+                eqn.body = Flat(e.params["body_jaxpr"], replicated or scope, source)
+                eqn.cond = Flat(e.params["cond_jaxpr"], replicated or scope, source)
             self.eqns.append(eqn)
 
     @staticmethod

@@ -14,7 +14,7 @@ import dataclasses
 
 from meshax.core.shape import Dimension, Shape
 from meshax.jaxpr.flatten import Flat, is_var
-from meshax.jaxpr.roles import rank, roles, scan_body_ties
+from meshax.jaxpr.roles import loop_ties, rank, roles
 
 
 @dataclasses.dataclass
@@ -58,7 +58,7 @@ class Names:
                 info.axes.append(text if source in ("argument", "constant") else f"{text} ({source})")
 
     def _visit(self, flat: Flat, where: dict) -> None:
-        """Unite the axes each equation ties (a scan's body included, and the axes it ties across
+        """Unite the axes each equation ties (a loop's body and condition included, and the axes it ties across
         the loop's boundary)."""
         for e in flat.eqns:
             for v in e.outs:
@@ -81,16 +81,17 @@ class Names:
                 for n in nodes[1:]:
                     self._union(nodes[0], n)
             if e.body is not None and not e.replicated:
-                for v in e.body.invars:
-                    for i in range(rank(v)):
-                        self._add((v, i))
-                        where.setdefault((v, i), (f"a loop variable's axis {i}", e.source))
-                self._visit(e.body, where)
-                for a, i, b, k in scan_body_ties(e):
-                    if is_var(a) and is_var(b):
-                        self._add((a, i))
-                        self._add((b, k))
-                        self._union((a, i), (b, k))
+                for sub, ties in loop_ties(e):
+                    for v in sub.invars:
+                        for i in range(rank(v)):
+                            self._add((v, i))
+                            where.setdefault((v, i), (f"a loop variable's axis {i}", e.source))
+                    self._visit(sub, where)
+                    for a, i, b, k in ties:
+                        if is_var(a) and is_var(b):
+                            self._add((a, i))
+                            self._add((b, k))
+                            self._union((a, i), (b, k))
         for v in flat.consts:
             for i in range(rank(v)):
                 self._add((v, i))

@@ -273,8 +273,26 @@ def _scan(e) -> Roles:
     return ins, outs
 
 
-def scan_body_ties(e) -> list[tuple]:
-    """(outer atom, outer axis, body atom, body axis) pairs a scan ties across its boundary."""
+def _while(e) -> Roles:
+    """while: the condition's and the body's consts, and the carries, pass through."""
+    cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
+    ins: list[list[Role]] = []
+    for i, a in enumerate(e.ins):
+        what = ("cond const", i) if i < cn else ("body const", i - cn) if i < cn + bn else ("carry", i - cn - bn)
+        ins.append([(*what, k) for k in range(rank(a))])
+    return ins, [[("carry", j, k) for k in range(rank(v))] for j, v in enumerate(e.outs)]
+
+
+def loop_ties(e) -> list[tuple]:
+    """Per sub-program of a loop (a scan's body; a while's body and condition): (the sub-program,
+    the (outer atom, outer axis, inner atom, inner axis) pairs the loop ties across its boundary)."""
+    if e.name == "while":
+        cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
+        carries = e.ins[cn + bn :]
+        body, cond = e.body, e.cond
+        body_ties = _same_axes(e.ins[cn:], body.invars) + _same_axes(e.outs, body.outvars)
+        body_ties += _same_axes(body.invars[bn:], body.outvars)  # a carry's new value is its variable
+        return [(body, body_ties), (cond, _same_axes([*e.ins[:cn], *carries], cond.invars))]
     nc, ncar = e.params["num_consts"], e.params["num_carry"]
     body = e.body
     ties = []
@@ -284,9 +302,12 @@ def scan_body_ties(e) -> list[tuple]:
     for j, (v, r) in enumerate(zip(e.outs, body.outvars)):
         shift = 0 if j < ncar else 1
         ties += [(v, k + shift, r, k) for k in range(rank(r))]
-        if j < ncar:  # a carry's body result is its body variable
-            ties += [(body.invars[nc + j], k, r, k) for k in range(rank(r))]
-    return ties
+    ties += _same_axes(body.invars[nc : nc + ncar], body.outvars[:ncar])  # a carry's new value is its variable
+    return [(body, ties)]
+
+
+def _same_axes(outer: list, inner: list) -> list[tuple]:
+    return [(a, k, v, k) for a, v in zip(outer, inner) for k in range(rank(v))]
 
 
 def _window(e) -> Roles:
@@ -334,6 +355,7 @@ RULES: dict[str, Callable] = {
     "reduce_window": _window,
     "select_and_scatter_add": _window,
     "scan": _scan,
+    "while": _while,
     "select_and_gather_add": _window,
 }
 
@@ -344,11 +366,11 @@ def roles(e) -> Roles:
     if e.replicated:
         return _nothing(e)
     if e.name not in RULES:
-        loop = " (a loop with a fixed trip count: write it as jax.lax.scan or fori_loop with static bounds)"
+        branch = " (a branch: compute both sides and pick one with jnp.where)"
         raise GraphError(
             f"mx.partition does not support the JAX primitive {e.name!r} (at {e.source}): wrap the code "
             "that uses it in mx.replicated_region(fn) to run it whole on each device, or write it with "
-            "supported primitives" + (loop if e.name in ("while", "cond") else "")
+            "supported primitives" + (branch if e.name == "cond" else "")
         )
     return RULES[e.name](e)
 

@@ -68,9 +68,9 @@ class _Link:
     """A pseudo-op for propagation only: b stands for a inside a loop body (or a for b outside);
     dims of one name are one factor, `whole` ones (the loop's own dim) never split."""
 
-    def __init__(self, a, b, whole: str):
+    def __init__(self, a, b, whole: str | None):
         self.inputs, self.outputs, self.name = [a], [b], f"the loop boundary of {b.operation.name}"
-        self._rule = ShardingRule.by_name([a.shape], [b.shape], whole=(whole,))
+        self._rule = ShardingRule.by_name([a.shape], [b.shape], whole=(whole,) if whole else ())
 
     def sharding_rule(self) -> ShardingRule:
         return self._rule

@@ -298,6 +298,11 @@ class MeshImpl:
         Carries and xs are lists of slice lists."""
         raise NotImplementedError
 
+    def while_loop(self, cond: Callable, body: Callable, carry: list[list]) -> list[list]:
+        """`carry = body(carry)` while `cond(carry)` (a slice list of one bool scalar, the same
+        on every instance) holds; returns the final carry (a list of slice lists)."""
+        raise NotImplementedError
+
     # ---- values: a "value" is the backend's form of a whole tensor ---------------------------
     def initialize(self, init: Callable, key, spec: tuple):
         """A variable's first value: `init(key, shape, dtype)` under jit with the layout's sharding

@@ -81,7 +81,7 @@ from meshax.ops.inputs import (
     zeros_like,
 )
 from meshax.ops.layout_ops import mesh_split, shard
-from meshax.ops.loops import scan
+from meshax.ops.loops import scan, while_loop
 from meshax.ops.random import dropout, random_normal, random_uniform, sample_with_temperature
 from meshax.ops.recompute import custom_gradient, recompute_grad
 from meshax.ops.reduce import (
@@ -265,6 +265,7 @@ __all__ = [
     "transpose",
     "unstack",
     "where",
+    "while_loop",
     "zeros",
     "zeros_like",
 ]

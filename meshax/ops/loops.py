@@ -72,6 +72,31 @@ def _needed(body: list[Operation], results: list[Tensor]) -> list[Operation]:
     return [op for op in body if op in need]
 
 
+def _captured(body: list[Operation], inside: set, results: list[Tensor]) -> list[Tensor]:
+    """The tensors a body reads from outside it, in order of first use."""
+    captured: dict[Tensor, None] = {}
+    for op in body:
+        captured.update((t, None) for t in op.inputs if t not in inside)
+    captured.update((t, None) for t in results if t not in inside)
+    return list(captured)
+
+
+def _run_body(ctx, counters, seed, bound: dict, ops: list[Operation]):
+    """A child of `ctx` with `bound` (loop variable -> slices) set and `ops` lowered in it: one
+    iteration's values, its collectives recorded in `counters`."""
+    from meshax.lower.context import LoweringContext
+
+    child = LoweringContext(ctx.impl, ctx.plan, counters, seed)
+    child.values = dict(ctx.values)
+    for v, slices in bound.items():
+        child.set_output(v, slices, ctx.plan[v])
+    for op in ops:
+        child.op = op
+        op.lower(child)
+    child.op = None
+    return child
+
+
 def _as_list(xs, what: str) -> list[Tensor]:
     items = [xs] if isinstance(xs, Tensor) else list(xs or [])
     for t in items:
@@ -102,14 +127,11 @@ class ScanOperation(Operation):
     ):
         body = _needed(body, [*carry_results, *y_results])
         inside = {t for op in body for t in op.outputs} | set(carry_vars) | set(x_vars)
-        captured: dict[Tensor, None] = {}
-        for op in body:
-            captured.update((t, None) for t in op.inputs if t not in inside)
-        captured.update((t, None) for t in [*carry_results, *y_results] if t not in inside)
+        captured = _captured(body, inside, [*carry_results, *y_results])
         mesh = carry_vars[0].mesh if carry_vars else x_vars[0].mesh
         super().__init__([*init, *xs, *captured], mesh=mesh, name=name or "scan")
         self.dim, self.reverse = dim, reverse
-        self.init, self.xs, self.captured = init, xs, list(captured)
+        self.init, self.xs, self.captured = init, xs, captured
         self.carry_vars, self.x_vars = carry_vars, x_vars
         self.carry_results, self.y_results = carry_results, y_results
         self.body = body
@@ -133,7 +155,6 @@ class ScanOperation(Operation):
         return links
 
     def lower(self, ctx):
-        from meshax.lower.context import LoweringContext
         from meshax.lower.counters import Counters
 
         n, plan = self.dim.size, ctx.plan
@@ -153,14 +174,8 @@ class ScanOperation(Operation):
             calls[0] += 1
             i, *x = x
             seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
-            child = LoweringContext(ctx.impl, plan, counters, seed)
-            child.values = dict(ctx.values)
-            for v, c in zip([*self.carry_vars, *self.x_vars], [*carry, *x]):
-                child.set_output(v, c, plan[v])
-            for op in self.body:
-                child.op = op
-                op.lower(child)
-            child.op = None
+            bound = dict(zip([*self.carry_vars, *self.x_vars], [*carry, *x]))
+            child = _run_body(ctx, counters, seed, bound, self.body)
             new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
             return new, [child.get(r).slices for r in self.y_results] + [list(c) for c in carry]
 
@@ -251,8 +266,8 @@ def scan(
     carries of the carries' shapes and dtypes; tensors built outside can be read directly.
     Returns (final carries, ys stacked on a leading `dim`). `dim` (a Dimension, or the name of
     one of the xs' dims) sets the number of iterations; it is never split. Differentiable:
-    the backward loop recomputes each iteration's body. Mesh-TensorFlow's `while_loop` with a
-    fixed trip count is this; random ops in the body draw new values at every iteration."""
+    the backward loop recomputes each iteration's body. A loop whose trip count the data decide
+    is `while_loop` (not differentiable); random ops in the body draw new values at every iteration."""
     init, xs = _as_list(init, "init"), _as_list(xs, "xs")
     if not init and not xs:
         raise GraphError("scan needs at least one carry (init) or one scanned tensor (xs)")
@@ -291,3 +306,129 @@ def scan(
             raise GraphError(f"scan: ys are stacked on {dim.name!r}, so {y.name} {y.shape} cannot have it")
     op = ScanOperation(dim, init, xs, carry_vars, x_vars, new, ys, body, reverse, name=name)
     return op.final, op.ys
+
+
+class WhileOperation(Operation):
+    """A loop whose trip count the data decide: `carry = body(carry)` while `cond(carry)`, as one
+    `lax.while_loop` in the SPMD program. Inputs: the carries' initial values, then the outside
+    tensors the condition and body read. Outputs: the final carries. The condition is a scalar,
+    so every device holds all of it and all devices stop together. Collectives in the condition
+    and body are counted once (one iteration: the trip count is known only when it runs), as
+    the compiled program holds them once."""
+
+    def __init__(
+        self,
+        init: list[Tensor],
+        carry_vars: list[Tensor],
+        cond_result: Tensor,
+        carry_results: list[Tensor],
+        cond_ops: list[Operation],
+        body_ops: list[Operation],
+        name: str | None = None,
+    ):
+        cond_ops, body_ops = _needed(cond_ops, [cond_result]), _needed(body_ops, carry_results)
+        inside = {t for op in [*cond_ops, *body_ops] for t in op.outputs} | set(carry_vars)
+        captured = _captured([*cond_ops, *body_ops], inside, [cond_result, *carry_results])
+        super().__init__([*init, *captured], mesh=init[0].mesh, name=name or "while_loop")
+        self.init, self.captured, self.carry_vars = init, captured, carry_vars
+        self.cond_result, self.carry_results = cond_result, carry_results
+        self.cond_ops, self.body_ops = cond_ops, body_ops
+        self.rng_key = len(self.graph.operations)
+        self.final = [self._add_output(v.shape, v.dtype, f"{self.name}/final_{i}") for i, v in enumerate(carry_vars)]
+
+    def propagation_links(self) -> list[tuple[Tensor, Tensor, str | None]]:
+        """A carry's initial value, its variable, its new value and its final value stand for one
+        value across the loop's boundary (`ScanOperation.propagation_links`)."""
+        links: list[tuple[Tensor, Tensor, str | None]] = []
+        for t, v, r, f in zip(self.init, self.carry_vars, self.carry_results, self.final):
+            links += [(t, v, None), (v, r, None), (r, f, None)]
+        return links
+
+    def lower(self, ctx):
+        from meshax.lower.counters import Counters
+
+        plan = ctx.plan
+        carry0 = [ctx.get(t, plan[v]).slices for t, v in zip(self.init, self.carry_vars)]
+        key = np.uint32(self.rng_key * 2654435761 % 2**32)
+        recorded, calls = Counters(), {"cond": 0, "body": 0}
+
+        def counters(part: str) -> Counters:  # (the placement backend runs each part many times)
+            calls[part] += 1
+            return recorded if calls[part] == 1 else Counters()
+
+        def cond(carry: list[list]) -> list:
+            i, *carry = carry
+            seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
+            child = _run_body(ctx, counters("cond"), seed, dict(zip(self.carry_vars, carry)), self.cond_ops)
+            return ctx.slicewise(lambda c: c.astype(bool), child.get(self.cond_result).slices)
+
+        def body(carry: list[list]) -> list[list]:
+            i, *carry = carry
+            seed = ctx.slicewise(lambda s, i: (s ^ ~key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
+            child = _run_body(ctx, counters("body"), seed, dict(zip(self.carry_vars, carry)), self.body_ops)
+            new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
+            return [ctx.slicewise(lambda i: i + np.uint32(1), i), *new]
+
+        start = ctx.slicewise(lambda: jnp.zeros((), jnp.uint32))  # the iteration: random ops' stream
+        _, *final = ctx.impl.while_loop(cond, body, [start, *carry0])
+        for site in recorded.sites():
+            ctx.counters.add(site)
+        for op_name, flops in recorded.flops.items():
+            ctx.counters.add_flops(op_name, flops, recorded.op_types[op_name])
+        for t, v, slices in zip(self.final, self.carry_vars, final):
+            ctx.set_output(t, slices, plan[v])
+
+    def gradient(self, grad_outputs):
+        if any(g is not None for g in grad_outputs):
+            raise GraphError(
+                f"{self.name}: a while loop is not differentiable (its trip count is known only when it runs, "
+                "so nothing can be kept for a backward pass); for a fixed number of iterations use mx.scan"
+            )
+        return [None] * len(self.inputs)
+
+
+def while_loop(
+    cond_fn: Callable,
+    body_fn: Callable,
+    inputs: Sequence[Tensor],
+    num_loop_vars: int | None = None,
+    has_accumulators: bool = False,
+    name: str | None = None,
+) -> list[Tensor]:
+    """Mesh-TensorFlow's `while_loop`: `inputs = body_fn(*inputs)` while `cond_fn(*inputs)`, as
+    one `lax.while_loop` in the SPMD program. `cond_fn` returns a scalar (bool, or a number: true
+    when not zero); `body_fn` returns new values of the inputs' shapes and dtypes. Tensors built
+    outside can be read directly. Returns the final values (the first `num_loop_vars` of them
+    when that is given; in meshax every input is a loop variable, so it changes nothing else).
+    Not differentiable (`has_accumulators`, which Mesh-TensorFlow uses for a gradient, is
+    refused); a loop with a fixed trip count is `mx.scan`, which is."""
+    init = _as_list(inputs, "inputs")
+    if not init:
+        raise GraphError("while_loop needs at least one input (a loop variable)")
+    if has_accumulators:
+        raise GraphError(
+            "while_loop(has_accumulators=True): meshax's while loops are not differentiable; "
+            "for a gradient through a loop with a fixed trip count use mx.scan"
+        )
+    if num_loop_vars is not None and not 0 < num_loop_vars <= len(init):
+        raise GraphError(f"while_loop: num_loop_vars={num_loop_vars} must be in 1..{len(init)} (the inputs)")
+    what = name or "while_loop"
+    mesh, graph = init[0].mesh, init[0].graph
+    carry_vars = [LoopVariableOperation(mesh, t.shape, t.dtype, f"{what}/carry").outputs[0] for t in init]
+    with _recording(graph) as cond_ops:
+        flag = cond_fn(*carry_vars)
+    if not isinstance(flag, Tensor) or flag.shape.rank != 0:
+        got = f"{flag.shape}" if isinstance(flag, Tensor) else repr(flag)
+        raise GraphError(f"while_loop: cond_fn must return a scalar meshax Tensor (shape []), got {got}")
+    with _recording(graph) as body_ops:
+        new = _as_list(body_fn(*carry_vars), "the values body_fn returns")
+    if len(new) != len(init):
+        raise GraphError(f"while_loop: body_fn returned {len(new)} values for {len(init)} inputs")
+    for t, v in zip(new, carry_vars):
+        if t.shape != v.shape or t.dtype != v.dtype:
+            raise GraphError(
+                f"while_loop: a loop variable must keep its shape and dtype; {v.shape} {v.dtype} came back as "
+                f"{t.shape} {t.dtype}"
+            )
+    op = WhileOperation(init, carry_vars, flag, new, cond_ops, body_ops, name=name)
+    return op.final[:num_loop_vars] if num_loop_vars is not None else op.final
