@@ -98,6 +98,13 @@ BUILDERS = {
     "mesh_split": lambda x, i, m: mx.mesh_split(mx.identity(x), [mx.OPEN, "cols"]),
     "shift": lambda x, i, m: mx.shift(x, 1, B, wrap=False),
     "recompute_grad": lambda x, i, m: mx.recompute_grad(mx.identity, [x]),
+    "while_loop": lambda x, i, m: tuple(
+        mx.while_loop(
+            lambda h, k: mx.less(k, 2),
+            lambda h, k: [mx.negative(h) if h.dtype != np.bool_ else h, k + 1],
+            [x, mx.zeros(m, [], dtype=np.int32)],
+        )
+    ),
     "scan": lambda x, i, m: tuple(
         t
         for ts in mx.scan(lambda c, s: ([s[0]], [c[0]]), [mx.cast(mx.zeros(m, [B]), x.dtype)], [x], dim="d")

@@ -25,6 +25,7 @@ SOURCES_AND_SINKS = {
     "AssignOperation",
     "LoopVariableOperation",  # a loop body's input, bound by its loop
     "ScanOperation",  # a container: its body's ops run by their rules, its carries in their planned layouts
+    "WhileOperation",  # a container too
     "RecomputeOperation",  # a container too (a loop of one iteration)
     "CustomGradientOperation",  # a container too, whose gradient is the user's
 }
