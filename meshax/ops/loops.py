@@ -97,12 +97,23 @@ def _run_body(ctx, counters, seed, bound: dict, ops: list[Operation]):
     return child
 
 
-def _as_list(xs, what: str) -> list[Tensor]:
+def _as_list(xs, what: str, loop: str = "scan") -> list[Tensor]:
     items = [xs] if isinstance(xs, Tensor) else list(xs or [])
     for t in items:
         if not isinstance(t, Tensor):
-            raise GraphError(f"scan: {what} must be meshax Tensors, got {t!r}")
+            raise GraphError(f"{loop}: {what} must be meshax Tensors, got {t!r}")
     return items
+
+
+def _check_carries(loop: str, new: list[Tensor], carry_vars: list[Tensor], what: str) -> None:
+    """A loop's new carries must match its carries one for one, in shape and dtype."""
+    if len(new) != len(carry_vars):
+        raise GraphError(f"{loop}: {what} {len(new)} values for {len(carry_vars)} carries")
+    for t, v in zip(new, carry_vars):
+        if t.shape != v.shape or t.dtype != v.dtype:
+            raise GraphError(
+                f"{loop}: a carry must keep its shape and dtype; {v.shape} {v.dtype} came back as {t.shape} {t.dtype}"
+            )
 
 
 class ScanOperation(Operation):
@@ -294,13 +305,7 @@ def scan(
         if not (isinstance(out, tuple | list) and len(out) == 2):
             raise GraphError("scan: fn must return (new carries, ys), two lists")
         new, ys = _as_list(out[0], "the new carries"), _as_list(out[1], "ys")
-    if len(new) != len(init):
-        raise GraphError(f"scan: fn returned {len(new)} carries for {len(init)} in init")
-    for t, v in zip(new, carry_vars):
-        if t.shape != v.shape or t.dtype != v.dtype:
-            raise GraphError(
-                f"scan: a carry must keep its shape and dtype; {v.shape} {v.dtype} came back as {t.shape} {t.dtype}"
-            )
+    _check_carries("scan", new, carry_vars, "fn returned")
     for y in ys:
         if dim in y.shape:
             raise GraphError(f"scan: ys are stacked on {dim.name!r}, so {y.name} {y.shape} cannot have it")
@@ -402,7 +407,7 @@ def while_loop(
     when that is given; in meshax every input is a loop variable, so it changes nothing else).
     Not differentiable (`has_accumulators`, which Mesh-TensorFlow uses for a gradient, is
     refused); a loop with a fixed trip count is `mx.scan`, which is."""
-    init = _as_list(inputs, "inputs")
+    init = _as_list(inputs, "inputs", "while_loop")
     if not init:
         raise GraphError("while_loop needs at least one input (a loop variable)")
     if has_accumulators:
@@ -421,14 +426,7 @@ def while_loop(
         got = f"{flag.shape}" if isinstance(flag, Tensor) else repr(flag)
         raise GraphError(f"while_loop: cond_fn must return a scalar meshax Tensor (shape []), got {got}")
     with _recording(graph) as body_ops:
-        new = _as_list(body_fn(*carry_vars), "the values body_fn returns")
-    if len(new) != len(init):
-        raise GraphError(f"while_loop: body_fn returned {len(new)} values for {len(init)} inputs")
-    for t, v in zip(new, carry_vars):
-        if t.shape != v.shape or t.dtype != v.dtype:
-            raise GraphError(
-                f"while_loop: a loop variable must keep its shape and dtype; {v.shape} {v.dtype} came back as "
-                f"{t.shape} {t.dtype}"
-            )
+        new = _as_list(body_fn(*carry_vars), "the values body_fn returns", "while_loop")
+    _check_carries("while_loop", new, carry_vars, "body_fn returned")
     op = WhileOperation(init, carry_vars, flag, new, cond_ops, body_ops, name=name)
     return op.final[:num_loop_vars] if num_loop_vars is not None else op.final
