@@ -168,12 +168,17 @@ def test_while_loop_runs_until_its_condition_fails(backend, mesh_shape, layout):
     rng = np.random.RandomState(1)
     xv, wv = (rng.randn(4, 6) * 3).astype(np.float32), (rng.randn(6, 6) * 0.4).astype(np.float32)
     graph, mesh, h, n = _halving()
-    fn = mx.Lowering(graph, {mesh: backend(mesh_shape, layout)}).function([h, n])
-    got_h, got_n = fn({"x": xv, "w": wv})
-    want_h, want_n = _halving_numpy(xv, wv)
-    assert want_n >= 3
-    assert int(got_n) == want_n
-    np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-6)
+    after = mx.reduce_sum(h * h)  # an op after the loop: its program position must not shift
+    fn = mx.Lowering(graph, {mesh: backend(mesh_shape, layout)}).function([h, n, after])
+    trips = set()
+    for scale in (1, 10, 0.01):  # run again with other trip counts (0 included): the same program
+        got_h, got_n, got_after = fn({"x": xv * scale, "w": wv})
+        want_h, want_n = _halving_numpy(xv * scale, wv)
+        assert int(got_n) == want_n
+        np.testing.assert_allclose(got_h, want_h, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(got_after, (want_h**2).sum(), rtol=1e-4)
+        trips.add(want_n)
+    assert len(trips) == 3 and 0 in trips and max(trips) >= 3
     if layout:  # the condition's sum over split dims is an allreduce, counted once (one iteration)
         assert fn.counters["allreduce"].count >= 1
     if backend is mx.SimdMeshImpl:

@@ -129,12 +129,24 @@ class PlacementMeshImpl(MeshImpl):
         if self._tracing:  # traced for the counters: one iteration
             cond(carry)
             return body(carry)
-        start = self._call
-        while True:  # in Python: the condition, the same on every device, read from the first
-            self._call = start  # every iteration makes the same calls: reuse the first one's jitted functions
-            if not bool(np.asarray(cond(carry)[0])):
-                return carry
-            carry = body(carry)
+        outer, at = self._jitted, self._call
+        if outer is not None:  # the condition's and the body's calls get lists of their own, kept at
+            if at == len(outer):  # this loop's place in the program's: how often they run varies
+                outer.append(([], []))
+            self._call = at + 1
+        lists = outer[at] if outer is not None else (None, None)
+
+        def run(part, calls, value):
+            self._jitted, self._call = calls, 0
+            try:
+                return part(value)
+            finally:
+                self._jitted, self._call = outer, at + 1
+
+        # in Python: the condition, the same on every device, read from the first
+        while bool(np.asarray(run(cond, lists[0], carry)[0])):
+            carry = run(body, lists[1], carry)
+        return carry
 
     # ---- values: a list of per-device arrays, in pnum order ------------------------------------
     def from_padded(self, array, spec):
