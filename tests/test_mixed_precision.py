@@ -83,22 +83,21 @@ def test_unsupported_dtypes_are_refused_with_the_choices():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["tiny", "small"])
-def test_bfloat16_reaches_the_float32_validation_loss(model):
+@pytest.mark.parametrize("mesh,layout", PAPER_LAYOUTS)
+def test_bfloat16_reaches_the_float32_validation_loss(model, mesh, layout):
     """The issue's check: the tiny and small Transformers, under each paper layout, trained in
-    bfloat16 reach the float32 run's validation loss within 2% after the same steps."""
-    for mesh, layout in PAPER_LAYOUTS:
-        final = {}
-        for dtype in ("float32", "bfloat16"):
-            config = PRESETS[model]
-            task = LmTask(
-                model=dataclasses.replace(config, dtype=dtype), batch_size=16, length=32, eval_batches_count=4
-            )
-            result = train(task, mesh, layout, steps=100, optimizer=AdamWeightDecayOptimizer(3e-3))
-            final[dtype] = result.evals[-1][1]["loss"]
-            params = result.lowering.graph.trainable_variables
-            assert {str(v.value.dtype) for v in params} == {"float32"}
-        assert final["float32"] < 3.0, final  # (bytes: it learned something)
-        assert abs(final["bfloat16"] - final["float32"]) <= 0.02 * final["float32"], (model, layout, final)
+    bfloat16 reach the float32 run's validation loss within 2% after the same steps (50: the tiny
+    model's float32 loss is 3.25 after 10 steps, 2.61 after 50 and 2.42 after 100: still falling)."""
+    final = {}
+    for dtype in ("float32", "bfloat16"):
+        config = PRESETS[model]
+        task = LmTask(model=dataclasses.replace(config, dtype=dtype), batch_size=16, length=32, eval_batches_count=4)
+        result = train(task, mesh, layout, steps=50, optimizer=AdamWeightDecayOptimizer(3e-3))
+        final[dtype] = result.evals[-1][1]["loss"]
+        params = result.lowering.graph.trainable_variables
+        assert {str(v.value.dtype) for v in params} == {"float32"}
+    assert final["float32"] < 2.8, final  # (bytes: it learned something)
+    assert abs(final["bfloat16"] - final["float32"]) <= 0.02 * final["float32"], final
 
 
 def test_checkpoints_keep_the_master_dtype(tmp_path):

@@ -15,8 +15,8 @@ BIG_D = mx.Dimension("d", 64)
 SHAPE = [BIG_B, BIG_D]  # 4096 values, for statistics
 SMALL = [mx.Dimension("b", 16), mx.Dimension("d", 16)]  # for exact comparisons
 STATS_LAYOUTS = ["", "b:rows;d:cols"]
-# Every layout on SIMD; the placement backend (slow to compile) on the unsplit and the two-mesh-dim
-# layouts, as in the other layout-parametrized tests (conftest.PLACEMENT_LAYOUTS).
+# Every layout on SIMD; the placement backend (slow to compile) on the two-mesh-dim layout, as in
+# the other layout-parametrized tests (conftest.PLACEMENT_LAYOUTS).
 ALL_CONFIGS = [(impl, lay) for impl in IMPLS for lay in LAYOUTS if impl is IMPLS[0] or lay in PLACEMENT_LAYOUTS]
 
 impls = pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)

@@ -28,11 +28,18 @@ from meshax.train.loop import build
 
 TINY_LM = LmTask(model="tiny")
 MLP = MlpTask(hidden=128)
+_MODELS: dict[int, Model] = {}
+
+
+def costed(task) -> Model:
+    """The task's Model, built once per test process: the searches and enumerations of a task share
+    its exact traces (a search traces what an enumeration already did only once)."""
+    return _MODELS.setdefault(id(task), model_of(task))
 
 
 def _exhaustive(task, mesh: str, **kw):
     """Every legal rule set costed exactly (the search's own exact path, with no limit)."""
-    return search_layout(task, mesh, top=10**6, exact_limit=10**6, **kw).ranked
+    return search_layout(costed(task), mesh, top=10**6, exact_limit=10**6, **kw).ranked
 
 
 def test_cost_model_by_hand():
@@ -99,7 +106,7 @@ def test_estimate_equals_the_exact_trace_for_the_mlp(mesh):
 def test_the_search_choice_is_the_best_of_every_legal_rule_set(task, mesh):
     every = _exhaustive(task, mesh)
     best = min(c.step_s for c in every)
-    result = search_layout(task, mesh)
+    result = search_layout(costed(task), mesh)
     assert result.best.step_s == best and result.legal == len(every)
     assert result.layout == next(c.layout for c in every if c.step_s == best)  # the first of ties
     assert [c.layout for c in result.ranked] == [c.layout for c in every[:5]]
@@ -108,7 +115,7 @@ def test_the_search_choice_is_the_best_of_every_legal_rule_set(task, mesh):
 @pytest.mark.slow
 def test_the_estimated_search_finds_the_exhaustive_best_for_the_transformer_on_a_2d_mesh():
     every = _exhaustive(TINY_LM, "rows:2;cols:4")
-    result = search_layout(TINY_LM, "rows:2;cols:4")
+    result = search_layout(costed(TINY_LM), "rows:2;cols:4")
     assert "estimated" in result.method and result.legal == len(every) == 345
     assert result.best.step_s == every[0].step_s and result.layout == every[0].layout
 
@@ -117,7 +124,7 @@ def test_a_budget_excluding_the_fastest_returns_the_fastest_that_fits_and_it_fit
     every = _exhaustive(TINY_LM, "all:8")
     budget = every[0].memory_bytes - 1
     fits = [c for c in every if c.memory_bytes <= budget]
-    result = search_layout(TINY_LM, "all:8", memory_budget=budget)
+    result = search_layout(costed(TINY_LM), "all:8", memory_budget=budget)
     assert fits and result.layout == fits[0].layout != every[0].layout
     program = build(TINY_LM, "all:8", result.layout)
     feeds = TINY_LM.train_batch(0, program.train_fn.feed_rows())
@@ -125,7 +132,7 @@ def test_a_budget_excluding_the_fastest_returns_the_fastest_that_fits_and_it_fit
 
 
 def test_listing_fewer_layouts_does_not_change_the_choice():
-    one, five = (search_layout(TINY_LM, "rows:2;cols:4", top=k) for k in (1, 5))
+    one, five = (search_layout(costed(TINY_LM), "rows:2;cols:4", top=k) for k in (1, 5))
     assert "all estimated" in one.method and len(one.ranked) == 1
     assert one.best.layout == five.best.layout and one.best.step_s == five.best.step_s
 
@@ -150,7 +157,7 @@ def test_paper_scale_search_beats_or_ties_the_papers_hand_layout():
 
 
 def test_the_report_names_the_differences():
-    result = search_layout(TINY_LM, "rows:2;cols:4", top=3, baseline="batch:rows;batch:cols")
+    result = search_layout(costed(TINY_LM), "rows:2;cols:4", top=3, baseline="batch:rows;batch:cols")
     text = result.format()
     assert "345 legal rule sets" in text and "yours" in text and "batch:rows;batch:cols" in text
     assert "x the best's time; best changes" in text and "allreduce over" in text
@@ -357,11 +364,11 @@ def test_weight_rules_are_checked_like_rules():
 
 
 def test_searching_weight_rules_too_finds_at_least_as_fast_a_layout(capsys):
-    plain = search_layout(TINY_LM, "rows:2;cols:4", top=2)
-    both = search_layout(TINY_LM, "rows:2;cols:4", top=2, search_weights=True)
+    plain = search_layout(costed(TINY_LM), "rows:2;cols:4", top=2)
+    both = search_layout(costed(TINY_LM), "rows:2;cols:4", top=2, search_weights=True)
     assert both.best.step_s < plain.best.step_s and both.best.weight_layout is not None
     assert "| weights" in both.format()
-    graph, mesh = model_of(TINY_LM).base.graph, convert_to_mesh_shape("rows:2;cols:4")
+    graph, mesh = costed(TINY_LM).base.graph, convert_to_mesh_shape("rows:2;cols:4")
     per_base = len(list(Space(graph, mesh, part="weights")))
     # each base (5 to 10: the best rule sets, the best for the activations alone) with every set of
     # weight rules, and a few that leave weight shapes to the rules

@@ -188,6 +188,16 @@ class Propagation:
         return tuple(take)
 
     def _through(self, op, to_results: bool, level: int) -> bool:
+        # What this returns depends only on the op's tensors: where none changed since the op last
+        # ran at this level in this direction, it changes nothing again (skipped, same result).
+        seen = self._seen.get((op, to_results))
+        if (
+            seen is not None
+            and seen[0] == level
+            and all(self._stamp.get(t, 0) <= seen[1] for t in (*op.inputs, *op.outputs))
+        ):
+            return False
+        self._seen[op, to_results] = (level, self._clock)
         rule = self._rules[op]
         targets = zip(op.outputs, rule.results) if to_results else zip(op.inputs, rule.operands)
         changed = False
@@ -206,6 +216,8 @@ class Propagation:
                     self.origin[t][i] = (
                         f"propagated {'forward' if to_results else 'backward'} through {op.name} from {source.name}"
                     )
+                    self._clock += 1
+                    self._stamp[t] = self._clock
                     changed = True
         return changed
 
@@ -221,6 +233,9 @@ class Propagation:
         return changed
 
     def _run(self) -> None:
+        self._seen: dict[tuple, tuple[int, int]] = {}  # (op, direction) -> (level, clock) when it last ran
+        self._stamp: dict = {}  # tensor -> clock when it last changed
+        self._clock = 0
         for level in (0, 1, 2):
             while self.sweep(level):
                 pass

@@ -153,6 +153,7 @@ class Estimator:
                 self._memory[part][_shape_key(t)] += 1
                 self._shapes[_shape_key(t)] = t.shape
         self._moves: dict[tuple, list] = {}
+        self._runs: dict[tuple, tuple] = {}
         self._weight_shapes = weight_shapes(graph.operations)
 
     @staticmethod
@@ -170,7 +171,7 @@ class Estimator:
         out._flops = affine_counts(base._flops, [(w, e._flops) for w, e in terms])
         out._uses = combine(lambda e: e._uses)
         out._memory = {part: combine(lambda e, part=part: e._memory[part]) for part in base._memory}
-        out._moves = {}
+        out._moves, out._runs = {}, {}
         out._weight_shapes = frozenset().union(*(e._weight_shapes for e in everyone))
         return out
 
@@ -197,10 +198,8 @@ class Estimator:
         runs = {}
         flops: dict[str, float] = defaultdict(float)
         for sig, f in self._flops.items():
-            op = self._reps[sig]
-            run = choose(op, [layout(k) for k in sig[2]], [layout(k) for k in sig[3]], mesh)
+            run, splits = self._choose(sig, tuple(map(layout, sig[2])), tuple(map(layout, sig[3])))
             runs[sig] = run
-            splits = math.prod(split_factor(a, mesh) for a in run.assign.values())
             flops[family(sig[0])] += f / splits
         moves: dict[tuple, int] = defaultdict(int)
         for (source, key, cs), count in self._uses.items():
@@ -224,6 +223,15 @@ class Estimator:
             for part, groups in self._memory.items()
         }
         return StepCost(dict(flops), collectives, memory, exact=False)
+
+    def _choose(self, sig: tuple, operands: tuple, results: tuple) -> tuple:
+        """How the op of `sig` runs with these operand and result layouts, and how many ways its
+        work is split (rule sets share most layouts: each is chosen once)."""
+        memo = (sig, operands, results)
+        if memo not in self._runs:
+            run = choose(self._reps[sig], list(operands), list(results), self.mesh_shape)
+            self._runs[memo] = run, math.prod(split_factor(a, self.mesh_shape) for a in run.assign.values())
+        return self._runs[memo]
 
     def _reshard(self, key, have: TensorLayout, pending, want: TensorLayout) -> list:
         memo = (key, have, pending, want)

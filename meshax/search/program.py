@@ -56,11 +56,13 @@ class Step:
 
 class Program:
     """One step on one mesh, costed by rule set; the last lowering is kept (a memory check, then
-    the exact cost of the same rules, plan once)."""
+    the exact cost of the same rules, plan once), and each rule set's exact cost (a search run
+    again on the same Model traces nothing twice)."""
 
     def __init__(self, step: Step, mesh_shape: Shape):
         self.step, self.mesh_shape = step, mesh_shape
         self._last: tuple = (None, None)
+        self._exact: dict[tuple, StepCost] = {}
 
     @property
     def graph(self) -> Graph:
@@ -79,7 +81,10 @@ class Program:
         return memory_of(self.lowering(rules, weights), self.step.outputs, self.step.updates)
 
     def exact(self, rules: Rules, weights: str | None = None) -> StepCost:
-        return exact_cost(self.lowering(rules, weights), self.step.outputs, self.step.updates)
+        if (rules, weights) not in self._exact:
+            lowering = self.lowering(rules, weights)
+            self._exact[rules, weights] = exact_cost(lowering, self.step.outputs, self.step.updates)
+        return self._exact[rules, weights]
 
     @functools.cached_property
     def estimator(self) -> Estimator:
@@ -123,10 +128,14 @@ class Model:
     base: Step
     terms: list[tuple[float, Step]] = dataclasses.field(default_factory=list)
     depths: dict[str, int] = dataclasses.field(default_factory=dict)
+    _programs: dict[Shape, Program | Extrapolated] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def on(self, mesh_shape: Shape) -> Program | Extrapolated:
-        base = Program(self.base, mesh_shape)
-        return Extrapolated(base, [(w, Program(s, mesh_shape)) for w, s in self.terms]) if self.terms else base
+        if mesh_shape not in self._programs:
+            base = Program(self.base, mesh_shape)
+            terms = [(w, Program(s, mesh_shape)) for w, s in self.terms]
+            self._programs[mesh_shape] = Extrapolated(base, terms) if self.terms else base
+        return self._programs[mesh_shape]
 
     @property
     def note(self) -> str:
