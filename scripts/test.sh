@@ -11,5 +11,5 @@ ruff check meshax tests benchmarks examples docs
 ruff format --check meshax tests benchmarks examples docs README.md
 mypy
 NO_MKDOCS_2_WARNING=1 mkdocs build --strict --quiet --site-dir "$(mktemp -d)"
-python -m pytest tests -q -p no:cacheprovider -n auto --dist worksteal "$@"
-python -m pytest tests -q -p no:cacheprovider -n auto --dist worksteal -m slow "$@"
+# one run of both tiers (the default and the end-to-end tests marked slow), the slow ones first
+python -m pytest tests -q -p no:cacheprovider -n auto --dist worksteal -m "slow or not slow" "$@"

@@ -69,7 +69,11 @@ def test_a_rematerialized_transformer_trains_identically():
         program = build(task, "rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols", "simd", SgdOptimizer(0.5))
         return [float(program.train_fn(task.train_batch(s), seed=s)[0]) for s in range(4)]
 
-    assert losses(dataclasses.replace(SMALL, remat=True)) == losses(SMALL)
+    # Bit for bit under XLA's default CPU compiler; this suite turns its fusion emitters off
+    # (tests/conftest.py), which may fuse a recomputed forward pass otherwise: float32 rounding.
+    remat, plain = losses(dataclasses.replace(SMALL, remat=True)), losses(SMALL)
+    assert remat[0] == plain[0]
+    np.testing.assert_allclose(remat, plain, rtol=1e-6)
 
 
 def _activations(remat: bool, layout: str = ""):
