@@ -85,21 +85,22 @@ def test_unsupported_dtypes_are_refused_with_the_choices():
 @pytest.mark.parametrize("model", ["tiny", "small"])
 def test_bfloat16_reaches_the_float32_validation_loss(model):
     """The issue's check: the tiny and small Transformers, under each paper layout, trained in
-    bfloat16 reach the float32 run's validation loss within 2% after the same steps (50: the tiny
-    model's float32 loss is 3.25 after 10 steps, 2.61 after 50 and 2.42 after 100: still falling).
-    A float32 run's losses are the same under every layout (tests/test_transformer.py), so it
-    runs once, under the first paper layout."""
+    bfloat16 reach the float32 run's validation loss within 2% after the same steps (30: the tiny
+    model's float32 loss is 3.25 after 10 steps, 2.79 after 30 and 2.42 after 100, still falling;
+    bfloat16 was within 0.3% of it after 30 steps and 0.7% after 50). A float32 run's losses are
+    the same under every layout (tests/test_transformer.py), so it runs once, under the first
+    paper layout."""
 
     def final_loss(dtype, mesh, layout):
         config = dataclasses.replace(PRESETS[model], dtype=dtype)
         task = LmTask(model=config, batch_size=16, length=32, eval_batches_count=4)
-        result = train(task, mesh, layout, steps=50, optimizer=AdamWeightDecayOptimizer(3e-3))
+        result = train(task, mesh, layout, steps=30, optimizer=AdamWeightDecayOptimizer(3e-3))
         params = result.lowering.graph.trainable_variables
         assert {str(v.value.dtype) for v in params} == {"float32"}  # the master weights
         return result.evals[-1][1]["loss"]
 
     f32 = final_loss("float32", *PAPER_LAYOUTS[0])
-    assert f32 < 2.8, f32  # (bytes: it learned something)
+    assert f32 < 3.0, f32  # (bytes, from ln 256 = 5.5: it learned something)
     for mesh, layout in PAPER_LAYOUTS:
         bf16 = final_loss("bfloat16", mesh, layout)
         assert abs(bf16 - f32) <= 0.02 * f32, (mesh, layout, bf16, f32)

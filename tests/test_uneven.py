@@ -113,7 +113,11 @@ def _check(n: int, k: int, impl=mx.SimdMeshImpl, mesh_shape: str | None = None, 
 
 
 # The default run: sizes that pad 2, 4 and 8 ways (and one that leaves whole slices of padding);
-# the slow run (`-m slow`, in .ci/run): every n in 1..17 by every k, on both backends.
+# the slow run (`-m slow`, in .ci/run): every n from 1 to 2k + 1 for each k (every remainder mod
+# k, below, at and above k: whole slices of padding, none, and some), and the placement backend.
+FULL_GRID = [(n, k) for k in (2, 4, 8) for n in range(1, 2 * k + 2)]
+
+
 @pytest.mark.parametrize("n, k", [(1, 2), (5, 4), (7, 8)])
 def test_every_op_family_is_exact_on_padded_dims(n, k):
     _check(n, k)
@@ -125,8 +129,7 @@ def test_every_op_family_is_exact_on_a_dim_padded_at_two_levels():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("k", [2, 4, 8])
-@pytest.mark.parametrize("n", range(1, 18))
+@pytest.mark.parametrize("n, k", FULL_GRID)
 def test_every_op_family_is_exact_on_padded_dims_full_grid(n, k):
     _check(n, k)
 

@@ -123,9 +123,9 @@ class Propagation:
             self._annotate(t)
             return
         whole = getattr(op, "replicated_dims", ())
-        ruled = tensor_layout(
-            t.shape, LayoutRules([(d, m) for d, m in rules if d not in whole]), self.mesh_shape, t.name
-        )
+        if whole:
+            rules = LayoutRules([(d, m) for d, m in rules if d not in whole])
+        ruled = tensor_layout(t.shape, rules, self.mesh_shape, t.name)
         named = set(rules.tensor_dim_names)
         self.axes[t], self.fixed[t], self.origin[t] = [], [], []
         for d, a in zip(t.shape, ruled.axes):
