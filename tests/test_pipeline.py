@@ -63,9 +63,7 @@ CASES = [
     (mx.SimdMeshImpl, "rows:2;cols:4", "stage:rows;batch:cols", 2, 2, 1, True),
     (mx.SimdMeshImpl, "rows:2;cols:4", "stage:cols;e:rows", 4, 4, 2, False),
     (mx.SimdMeshImpl, "rows:2;cols:4", "stage:rows", 2, 4, 3, True),
-    pytest.param(
-        mx.PlacementMeshImpl, "rows:2;cols:2", "stage:rows;batch:cols", 2, 2, 1, False, marks=pytest.mark.slow
-    ),
+    # the placement backend: the case with repeats and a side input (SIMD runs the others)
     pytest.param(mx.PlacementMeshImpl, "rows:2;cols:2", "stage:cols", 2, 2, 2, True, marks=pytest.mark.slow),
 ]
 
