@@ -28,8 +28,9 @@ def _fast_compile_flags() -> str:
     return os.environ["MESHAX_TEST_XLA_FLAGS"]
 
 
-if _fast_compile_flags() not in os.environ.get("XLA_FLAGS", ""):  # (a worker inherits them set)
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _fast_compile_flags()).strip()
+_FLAGS = _fast_compile_flags()
+if _FLAGS not in os.environ.get("XLA_FLAGS", ""):  # (a worker inherits them set)
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAGS).strip()
 
 import jax  # noqa: E402
 
