@@ -1,6 +1,7 @@
 """einsum / matmul vs np.einsum (all cases run as one program per impl and layout)."""
 
 import numpy as np
+import pytest
 
 import meshax as mx
 from tests.conftest import LAYOUTS, B, D, H, assert_close, check_cases, impls_and_layouts, names, new_mesh, rand, run
@@ -77,3 +78,30 @@ def test_einsum_chain(layout, impl_cls):
     want = np.maximum(xv.astype(np.float64) @ w1v, 0.0) @ w2v
     assert_close(got_logits, want.astype(np.float32))
     assert_close(got_loss, np.float32((want**2).sum()), rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "dtypes", [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("int32", "int32")]
+)
+def test_the_slice_kernel_is_jnp_einsums_program(dtypes):
+    """`contract` builds for one or two operands what jnp.einsum builds (without its per-call
+    path search): the same jaxpr, so the same values, for every kind of dim (batch, contracted,
+    free on either side, summed on one side only) and output order."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshax.ops.einsum import contract
+
+    specs = ["abc,cd->abd", "abc,cd->dba", "ab,ab->", "ab,ab->ba", "abc,bcd->ad", "ab,cd->dcab", "abcd,bd->ac"]
+    specs += ["abc,ac->ba", "ab,bc->ca", "abc->ca", "abc->", "ab->ab"]
+    sizes = {"a": 2, "b": 3, "c": 4, "d": 5}
+    rng = np.random.default_rng(0)
+    dtype_in, dtype = (jnp.dtype(d) for d in dtypes)
+    for spec in specs:
+        xs = [(rng.normal(size=[sizes[c] for c in n]) * 3).astype(dtype_in) for n in spec.split("->")[0].split(",")]
+        want = jax.make_jaxpr(lambda *a, s=spec: jnp.einsum(s, *a, preferred_element_type=dtype))(*xs)
+        got = jax.make_jaxpr(lambda *a, s=spec: contract(s, a, dtype))(*xs)
+        assert str(got) == str(want), spec
+        np.testing.assert_array_equal(
+            np.asarray(contract(spec, xs, dtype)), np.asarray(jnp.einsum(spec, *xs, preferred_element_type=dtype))
+        )

@@ -269,3 +269,19 @@ def test_binary_output_shape_order():
     assert names(2.0 * y) == ["h", "b", "d"]
     assert (x > y).dtype == np.bool_
     assert names(x > y) == ["d", "b", "h"]
+
+
+def test_the_direct_lax_kernels_are_jnps_programs():
+    """Ops on two floats of one dtype bind jnp's lax primitive directly: the same jaxpr as jnp's
+    function, broadcasting included, for each such op and float dtype."""
+    import jax
+    import jax.numpy as jnp
+
+    from meshax.ops.elementwise import _BINARY, _SAME_FLOAT_LAX
+
+    rng = np.random.default_rng(0)
+    for dtype in ("float32", "bfloat16", "float16"):
+        for fn, kernel in _SAME_FLOAT_LAX.items():
+            for a, b in [((3, 4), (3, 4)), ((3, 1), (1, 4)), ((), ())]:
+                x, y = (jnp.asarray(np.abs(rng.normal(size=s)) + 0.1, dtype) for s in (a, b))
+                assert str(jax.make_jaxpr(kernel)(x, y)) == str(jax.make_jaxpr(_BINARY[fn])(x, y)), (fn, dtype)

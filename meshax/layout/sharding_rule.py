@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
@@ -182,7 +183,19 @@ def choose(op, layouts_in: Sequence[TensorLayout], planned: Sequence[TensorLayou
     one). (The lowering passes the operands' planned layouts.) Taking a reduced
     factor's split first is GSPMD's weight-update sharding: a weight's gradient summed over a
     batch split over the mesh dim that also splits the weight is reduce-scattered, not the
-    activations gathered."""
+    activations gathered. Chosen once per op and layouts (a layout search lowers one graph under
+    hundreds of rule sets that share most layouts); the Run is shared, not to be changed."""
+    key = (tuple(layouts_in), tuple(planned), mesh_shape)
+    runs = _RUNS.setdefault(op, {})
+    if key not in runs:
+        runs[key] = _choose(op, layouts_in, planned, mesh_shape)
+    return runs[key]
+
+
+_RUNS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # op -> {(layouts, planned, mesh): Run}
+
+
+def _choose(op, layouts_in: Sequence[TensorLayout], planned: Sequence[TensorLayout], mesh_shape: Shape) -> Run:
     rule = rule_of(op)
     tensors = [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
     sizes = {f: t.shape[i].size for t, fs in tensors for i, f in enumerate(fs) if f is not None} if rule.windows else {}

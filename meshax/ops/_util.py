@@ -15,21 +15,17 @@ from meshax.ops._dtypes import scalar_dtype
 def align(x, from_shape: Shape, to_shape: Shape):
     """Reorder a slice's axes from `from_shape` order to `to_shape` order, with size-1 axes for
     dims it lacks, so that NumPy broadcasting lines it up with a `to_shape` slice."""
-    import jax.numpy as jnp
+    from jax import lax
 
     names = from_shape.dimension_names
     present = [d.name for d in to_shape if d.name in names]
     perm = [names.index(n) for n in present]
     if perm != list(range(len(perm))):
-        x = jnp.transpose(x, perm)
-    new_shape, k = [], 0
-    for d in to_shape:
-        if d.name in names:
-            new_shape.append(x.shape[k])
-            k += 1
-        else:
-            new_shape.append(1)
-    return jnp.reshape(x, new_shape) if len(new_shape) != x.ndim else x
+        x = lax.transpose(x, perm)
+    if len(present) == len(to_shape):
+        return x
+    sizes = iter(x.shape)
+    return lax.reshape(x, tuple(next(sizes) if d.name in names else 1 for d in to_shape))
 
 
 def as_tensor(value, mesh: Mesh, like: np.dtype) -> Tensor:

@@ -12,6 +12,7 @@ import string
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
@@ -32,6 +33,44 @@ def _subscripts(shapes: list[Shape], out: Shape) -> str:
                 letters[d.name] = string.ascii_letters[len(letters)]
     spec = ",".join("".join(letters[d.name] for d in s) for s in shapes)
     return spec + "->" + "".join(letters[d.name] for d in out)
+
+
+def contract(spec: str, xs, dtype):
+    """`jnp.einsum(spec, *xs, preferred_element_type=dtype)` built as jnp.einsum builds it for one
+    or two operands (the same dot_general, sums and transpose: the same program), without its
+    per-call contraction-path search: tracing a model calls this for every einsum, and a layout
+    search traces a model hundreds of times. (Each letter appears once per operand: dim names
+    are unique in a shape.)"""
+    if len(xs) > 2:
+        return jnp.einsum(spec, *xs, preferred_element_type=dtype)
+    ins, out = spec.split("->")
+    names, xs = ins.split(",")[::-1], list(xs)[::-1]  # (the pair in the order opt_einsum hands jnp)
+    for i, n in enumerate(names):  # sum out what appears in no other operand and not in the output
+        keep = set(out).union(*(m for j, m in enumerate(names) if j != i))
+        axes = tuple(k for k, c in enumerate(n) if c not in keep)
+        if axes:
+            if jnp.result_type(xs[i].dtype, dtype) != xs[i].dtype:
+                xs[i] = xs[i].astype(dtype)
+            xs[i] = lax.reduce_sum(xs[i], axes)
+            names[i] = "".join(c for c in n if c in keep)
+    if len(xs) == 1:
+        (y,), (got,) = xs, names
+    else:
+        (lhs, rhs), (ln, rn) = xs, names
+        summed = sorted(set(ln) & set(rn) - set(out))
+        batch = [c for c in out if c in ln and c in rn]
+        lc, rc = tuple(ln.index(c) for c in summed), tuple(rn.index(c) for c in summed)
+        lb, rb = tuple(ln.index(c) for c in batch), tuple(rn.index(c) for c in batch)
+        rest_l, rest_r = ("".join(c for c in n if c not in batch and c not in summed) for n in (ln, rn))
+        got = "".join(batch) + rest_r + rest_l
+        if got == out:  # (rhs first where that needs no transpose, as jnp.einsum tries)
+            y = lax.dot_general(rhs, lhs, ((rc, lc), (rb, lb)), preferred_element_type=dtype)
+        else:
+            got = "".join(batch) + rest_l + rest_r
+            y = lax.dot_general(lhs, rhs, ((lc, rc), (lb, rb)), preferred_element_type=dtype)
+    if got != out:
+        y = lax.transpose(y, tuple(got.index(c) for c in out))
+    return y if y.dtype == dtype else lax.convert_element_type(y, dtype)
 
 
 class EinsumOperation(Operation):
@@ -69,7 +108,7 @@ class EinsumOperation(Operation):
             local[name] = block_sizes(local[name], axes, ctx.mesh_shape)[-1]
         ctx.add_flops((2 if len(self.inputs) > 1 else 1) * int(np.prod(list(local.values()), dtype=np.int64)))
         spec = self._subscripts
-        result = ctx.slicewise(lambda *xs: jnp.einsum(spec, *xs, preferred_element_type=out.dtype), *vals)
+        result = ctx.slicewise(lambda *xs: contract(spec, xs, out.dtype), *vals)
         ctx.set_output(out, result, run.results[0], pending)
 
     def gradient(self, grad_outputs):

@@ -200,6 +200,23 @@ _BINARY = {
     "floordiv": jnp.floor_divide,
     "mod": jnp.mod,
 }
+# jnp's function on two floats of one dtype is one lax primitive: the lowering binds it directly
+# (the same program, traced without jnp's dispatch, which a layout search pays hundreds of times)
+_SAME_FLOAT_LAX = {
+    "add": jax.lax.add,
+    "subtract": jax.lax.sub,
+    "multiply": jax.lax.mul,
+    "divide": jax.lax.div,
+    "maximum": jax.lax.max,
+    "minimum": jax.lax.min,
+    "pow": jax.lax.pow,
+    "equal": jax.lax.eq,
+    "not_equal": jax.lax.ne,
+    "less": jax.lax.lt,
+    "less_equal": jax.lax.le,
+    "greater": jax.lax.gt,
+    "greater_equal": jax.lax.ge,
+}
 _COMPARISONS = {"equal", "not_equal", "less", "less_equal", "greater", "greater_equal"}
 _STEPS = {"floordiv", "mod"}  # piecewise constant in x: no gradient, as in Mesh-TensorFlow
 _LOGICAL = {"logical_and", "logical_or"}
@@ -240,7 +257,8 @@ class ElementwiseOperation(Operation):
     def __init__(self, inputs: list[Tensor], fn: str, fn_impl, dtype, linear: bool, name=None):
         super().__init__(inputs, name=name or fn)
         self.fn = fn
-        self._impl = fn_impl
+        same_float = len({t.dtype for t in inputs}) == 1 and is_floating(inputs[0].dtype)
+        self._impl = _SAME_FLOAT_LAX[fn] if same_float and fn in _SAME_FLOAT_LAX else fn_impl
         self.linear = linear
         self._add_output(union_shape(*[t.shape for t in inputs]), dtype)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -92,7 +93,7 @@ class ConstantOperation(Operation):
     def lower(self, ctx):
         out = self.outputs[0]
         local = slice_shape(out.shape, ctx.layout(out), ctx.mesh_shape)
-        ctx.set_output(out, ctx.slicewise(lambda: jnp.full(local, self.value, out.dtype)))
+        ctx.set_output(out, ctx.slicewise(lambda: jax.lax.full(local, self.value, out.dtype)))
 
     def gradient(self, grad_outputs):
         return []
