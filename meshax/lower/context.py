@@ -53,6 +53,9 @@ class LoweringContext:
             # a relabelled tensor (same dims in the same order, other names) is its input: reshard
             # that, so that a tensor used under several names is gathered once, as XLA does
             return self.get(t.operation.inputs[0], layout, allow_partial)
+        value = self.values[t]
+        if not value.pending and value.layout == layout:  # (nothing to settle or move)
+            return value
         key = (t, layout, allow_partial)
         if key not in self._cache:
             from meshax.lower.reshard import reshard
