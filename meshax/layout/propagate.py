@@ -93,6 +93,7 @@ class Propagation:
         self.axes: dict = {}
         self.fixed: dict = {}
         self.origin: dict = {}
+        self._initials: dict[tuple, tuple[list, list, list]] = {}
         later: dict[int, list] = {}  # priority -> annotated tensors that join at that round (open till then)
         for op in self.operations:
             for t in op.outputs:
@@ -123,21 +124,25 @@ class Propagation:
             self._annotate(t)
             return
         whole = getattr(op, "replicated_dims", ())
-        if whole:
-            rules = LayoutRules([(d, m) for d, m in rules if d not in whole])
-        ruled = tensor_layout(t.shape, rules, self.mesh_shape, t.name)
-        named = set(rules.tensor_dim_names)
-        self.axes[t], self.fixed[t], self.origin[t] = [], [], []
-        for d, a in zip(t.shape, ruled.axes):
-            state: tuple[tuple[int, ...] | None, bool, str]
-            if d.name in whole:
-                state = ((), True, f"kept whole by {type(op).__name__}")
-            elif d.name in named:
-                state = (a, True, what + ";".join(f"{d.name}:{self.mesh_shape[m].name}" for m in a))
-            else:
-                state = (None, False, "")  # open
-            for column, value in zip((self.axes[t], self.fixed[t], self.origin[t]), state):
-                column.append(value)
+        key = (t.shape, rules, what, frozenset(whole), type(op).__name__ if whole else "")
+        if key not in self._initials:  # (tensors of one shape start alike: each shape worked out once)
+            if whole:
+                rules = LayoutRules([(d, m) for d, m in rules if d not in whole])
+            ruled = tensor_layout(t.shape, rules, self.mesh_shape, t.name)
+            named = set(rules.tensor_dim_names)
+            columns: tuple[list, list, list] = ([], [], [])
+            for d, a in zip(t.shape, ruled.axes):
+                state: tuple[tuple[int, ...] | None, bool, str]
+                if d.name in whole:
+                    state = ((), True, f"kept whole by {type(op).__name__}")
+                elif d.name in named:
+                    state = (a, True, what + ";".join(f"{d.name}:{self.mesh_shape[m].name}" for m in a))
+                else:
+                    state = (None, False, "")  # open
+                for column, value in zip(columns, state):
+                    column.append(value)
+            self._initials[key] = columns
+        self.axes[t], self.fixed[t], self.origin[t] = (list(c) for c in self._initials[key])
 
     def _annotate(self, t) -> None:
         axes, fixed = annotation_layout(t, self.mesh_shape)
