@@ -81,12 +81,20 @@ def test_einsum_chain(layout, impl_cls):
 
 
 @pytest.mark.parametrize(
-    "dtypes", [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("int32", "int32")]
+    "dtypes",
+    [
+        ("float32", "float32", "float32"),
+        ("bfloat16", "bfloat16", "float32"),
+        ("bfloat16", "bfloat16", "bfloat16"),
+        ("bfloat16", "float32", "float32"),
+        ("int32", "int32", "int32"),
+    ],
 )
 def test_the_slice_kernel_is_jnp_einsums_program(dtypes):
     """`contract` builds for one or two operands what jnp.einsum builds (without its per-call
     path search): the same jaxpr, so the same values, for every kind of dim (batch, contracted,
-    free on either side, summed on one side only) and output order."""
+    free on either side, summed on one side only), output order and dtypes (the operands' and
+    the output's: mixed precision)."""
     import jax
     import jax.numpy as jnp
 
@@ -96,9 +104,10 @@ def test_the_slice_kernel_is_jnp_einsums_program(dtypes):
     specs += ["abc,ac->ba", "ab,bc->ca", "abc->ca", "abc->", "ab->ab"]
     sizes = {"a": 2, "b": 3, "c": 4, "d": 5}
     rng = np.random.default_rng(0)
-    dtype_in, dtype = (jnp.dtype(d) for d in dtypes)
+    *dtypes_in, dtype = (jnp.dtype(d) for d in dtypes)
     for spec in specs:
-        xs = [(rng.normal(size=[sizes[c] for c in n]) * 3).astype(dtype_in) for n in spec.split("->")[0].split(",")]
+        names = spec.split("->")[0].split(",")
+        xs = [(rng.normal(size=[sizes[c] for c in n]) * 3).astype(d) for n, d in zip(names, dtypes_in)]
         want = jax.make_jaxpr(lambda *a, s=spec: jnp.einsum(s, *a, preferred_element_type=dtype))(*xs)
         got = jax.make_jaxpr(lambda *a, s=spec: contract(s, a, dtype))(*xs)
         assert str(got) == str(want), spec
