@@ -285,3 +285,17 @@ def test_the_direct_lax_kernels_are_jnps_programs():
             for a, b in [((3, 4), (3, 4)), ((3, 1), (1, 4)), ((), ())]:
                 x, y = (jnp.asarray(np.abs(rng.normal(size=s)) + 0.1, dtype) for s in (a, b))
                 assert str(jax.make_jaxpr(kernel)(x, y)) == str(jax.make_jaxpr(_BINARY[fn])(x, y)), (fn, dtype)
+
+
+def test_complex_tensors_compare_as_jnp_orders_them():
+    """Complex ops keep jnp's functions (lax.lt refuses complex; jnp orders by real, then imaginary part)."""
+    import jax.numpy as jnp
+
+    (graph, mesh), b = new_mesh(), mx.Dimension("b", 8)
+    xv = (np.arange(8) % 2 + 1j * np.arange(8)).astype(np.complex64)
+    yv = np.full(8, 1 + 3j, np.complex64)
+    x, y = (mx.import_tensor(mesh, v, [b]) for v in (xv, yv))
+    outs = [mx.less(x, y), mx.greater_equal(x, y), mx.maximum(x, y)]
+    got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "b:all")}).function(outs)({})
+    for value, want in zip(got, [jnp.less(xv, yv), jnp.greater_equal(xv, yv), jnp.maximum(xv, yv)]):
+        np.testing.assert_array_equal(value, want)

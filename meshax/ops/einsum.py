@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import string
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -39,10 +40,15 @@ def contract(spec: str, xs, dtype):
     """`jnp.einsum(spec, *xs, preferred_element_type=dtype)` built as jnp.einsum builds it for one
     or two operands (the same dot_general, sums and transpose: the same program), without its
     per-call contraction-path search: tracing a model calls this for every einsum, and a layout
-    search traces a model hundreds of times. (Each letter appears once per operand: dim names
-    are unique in a shape.)"""
+    search traces a model hundreds of times. (For meshax's slices: each letter appears once per
+    operand, as dim names are unique in a shape, and no slice is weakly typed.)"""
     if len(xs) > 2:
         return jnp.einsum(spec, *xs, preferred_element_type=dtype)
+    with jax.named_scope(spec):  # (the name jnp.einsum gives its ops in the HLO's metadata)
+        return _contract(spec, xs, dtype)
+
+
+def _contract(spec: str, xs, dtype):
     ins, out = spec.split("->")
     names, xs = ins.split(",")[::-1], list(xs)[::-1]  # (the pair in the order opt_einsum hands jnp)
     for i, n in enumerate(names):  # sum out what appears in no other operand and not in the output

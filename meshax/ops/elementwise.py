@@ -200,8 +200,9 @@ _BINARY = {
     "floordiv": jnp.floor_divide,
     "mod": jnp.mod,
 }
-# jnp's function on two floats of one dtype is one lax primitive: the lowering binds it directly
-# (the same program, traced without jnp's dispatch, which a layout search pays hundreds of times)
+# jnp's function on two real floats of one dtype is one lax primitive: the lowering binds it
+# directly (the same program, traced without jnp's dispatch, which a layout search pays hundreds of
+# times). Not complex: jnp orders complex numbers (real part, then imaginary), lax.lt refuses them.
 _SAME_FLOAT_LAX = {
     "add": jax.lax.add,
     "subtract": jax.lax.sub,
@@ -257,8 +258,8 @@ class ElementwiseOperation(Operation):
     def __init__(self, inputs: list[Tensor], fn: str, fn_impl, dtype, linear: bool, name=None):
         super().__init__(inputs, name=name or fn)
         self.fn = fn
-        same_float = len({t.dtype for t in inputs}) == 1 and is_floating(inputs[0].dtype)
-        self._impl = _SAME_FLOAT_LAX[fn] if same_float and fn in _SAME_FLOAT_LAX else fn_impl
+        same_real = len({t.dtype for t in inputs}) == 1 and jnp.issubdtype(inputs[0].dtype, jnp.floating)
+        self._impl = _SAME_FLOAT_LAX[fn] if same_real and fn in _SAME_FLOAT_LAX else fn_impl
         self.linear = linear
         self._add_output(union_shape(*[t.shape for t in inputs]), dtype)
 
