@@ -226,3 +226,10 @@ def test_call_global_takes_and_returns_global_arrays(impl_cls):
     assert isinstance(got_y, jax.Array) and got_x.shape == (8, 6)
     assert_close(got_y, (a * 2.0).sum(0))
     assert_close(fn.call_global({x: got_x})[0], (a * 2.0).sum(0))
+
+
+def test_a_constant_that_is_not_a_number_is_refused_when_built():
+    _, mesh = new_mesh()
+    for bad in (None, "one"):
+        with pytest.raises(mx.GraphError, match=r"constant: the value must be a number or an array, got"):
+            mx.constant(mesh, bad, "b:4")

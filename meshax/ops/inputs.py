@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -146,6 +148,8 @@ def constant(mesh: Mesh, value, shape=(), dtype="float32", name=None) -> Tensor:
     shape = convert_to_shape(shape)
     if np.ndim(value) > 0:
         return import_tensor(mesh, np.asarray(value, dtype=as_dtype(dtype)), shape, name)
+    if not (isinstance(value, numbers.Number) or hasattr(value, "dtype")):
+        raise GraphError(f"constant: the value must be a number or an array, got {type(value).__name__} {value!r}")
     return ConstantOperation(mesh, value, shape, dtype, name).outputs[0]
 
 
