@@ -25,12 +25,31 @@ from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.mesh_impl import MeshImpl
 
 
+def count_reads(ops: Sequence[Operation], outputs: Sequence[Tensor] = ()) -> dict[Tensor, int]:
+    """How often each tensor is read by `ops` and as a program output (a relabelled tensor's
+    reads are its input's: `LoweringContext.get` reads through relabelling)."""
+    reads: dict[Tensor, int] = {}
+    for t in [t for op in ops for t in op.inputs] + list(outputs):
+        while getattr(t.operation, "is_rename", False):
+            t = t.operation.inputs[0]
+        reads[t] = reads.get(t, 0) + 1
+    return reads
+
+
 class LoweringContext:
-    def __init__(self, impl: MeshImpl, plan: dict[Tensor, TensorLayout], counters: Counters, rng_seed: list):
+    def __init__(
+        self,
+        impl: MeshImpl,
+        plan: dict[Tensor, TensorLayout],
+        counters: Counters,
+        rng_seed: list,
+        reads: dict[Tensor, int] | None = None,
+    ):
         self.impl = impl
         self.plan = plan
         self.counters = counters
         self.rng_seed = rng_seed  # slice list of a uint32 scalar: the per-run seed
+        self.reads = reads or {}  # tensor -> how often the program reads it (`count_reads`)
         self.values: dict[Tensor, LaidOutTensor] = {}
         self.updates: dict[Operation, list] = {}  # variable op -> its new slices
         self._cache: dict[tuple, LaidOutTensor] = {}
@@ -47,12 +66,15 @@ class LoweringContext:
         return self.plan[t]
 
     def get(self, t: Tensor, layout: TensorLayout | None = None, allow_partial: bool = False) -> LaidOutTensor:
-        """t's value in `layout` (default: its planned layout); sums settled unless allow_partial."""
+        """t's value in `layout` (default: its planned layout); sums settled unless allow_partial
+        (a linear reader) and t has no other reader: a partial sum read twice is settled once,
+        where each reader carrying it on would settle its own result."""
         layout = layout or self.plan[t]
         if getattr(t.operation, "is_rename", False):
             # a relabelled tensor (same dims in the same order, other names) is its input: reshard
             # that, so that a tensor used under several names is gathered once, as XLA does
             return self.get(t.operation.inputs[0], layout, allow_partial)
+        allow_partial = allow_partial and self.reads.get(t, 0) <= 1
         value = self.values[t]
         if not value.pending and value.layout == layout:  # (nothing to settle or move)
             return value

@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from meshax.core.errors import LayoutWarning, did_you_mean
 from meshax.core.graph import Graph, Mesh, Operation, Tensor
 from meshax.layout.plan import make_plan
-from meshax.lower.context import LoweringContext
+from meshax.lower.context import LoweringContext, count_reads
 from meshax.lower.counters import Counters
 from meshax.lower.mesh_impl import MeshImpl
 from meshax.lower.padding import padded_dims
@@ -151,7 +151,7 @@ class Lowering:
         impl, plan = self.impl, self.plan
 
         def body(input_slices: list[list], seed_slices: list) -> list[list]:
-            ctx = LoweringContext(impl, plan, counters, seed_slices)
+            ctx = LoweringContext(impl, plan, counters, seed_slices, count_reads(ops, outputs))
             for t, slices in zip(inputs, input_slices):
                 ctx.set_output(t, slices)
             for op in ops:

@@ -81,12 +81,12 @@ def _captured(body: list[Operation], inside: set, results: list[Tensor]) -> list
     return list(captured)
 
 
-def _run_body(ctx, counters, seed, bound: dict, ops: list[Operation]):
+def _run_body(ctx, counters, seed, bound: dict, ops: list[Operation], results: list[Tensor]):
     """A child of `ctx` with `bound` (loop variable -> slices) set and `ops` lowered in it: one
-    iteration's values, its collectives recorded in `counters`."""
-    from meshax.lower.context import LoweringContext
+    iteration's values (`results` are read from it), its collectives recorded in `counters`."""
+    from meshax.lower.context import LoweringContext, count_reads
 
-    child = LoweringContext(ctx.impl, ctx.plan, counters, seed)
+    child = LoweringContext(ctx.impl, ctx.plan, counters, seed, count_reads(ops, results))
     child.values = dict(ctx.values)
     for v, slices in bound.items():
         child.set_output(v, slices, ctx.plan[v])
@@ -186,7 +186,7 @@ class ScanOperation(Operation):
             i, *x = x
             seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
             bound = dict(zip([*self.carry_vars, *self.x_vars], [*carry, *x]))
-            child = _run_body(ctx, counters, seed, bound, self.body)
+            child = _run_body(ctx, counters, seed, bound, self.body, [*self.carry_results, *self.y_results])
             new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
             return new, [child.get(r).slices for r in self.y_results] + [list(c) for c in carry]
 
@@ -364,13 +364,17 @@ class WhileOperation(Operation):
         def cond(carry: list[list]) -> list:
             i, *carry = carry
             seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
-            child = _run_body(ctx, counters("cond"), seed, dict(zip(self.carry_vars, carry)), self.cond_ops)
+            child = _run_body(
+                ctx, counters("cond"), seed, dict(zip(self.carry_vars, carry)), self.cond_ops, [self.cond_result]
+            )
             return ctx.slicewise(lambda c: c.astype(bool), child.get(self.cond_result).slices)
 
         def body(carry: list[list]) -> list[list]:
             i, *carry = carry
             seed = ctx.slicewise(lambda s, i: (s ^ ~key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
-            child = _run_body(ctx, counters("body"), seed, dict(zip(self.carry_vars, carry)), self.body_ops)
+            child = _run_body(
+                ctx, counters("body"), seed, dict(zip(self.carry_vars, carry)), self.body_ops, self.carry_results
+            )
             new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
             return [ctx.slicewise(lambda i: i + np.uint32(1), i), *new]
 

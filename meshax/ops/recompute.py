@@ -49,13 +49,13 @@ class RecomputeOperation(Operation):
         ]
 
     def lower(self, ctx):
-        from meshax.lower.context import LoweringContext
+        from meshax.lower.context import LoweringContext, count_reads
 
         plan = ctx.plan
         values = [ctx.get(t, plan[v]).slices for t, v in zip(self.bound, self.vars)]
         if self.barrier:
             values = list(ctx.slicewise(lambda *xs: tuple(jax.lax.optimization_barrier(xs)), *values))
-        child = LoweringContext(ctx.impl, plan, ctx.counters, ctx.rng_seed)
+        child = LoweringContext(ctx.impl, plan, ctx.counters, ctx.rng_seed, count_reads(self.body, self.results))
         child.values = dict(ctx.values)
         for v, slices in zip(self.vars, values):
             child.set_output(v, slices, plan[v])
