@@ -314,6 +314,24 @@ def test_two_einsums_partial_sums_add_lazily(impl_cls):
     _check_hlo(fn, feeds, impl_cls)
 
 
+@impls
+def test_a_partial_sum_read_twice_is_settled_once(impl_cls):
+    """x@w contracting h split over cols, read by two linear ops (an einsum, a sum) whose results
+    are outputs: one allreduce of x@w, not one per reader's result."""
+    x, w, y, _ = _einsum_graph()
+    v = mx.placeholder(x.mesh, "v", [D, H])
+    outputs = (mx.einsum(y, v, output_shape=[B, H]), mx.reduce_sum(y, reduced_dim=D))
+    _, fn = lower(outputs, impl_cls, layout="h:cols")
+    vv = rand([8, 4], seed=107)
+    feeds = {x: XV, w: WV, v: vv}
+    want = XV.astype(np.float64) @ WV
+    for got, expected in zip(fn(feeds), (want @ vv, want.sum(axis=1))):
+        assert_close(got, expected)
+    assert _nonzero(fn.counters) == {"allreduce": 1}
+    assert fn.counters["allreduce"].values == 8 * 8  # x@w [b, d] once; carried on: [b, h] and [b]
+    _check_hlo(fn, feeds, impl_cls)
+
+
 def test_counters_same_on_both_impls_for_reductions():
     results = []
     for impl_cls in IMPLS:
