@@ -405,8 +405,8 @@ class Program:
         if how == "merge" and len(dims) >= 2:
             i = self.r.int(0, len(dims) - 2)
             new = [*dims[:i], self.fresh(dims[i].size * dims[i + 1].size), *dims[i + 2 :]]
-        elif how == "split" and any(d.size >= 4 for d in dims):
-            i = self.r.pick([k for k, d in enumerate(dims) if d.size >= 4])
+        elif how == "split" and any(d.size >= 4 and d.size % 2 == 0 for d in dims):
+            i = self.r.pick([k for k, d in enumerate(dims) if d.size >= 4 and d.size % 2 == 0])
             if len(dims) >= MAX_RANK:
                 return False
             new = [*dims[:i], self.fresh(2), self.fresh(dims[i].size // 2), *dims[i + 1 :]]
@@ -605,7 +605,12 @@ class Program:
         self.wrt = [t for t in self.feeds if str(t.dtype) == "float32"]
         self.grads = []  # None where no path connects: the gradient is zero
         if self.loss is not None and self.wrt:
-            self.grads = mx.gradients(self.loss, self.wrt)
+            try:
+                self.grads = mx.gradients(self.loss, self.wrt)
+            except mx.GraphError as e:  # no path to any of them: refused (nothing would train)
+                if "no gradient flows" not in str(e):
+                    raise
+                self.grads = [None] * len(self.wrt)
 
     def rules(self) -> str:
         """Layout rules over every dim name in the graph: each mesh dim splits at most one name
