@@ -215,7 +215,7 @@ def _parser() -> argparse.ArgumentParser:
             )
             s.add_argument("--top-k", type=_NATURAL, default=0, help="sample among the K most likely tokens (0: all)")
             s.add_argument("--beam-size", type=_NATURAL, default=0, help="beam search with this many beams (0: none)")
-            s.add_argument("--alpha", type=float, default=0.6, help="beam search's length penalty exponent")
+            s.add_argument("--alpha", type=_RATE, default=0.6, help="beam search's length penalty exponent")
         else:
             s.add_argument("--json", action="store_true", help="print the plan as JSON")
             s.add_argument(
@@ -373,6 +373,18 @@ def _check_generate(args) -> None:
         raise ConfigError("--new applies to lm; a seq2seq output has --length tokens")
     if args.beam_size and args.temperature:
         raise ConfigError("--beam-size searches for the most likely output; it takes no --temperature")
+    if args.beam_size and args.top_k:
+        raise ConfigError("--beam-size searches for the most likely output; it takes no --top-k")
+    if args.top_k and not args.temperature:
+        raise ConfigError(
+            f"--top-k {args.top_k} samples among the {args.top_k} most likely tokens, but --temperature 0 "
+            "(the default) takes the most likely one: add --temperature, e.g. 0.8"
+        )
+    if args.samples > 1 and not args.temperature:
+        raise ConfigError(
+            f"--samples {args.samples} at --temperature 0 (the default: the most likely token each step) "
+            f"gives {args.samples} identical outputs: add --temperature, e.g. 0.8"
+        )
 
 
 def _generate(args, task, console) -> int:
@@ -439,11 +451,29 @@ def _check_paths(args) -> None:
     ):
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"{flag} {path!r} is a file, not a folder")
+        if path and flag != "--resume":
+            _check_can_create(flag, path)
     if args.metrics:
         if os.path.isdir(args.metrics):
             raise ConfigError(f"--metrics {args.metrics!r} is a folder: give a file to append JSON lines to")
         if not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
             raise ConfigError(f"--metrics {args.metrics!r}: its folder does not exist")
+        _check_can_create("--metrics", args.metrics)
+
+
+def _check_can_create(flag: str, path: str) -> None:
+    """`path` exists or can be made (as a folder or file) in its nearest existing folder."""
+    from meshax.core.errors import ConfigError
+
+    target = os.path.abspath(path)
+    if not os.path.exists(target):
+        target = os.path.dirname(target)
+        while not os.path.exists(target):
+            target = os.path.dirname(target)
+        if not os.path.isdir(target):
+            raise ConfigError(f"{flag} {path!r} cannot be created: {target!r} is a file; give a path under a folder")
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"{flag} {path!r}: {target!r} is not writable; give a folder you can write to")
 
 
 def _task(args):
@@ -587,6 +617,12 @@ def _run(args) -> int:
     convert_to_layout_rules(args.layout)
     if args.weight_layout is not None:
         check_mesh_dims(convert_to_weight_rules(args.weight_layout), mesh_shape)
+    missing = [m for m in ("x", "y") if args.sharding and m not in mesh_shape.dimension_names]
+    if missing:
+        raise ConfigError(
+            f"--sharding {args.sharding} annotates over the GSPMD paper's mesh dims x and y, and the mesh "
+            f'{args.mesh!r} has no {" or ".join(missing)}: give e.g. --mesh "x:2;y:4"'
+        )
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
         _start_devices(args, mesh_shape.size)
@@ -659,8 +695,11 @@ def _plot(args) -> int:
 
     if not args.out.endswith(".png"):
         raise ConfigError(f"--out {args.out!r}: give a .png file")
+    if os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out!r} is a folder: give a file to write the device's JSON to")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise ConfigError(f"--out {args.out!r}: its folder does not exist")
+    _check_can_create("--out", args.out)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -684,8 +723,11 @@ def _calibrate(args) -> int:
     from meshax.runtime import use_cpu_devices
     from meshax.search import calibrate
 
+    if os.path.isdir(args.out):
+        raise ConfigError(f"--out {args.out!r} is a folder: give a file to write the device's JSON to")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise ConfigError(f"--out {args.out!r}: its folder does not exist")
+    _check_can_create("--out", args.out)
     use_cpu_devices(convert_to_mesh_shape(args.mesh).size)
     device = calibrate(args.mesh)
     with open(args.out, "w") as f:
@@ -746,10 +788,14 @@ def _draw_parameters(lowering, folder: str) -> None:
 
 
 def _plan(args, task, console) -> int:
+    from meshax.core.errors import ConfigError
     from meshax.plan import format_summary, summarize
     from meshax.train.loop import build
 
     if args.picture and not os.path.isdir(args.picture):
+        if os.path.exists(args.picture):
+            raise ConfigError(f"--picture {args.picture!r} is a file: give a folder to write the pictures to")
+        _check_can_create("--picture", args.picture)
         os.makedirs(args.picture)
     lowering, outputs, updates = build(
         task,

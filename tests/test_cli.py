@@ -130,7 +130,8 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
     assert steps[:2] == [4, 5]
     # decoding from the checkpoint (the tokens themselves: tests/test_decode.py)
     model = ["--model", "tiny", "--source", "markov", "--length", "16", "--resume", ckpt, "--prompt", "3,5,2"]
-    assert main(["generate", "lm", *model, "--mesh", "all:4", "--layout", "heads:all", "--samples", "2"]) == 0
+    sampled = ["--samples", "2", "--temperature", "0.8"]
+    assert main(["generate", "lm", *model, "--mesh", "all:4", "--layout", "heads:all", *sampled]) == 0
     lines = capsys.readouterr().out.split("\n")
     assert len([line for line in lines if line.count(",") == 13]) == 2  # 14 new: positions 3 .. --length
     assert main(["generate", "lm", *model, "--mesh", "all:1", "--layout", "", "--new", "4", "--beam-size", "2"]) == 0
@@ -139,6 +140,19 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
     assert "needs --prompt" in capsys.readouterr().err
     assert main(["generate", "seq2seq", "--resume", ckpt, "--prompt", "1,2", "--mesh", "all:1", "--layout", ""]) == 2
     assert main(["generate", "mlp", "--resume", ckpt, "--mesh", "all:1", "--layout", ""]) == 2
+    one = ["--mesh", "all:1", "--layout", ""]
+    for flags, message in [
+        (["--samples", "2"], "--samples 2 at --temperature 0"),
+        (["--top-k", "3"], "add --temperature"),
+        (["--top-k", "100000", "--temperature", "1"], "top_k 100000 must be from 0"),
+        (["--beam-size", "2", "--top-k", "3"], "takes no --top-k"),
+    ]:
+        capsys.readouterr()
+        assert main(["generate", "lm", *model, *one, *flags]) == 2, flags
+        assert message in capsys.readouterr().err, flags
+    out_of_vocab = [*model[:-1], "3,5,300"]
+    assert main(["generate", "lm", *out_of_vocab, *one]) == 2
+    assert "prompt token 300 is not in the vocabulary 0.." in capsys.readouterr().err
 
 
 def test_plan_with_a_gspmd_sharding_and_explain(capsys):

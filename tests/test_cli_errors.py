@@ -44,6 +44,7 @@ CASES = [  # (argv, a piece of the message)
     (["train", "mlp", *MLP, "--optimizer", "sgd"], "'sgd'"),
     (["plan", "mlp", *MLP, "--backend", "gpu"], "'gpu'"),
     (["plan", "lm", "--sharding", "gspmd-3d"], "'gspmd-3d'"),
+    (["plan", "lm", "--sharding", "gspmd-2d-finalized"], 'has no x or y: give e.g. --mesh "x:2;y:4"'),
     (["plan", "mlp", *MLP, "--sharding", "gspmd-2d-finalized"], "--sharding"),
     (["plan", "lm", "--model", "huge"], "unknown model 'huge'"),
     (["plan", "lm", "--model", "tinny"], "did you mean 'tiny'"),
@@ -85,6 +86,11 @@ WITH_PATHS = [
     (["train", "mlp", *MLP, "--metrics", "adir"], "is a folder"),
     (["plot", "afile"], "not a line of meshax metrics"),
     (["plot", "afile", "--out", "nodir/x.png"], "its folder does not exist"),
+    (["train", "mlp", *MLP, "--checkpoint-dir", "afile/ck"], "'afile/ck' cannot be created"),
+    (["train", "mlp", *MLP, "--tensorboard", "afile/tb"], "--tensorboard 'afile/tb' cannot be created"),
+    (["plan", "mlp", *MLP, "--picture", "afile"], "--picture 'afile' is a file"),
+    (["plan", "mlp", *MLP, "--picture", "afile/pics"], "--picture 'afile/pics' cannot be created"),
+    (["calibrate", "--mesh", "all:8", "--out", "adir"], "--out 'adir' is a folder"),
 ]
 
 
@@ -143,7 +149,7 @@ def test_debug_shows_the_traceback():
 
 LIBRARY = [  # (a call that builds something from a bad value, a piece of the message)
     (lambda mx: mx.Shape([mx.Dimension("batch", -1)]), "negative"),
-    (lambda mx: mx.Shape([mx.Dimension("", 4)]), "non-empty name"),
+    (lambda mx: mx.Shape([mx.Dimension("", 4)]), "non-empty string"),
     (lambda mx: mx.optimize.SgdOptimizer(-0.1), "learning_rate -0.1"),
     (lambda mx: mx.optimize.SgdOptimizer("fast"), "not a number"),
     (lambda mx: mx.optimize.AdamWeightDecayOptimizer(1e-3, beta_1=1.0), "beta_1 1.0"),

@@ -101,3 +101,11 @@ def test_decoder_refuses_what_it_cannot_decode():
     decoder = Decoder(PRESETS["tiny"], batch=2, length=4)
     with pytest.raises(mx.ConfigError, match="prompt of 1 to 4 tokens"):
         decoder.greedy(np.zeros((2, 5), np.int32))
+    with pytest.raises(mx.ConfigError, match=r"prompt token -1 is not in the vocabulary 0\.\.255"):
+        decoder.greedy(np.array([[3, -1], [2, 2]]))
+    with pytest.raises(mx.ConfigError, match="integer token ids"):
+        decoder.greedy(np.array([[3.5], [2.0]]))
+    with pytest.raises(mx.ConfigError, match="top_k 300 must be from 0"):
+        decoder.sample(np.ones((2, 1), np.int32), temperature=1.0, top_k=300)
+    with pytest.raises(mx.ConfigError, match="give a temperature > 0"):
+        decoder.sample(np.ones((2, 1), np.int32), temperature=0.0, top_k=3)

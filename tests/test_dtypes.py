@@ -277,3 +277,34 @@ def test_refusals_say_what_to_do():
         mx.negative(b)
     with pytest.raises(mx.GraphError, match="float"):
         mx.dropout(mx.placeholder(mesh, "i", [B], "int32"), 0.5)
+
+
+@pytest.mark.parametrize("dtype", ["float", "float64", np.float64, "int64", np.dtype("uint64"), int])
+def test_a_64_bit_dtype_is_refused_when_built_not_truncated_at_run_time(dtype):
+    """Without JAX's 64-bit mode JAX computes 64-bit dtypes in 32 bits: refused at build time,
+    not as an 'internal error' on the first run."""
+    _, mesh = new_mesh()
+    with pytest.raises(mx.ConfigError, match=r"needs JAX's 64-bit mode .*use a 32-bit dtype"):
+        mx.placeholder(mesh, "x", [B], dtype)
+    with pytest.raises(mx.ConfigError, match="64-bit mode"):
+        mx.import_tensor(mesh, np.ones([8], np.float64), [B])
+    with pytest.raises(mx.ConfigError, match="unknown dtype 'nonsense'"):
+        mx.placeholder(mesh, "y", [B], "nonsense")
+
+
+def test_feeds_are_refused_where_a_name_is_unknown_or_the_cast_would_change_them():
+    graph, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B])
+    i = mx.placeholder(mesh, "i", [B], "int32")
+    mx.placeholder(mesh, "unused", [B])
+    f = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function(x + mx.cast(i, "float32"))
+    xs, ids = np.arange(8.0), np.arange(8)  # float64 and int64, as NumPy makes them: cast exactly
+    np.testing.assert_array_equal(f({"x": xs, "i": ids, "unused": xs}), 2 * xs)  # another placeholder: ignored
+    for feeds, message in [
+        ({"xx": xs, "i": ids}, r"feeds name 'xx', which is no placeholder of the graph \(did you mean 'x'\?\)"),
+        ({"x": xs, "i": ids + 0.5}, r"'i' is int32 .* fed float64 values"),
+        ({"x": xs, "i": ids + 2**40}, r"outside int32's -2147483648..2147483647"),
+        ({"x": np.array(["a"] * 8), "i": ids}, r"'x' is float32 .* fed an array of <U1"),
+    ]:
+        with pytest.raises(mx.MeshaxError, match=message):
+            f(feeds)

@@ -246,3 +246,15 @@ def test_a_rule_for_a_mesh_dim_the_mesh_lacks_is_an_error_with_the_closest_name(
     for bad, message in [("", "has no dims"), ("rows:2;rows:4", "twice"), ("rows:0", "at least one device")]:
         with pytest.raises(mx.ConfigError, match=message):
             mx.SimdMeshImpl(bad, "")
+
+
+def test_layout_rules_as_a_dict_and_bad_rules_named():
+    rules = mx.convert_to_layout_rules({"batch": "rows", "hidden": ("rows", "cols")})
+    assert rules == mx.convert_to_layout_rules("batch:rows;hidden:rows;hidden:cols")
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.shard(mx.placeholder(mesh, "w", "io:8;hidden:16"), {"hidden": "all"})
+    assert mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")}).layout_of(w) == "hidden:all"
+    for bad in [{"batch": 3}, [("batch",)], 5]:
+        with pytest.raises(mx.LayoutError, match="'batch:rows;hidden:cols'"):
+            mx.convert_to_layout_rules(bad)

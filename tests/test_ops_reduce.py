@@ -4,6 +4,7 @@ Each test runs a family of cases as one program per (impl, layout), see
 `check_cases` in conftest.py."""
 
 import numpy as np
+import pytest
 
 import meshax as mx
 from tests.conftest import LAYOUTS, B, D, H, check_cases, impls_and_layouts, names, new_mesh, rand
@@ -160,3 +161,21 @@ SOFTMAX_CASES["argmax-distinct[b]"] = _argmax_distinct
 @layouts
 def test_softmax_and_argmax(layout, impl_cls):
     check_cases(SOFTMAX_CASES, impl_cls, layout)
+
+
+def test_dims_may_be_named_without_their_sizes():
+    """reduced_dim, reduced_dims and output_shape take the inputs' dim names, as softmax does."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "batch:4;hidden:8")
+    w = mx.placeholder(mesh, "w", "hidden:8;out:2")
+    batch, out = x.shape[0], w.shape[1]
+    assert mx.reduce_sum(x, reduced_dim="hidden").shape == mx.Shape([batch])
+    assert mx.reduce_max(x, output_shape=["batch"]).shape == mx.Shape([batch])
+    assert mx.reduce_sum(x, reduced_dim=["batch", "hidden"]).shape == mx.Shape([])
+    assert mx.einsum([x, w], output_shape=["out", "batch"]).shape == mx.Shape([out, batch])
+    assert mx.einsum(x, w, output_shape="batch;out").shape == mx.einsum(x, w, reduced_dims="hidden").shape
+    with pytest.raises(mx.GraphError, match=r"no input has a dimension 'hiden' \(did you mean 'hidden'\?\)"):
+        mx.reduce_sum(x, reduced_dim="hiden")
+    with pytest.raises(mx.GraphError, match=r"'outt' \(did you mean 'out'\?\) \(inputs: x .*, w "):
+        mx.einsum(x, w, output_shape=["batch", "outt"])

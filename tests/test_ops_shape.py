@@ -233,3 +233,14 @@ def test_a_constant_that_is_not_a_number_is_refused_when_built():
     for bad in (None, "one"):
         with pytest.raises(mx.GraphError, match=r"constant: the value must be a number or an array, got"):
             mx.constant(mesh, bad, "b:4")
+
+
+def test_tensors_of_two_graphs_are_refused_naming_the_graphs():
+    meshes = [mx.Mesh(mx.Graph(), "mesh") for _ in range(2)]
+    x, y = (mx.placeholder(m, "x", [B]) for m in meshes)
+    with pytest.raises(mx.GraphError, match=r"input x belongs to another mx\.Graph than this op's mesh 'mesh'"):
+        x + y
+    graph = mx.Graph()
+    other = mx.placeholder(mx.Mesh(graph, "other"), "z", [B])
+    with pytest.raises(mx.GraphError, match="is on mesh 'other', not 'main'"):
+        mx.placeholder(mx.Mesh(graph, "main"), "w", [B]) + other

@@ -1,5 +1,8 @@
 """Dimension, Shape and convert_to_shape."""
 
+import re
+
+import numpy as np
 import pytest
 
 import meshax as mx
@@ -154,3 +157,25 @@ def test_convert_to_shape_malformed(spec, bad):
 def test_convert_to_shape_repeated_name_raises(spec):
     with pytest.raises(ValueError):
         mx.convert_to_shape(spec)
+
+
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        ([("batch", 8.9)], "size 8.9 (float) is not a whole number"),
+        ([("batch", 8.0)], "size 8.0 (float) is not a whole number"),
+        ([("batch", True)], "size True (bool)"),
+        ([mx.Dimension("batch", "8")], "size '8' (str)"),
+        ([mx.Dimension("", 8)], "non-empty string"),
+        (16, "16 is not a shape"),
+    ],
+)
+def test_a_size_that_is_not_a_whole_number_is_refused_not_truncated(spec, message):
+    with pytest.raises(mx.ConfigError, match=re.escape(message)):
+        mx.convert_to_shape(spec)
+
+
+def test_numpy_integer_sizes_are_whole_numbers():
+    s = mx.convert_to_shape([mx.Dimension("flat", np.prod([8, 16])), ("x", np.int32(3)), ("y", "4")])
+    assert s == mx.Shape([mx.Dimension("flat", 128), mx.Dimension("x", 3), mx.Dimension("y", 4)])
+    assert all(type(d.size) is int for d in s)

@@ -6,6 +6,7 @@ import struct
 import numpy as np
 import pytest
 
+import meshax as mx
 from meshax.optimize import AdamWeightDecayOptimizer
 from meshax.train import MlpTask, MnistTask, train
 from meshax.train.data import DataError, load_mnist
@@ -69,3 +70,19 @@ def test_mnist_errors_name_the_problem(tmp_path):
         (tmp_path / stem).write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x09abc")  # says 9 bytes, holds 3
     with pytest.raises(DataError, match="truncated"):
         load_mnist(str(tmp_path))
+
+
+def test_a_diverging_run_stops_with_the_step_and_what_to_change(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    with pytest.raises(
+        mx.ConfigError, match=r"training diverged: the loss is (nan|inf) at step \d+ .*lower the learning"
+    ):
+        train(
+            MlpTask(),
+            "all:2",
+            "batch:all",
+            steps=20,
+            optimizer=AdamWeightDecayOptimizer(1e30),
+            metrics_path=str(metrics),
+        )
+    assert "NaN" in metrics.read_text() or "Infinity" in metrics.read_text()  # the step that diverged is logged

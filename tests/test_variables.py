@@ -114,3 +114,16 @@ def test_variable_errors_are_clear():
         lo.function([], updates=[mx.assign(w, w * 2.0), mx.assign(w, w * 3.0)])
     with pytest.raises(TypeError, match="not a variable"):
         lo.variable_value(w * 2.0)
+
+
+@pytest.mark.parametrize("layout", ["", "io:all"])
+def test_an_initializer_that_is_not_one_or_makes_another_shape_is_refused(layout):
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    for init in ["zeros", 0.5, np.arange(8.0)]:
+        with pytest.raises(mx.ConfigError, match=r"get_variable 'w': the initializer must be a function"):
+            mx.get_variable(mesh, "w", [io], initializer=init)
+    w = mx.get_variable(mesh, "w", [io], initializer=lambda key, shape, dtype: np.zeros(3, dtype))
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", layout)})
+    with pytest.raises(mx.ConfigError, match=r"variable 'w' .*made an array of shape \(3,\), not \(8,\)"):
+        lowering.function(w * 2.0)({})

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import ml_dtypes  # noqa: F401 (registers bfloat16 and friends as NumPy dtypes; ships with jax)
 import numpy as np
 
-from meshax.core.errors import GraphError
+from meshax.core.errors import ConfigError, GraphError
 from meshax.core.shape import Shape, convert_to_shape
 
 if TYPE_CHECKING:
@@ -42,9 +42,18 @@ _INTERNAL = tuple(
 def as_dtype(dtype) -> np.dtype:
     """A NumPy dtype from a string ('float32', 'bfloat16', 'bool'), a type or a dtype."""
     try:
-        return np.dtype(dtype)
-    except TypeError as e:
-        raise TypeError(f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'int32', 'bool'") from e
+        out = np.dtype(dtype)
+    except TypeError:
+        raise ConfigError(f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'int32', 'bool'") from None
+    import jax
+
+    if jax.dtypes.canonicalize_dtype(out) != out:  # (JAX would compute it in 32 bits)
+        given = f"{dtype!r} ({out})" if isinstance(dtype, str | type) and str(dtype) != str(out) else str(out)
+        raise ConfigError(
+            f"dtype {given} needs JAX's 64-bit mode (jax_enable_x64), which is off: use a 32-bit dtype "
+            "('float32', 'int32'; a NumPy array: .astype(np.float32)) or turn 64-bit mode on"
+        )
+    return out
 
 
 def is_floating(dtype) -> bool:
@@ -192,6 +201,11 @@ class Operation:
                 raise GraphError(f"{type(self).__name__} needs a mesh or at least one input")
             mesh = inputs[0].mesh
         for t in inputs:
+            if t.mesh.graph is not mesh.graph:
+                raise GraphError(
+                    f"{type(self).__name__}: input {t.name} belongs to another mx.Graph than this op's mesh "
+                    f"{mesh.name!r}; build all tensors of one model in one graph"
+                )
             if t.mesh is not mesh:
                 raise GraphError(
                     f"{type(self).__name__}: input {t.name} is on mesh {t.mesh.name!r}, not {mesh.name!r}; "

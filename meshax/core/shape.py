@@ -8,9 +8,12 @@ numbers.
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
+
+import numpy as np
 
 from meshax.core.errors import ConfigError
 
@@ -27,21 +30,29 @@ class Dimension(NamedTuple):
 
 def _as_dimension(x) -> Dimension:
     if isinstance(x, Dimension):
-        if not (isinstance(x.name, str) and x.name) or isinstance(x.size, bool) or not isinstance(x.size, int):
-            raise ConfigError(f"{x!r}: a dimension is a non-empty name and a whole-number size")
-        if x.size < 0:
-            raise ConfigError(f"dimension {x.name!r}: size {x.size} is negative")
-        return x
+        if type(x.size) is int and x.size >= 0 and type(x.name) is str and x.name:
+            return x  # (the common case, checked first: shapes are built often)
+        if not (isinstance(x.name, str) and x.name):
+            raise ConfigError(f"{x!r}: a dimension's name must be a non-empty string")
+        return Dimension(x.name, _size(x.name, x.size))
     if isinstance(x, tuple | list) and len(x) == 2 and isinstance(x[0], str):
         name, size = x
-        try:
+        if isinstance(size, str) and size.strip().isdigit():  # ("batch", "8"), as parsed from text
             size = int(size)
-        except (TypeError, ValueError):
-            raise ConfigError(f"dimension {name!r}: size {size!r} is not an integer") from None
-        if size < 0:
-            raise ConfigError(f"dimension {name!r}: size {size} is negative")
-        return Dimension(name, size)
+        return Dimension(name, _size(name, size))
     raise TypeError(f"cannot make a Dimension from {x!r}: give Dimension(name, size) or (name, size)")
+
+
+def _size(name: str, size) -> int:
+    """A dimension's size as an int: a whole number (Python's or NumPy's), not negative."""
+    if isinstance(size, bool | np.bool_) or not isinstance(size, numbers.Integral):
+        raise ConfigError(
+            f"dimension {name!r}: size {size!r} ({type(size).__name__}) is not a whole number; "
+            "give an int (e.g. n // 2, not n / 2)"
+        )
+    if size < 0:
+        raise ConfigError(f"dimension {name!r}: size {size} is negative")
+    return int(size)
 
 
 class Shape:
@@ -163,6 +174,11 @@ def convert_to_shape(x) -> Shape:
         return Shape([x])
     if isinstance(x, str):
         return Shape(_parse_pairs(x, what="shape", integer_values=True, example="batch:8"))
+    if not isinstance(x, Iterable):
+        raise ConfigError(
+            f"{x!r} is not a shape: a shape is a list of Dimensions or 'name:size' text, "
+            "e.g. [mx.Dimension('hidden', 16)] or 'hidden:16'"
+        )
     return Shape(x)
 
 

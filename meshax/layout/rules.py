@@ -9,7 +9,7 @@ with mesh dims as indices.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from meshax.core.errors import LayoutError
 from meshax.core.shape import Shape, _parse_pairs, convert_to_shape
@@ -22,10 +22,13 @@ class LayoutRules:
         seen = []
         for pair in pairs:
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and all(isinstance(p, str) for p in pair)):
-                raise ValueError(f"bad layout rule {pair!r}: expected a (tensor_dim, mesh_dim) pair of names")
+                raise LayoutError(
+                    f"bad layout rule {pair!r}: a rule is a (tensor_dim, mesh_dim) pair of names; give rules as "
+                    "'batch:rows;hidden:cols', [('batch', 'rows'), ('hidden', 'cols')] or {'batch': 'rows'}"
+                )
             pair = (pair[0], pair[1])
             if pair in seen:
-                raise ValueError(f"layout rule {pair[0]}:{pair[1]} is given twice")
+                raise LayoutError(f"layout rule {pair[0]}:{pair[1]} is given twice")
             seen.append(pair)
         self.pairs: tuple[tuple[str, str], ...] = tuple(seen)
 
@@ -58,13 +61,18 @@ class LayoutRules:
 
 
 def convert_to_layout_rules(x) -> LayoutRules:
-    """LayoutRules from LayoutRules, "batch:rows;hidden:cols", or a list of (tensor_dim, mesh_dim)."""
+    """LayoutRules from LayoutRules, "batch:rows;hidden:cols", a list of (tensor_dim, mesh_dim),
+    or a dict of tensor_dim -> mesh_dim (or mesh dims, major to minor: {"batch": ("rows", "cols")})."""
     if x is None:
         return LayoutRules()
     if isinstance(x, LayoutRules):
         return x
     if isinstance(x, str):
         return LayoutRules(_parse_pairs(x, what="layout", integer_values=False, example="batch:rows;hidden:cols"))
+    if isinstance(x, Mapping):
+        return LayoutRules((t, m) for t, ms in x.items() for m in (ms if isinstance(ms, tuple | list) else [ms]))
+    if not isinstance(x, Iterable):
+        raise LayoutError(f"layout rules {x!r}: give 'batch:rows;hidden:cols', pairs or a dict")
     return LayoutRules(x)
 
 

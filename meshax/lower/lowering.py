@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshax.core.errors import LayoutWarning, did_you_mean
+from meshax.core.errors import LayoutWarning, MeshaxError, did_you_mean
 from meshax.core.graph import Graph, Mesh, Operation, Tensor
 from meshax.layout.plan import make_plan
 from meshax.lower.context import LoweringContext, count_reads
@@ -42,6 +42,27 @@ def _needed_ops(graph: Graph, roots: Sequence[Operation]) -> list[Operation]:
         needed.add(op)
         stack.extend(t.operation for t in op.inputs)
     return [op for op in graph.operations if op in needed]
+
+
+def _fed(t: Tensor, value) -> np.ndarray:
+    """A fed value as an array of placeholder t's dtype; refused where the cast would change it:
+    floats fed to integers or bools, integers outside the dtype's range, text."""
+    value = np.asarray(value)
+    have, want = value.dtype, t.dtype
+    if have == want:
+        return value
+    problem = ""
+    if have.kind not in "biuf":
+        problem = f"an array of {have}"
+    elif want.kind in "biu" and have.kind == "f":
+        problem = f"{have} values (cast them yourself if dropping the fractions is meant)"
+    elif want.kind in "biu" and have.kind in "iu" and value.size:
+        low, high = (0, 1) if want.kind == "b" else (np.iinfo(want).min, np.iinfo(want).max)
+        if value.min() < low or value.max() > high:
+            problem = f"values from {value.min()} to {value.max()}, outside {want}'s {low}..{high}"
+    if problem:
+        raise MeshaxError(f"placeholder {t.name!r} is {want} {t.shape}; it was fed {problem}")
+    return value.astype(want, copy=False)
 
 
 def _variable(x):
@@ -99,7 +120,10 @@ class Lowering:
             base = jax.random.key(self.seed)
             for v in todo:
                 key = jax.random.fold_in(base, zlib.crc32(v.name.encode()))
-                self._variables[v] = self.impl.initialize(v.initializer, key, self._spec(v.outputs[0]))
+                try:
+                    self._variables[v] = self.impl.initialize(v.initializer, key, self._spec(v.outputs[0]))
+                except MeshaxError as e:
+                    raise type(e)(f"variable {v.name!r} {v.outputs[0].shape}: {e}") from None
 
     def _variable_state(self, var: VariableOperation):
         """The variable's current value, initialized (sharded, on the devices) on first use."""
@@ -279,6 +303,12 @@ class LoweredFunction:
         """The placeholders the program reads: each must be fed, by name, when it is called."""
         return [t for t in self.inputs if getattr(t.operation, "is_placeholder", False)]
 
+    @functools.cached_property
+    def _graph_placeholders(self) -> set[str]:
+        return {
+            t.name for op in self.lowering.graph.operations if getattr(op, "is_placeholder", False) for t in op.outputs
+        }
+
     def feed_rows(self) -> tuple[int, int]:
         """The rows [lo, hi) of the placeholders' first dim that this process's devices hold: in a
         multi-process run, feed only those (`fn(feeds, rows=fn.feed_rows())`), as arrays of
@@ -313,6 +343,11 @@ class LoweredFunction:
                 raise ValueError(f"cannot feed {key!r}: only placeholders (or their names) can be fed")
             if t is not None:  # placeholders this function does not need are ignored
                 resolved[t] = value
+            elif isinstance(key, str) and key not in self._graph_placeholders:
+                raise MeshaxError(
+                    f"feeds name {key!r}, which is no placeholder of the graph{did_you_mean(key, by_name)} "
+                    f"(this function reads {sorted(by_name)})"
+                )
         args: list = []
         for t in self.inputs:
             op = t.operation
@@ -323,7 +358,7 @@ class LoweredFunction:
                     raise ValueError(
                         f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}"
                     )
-                value = np.asarray(resolved[t])
+                value = _fed(t, resolved[t])
                 want = t.shape.to_integer_list
                 if rows is not None and want:
                     want[0] = rows[1] - rows[0]
@@ -333,7 +368,6 @@ class LoweredFunction:
                         f"placeholder {t.name!r} expects shape {want}{part} ({t.shape}), "
                         f"got an array of shape {list(value.shape)}"
                     )
-                value = value.astype(t.dtype, copy=False)
                 if rows is not None and want and tuple(rows) != (0, t.shape[0].size):  # a part: this process's
                     value = self.lowering.impl.put_rows(value, rows[0], self.lowering._spec(t))
                 args.append(value)

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh as JaxMesh
 from jax.sharding import NamedSharding
@@ -42,7 +43,14 @@ REDUCE_SCATTER_AS = ("reduce_scatter", "allreduce")
 def _initializer_program(init: Callable, shape: Shape, dtype, layout: TensorLayout, mesh_shape: Shape, sharding):
     # made at the logical shape, so the numbers do not depend on the layout, then padded
     dims = tuple(shape.to_integer_list)
-    return jax.jit(lambda key: pad(init(key, dims, dtype), shape, layout, mesh_shape), out_shardings=sharding)
+
+    def make(key):
+        value = init(key, dims, dtype)
+        if tuple(jnp.shape(value)) != dims:
+            raise ConfigError(f"its initializer {init!r} made an array of shape {jnp.shape(value)}, not {dims}")
+        return pad(jnp.asarray(value, dtype), shape, layout, mesh_shape)
+
+    return jax.jit(make, out_shardings=sharding)
 
 
 @functools.lru_cache(maxsize=1024)

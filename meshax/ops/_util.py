@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import numbers
+import re
+from collections.abc import Sequence
 
 import numpy as np
 
-from meshax.core.errors import GraphError
+from meshax.core.errors import GraphError, did_you_mean
 from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension, Shape, convert_to_shape
 from meshax.ops._dtypes import scalar_dtype
@@ -47,6 +49,24 @@ def as_dims(x) -> list[Dimension]:
     if isinstance(x, Dimension):
         return [x]
     return list(convert_to_shape(x))
+
+
+def shape_of_names(spec, inputs: Sequence[Tensor]) -> Shape:
+    """A Shape as `convert_to_shape` takes it, where a name without a size ("hidden", or
+    "batch;hidden") is the inputs' dim of that name: `output_shape=["batch", "hidden"]`."""
+    if isinstance(spec, str) and ":" not in spec:
+        spec = [n for n in re.split(r"[;,.\s]+", spec) if n]
+    if not (isinstance(spec, list | tuple) and any(isinstance(e, str) and ":" not in e for e in spec)):
+        return convert_to_shape(spec)
+    dims = {d.name: d for t in inputs for d in t.shape}
+
+    def lookup(name: str) -> Dimension:
+        if name not in dims:
+            shapes = ", ".join(f"{t.name} {t.shape}" for t in inputs)
+            raise GraphError(f"no input has a dimension {name!r}{did_you_mean(name, dims)} (inputs: {shapes})")
+        return dims[name]
+
+    return convert_to_shape([lookup(e) if isinstance(e, str) and ":" not in e else e for e in spec])
 
 
 def dim_of(x: Tensor, dim) -> Dimension:

@@ -17,10 +17,10 @@ from jax import lax
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
-from meshax.core.shape import Shape, convert_to_shape
+from meshax.core.shape import Dimension, Shape
 from meshax.layout.rules import block_sizes
 from meshax.ops._dtypes import gradient_dtype, result_type
-from meshax.ops._util import as_dims
+from meshax.ops._util import shape_of_names
 from meshax.ops.elementwise import union_shape
 
 
@@ -157,11 +157,12 @@ def einsum(xs, *more, output_shape=None, reduced_dims=None, name=None, dtype=Non
         if not isinstance(t, Tensor):
             raise GraphError(f"einsum inputs must be meshax Tensors, got {t!r}")
     if output_shape is not None:
-        output_shape = convert_to_shape(output_shape)
+        output_shape = shape_of_names(output_shape, xs)
     else:
         every = union_shape(*[t.shape for t in xs])
         if reduced_dims is not None:
-            reduced = {d.name for d in as_dims(reduced_dims)}
+            spec = [reduced_dims] if isinstance(reduced_dims, Dimension) else reduced_dims
+            reduced = {d.name for d in shape_of_names(spec, xs)}
             output_shape = Shape([d for d in every if d.name not in reduced])
         else:
             counts = {d.name: sum(d in t.shape for t in xs) for d in every}

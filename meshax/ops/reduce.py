@@ -16,7 +16,7 @@ from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, convert_to_shape
 from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import inexact, sum_dtype
-from meshax.ops._util import also_accepts, as_dims, dim_of
+from meshax.ops._util import also_accepts, dim_of, shape_of_names
 
 _LOCAL = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
 
@@ -77,14 +77,15 @@ def _reduced_dims(x: Tensor, reduced_dim, output_shape) -> list[Dimension]:
     if reduced_dim is not None and output_shape is not None:
         raise GraphError("give reduced_dim or output_shape, not both")
     if output_shape is not None:
-        output_shape = convert_to_shape(output_shape)
         extra = [d for d in output_shape if d not in x.shape]
         if extra:
             raise GraphError(f"output_shape {output_shape} has dims {extra} that {x.name} {x.shape} lacks")
         return [d for d in x.shape if d not in output_shape]
     if reduced_dim is None:
         return list(x.shape)
-    return [dim_of(x, d) for d in as_dims(reduced_dim)]
+    return [
+        dim_of(x, d) for d in shape_of_names([reduced_dim] if isinstance(reduced_dim, Dimension) else reduced_dim, [x])
+    ]
 
 
 def _reduction(x: Tensor, reduced: list[Dimension], kind: str, name) -> Tensor:
@@ -107,6 +108,7 @@ def _in_order(y: Tensor, output_shape) -> Tensor:
 
 def _reduce(kind):
     def op(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
+        output_shape = None if output_shape is None else shape_of_names(output_shape, [x])
         reduced = _reduced_dims(x, reduced_dim, output_shape)
         return _in_order(_reduction(x, reduced, kind, name) if reduced else x, output_shape)
 

@@ -147,6 +147,11 @@ def get_variable(
         from meshax import initializers
 
         initializer = initializers.tensorflow_default()
+    if not callable(initializer):
+        raise ConfigError(
+            f"get_variable {name!r}: the initializer must be a function (key, shape, dtype) -> array, as in "
+            f"meshax.initializers or jax.nn.initializers (e.g. mx.initializers.constant(0.5)); got {initializer!r}"
+        )
     existing = next((v for v in mesh.graph.all_variables if v.name == name), None) if _REUSING else None
     if existing is not None and existing.shape != convert_to_shape(shape):
         raise GraphError(f"variable {name!r} exists with shape {existing.shape}, not {convert_to_shape(shape)}")

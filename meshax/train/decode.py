@@ -187,15 +187,33 @@ class Decoder:
         last logits): the prompt run through the decoder (an encoder-decoder starts from BOS)."""
         encoded = None
         if self.encoder_decoder:
-            encoded = [np.asarray(t) for t in self.encode_fn({"inputs": np.asarray(inputs, np.int32)})]
+            inputs = self._token_ids("inputs", inputs)
+            encoded = [np.asarray(t) for t in self.encode_fn({"inputs": inputs})]
             prompt = np.ones((self.batch_size, 1), np.int32) if prompt is None else prompt
-        prompt = np.asarray(prompt, np.int32).reshape(self.batch_size, -1)
+        prompt = self._token_ids("prompt", prompt).reshape(self.batch_size, -1)
         if prompt.shape[1] == 0 or prompt.shape[1] > self.length:
             raise ConfigError(f"a prompt of 1 to {self.length} tokens is needed, got {prompt.shape[1]}")
         caches = self._zeros()
         for t in range(prompt.shape[1]):
             logits, caches = self._advance(prompt[:, t], t, caches, encoded)
         return prompt, caches, encoded, logits
+
+    def _token_ids(self, what: str, ids) -> np.ndarray:
+        """`ids` as int32 token ids, each in the vocabulary (an id outside it would read no
+        embedding row: the model would see zeros)."""
+        if ids is None:
+            raise ConfigError(f"decoding needs the {what} (token ids)")
+        ids = np.asarray(ids)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ConfigError(f"the {what} must be integer token ids, got an array of {ids.dtype}")
+        outside = ids[(ids < 0) | (ids >= self.vocab_size)]
+        if outside.size:
+            raise ConfigError(f"{what} token {outside[0]} is not in the vocabulary 0..{self.vocab_size - 1}")
+        return ids.astype(np.int32)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab.size
 
     def _advance(self, ids, step: int, caches, encoded) -> tuple[np.ndarray, list]:
         """One step: the tokens `ids` at position `step` -> (the next tokens' logits, the caches)."""
@@ -206,6 +224,15 @@ class Decoder:
         """Tokens [batch, steps] after the prompt (LM: [batch, n] ids; encoder-decoder: BOS by
         default, `inputs` [batch, input_length]): each drawn from softmax(logits / temperature),
         among the `top_k` most likely (0: all); temperature 0: the most likely (greedy)."""
+        if not (temperature >= 0 and math.isfinite(temperature)):
+            raise ConfigError(f"temperature {temperature} must be a finite number >= 0 (0: greedy)")
+        if not 0 <= top_k <= self.vocab_size:
+            raise ConfigError(f"top_k {top_k} must be from 0 (all tokens) to the vocabulary's {self.vocab_size}")
+        if top_k and temperature == 0:
+            raise ConfigError(
+                f"top_k {top_k} samples among the {top_k} most likely tokens, but temperature 0 takes the "
+                "most likely one: give a temperature > 0, e.g. 0.8"
+            )
         rng = np.random.default_rng(seed)
         tokens, caches, encoded, logits = self._start(prompt, inputs)
         first = tokens.shape[1]

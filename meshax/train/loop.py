@@ -8,11 +8,13 @@ function of it), so `resume` continues exactly, on the same or another mesh and 
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 
 from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
+from meshax.core.errors import ConfigError
 from meshax.core.graph import Graph, Mesh
 from meshax.lower.lowering import LoweredFunction, Lowering
 from meshax.optimize import AdamWeightDecayOptimizer, Optimizer
@@ -179,6 +181,14 @@ def train(
         times.append(seconds)
         losses.append(float(loss))
         entry = {"step": step + 1, "loss": losses[-1], "step_seconds": seconds}
+        if not math.isfinite(losses[-1]):
+            record(entry)
+            writer.close()
+            before = f" (it was {losses[-2]:.4g} at step {step})" if len(losses) > 1 else ""
+            raise ConfigError(
+                f"training diverged: the loss is {losses[-1]} at step {step + 1}{before}; lower the learning "
+                "rate (--lr), or add warmup (--warmup). Nothing is saved after the last checkpoint"
+            )
         logged = rest[len(program.metric_names) :]
         entry.update({n: float(v) for n, v in zip(program.logged_names, logged)})
         if task.tokens_per_batch:
