@@ -226,3 +226,18 @@ SHIFT_CASES["cumsum h exclusive=False"] = _cumsum_case(H, False)
 @layouts
 def test_shift_cumsum(layout, impl_cls):
     check_cases(SHIFT_CASES, impl_cls, layout)
+
+
+def test_stack_aligns_dims_by_name_and_names_a_mismatch():
+    """A tensor whose dims come in another order is stacked by name (it was reshaped by position:
+    its values scrambled); tensors of other dims are refused, naming both shapes."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "a:2;b:3")
+    y = mx.placeholder(mesh, "y", "b:3;a:2")
+    s = mx.stack([x, y], "s")
+    xv = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function(s)({"x": xv, "y": xv.T})
+    np.testing.assert_array_equal(got, np.stack([xv, xv]))
+    with pytest.raises(mx.GraphError, match=r"stack needs tensors of one shape: x is Shape\(\[a=2, b=3\]\), z is"):
+        mx.stack([x, mx.placeholder(mesh, "z", "a:2;b:4")], "s")

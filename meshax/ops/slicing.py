@@ -249,13 +249,18 @@ def split(x: Tensor, split_dim, num_or_size_splits, name=None) -> list[Tensor]:
 
 
 def stack(xs: list[Tensor], dim_name: str, axis: int = 0, name=None) -> Tensor:
-    """Stack same-shaped tensors along a new dim of size len(xs), placed at position `axis`."""
-    from meshax.ops.shape_ops import reshape
+    """Stack same-shaped tensors along a new dim of size len(xs), placed at position `axis` (of
+    the first tensor's dims; the others' dims may come in any order)."""
+    from meshax.ops.shape_ops import reshape, transpose
 
     xs = list(xs)
     if not xs:
         raise GraphError("stack needs at least one tensor")
     dims = xs[0].shape.dims
+    for t in xs[1:]:
+        if set(t.shape.dims) != set(dims):
+            raise GraphError(f"stack needs tensors of one shape: {xs[0].name} is {xs[0].shape}, {t.name} is {t.shape}")
+    xs = [t if t.shape == xs[0].shape else transpose(t, xs[0].shape) for t in xs]  # (by name, as every op)
     if not 0 <= axis <= len(dims):
         raise GraphError(f"stack axis {axis} is outside 0..{len(dims)}")
     one = Shape([*dims[:axis], Dimension(dim_name, 1), *dims[axis:]])
