@@ -406,6 +406,12 @@ def _generate(args, task, console) -> int:
         ids = list(args.prompt.encode()) if text else _token_ids(args.prompt)
         if len(ids) >= task.length:
             raise ConfigError(f"--prompt has {len(ids)} tokens; leave room within --length {task.length}")
+        room = task.length - len(ids) + 1  # (the last new token needs no place in the caches)
+        if args.new is not None and args.new > room:
+            raise ConfigError(
+                f"--new {args.new} after a prompt of {len(ids)} tokens passes --length {task.length}: "
+                f"give --new {room} or less (or train with a longer --length)"
+            )
         inputs, prompt = None, np.tile(np.asarray(ids, np.int32), (args.samples, 1))
     decoder = Decoder(
         task.config,
@@ -696,7 +702,7 @@ def _plot(args) -> int:
     if not args.out.endswith(".png"):
         raise ConfigError(f"--out {args.out!r}: give a .png file")
     if os.path.isdir(args.out):
-        raise ConfigError(f"--out {args.out!r} is a folder: give a file to write the device's JSON to")
+        raise ConfigError(f"--out {args.out!r} is a folder: give the .png file to write")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise ConfigError(f"--out {args.out!r}: its folder does not exist")
     _check_can_create("--out", args.out)
@@ -812,7 +818,8 @@ def _plan(args, task, console) -> int:
     counters = lowering.trace_step(outputs, updates)
     summary = summarize(lowering, counters, outputs)
     if args.json:
-        print(json.dumps(summary.as_dict(), indent=1))
+        explained = {"explain": lowering.explain()} if args.explain else {}
+        print(json.dumps({**summary.as_dict(), **explained}, indent=1))
         return 0
     console.print(_layout_table(lowering))
     print(lowering.report(counters, width=console.width), end="")

@@ -9,7 +9,10 @@ process feeds only the rows of a batch its own devices hold (`LoweredFunction.fe
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
+
+from meshax.core.errors import ConfigError
 
 # What `meshax launch` puts in each worker's environment (JAX itself reads JAX_COORDINATOR_ADDRESS).
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -31,6 +34,8 @@ def use_cpu_devices(n: int) -> None:
     If the backend is already up with fewer devices, say so plainly rather than fail later."""
     import jax
 
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ConfigError(f"use_cpu_devices({n!r}): give a whole number of devices, 1 or more")
     with contextlib.suppress(RuntimeError):  # the backend is already up: checked below
         jax.config.update("jax_num_cpu_devices", int(n))
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(n))

@@ -146,6 +146,7 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
         (["--top-k", "3"], "add --temperature"),
         (["--top-k", "100000", "--temperature", "1"], "top_k 100000 must be from 0"),
         (["--beam-size", "2", "--top-k", "3"], "takes no --top-k"),
+        (["--new", "15"], "--new 15 after a prompt of 3 tokens passes --length 16: give --new 14 or less"),
     ]:
         capsys.readouterr()
         assert main(["generate", "lm", *model, *one, *flags]) == 2, flags
@@ -214,3 +215,12 @@ def test_tensorboard_files_hold_the_losses_and_plot_draws_the_runs(tmp_path, cap
     assert Image.open(out).size == (1200, 400)  # 12 x 4 inches at 100 dpi
     assert main(["plot", str(tmp_path / "missing.jsonl")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_plan_json_with_explain_carries_the_explanation(capsys):
+    argv = ["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all", "--json"]
+    assert main([*argv, "--explain"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert "batch" in plan["explain"]
+    assert main(argv) == 0
+    assert "explain" not in json.loads(capsys.readouterr().out)

@@ -22,6 +22,8 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mlp", "--mesh", "rows:2;rows:4", "--layout", ""], "twice"),
     (["plan", "mlp", "--mesh", "rows:2;cols", "--layout", ""], "'cols'"),
     (["plan", "mlp", "--mesh", "rows:two", "--layout", ""], "'two'"),
+    (["plan", "mlp", "--mesh", "rows:2.5", "--layout", ""], "a size is a whole number, not 2.5"),
+    (["plan", "lm", "--weight-layout", "d_ff:cols except [nosuch,dims]"], "[dims,nosuch] exempts nothing"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch=all"], "e.g. 'batch:rows;hidden:cols'"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:nowhere"], "'nowhere'"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;hidden:all"], "both split over mesh dim 'all'"),
@@ -91,6 +93,8 @@ WITH_PATHS = [
     (["plan", "mlp", *MLP, "--picture", "afile"], "--picture 'afile' is a file"),
     (["plan", "mlp", *MLP, "--picture", "afile/pics"], "--picture 'afile/pics' cannot be created"),
     (["calibrate", "--mesh", "all:8", "--out", "adir"], "--out 'adir' is a folder"),
+    (["plot", "adir"], "'adir' is a folder: give the JSON-lines file"),
+    (["plot", "afile", "--out", "adir"], "--out 'adir': give a .png file"),
 ]
 
 
@@ -129,6 +133,14 @@ def test_bad_paths_are_one_line_on_stderr(argv, expected, tmp_path, monkeypatch,
     assert sorted(os.listdir(tmp_path)) == ["adir", "afile"] and os.listdir(tmp_path / "adir") == []
 
 
+def test_plotting_a_file_with_no_losses_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.jsonl").write_text("")
+    assert _exit_code(["plot", "empty.jsonl"]) == 2
+    assert "has no training step's loss: nothing to plot" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["empty.jsonl"]
+
+
 def test_a_used_checkpoint_folder_is_refused_before_training(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     run = ["train", "mlp", *MLP, "--steps", "2", "--eval-every", "0", "--no-progress", "--checkpoint-dir", "ck"]
@@ -157,6 +169,10 @@ LIBRARY = [  # (a call that builds something from a bad value, a piece of the me
     (lambda mx: __import__("meshax.train", fromlist=["MlpTask"]).MlpTask(batch_size=0), "batch_size=0"),
     (lambda mx: __import__("meshax.train", fromlist=["LmTask"]).LmTask(length=-3), "length=-3"),
     (lambda mx: mx.SimdMeshImpl("rows:2;cols:4", "batch=rows"), "tensor_dim:mesh_dim"),
+    (lambda mx: mx.use_cpu_devices(0), "give a whole number of devices, 1 or more"),
+    (lambda mx: mx.use_cpu_devices("8"), r"use_cpu_devices\('8'\)"),
+    (lambda mx: mx.dropout(mx.placeholder(mx.Mesh(mx.Graph(), "m"), "x", "b:4"), keep_prob=1.5), "keep_prob 1.5"),
+    (lambda mx: mx.search.load_device(__file__), "is not one `meshax calibrate` wrote"),
 ]
 
 

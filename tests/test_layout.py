@@ -258,3 +258,22 @@ def test_layout_rules_as_a_dict_and_bad_rules_named():
     for bad in [{"batch": 3}, [("batch",)], 5]:
         with pytest.raises(mx.LayoutError, match="'batch:rows;hidden:cols'"):
             mx.convert_to_layout_rules(bad)
+
+
+@pytest.mark.parametrize(
+    "platform,fix",
+    [
+        ("cpu", "set JAX_NUM_CPU_DEVICES=16"),
+        ("gpu", 'give a mesh of at most 8 (e.g. --mesh "all:8"), or run on the CPU'),
+    ],
+)
+def test_too_few_devices_says_how_to_have_enough(monkeypatch, platform, fix):
+    import jax
+
+    class Device:
+        pass
+
+    Device.platform = platform
+    monkeypatch.setattr(jax, "devices", lambda: [Device() for _ in range(8)])
+    with pytest.raises(mx.ConfigError, match=re.escape(f"needs 16 devices but JAX sees 8 {platform} device(s): {fix}")):
+        _ = mx.SimdMeshImpl("all:16", "").devices

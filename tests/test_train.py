@@ -86,3 +86,13 @@ def test_a_diverging_run_stops_with_the_step_and_what_to_change(tmp_path):
             metrics_path=str(metrics),
         )
     assert "NaN" in metrics.read_text() or "Infinity" in metrics.read_text()  # the step that diverged is logged
+
+
+def test_a_model_whose_weights_do_not_fit_is_refused_before_anything_is_allocated(monkeypatch):
+    from meshax.train import loop
+
+    monkeypatch.setattr(loop, "_host_available_bytes", lambda: 1000)
+    with pytest.raises(
+        mx.ConfigError, match=r"weights, gradients and optimizer state alone take .* on this host's 2 CPU"
+    ):
+        loop.build(MlpTask(), "all:2", "batch:all")

@@ -114,6 +114,18 @@ def test_variable_errors_are_clear():
         lo.function([], updates=[mx.assign(w, w * 2.0), mx.assign(w, w * 3.0)])
     with pytest.raises(TypeError, match="not a variable"):
         lo.variable_value(w * 2.0)
+    with pytest.raises(TypeError, match=r"updates take assign operations \(mx.assign\(variable, value\)\), got the"):
+        lo.function([], updates=w * 2.0)
+    with pytest.raises(mx.GraphError, match=r"got an array of shape \(8,\) \(float64\): .* mx.import_tensor"):
+        _ = w + np.ones(8)
+
+
+def test_a_single_assign_is_an_update():
+    graph, mesh, w = one_var()
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")})
+    before = np.asarray(lo.variable_value(w))
+    lo.function([], updates=mx.assign(w, w * 2.0))()
+    np.testing.assert_allclose(lo.variable_value(w), 2 * before)
 
 
 @pytest.mark.parametrize("layout", ["", "io:all"])

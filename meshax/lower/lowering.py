@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from meshax.core.errors import LayoutWarning, MeshaxError, did_you_mean
 from meshax.core.graph import Graph, Mesh, Operation, Tensor
-from meshax.layout.plan import make_plan
+from meshax.layout.plan import make_plan, weight_shapes
 from meshax.lower.context import LoweringContext, count_reads
 from meshax.lower.counters import Counters
 from meshax.lower.mesh_impl import MeshImpl
@@ -84,6 +84,16 @@ def _warn_unused_rules(graph: Graph, impl: MeshImpl) -> None:
                     LayoutWarning,
                     stacklevel=3,
                 )
+    shapes = weight_shapes(graph.operations)
+    for exempt in sorted(getattr(impl.weight_rules, "exempt", ()), key=sorted):
+        if exempt not in shapes:
+            known = ", ".join(f"[{','.join(sorted(s))}]" for s in sorted(shapes, key=sorted))
+            warnings.warn(
+                f"weight layout exception [{','.join(sorted(exempt))}] exempts nothing: no variable has exactly "
+                f"these dims (the variables' shapes: {known})",
+                LayoutWarning,
+                stacklevel=3,
+            )
 
 
 class Lowering:
@@ -274,7 +284,12 @@ class LoweredFunction:
                 raise TypeError(f"outputs must be meshax Tensors, got {t!r}")
             if t.graph is not lowering.graph:
                 raise ValueError(f"tensor {t.name} belongs to another graph than the one lowered")
-        updates = list(updates)
+        if isinstance(updates, Tensor):
+            raise TypeError(
+                f"updates take assign operations (mx.assign(variable, value)), got the tensor {updates.name}: "
+                "compute it as an output, or assign it to a variable"
+            )
+        updates = [updates] if isinstance(updates, Operation) else list(updates)
         for u in updates:
             if not hasattr(u, "variable") or u.graph is not lowering.graph:
                 raise TypeError(f"updates must be assign operations of this graph (mx.assign ...), got {u!r}")

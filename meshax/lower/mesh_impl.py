@@ -139,10 +139,16 @@ class MeshImpl:
         if self._devices is None:
             available = jax.devices()
             if len(available) < self.size:
-                raise RuntimeError(
-                    f"mesh {self.shape} needs {self.size} devices but JAX sees {len(available)} "
-                    f"({available[0].platform}). On the CPU, set JAX_NUM_CPU_DEVICES={self.size} (or call "
-                    "meshax.use_cpu_devices(n) before JAX starts)"
+                platform = available[0].platform
+                fix = (
+                    f"set JAX_NUM_CPU_DEVICES={self.size} (or call meshax.use_cpu_devices(n) before JAX starts)"
+                    if platform == "cpu"
+                    else f'give a mesh of at most {len(available)} (e.g. --mesh "all:{len(available)}"), or run '
+                    f"on the CPU's virtual devices: JAX_PLATFORMS=cpu JAX_NUM_CPU_DEVICES={self.size}"
+                )
+                raise ConfigError(
+                    f"mesh {self.shape} needs {self.size} devices but JAX sees {len(available)} {platform} "
+                    f"device(s): {fix}"
                 )
             if jax.process_count() > 1 and len(available) != self.size:
                 raise RuntimeError(

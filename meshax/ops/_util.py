@@ -39,7 +39,12 @@ def as_tensor(value, mesh: Mesh, like: np.dtype) -> Tensor:
         from meshax.ops.inputs import constant
 
         return constant(mesh, value, [], scalar_dtype(value, like))
-    raise GraphError(f"expected a meshax Tensor or a scalar, got {type(value).__name__}: {value!r}")
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        raise GraphError(
+            f"expected a meshax Tensor or a scalar, got an array of shape {tuple(value.shape)} ({value.dtype}): "
+            "bring it into the graph with mx.import_tensor(mesh, array, shape), naming its dims"
+        )
+    raise GraphError(f"expected a meshax Tensor or a scalar, got {type(value).__name__}: {value!r:.80}")
 
 
 def as_dims(x) -> list[Dimension]:

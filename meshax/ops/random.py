@@ -96,7 +96,8 @@ def dropout(x: Tensor, is_training=True, keep_prob=None, rate=0.0, noise_shape=N
             f"{x.dtype} (cast it first)"
         )
     if not 0.0 <= rate < 1.0:
-        raise GraphError(f"dropout rate must be in [0, 1), got {rate}")
+        given = f"keep_prob {keep_prob} (rate 1 - keep_prob = {rate})" if keep_prob is not None else f"rate {rate}"
+        raise GraphError(f"dropout: {given}; the rate must be in [0, 1), keep_prob in (0, 1]")
     if rate == 0.0:
         return x
     noise_shape = x.shape if noise_shape is None else convert_to_shape(noise_shape)

@@ -96,8 +96,9 @@ def load_device(spec: str | Device | None) -> Device:
     try:
         with open(spec) as f:
             return Device.from_json(json.load(f))
-    except (ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"device file {spec!r} is not one `meshax calibrate` wrote: {e}") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        why = f"it has no field {e}" if isinstance(e, KeyError) else str(e) or type(e).__name__
+        raise ConfigError(f"device file {spec!r} is not one `meshax calibrate` wrote ({why})") from None
 
 
 def _seconds(fn, *args, repeats: int = 5) -> float:

@@ -16,6 +16,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from meshax.core.errors import ConfigError
+
 
 def _manager(directory, keep: int | None = None) -> ocp.CheckpointManager:
     """An Orbax manager of `directory`; read-only unless `keep` (how many steps to retain) is given."""
@@ -66,6 +68,28 @@ def latest_step(directory) -> int | None:
         return manager.latest_step()
 
 
+def _check_same_model(directory, step: int, variables: dict, saved) -> None:
+    """Every variable of the graph is in the checkpoint with its shape; else a ConfigError
+    naming a few of those missing or reshaped (a checkpoint of another model: all of them)."""
+
+    def some(names: list[str]) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    missing = [repr(n) for n in variables if n not in saved]
+    reshaped = [
+        f"{n!r} ({var.shape.to_integer_list} here, {list(saved[n].shape)} there)"
+        for n, var in variables.items()
+        if n in saved and list(saved[n].shape) != var.shape.to_integer_list
+    ]
+    problems = [f"{len(missing)} of its {len(variables)} variables are not there ({some(missing)})"] if missing else []
+    problems += [f"{len(reshaped)} have other shapes ({some(reshaped)})"] if reshaped else []
+    if problems:
+        raise ConfigError(
+            f"cannot restore step {step} from {directory}: it holds another model: {'; '.join(problems)}. "
+            "Restore with the model (task, --model and its options) and optimizer it was saved with"
+        )
+
+
 def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
     """Restore every variable of `lowering` from the checkpoint of `step` (default: the latest).
 
@@ -85,15 +109,7 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
             )
         saved = manager.item_metadata(step)["state"]
         variables = {var.name: var for var in lowering.graph.all_variables}
-        errors = [f"variable {name!r} is not in the checkpoint" for name in variables if name not in saved]
-        errors += [
-            f"variable {name!r} has shape {var.shape.to_integer_list} in the graph but "
-            f"{list(saved[name].shape)} in the checkpoint"
-            for name, var in variables.items()
-            if name in saved and list(saved[name].shape) != var.shape.to_integer_list
-        ]
-        if errors:
-            raise ValueError(f"cannot restore step {step} from {directory}: " + "; ".join(errors))
+        _check_same_model(directory, step, variables, saved)
         unused = sorted(set(saved) - set(variables))
         if unused:
             warnings.warn(

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from collections.abc import Callable
+
+import jax
 
 from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
@@ -100,10 +103,47 @@ def build(
     names = list(built.metrics)
     if not compile:  # for planning: trace only, allocate nothing
         return lowering, outputs, updates
+    _check_fits(lowering, outputs)
     logged = list(graph.logged_scalars)
     train_fn = lowering.function(outputs + [graph.logged_scalars[n] for n in logged], updates=updates)
     eval_fn = lowering.function([built.metrics[n] for n in names])
     return Program(lowering, train_fn, eval_fn, names, logged)
+
+
+def _check_fits(lowering: Lowering, outputs) -> None:
+    """A ConfigError, before anything is allocated, where the weights, their gradients and the
+    optimizer state alone (activations come on top) exceed the memory of this process's devices:
+    the host's available memory for CPU devices (they share it), each accelerator's own."""
+    from meshax.plan import memory_per_device
+
+    m = memory_per_device(lowering, outputs)
+    need = 2 * m["parameters"] + m["optimizer_state"]
+    devices = [d for d in lowering.impl.devices if d.process_index == jax.process_index()]
+    if not devices:
+        return
+    if devices[0].platform == "cpu":
+        need, have, where = need * len(devices), _host_available_bytes(), f"on this host's {len(devices)} CPU devices"
+    else:
+        have, where = (devices[0].memory_stats() or {}).get("bytes_limit"), f"per {devices[0].platform} device"
+    if have and need > have:
+        raise ConfigError(
+            f"the weights, gradients and optimizer state alone take {need / 2**30:.1f} GiB {where} "
+            f"(parameters {m['parameters'] / 2**30:.2f} GiB and optimizer state {m['optimizer_state'] / 2**30:.2f} "
+            f"GiB per device), and there are {have / 2**30:.1f} GiB: split the weights over more devices "
+            "(`meshax plan --search --memory-budget` finds a layout), or train a smaller model"
+        )
+
+
+def _host_available_bytes() -> int | None:
+    """The memory the host has available (Linux's MemAvailable; else all its memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        try:
+            return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
 
 
 def evaluate(task: Task, program: Program) -> dict[str, float]:

@@ -49,6 +49,8 @@ class MetricsWriter:
 
 def read_metrics(path: str) -> list[dict]:
     """The records of a JSON-lines metrics file; a ConfigError naming the file and line if bad."""
+    if os.path.isdir(path):
+        raise ConfigError(f"metrics file {path!r} is a folder: give the JSON-lines file meshax train --metrics wrote")
     if not os.path.isfile(path):
         raise ConfigError(f"metrics file {path!r} does not exist (write one with meshax train --metrics FILE)")
     records = []
@@ -62,6 +64,8 @@ def read_metrics(path: str) -> list[dict]:
                 if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                     raise ConfigError(f"{path}:{number} is not a line of meshax metrics (a JSON object with a step)")
                 records.append(record)
+    if not any("loss" in r for r in records):
+        raise ConfigError(f"metrics file {path!r} has no training step's loss: nothing to plot")
     return records
 
 
