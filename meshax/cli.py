@@ -375,6 +375,11 @@ def _check_generate(args) -> None:
         raise ConfigError("--beam-size searches for the most likely output; it takes no --temperature")
     if args.beam_size and args.top_k:
         raise ConfigError("--beam-size searches for the most likely output; it takes no --top-k")
+    if args.beam_size and args.samples > 1:
+        raise ConfigError(
+            f"--beam-size gives the most likely output; --samples {args.samples} would repeat it: drop --samples "
+            "(or sample with --temperature instead of --beam-size)"
+        )
     if args.top_k and not args.temperature:
         raise ConfigError(
             f"--top-k {args.top_k} samples among the {args.top_k} most likely tokens, but --temperature 0 "

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import meshax as mx
+from meshax.jaxpr.emit import rename
 from meshax.lower.counters import KINDS
 from tests.conftest import IMPL_IDS, IMPLS, LAYOUTS, MESH_SHAPE, B, D, H, assert_close, lower, new_mesh, rand
 
@@ -330,6 +331,37 @@ def test_a_partial_sum_read_twice_is_settled_once(impl_cls):
     assert _nonzero(fn.counters) == {"allreduce": 1}
     assert fn.counters["allreduce"].values == 8 * 8  # x@w [b, d] once; carried on: [b, h] and [b]
     _check_hlo(fn, feeds, impl_cls)
+
+
+def _looped(y):
+    t = mx.Dimension("t", 3)
+    (c,), _ = mx.scan(lambda c, _: ([c[0] + mx.reduce_sum(y, reduced_dim=D)], []), [mx.zeros(y.mesh, [B])], dim=t)
+    return [c, mx.reduce_sum(y, reduced_dim=D)]
+
+
+READ_TWICE = {  # y = x@w, owed a sum -> (its readers, their values from x@w's, allreduced values)
+    # a reader is an op: reading y in two slots, or through a relabelling, is one read (carried on)
+    "relabelled": (lambda y: [mx.reduce_sum(rename(y, ["b", "e"]), reduced_dim="e")], [lambda v: v.sum(1)], 8),
+    "y + y": (lambda y: [mx.reduce_sum(y + y, reduced_dim=D)], [lambda v: 2 * v.sum(1)], 8),
+    # a loop reads what it captures in a body of its own (which settles its own sum each iteration)
+    "captured by a loop": (_looped, [lambda v: 3 * v.sum(1), lambda v: v.sum(1)], 3 * 8 + 8),
+    # two readers wanting two layouts: settled once (split over rows), then moved (an alltoall)
+    "two layouts": (
+        lambda y: [mx.shard(y * 2.0, "b:rows"), mx.shard(y * 3.0, "d:rows")],
+        [lambda v: 2 * v, lambda v: 3 * v],
+        8 * 8 // 2,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", READ_TWICE)
+def test_a_partial_sum_is_carried_or_settled_once_as_its_readers_need(case):
+    x, w, y, _ = _einsum_graph()
+    readers, expected, values = READ_TWICE[case]
+    _, fn = lower(tuple(readers(y)), mx.SimdMeshImpl, layout="h:cols")
+    for got, want in zip(fn({x: XV, w: WV}), expected):
+        assert_close(got, want(XV.astype(np.float64) @ WV))
+    assert fn.counters["allreduce"].values == values
 
 
 def test_counters_same_on_both_impls_for_reductions():

@@ -300,11 +300,15 @@ def test_feeds_are_refused_where_a_name_is_unknown_or_the_cast_would_change_them
     f = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function(x + mx.cast(i, "float32"))
     xs, ids = np.arange(8.0), np.arange(8)  # float64 and int64, as NumPy makes them: cast exactly
     np.testing.assert_array_equal(f({"x": xs, "i": ids, "unused": xs}), 2 * xs)  # another placeholder: ignored
+    np.testing.assert_array_equal(f({"x": xs.astype(jnp.bfloat16), "i": ids}), 2 * xs)  # bf16 (kind 'V') too
     for feeds, message in [
         ({"xx": xs, "i": ids}, r"feeds name 'xx', which is no placeholder of the graph \(did you mean 'x'\?\)"),
         ({"x": xs, "i": ids + 0.5}, r"'i' is int32 .* fed float64 values"),
         ({"x": xs, "i": ids + 2**40}, r"outside int32's -2147483648..2147483647"),
         ({"x": np.array(["a"] * 8), "i": ids}, r"'x' is float32 .* fed an array of <U1"),
+        ({"x": xs + 1j, "i": ids}, r"'x' is float32 .* fed complex128 values .* dropping the imaginary parts"),
     ]:
         with pytest.raises(mx.MeshaxError, match=message):
             f(feeds)
+    mx.placeholder(mesh, "later", [B])  # the graph grows after the first call: its placeholders are known
+    np.testing.assert_array_equal(f({"x": xs, "i": ids, "later": xs}), 2 * xs)

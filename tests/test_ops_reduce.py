@@ -175,6 +175,10 @@ def test_dims_may_be_named_without_their_sizes():
     assert mx.reduce_sum(x, reduced_dim=["batch", "hidden"]).shape == mx.Shape([])
     assert mx.einsum([x, w], output_shape=["out", "batch"]).shape == mx.Shape([out, batch])
     assert mx.einsum(x, w, output_shape="batch;out").shape == mx.einsum(x, w, reduced_dims="hidden").shape
+    for reduce in [mx.reduce_sum, mx.reduce_mean, mx.reduce_logsumexp]:  # a Dimension, sizes or names
+        for spec in [batch, "batch:4", ["batch"], "batch"]:
+            assert reduce(x, output_shape=spec).shape == mx.Shape([batch]), (reduce, spec)
+    assert mx.einsum([x, mx.placeholder(mesh, "y", [batch])], output_shape=batch).shape == mx.Shape([batch])
     with pytest.raises(mx.GraphError, match=r"no input has a dimension 'hiden' \(did you mean 'hidden'\?\)"):
         mx.reduce_sum(x, reduced_dim="hiden")
     with pytest.raises(mx.GraphError, match=r"'outt' \(did you mean 'out'\?\) \(inputs: x .*, w "):

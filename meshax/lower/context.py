@@ -26,13 +26,25 @@ from meshax.lower.mesh_impl import MeshImpl
 
 
 def count_reads(ops: Sequence[Operation], outputs: Sequence[Tensor] = ()) -> dict[Tensor, int]:
-    """How often each tensor is read by `ops` and as a program output (a relabelled tensor's
-    reads are its input's: `LoweringContext.get` reads through relabelling)."""
-    reads: dict[Tensor, int] = {}
-    for t in [t for op in ops for t in op.inputs] + list(outputs):
+    """How many readers each tensor has among `ops` and the program's outputs (as one reader): an
+    op reading it twice reads it once; a relabelled tensor's readers are its input's
+    (`LoweringContext.get` reads through relabelling); a loop's or recompute's captured tensors
+    are not its reads (its body reads them, in a context of its own)."""
+
+    def source(t: Tensor) -> Tensor:
         while getattr(t.operation, "is_rename", False):
             t = t.operation.inputs[0]
-        reads[t] = reads.get(t, 0) + 1
+        return t
+
+    readers = [
+        op.inputs[: len(op.inputs) - len(getattr(op, "captured", ()))]
+        for op in ops
+        if not getattr(op, "is_rename", False)
+    ]
+    reads: dict[Tensor, int] = {}
+    for read in [*readers, outputs]:
+        for t in {source(t) for t in read}:
+            reads[t] = reads.get(t, 0) + 1
     return reads
 
 
@@ -53,6 +65,7 @@ class LoweringContext:
         self.values: dict[Tensor, LaidOutTensor] = {}
         self.updates: dict[Operation, list] = {}  # variable op -> its new slices
         self._cache: dict[tuple, LaidOutTensor] = {}
+        self._settled: dict[Tensor, LaidOutTensor] = {}  # a pending sum's first settled value
         self._memo: dict[tuple, tuple] = {}  # (what, id of the slices, args) -> (the slices, result)
         self.op: Operation | None = None  # the op being lowered
         self.blamed: Operation | None = None  # overrides `op` as the cause of collectives
@@ -85,9 +98,12 @@ class LoweringContext:
             producer = t.operation  # the op whose sums are owed: seen through annotations
             while getattr(producer, "passes_sums", False) and producer.inputs:
                 producer = producer.inputs[0].operation
-            self._cache[key] = reshard(
-                self, self.values[t], layout, t.shape, keep_partial=allow_partial, producer=producer
-            )
+            settling = bool(value.pending) and not allow_partial
+            # a sum already settled (into another layout, for another reader) is moved, not summed again
+            start = self._settled.get(t, value) if settling else value
+            self._cache[key] = reshard(self, start, layout, t.shape, keep_partial=allow_partial, producer=producer)
+            if settling:
+                self._settled.setdefault(t, self._cache[key])
         return self._cache[key]
 
     def set_output(self, t: Tensor, slices: list, layout: TensorLayout | None = None, pending=()) -> None:

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
@@ -52,11 +53,13 @@ def _fed(t: Tensor, value) -> np.ndarray:
     if have == want:
         return value
     problem = ""
-    if have.kind not in "biuf":
+    have_kind, want_kind = (("f" if jnp.issubdtype(d, jnp.floating) else d.kind) for d in (have, want))  # (bf16: 'V')
+    if have_kind not in "biufc":
         problem = f"an array of {have}"
-    elif want.kind in "biu" and have.kind == "f":
-        problem = f"{have} values (cast them yourself if dropping the fractions is meant)"
-    elif want.kind in "biu" and have.kind in "iu" and value.size:
+    elif want_kind in "biuf" and have_kind in "fc" and have_kind != want_kind:
+        dropped = "the fractions" if have_kind == "f" else "the imaginary parts"
+        problem = f"{have} values (cast them yourself if dropping {dropped} is meant)"
+    elif want_kind in "biu" and have_kind in "iu" and value.size:
         low, high = (0, 1) if want.kind == "b" else (np.iinfo(want).min, np.iinfo(want).max)
         if value.min() < low or value.max() > high:
             problem = f"values from {value.min()} to {value.max()}, outside {want}'s {low}..{high}"
@@ -312,17 +315,20 @@ class LoweredFunction:
         consumed = [i for i, t in enumerate(self.inputs) if t.operation in self._updated or t in donated]
         self._run = lowering.impl.compile(body, specs, out_specs, consumed)
         self._constants: dict[Tensor, object] = {}  # imported arrays, put on the devices once
+        self._placeholder_names: tuple[int, set[str]] = (-1, set())  # (graph size, names): `_graph_placeholders`
 
     @property
     def placeholders(self) -> list[Tensor]:
         """The placeholders the program reads: each must be fed, by name, when it is called."""
         return [t for t in self.inputs if getattr(t.operation, "is_placeholder", False)]
 
-    @functools.cached_property
     def _graph_placeholders(self) -> set[str]:
-        return {
-            t.name for op in self.lowering.graph.operations if getattr(op, "is_placeholder", False) for t in op.outputs
-        }
+        """The names of the graph's placeholders (worked out again when the graph has grown)."""
+        ops = self.lowering.graph.operations
+        if self._placeholder_names[0] != len(ops):
+            names = {t.name for op in ops if getattr(op, "is_placeholder", False) for t in op.outputs}
+            self._placeholder_names = (len(ops), names)
+        return self._placeholder_names[1]
 
     def feed_rows(self) -> tuple[int, int]:
         """The rows [lo, hi) of the placeholders' first dim that this process's devices hold: in a
@@ -358,7 +364,7 @@ class LoweredFunction:
                 raise ValueError(f"cannot feed {key!r}: only placeholders (or their names) can be fed")
             if t is not None:  # placeholders this function does not need are ignored
                 resolved[t] = value
-            elif isinstance(key, str) and key not in self._graph_placeholders:
+            elif isinstance(key, str) and key not in self._graph_placeholders():
                 raise MeshaxError(
                     f"feeds name {key!r}, which is no placeholder of the graph{did_you_mean(key, by_name)} "
                     f"(this function reads {sorted(by_name)})"

@@ -59,6 +59,8 @@ def as_dims(x) -> list[Dimension]:
 def shape_of_names(spec, inputs: Sequence[Tensor]) -> Shape:
     """A Shape as `convert_to_shape` takes it, where a name without a size ("hidden", or
     "batch;hidden") is the inputs' dim of that name: `output_shape=["batch", "hidden"]`."""
+    if isinstance(spec, Dimension):
+        spec = [spec]
     if isinstance(spec, str) and ":" not in spec:
         spec = [n for n in re.split(r"[;,.\s]+", spec) if n]
     if not (isinstance(spec, list | tuple) and any(isinstance(e, str) and ":" not in e for e in spec)):

@@ -17,7 +17,7 @@ from jax import lax
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
-from meshax.core.shape import Dimension, Shape
+from meshax.core.shape import Shape
 from meshax.layout.rules import block_sizes
 from meshax.ops._dtypes import gradient_dtype, result_type
 from meshax.ops._util import shape_of_names
@@ -161,8 +161,7 @@ def einsum(xs, *more, output_shape=None, reduced_dims=None, name=None, dtype=Non
     else:
         every = union_shape(*[t.shape for t in xs])
         if reduced_dims is not None:
-            spec = [reduced_dims] if isinstance(reduced_dims, Dimension) else reduced_dims
-            reduced = {d.name for d in shape_of_names(spec, xs)}
+            reduced = {d.name for d in shape_of_names(reduced_dims, xs)}
             output_shape = Shape([d for d in every if d.name not in reduced])
         else:
             counts = {d.name: sum(d in t.shape for t in xs) for d in every}

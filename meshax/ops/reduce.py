@@ -13,7 +13,7 @@ import numpy as np
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
-from meshax.core.shape import Dimension, convert_to_shape
+from meshax.core.shape import Dimension, Shape, convert_to_shape
 from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import inexact, sum_dtype
 from meshax.ops._util import also_accepts, dim_of, shape_of_names
@@ -73,19 +73,19 @@ class ReduceOperation(Operation):
         return [gb * mask / ties]
 
 
-def _reduced_dims(x: Tensor, reduced_dim, output_shape) -> list[Dimension]:
+def _reduced_dims(x: Tensor, reduced_dim, output_shape) -> tuple[list[Dimension], Shape | None]:
+    """The dims to reduce, and `output_shape` as a Shape (names without sizes are x's dims)."""
     if reduced_dim is not None and output_shape is not None:
         raise GraphError("give reduced_dim or output_shape, not both")
     if output_shape is not None:
+        output_shape = shape_of_names(output_shape, [x])
         extra = [d for d in output_shape if d not in x.shape]
         if extra:
             raise GraphError(f"output_shape {output_shape} has dims {extra} that {x.name} {x.shape} lacks")
-        return [d for d in x.shape if d not in output_shape]
+        return [d for d in x.shape if d not in output_shape], output_shape
     if reduced_dim is None:
-        return list(x.shape)
-    return [
-        dim_of(x, d) for d in shape_of_names([reduced_dim] if isinstance(reduced_dim, Dimension) else reduced_dim, [x])
-    ]
+        return list(x.shape), None
+    return [dim_of(x, d) for d in shape_of_names(reduced_dim, [x])], None
 
 
 def _reduction(x: Tensor, reduced: list[Dimension], kind: str, name) -> Tensor:
@@ -108,8 +108,7 @@ def _in_order(y: Tensor, output_shape) -> Tensor:
 
 def _reduce(kind):
     def op(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
-        output_shape = None if output_shape is None else shape_of_names(output_shape, [x])
-        reduced = _reduced_dims(x, reduced_dim, output_shape)
+        reduced, output_shape = _reduced_dims(x, reduced_dim, output_shape)
         return _in_order(_reduction(x, reduced, kind, name) if reduced else x, output_shape)
 
     op.__name__ = op.__qualname__ = f"reduce_{kind}"
@@ -130,7 +129,7 @@ def _floating(x: Tensor) -> Tensor:
 
 def reduce_mean(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Tensor:
     """The mean: a float for integer and bool tensors (the fraction of Trues), as jnp.mean."""
-    reduced = _reduced_dims(x, reduced_dim, output_shape)
+    reduced, output_shape = _reduced_dims(x, reduced_dim, output_shape)
     if not reduced:
         return _in_order(_floating(x), output_shape)
     count = int(np.prod([d.size for d in reduced], dtype=np.int64))
@@ -142,7 +141,7 @@ def reduce_logsumexp(x: Tensor, reduced_dim=None, extra_logit=None, name=None, o
     """log(sum(exp(x))) over the reduced dims, computed stably (the max is subtracted first);
     `extra_logit` (a scalar or a tensor of the output's dims): one more term exp(extra_logit) in
     the sum, as Mesh-TensorFlow's."""
-    reduced = _reduced_dims(x, reduced_dim, output_shape)
+    reduced, output_shape = _reduced_dims(x, reduced_dim, output_shape)
     x = _floating(x)
     if not reduced and extra_logit is None:
         return _in_order(x, output_shape)
