@@ -87,6 +87,8 @@ WITH_PATHS = [
     (["train", "mlp", *MLP, "--tensorboard", "afile"], "is a file"),
     (["train", "mlp", *MLP, "--metrics", "adir"], "is a folder"),
     (["plot", "afile"], "not a line of meshax metrics"),
+    (["plan", "lm", "--text", "afile"], "text file 'afile' has 7 bytes; sequences of 64 need at least 1320"),
+    (["train", "lm", "--text", "afile", "--length", "8"], "sequences of 8 need at least 200"),
     (["plot", "afile", "--out", "nodir/x.png"], "its folder does not exist"),
     (["train", "mlp", *MLP, "--checkpoint-dir", "afile/ck"], "'afile/ck' cannot be created"),
     (["train", "mlp", *MLP, "--tensorboard", "afile/tb"], "--tensorboard 'afile/tb' cannot be created"),

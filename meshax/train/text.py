@@ -3,6 +3,7 @@ source files of the running interpreter (real text on every machine). Split by f
 
 from __future__ import annotations
 
+import math
 import os
 import sysconfig
 import zlib
@@ -11,6 +12,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from meshax.train.data import DataError
+
+VALIDATION_FRACTION = 0.05  # of a single file: its last 5%
 
 
 def default_corpus() -> str:
@@ -31,8 +34,20 @@ def _files(path: str) -> list[str]:
     return out
 
 
+def check_long_enough(path: str, length: int) -> None:
+    """A DataError, before anything runs, where a single file is too short for windows of
+    `length` + 1 bytes in its validation split (its last VALIDATION_FRACTION) and training split."""
+    if os.path.isfile(path):
+        size, need = os.path.getsize(path), math.ceil((length + 2) / VALIDATION_FRACTION)
+        if size < need:
+            raise DataError(
+                f"text file {path!r} has {size} bytes; sequences of {length} need at least {need} (its last "
+                f"{VALIDATION_FRACTION:.0%} is the validation split): give a longer text, or a shorter --length"
+            )
+
+
 def load_bytes(
-    path: str | None = None, validation_fraction: float = 0.05, max_bytes: int = 64 << 20
+    path: str | None = None, validation_fraction: float = VALIDATION_FRACTION, max_bytes: int = 64 << 20
 ) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) uint8 arrays; a file goes to validation by a hash of its name, so the
     split is the same on every machine with the same files. A single file is split 95/5."""
