@@ -465,11 +465,18 @@ def _check_paths(args) -> None:
         if path and flag != "--resume":
             _check_can_create(flag, path)
     if args.metrics:
-        if os.path.isdir(args.metrics):
-            raise ConfigError(f"--metrics {args.metrics!r} is a folder: give a file to append JSON lines to")
-        if not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics))):
-            raise ConfigError(f"--metrics {args.metrics!r}: its folder does not exist")
-        _check_can_create("--metrics", args.metrics)
+        _check_file_to_write("--metrics", args.metrics, "a file to append JSON lines to")
+
+
+def _check_file_to_write(flag: str, path: str, what: str) -> None:
+    """`path` names a file (`what` says which) in a folder that exists, and can be written."""
+    from meshax.core.errors import ConfigError
+
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag} {path!r} is a folder: give {what}")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+        raise ConfigError(f"{flag} {path!r}: its folder does not exist")
+    _check_can_create(flag, path)
 
 
 def _check_can_create(flag: str, path: str) -> None:
@@ -706,11 +713,7 @@ def _plot(args) -> int:
 
     if not args.out.endswith(".png"):
         raise ConfigError(f"--out {args.out!r}: give a .png file")
-    if os.path.isdir(args.out):
-        raise ConfigError(f"--out {args.out!r} is a folder: give the .png file to write")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        raise ConfigError(f"--out {args.out!r}: its folder does not exist")
-    _check_can_create("--out", args.out)
+    _check_file_to_write("--out", args.out, "the .png file to write")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
@@ -729,16 +732,11 @@ def _quiet_dependencies() -> None:
 
 
 def _calibrate(args) -> int:
-    from meshax.core.errors import ConfigError
     from meshax.layout import convert_to_mesh_shape
     from meshax.runtime import use_cpu_devices
     from meshax.search import calibrate
 
-    if os.path.isdir(args.out):
-        raise ConfigError(f"--out {args.out!r} is a folder: give a file to write the device's JSON to")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
-        raise ConfigError(f"--out {args.out!r}: its folder does not exist")
-    _check_can_create("--out", args.out)
+    _check_file_to_write("--out", args.out, "a file to write the device's JSON to")
     use_cpu_devices(convert_to_mesh_shape(args.mesh).size)
     device = calibrate(args.mesh)
     with open(args.out, "w") as f:
