@@ -195,7 +195,11 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
     m_step, weights, task = meshax_step(size)
     t_step = twin_step(size, weights, implementation=implementation)
     batch = task.train_batch(0)
-    first = (float(m_step(batch)), float(t_step(batch)))  # from the same weights, before any update
+    t0 = time.perf_counter()
+    first_meshax = float(m_step(batch))  # from the same weights, before any update
+    t1 = time.perf_counter()
+    first = (first_meshax, float(t_step(batch)))
+    first_s = (t1 - t0, time.perf_counter() - t1)  # compile and first step, each side
     t = interleaved(lambda: m_step(batch), lambda: t_step(batch), steps, warmup)
     flops = size.flops()
     return {
@@ -205,6 +209,7 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
         "twin_tflops": flops / t["b_s"] / 1e12,
         "throughput_ratio": t["b_s"] / t["a_s"],  # meshax's throughput over the twin's
         "first_losses": first,
+        "first_call_s": first_s,
         "steps": steps,
     }
 
@@ -213,7 +218,16 @@ def _fits_error(err: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
 
 
+def _peak_gib(device) -> float | None:
+    """The device's peak bytes in use so far (both sides of every size measured), in GiB."""
+    stats = device.memory_stats() or {}
+    peak = stats.get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
+
+
 def run(quick: bool) -> list[dict]:
+    import sys
+
     import jax
 
     device = jax.devices()[0]
@@ -231,6 +245,9 @@ def run(quick: bool) -> list[dict]:
         ]
     kind = device.device_kind
     table_peak, measured_peak = peak_tflops(kind), matmul_tflops()
+    print(
+        f"section 6: {kind}: bf16 matmul {measured_peak:.0f} TFLOP/s (table {table_peak})", file=sys.stderr, flush=True
+    )
     peak = table_peak or measured_peak
     out = [
         record(
@@ -254,13 +271,19 @@ def run(quick: bool) -> list[dict]:
         }
         try:
             r = measure(size, steps=5 if quick else 20, warmup=2 if quick else 3)
-        except Exception as err:
-            if not _fits_error(err):
-                raise
-            out.append(
-                record(6, f"LM {size.name}: does not fit", config, None, "", note=str(err).splitlines()[0][:200])
-            )
+        except Exception as err:  # one size failing must not lose the others' numbers
+            what = "does not fit" if _fits_error(err) else f"failed ({type(err).__name__})"
+            out.append(record(6, f"LM {size.name}: {what}", config, None, "", note=str(err).splitlines()[0][:300]))
+            print(f"section 6: LM {size.name}: {what}: {str(err)[:2000]}", file=sys.stderr, flush=True)
             continue
+        print(
+            f"section 6: LM {size.name}: meshax {r['meshax_tflops']:.0f} TFLOP/s, twin {r['twin_tflops']:.0f}, "
+            f"ratio {r['throughput_ratio']:.3f}, MFU {r['meshax_tflops'] / peak:.1%}, first calls "
+            f"{r['first_call_s'][0]:.0f}/{r['first_call_s'][1]:.0f} s, first losses {r['first_losses']}, "
+            f"peak memory {_peak_gib(device)} GiB",
+            file=sys.stderr,
+            flush=True,
+        )
         agree = abs(r["first_losses"][0] - r["first_losses"][1]) <= 0.02 * abs(r["first_losses"][1])
         out.append(
             record(
@@ -274,6 +297,8 @@ def run(quick: bool) -> list[dict]:
                 numerator=side("meshax", r["meshax_tflops"], "TFLOP/s"),
                 denominator=side("plain-JAX twin", r["twin_tflops"], "TFLOP/s"),
                 note=f"first losses {r['first_losses'][0]:.4f} / {r['first_losses'][1]:.4f}",
+                first_call_s=r["first_call_s"],
+                peak_gib_so_far=_peak_gib(device),
             )
         )
         mfu = r["meshax_tflops"] / peak
