@@ -1,0 +1,65 @@
+"""Section 6 (GPU) on the CPU: its measurement and its bookkeeping, so a GPU run, rare and
+short, does not die on a bug that a CPU could have caught."""
+
+import pytest
+
+from benchmarks import gpu
+
+TINY = gpu.Lm("125M", 2, 64, 4, batch=4, length=64, vocab=512)  # named as a size with an MFU row
+
+
+def test_section6_measures_the_same_model_on_both_sides():
+    """meshax's step and the plain-JAX twin start from the same weights, so their first losses
+    agree; both are timed."""
+    r = gpu.measure(TINY, steps=2, warmup=1)
+    meshax_loss, twin_loss = r["first_losses"]
+    assert abs(meshax_loss - twin_loss) < 1e-2 * twin_loss
+    assert r["meshax_tflops"] > 0 and r["twin_tflops"] > 0 and min(r["first_call_s"]) > 0
+    assert r["throughput_ratio"] == pytest.approx(r["twin_s"] / r["meshax_s"])
+    assert TINY.flops() == 3 * (2 * 4 * 64 * (2 * 12 * 64**2 + 512 * 64) + 2 * 4 * 4 * 64 * 64**2)
+    assert gpu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and gpu.peak_tflops("cpu") is None
+
+
+def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(monkeypatch):
+    """run() as on a GPU (the device faked): the matmul peak, then per size a throughput ratio
+    and an MFU row; a size that fails is a record naming its error, and the sizes after it run."""
+    import jax
+
+    real = jax.devices
+
+    class FakeGpu:
+        platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+        def __init__(self, device):
+            self._device = device
+
+        def __getattr__(self, name):
+            return getattr(self._device, name)
+
+        def memory_stats(self):
+            return {"peak_bytes_in_use": 3 * 2**30}
+
+    def first_device_faked(*args):
+        jax.devices = real  # only run()'s own look at the platform sees the fake
+        return [FakeGpu(real(*args)[0])]
+
+    monkeypatch.setattr(jax, "devices", first_device_faked)
+    monkeypatch.setattr(gpu, "matmul_tflops", lambda: 500.0)  # an 8192^3 chain is minutes on a CPU
+    monkeypatch.setattr(gpu, "TWIN_ATTENTION", None)  # no cuDNN on a CPU
+    broken = gpu.Lm("broken", 2, 63, 4, batch=4, length=64, vocab=512)  # d_model 63: odd, no sinusoids
+    monkeypatch.setattr(gpu, "SIZES", [broken, TINY])
+    monkeypatch.setattr(gpu, "LARGER", [])
+    records = gpu.run(quick=False)
+    names = [r["name"] for r in records]
+    assert names == [
+        "bf16 matmul peak, measured",
+        "LM broken: failed (GraphError)",
+        "LM 125M step, meshax / twin throughput",
+        "LM 125M MFU (meshax)",
+    ]
+    peak, failed, ratio, mfu = records
+    assert peak["value"] == 500.0 and peak["table_peak"] == 989.0
+    assert failed["value"] is None and "d_model" in failed["note"]
+    assert ratio["target"] == ">= 0.95" and ratio["value"] > 0 and ratio["peak_gib_so_far"] == 3.0
+    assert mfu["value"] == pytest.approx(ratio["numerator"]["value"] / 989.0)
+    assert mfu["config"]["measured_peak_tflops"] == 500.0
