@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -582,7 +583,7 @@ def main(argv=None) -> int:
     """Run the command line; returns the exit status (2: bad input, said in one line on stderr)."""
     from meshax.core.errors import LayoutWarning
 
-    args = _parser().parse_args(argv)
+    args = _parser().parse_args(_join_dash_values(sys.argv[1:] if argv is None else list(argv)))
     try:
         return _run(args)
     except (ValueError, RuntimeError, OSError, LayoutWarning) as e:  # MeshaxError is a ValueError
@@ -591,6 +592,21 @@ def main(argv=None) -> int:
         message = " ".join(str(e).split())
         print(f"meshax: error: {message} (--debug shows where)", file=sys.stderr)
         return 2
+
+
+def _join_dash_values(argv: list[str]) -> list[str]:
+    """`--memory-budget -5GB` as `--memory-budget=-5GB`: argparse takes a value that starts with
+    a dash and is no number for an option, and says only "expected one argument"; joined, the
+    value reaches meshax's own check, which names what is wrong with it."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":  # what follows is another command's (meshax launch)
+            return out + argv[i:]
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", arg):
+            out[-1] += "=" + arg
+        else:
+            out.append(arg)
+    return out
 
 
 def _console(quiet: bool = False):

@@ -33,6 +33,7 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mlp", *MLP, "--hidden", "-1"], "--hidden"),
     (["plan", "mlp", *MLP, "--seed", "-1"], "--seed"),
     (["train", "mlp", *MLP, "--lr", "-0.1"], "--lr"),
+    (["plan", "lm", "--search", "--memory-budget", "-5GB"], "memory budget '-5GB': give a size like 16GB"),
     (["train", "mlp", *MLP, "--lr", "nan"], "'nan'"),
     (["train", "mlp", *MLP, "--lr", "fast"], "'fast'"),
     (["train", "mlp", *MLP, "--warmup", "-1"], "--warmup"),

@@ -114,9 +114,11 @@ def test_the_search_choice_is_the_best_of_every_legal_rule_set(task, mesh):
 
 @pytest.mark.slow
 def test_the_estimated_search_finds_the_exhaustive_best_for_the_transformer_on_a_2d_mesh():
-    every = _exhaustive(TINY_LM, "rows:2;cols:4")
-    result = search_layout(costed(TINY_LM), "rows:2;cols:4")
-    assert "estimated" in result.method and result.legal == len(every) == 345
+    """On a quarter of the 345 rule sets (d_ff pinned over rows; 84, more than the 64 traced
+    exactly without estimating): tracing all 345 took 150 s of the suite's time."""
+    every = _exhaustive(TINY_LM, "rows:2;cols:4", layout="d_ff:rows")
+    result = search_layout(costed(TINY_LM), "rows:2;cols:4", layout="d_ff:rows")
+    assert "estimated" in result.method and result.legal == len(every) == 84
     assert result.best.step_s == every[0].step_s and result.layout == every[0].layout
 
 
