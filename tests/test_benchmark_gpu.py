@@ -63,3 +63,17 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
     assert ratio["target"] == ">= 0.95" and ratio["value"] > 0 and ratio["peak_gib_so_far"] == 3.0
     assert mfu["value"] == pytest.approx(ratio["numerator"]["value"] / 989.0)
     assert mfu["config"]["measured_peak_tflops"] == 500.0
+
+
+def test_the_parts_of_a_step_are_each_timed_or_say_why_not(monkeypatch):
+    """`python -m benchmarks.gpu_parts` on the CPU at a tiny size: every part is timed, except
+    cuDNN's attention, which names its error."""
+    from benchmarks import gpu_parts
+
+    monkeypatch.setattr(gpu, "TWIN_ATTENTION", None)  # the whole gradient's (cuDNN on a GPU)
+
+    records = gpu_parts.parts(gpu.Lm("tiny", 2, 64, 4, batch=2, length=64, vocab=512), reps=2)
+    assert len(records) == 10 and len({r["part"] for r in records}) == 10
+    failed = [r for r in records if r["ms"] is None]
+    assert [r["part"] for r in failed] == ["attention, one layer, cudnn"] and failed[0]["error"]
+    assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in records if r not in failed)

@@ -1,0 +1,157 @@
+"""Where a decoder-LM training step's time goes on a GPU: `python -m benchmarks.gpu_parts [--size 125M]`.
+
+Section 6 says how fast meshax's step is beside its plain-JAX twin; this says why both are where
+they are. It times the twin's parts, each jitted alone at the size's shapes: one layer's attention
+(JAX's default implementation, cuDNN's and XLA's), one layer's matmuls, the logits and loss, the
+embedding lookup (with distinct ids, and with text's repeated ids), Adam's update, and the whole
+gradient. A part that cannot run here (cuDNN on a CPU) says why. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+from benchmarks import gpu
+
+
+def _timed(fn, *args, reps: int = 10) -> dict:
+    """Median ms of the jitted `fn` over `reps` calls after two warm ones; the first call's
+    seconds (compile); or the error that stopped it."""
+    import jax
+
+    try:
+        f = jax.jit(fn)
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        compile_s = time.perf_counter() - t0
+        for _ in range(2):
+            jax.block_until_ready(f(*args))
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            times.append(time.perf_counter() - t0)
+        return {"ms": 1e3 * statistics.median(times), "compile_s": compile_s}
+    except Exception as err:  # a part that cannot run here (cuDNN without a GPU) says why
+        return {"ms": None, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+
+
+def _params(size: gpu.Lm, rng) -> dict:
+    """Random weights named as meshax's Transformer names them (what `gpu.twin_loss` reads)."""
+    m, n, h, f = size.d_model, size.heads, size.d_kv, size.d_ff
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    p = "transformer"
+    params = {
+        f"{p}/embedding": w(size.vocab, m),
+        f"{p}/decoder/final_norm/scale": np.ones(m, np.float32),
+        f"{p}/decoder/final_norm/bias": np.zeros(m, np.float32),
+    }
+    for i in range(size.layers):
+        d = f"{p}/decoder/{i}/"
+        for norm in ("self_attention_norm", "ffn_norm"):
+            params[d + f"{norm}/scale"], params[d + f"{norm}/bias"] = np.ones(m, np.float32), np.zeros(m, np.float32)
+        for x in "qkv":
+            params[d + f"self_attention/{x}"] = w(m, n, h)
+        params[d + "self_attention/o"] = w(n, h, m)
+        params[d + "ffn/wi/kernel"], params[d + "ffn/wi/bias"] = w(m, f), np.zeros(f, np.float32)
+        params[d + "ffn/wo/kernel"], params[d + "ffn/wo/bias"] = w(f, m), np.zeros(m, np.float32)
+    return params
+
+
+def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
+    """Each part's time, one record per part, for `size`."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    bf, f32 = jnp.bfloat16, jnp.float32
+    b, t, m, v = size.batch, size.length, size.d_model, size.vocab
+    rng = np.random.default_rng(0)
+    ids = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)  # distinct ids, mostly
+    text_ids = jnp.asarray(rng.integers(10, 106, (b, t)), jnp.int32)  # ~96 distinct, as bytes of text
+    weights = jnp.ones((b, t), f32)
+    qkv = [jnp.asarray(rng.standard_normal((b, t, size.heads, size.d_kv)), bf) for _ in range(3)]
+    y = jnp.asarray(rng.standard_normal((b, t, m)), bf)
+    table = jnp.asarray(rng.standard_normal((v, m)) * 0.02, f32)
+    params = jax.tree.map(jnp.asarray, _params(size, rng))
+
+    def attention(implementation):
+        def loss(q, k, v):
+            out = jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=implementation)
+            return jnp.sum(out.astype(f32))
+
+        return jax.grad(loss, argnums=(0, 1, 2))
+
+    def head(y, table):
+        logits = jnp.einsum("btm,vm->btv", y, table.astype(bf), preferred_element_type=f32)
+        xent = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, ids[..., None], -1)[..., 0]
+        return jnp.sum(xent * weights) / jnp.sum(weights)
+
+    def matmuls(y, *ws):
+        wq, wo, wi, wout = (w.astype(bf) for w in ws)
+        x = y + jnp.einsum("btnh,nhm->btm", jnp.einsum("btm,mnh->btnh", y, wq), wo)
+        return jnp.sum((x + jax.nn.relu(x @ wi) @ wout).astype(f32))
+
+    def lookup(ids):
+        return jax.grad(lambda tb: jnp.sum(tb[ids].astype(bf).astype(f32) ** 2))
+
+    layer = "transformer/decoder/0/"
+    layer_ws = [params[layer + k] for k in ("self_attention/q", "self_attention/o", "ffn/wi/kernel", "ffn/wo/kernel")]
+    optimizer = optax.adam(1e-4)
+    state = optimizer.init(params)
+
+    def adam(g, s, p):
+        updates, _ = optimizer.update(g, s, p)
+        return optax.apply_updates(p, updates)
+
+    def whole(ids):
+        return jax.grad(lambda p: gpu.twin_loss(p, ids, ids, weights, size, gpu.TWIN_ATTENTION))
+
+    cases = [
+        (f"attention, one layer, {impl or 'JAX default'}", attention(impl), qkv) for impl in (None, "cudnn", "xla")
+    ] + [
+        ("matmuls, one layer (q, o, wi, wo)", jax.grad(matmuls, argnums=tuple(range(5))), [y, *layer_ws]),
+        ("logits and loss (float32)", jax.grad(head, argnums=(0, 1)), [y, table]),
+        ("embedding lookup, distinct ids", lookup(ids), [table]),
+        ("embedding lookup, text's repeated ids", lookup(text_ids), [table]),
+        ("Adam update", adam, [params, state, params]),
+        ("whole gradient, distinct ids", whole(ids), [params]),
+        ("whole gradient, text's repeated ids", whole(text_ids), [params]),
+    ]
+    records = []
+    for name, fn, args in cases:
+        r = _timed(fn, *args, reps=reps)
+        records.append({"part": name, "size": size.name, **r})
+        shown = f"{r['ms']:.2f} ms (compile {r['compile_s']:.1f} s)" if r["ms"] is not None else r["error"]
+        print(f"{size.name}: {name}: {shown}", flush=True)
+    return records
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_parts", description=__doc__.splitlines()[0])
+    names = [s.name for s in gpu.SIZES + gpu.LARGER]
+    p.add_argument("--size", default="125M", choices=names, help="the model size (default: 125M)")
+    p.add_argument("--out", default="benchmarks/out/gpu_parts.json", help="the JSON written")
+    args = p.parse_args(argv)
+    import jax
+
+    size = next(s for s in gpu.SIZES + gpu.LARGER if s.name == args.size)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {size}", flush=True)
+    records = parts(size)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": jax.devices()[0].device_kind, "flops": size.flops(), "parts": records}, f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()
