@@ -206,26 +206,40 @@ def _time_alone(step, batch, steps: int, warmup: int) -> tuple[float, float, flo
 
 
 def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
-    """meshax's step and the twin's, from the same weights, each timed alone: the other side's
-    arrays are freed first, so a size fits when either side fits (a GPU step's time varies little
-    from one call to the next, so the two need not be interleaved)."""
+    """meshax's step and the twin's, from the same weights, each timed alone: meshax's arrays are
+    freed before the twin's are made, and a twin that does not fit leaves meshax's numbers (its
+    fields None, `twin_error` saying why). A GPU step's time varies little from one call to the
+    next, so the two need not be interleaved."""
     m_step, weights, task = meshax_step(size)
     weights = {k: np.asarray(v) for k, v in weights.items()}  # on the host, to outlive meshax's arrays
     batch = task.train_batch(0)
     m_first, m_first_s, m_s = _time_alone(m_step, batch, steps, warmup)
     del m_step
     gc.collect()  # meshax's program holds reference cycles: free its arrays before the twin's
-    t_first, t_first_s, t_s = _time_alone(twin_step(size, weights, implementation=implementation), batch, steps, warmup)
     flops = size.flops()
+    r = {"meshax_s": m_s, "meshax_tflops": flops / m_s / 1e12, "first_losses": (m_first, None), "steps": steps}
+    try:
+        t_first, t_first_s, t_s = _time_alone(
+            twin_step(size, weights, implementation=implementation), batch, steps, warmup
+        )
+    except Exception as err:
+        if not _fits_error(err):
+            raise
+        return {
+            **r,
+            "twin_s": None,
+            "twin_tflops": None,
+            "throughput_ratio": None,
+            "first_call_s": (m_first_s, None),
+            "twin_error": str(err).splitlines()[0][:300],
+        }
     return {
-        "meshax_s": m_s,
+        **r,
         "twin_s": t_s,
-        "meshax_tflops": flops / m_s / 1e12,
         "twin_tflops": flops / t_s / 1e12,
         "throughput_ratio": t_s / m_s,  # meshax's throughput over the twin's
         "first_losses": (m_first, t_first),  # before any update
         "first_call_s": (m_first_s, t_first_s),
-        "steps": steps,
     }
 
 
@@ -284,6 +298,7 @@ def run(quick: bool) -> list[dict]:
             "length": size.length,
             "parameters": size.parameters(),
         }
+        gc.collect()  # the last size's arrays, or a failure's, freed first
         try:
             r = measure(size, steps=5 if quick else 20, warmup=2 if quick else 3, implementation=TWIN_ATTENTION)
         except Exception as err:  # one size failing must not lose the others' numbers
@@ -292,30 +307,28 @@ def run(quick: bool) -> list[dict]:
             print(f"section 6: LM {size.name}: {what}: {str(err)[:2000]}", file=sys.stderr, flush=True)
             continue
         print(
-            f"section 6: LM {size.name}: meshax {r['meshax_tflops']:.0f} TFLOP/s, twin {r['twin_tflops']:.0f}, "
-            f"ratio {r['throughput_ratio']:.3f}, MFU {r['meshax_tflops'] / peak:.1%}, first calls "
-            f"{r['first_call_s'][0]:.0f}/{r['first_call_s'][1]:.0f} s, first losses {r['first_losses']}, "
-            f"peak memory so far {_peak_gib(device)} GiB, now {(device.memory_stats() or {}).get('bytes_in_use')} B",
-            file=sys.stderr,
-            flush=True,
+            f"section 6: LM {size.name}: {r} (process peak so far {_peak_gib(device)} GiB)", file=sys.stderr, flush=True
         )
-        agree = abs(r["first_losses"][0] - r["first_losses"][1]) <= 0.02 * abs(r["first_losses"][1])
-        out.append(
-            record(
-                6,
-                f"LM {size.name} step, meshax / twin throughput",
-                config,
-                r["throughput_ratio"],
-                "x",
-                target=">= 0.95",
-                met=r["throughput_ratio"] >= 0.95 and agree,
-                numerator=side("meshax", r["meshax_tflops"], "TFLOP/s"),
-                denominator=side("plain-JAX twin", r["twin_tflops"], "TFLOP/s"),
-                note=f"first losses {r['first_losses'][0]:.4f} / {r['first_losses'][1]:.4f}",
-                first_call_s=r["first_call_s"],
-                peak_gib_so_far=_peak_gib(device),
+        memory = {"first_call_s": r["first_call_s"], "process_peak_gib_so_far": _peak_gib(device)}
+        if r["twin_s"] is None:
+            out.append(record(6, f"LM {size.name}: the twin does not fit", config, None, "", note=r["twin_error"]))
+        else:
+            agree = abs(r["first_losses"][0] - r["first_losses"][1]) <= 0.02 * abs(r["first_losses"][1])
+            out.append(
+                record(
+                    6,
+                    f"LM {size.name} step, meshax / twin throughput",
+                    config,
+                    r["throughput_ratio"],
+                    "x",
+                    target=">= 0.95",
+                    met=r["throughput_ratio"] >= 0.95 and agree,
+                    numerator=side("meshax", r["meshax_tflops"], "TFLOP/s"),
+                    denominator=side("plain-JAX twin", r["twin_tflops"], "TFLOP/s"),
+                    note=f"first losses {r['first_losses'][0]:.4f} / {r['first_losses'][1]:.4f}",
+                    **memory,
+                )
             )
-        )
         mfu = r["meshax_tflops"] / peak
         target = targets.get(size.name)
         out.append(
@@ -327,7 +340,8 @@ def run(quick: bool) -> list[dict]:
                 "of peak",
                 target=f">= {target:.0%}" if target else None,
                 met=mfu >= target if target else None,
-                twin_mfu=r["twin_tflops"] / peak,
+                twin_mfu=None if r["twin_tflops"] is None else r["twin_tflops"] / peak,
+                **memory,
             )
         )
     return out

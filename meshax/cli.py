@@ -583,7 +583,8 @@ def main(argv=None) -> int:
     """Run the command line; returns the exit status (2: bad input, said in one line on stderr)."""
     from meshax.core.errors import LayoutWarning
 
-    args = _parser().parse_args(_join_dash_values(sys.argv[1:] if argv is None else list(argv)))
+    parser = _parser()
+    args = parser.parse_args(_join_dash_values(parser, sys.argv[1:] if argv is None else list(argv)))
     try:
         return _run(args)
     except (ValueError, RuntimeError, OSError, LayoutWarning) as e:  # MeshaxError is a ValueError
@@ -594,15 +595,24 @@ def main(argv=None) -> int:
         return 2
 
 
-def _join_dash_values(argv: list[str]) -> list[str]:
+def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
     """`--memory-budget -5GB` as `--memory-budget=-5GB`: argparse takes a value that starts with
     a dash and is no number for an option, and says only "expected one argument"; joined, the
-    value reaches meshax's own check, which names what is wrong with it."""
+    value reaches meshax's own check, which names what is wrong with it. Only after meshax's own
+    options that take one value, and not in `launch`, whose arguments are another command's."""
+    if argv[:1] == ["launch"]:
+        return argv
+    takes_value: set[str] = set()
+    parsers = [parser]
+    while parsers:
+        for action in parsers.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                parsers.extend(action.choices.values())
+            elif action.nargs is None:  # one value (flags have nargs 0)
+                takes_value.update(o for o in action.option_strings if o.startswith("--"))
     out: list[str] = []
-    for i, arg in enumerate(argv):
-        if arg == "--":  # what follows is another command's (meshax launch)
-            return out + argv[i:]
-        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-\.?\d", arg):
+    for arg in argv:
+        if out and out[-1] in takes_value and re.match(r"-\.?\d", arg):
             out[-1] += "=" + arg
         else:
             out.append(arg)

@@ -122,3 +122,11 @@ def test_fused_attention_asks_for_cudnn_on_a_gpu_and_falls_back_to_xla(monkeypat
     asked.clear()
     attention._attend(q, q, q, None)
     assert asked == [None]
+
+    def out_of_memory(q, k, v, implementation=None, **kw):
+        raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax.nn, "dot_product_attention", out_of_memory)
+    with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):  # not hidden by a second try
+        attention._attend(q, q, q, None)

@@ -47,7 +47,16 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
     monkeypatch.setattr(gpu, "matmul_tflops", lambda: 500.0)  # an 8192^3 chain is minutes on a CPU
     monkeypatch.setattr(gpu, "TWIN_ATTENTION", None)  # no cuDNN on a CPU
     broken = gpu.Lm("broken", 2, 63, 4, batch=4, length=64, vocab=512)  # d_model 63: odd, no sinusoids
-    monkeypatch.setattr(gpu, "SIZES", [broken, TINY])
+    twinless = gpu.Lm("350M", 1, 64, 4, batch=4, length=64, vocab=512)  # its twin runs out of memory
+    twin_step = gpu.twin_step
+
+    def twin_step_or_out_of_memory(size, weights, **kw):
+        if size is twinless:
+            raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 99GiB")
+        return twin_step(size, weights, **kw)
+
+    monkeypatch.setattr(gpu, "twin_step", twin_step_or_out_of_memory)
+    monkeypatch.setattr(gpu, "SIZES", [broken, TINY, twinless])
     monkeypatch.setattr(gpu, "LARGER", [])
     records = gpu.run(quick=False)
     names = [r["name"] for r in records]
@@ -56,13 +65,17 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
         "LM broken: failed (GraphError)",
         "LM 125M step, meshax / twin throughput",
         "LM 125M MFU (meshax)",
+        "LM 350M: the twin does not fit",
+        "LM 350M MFU (meshax)",
     ]
-    peak, failed, ratio, mfu = records
+    peak, failed, ratio, mfu, no_twin, mfu_alone = records
     assert peak["value"] == 500.0 and peak["table_peak"] == 989.0
     assert failed["value"] is None and "d_model" in failed["note"]
-    assert ratio["target"] == ">= 0.95" and ratio["value"] > 0 and ratio["peak_gib_so_far"] == 3.0
+    assert ratio["target"] == ">= 0.95" and ratio["value"] > 0 and ratio["process_peak_gib_so_far"] == 3.0
     assert mfu["value"] == pytest.approx(ratio["numerator"]["value"] / 989.0)
     assert mfu["config"]["measured_peak_tflops"] == 500.0
+    assert "RESOURCE_EXHAUSTED" in no_twin["note"] and no_twin["value"] is None
+    assert mfu_alone["value"] > 0 and mfu_alone["twin_mfu"] is None and mfu_alone["met"] is False  # target 45%
 
 
 def test_the_parts_of_a_step_are_each_timed_or_say_why_not(monkeypatch):

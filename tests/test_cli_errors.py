@@ -185,3 +185,16 @@ def test_bad_values_in_the_library_are_meshax_errors(build, expected):
 
     with pytest.raises(mx.MeshaxError, match=expected):
         build(mx)
+
+
+def test_a_dash_value_is_joined_only_to_meshaxs_own_options():
+    """`--memory-budget -5GB` reaches meshax's check (the catalogue's row); a flag's following
+    argument, and anything in `launch` (another command's arguments), are left alone."""
+    from meshax.cli import _join_dash_values, _parser
+
+    p = _parser()
+    assert _join_dash_values(p, ["plan", "lm", "--memory-budget", "-5GB", "--seed", "-1", "--debug", "-1"]) == [
+        *["plan", "lm", "--memory-budget=-5GB", "--seed=-1", "--debug", "-1"]
+    ]
+    launch = ["launch", "-n", "2", "python", "w.py", "--offset", "-3"]
+    assert _join_dash_values(p, launch) == launch

@@ -118,8 +118,11 @@ def _attend(q, k, v, implementation, **kw):
     if implementation is None and q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu":
         try:
             return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
-        except (RuntimeError, ValueError, NotImplementedError):
-            pass  # no cuDNN, or not for these shapes
+        except (ValueError, NotImplementedError):
+            pass  # not for these shapes (e.g. a [batch, keys] padding mask, which cuDNN takes as a bias)
+        except RuntimeError as err:  # no cuDNN; a failure of another kind (out of memory) is raised
+            if "cudnn" not in str(err).lower():
+                raise
     return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kw)
 
 
