@@ -4,13 +4,14 @@ Both sides are the same model (meshax's Transformer: pre-norm, tied embeddings, 
 positions, ReLU feed-forward) in bfloat16 with float32 master weights, cuDNN attention through
 `jax.nn.dot_product_attention`, and Adam; the twin starts from meshax's initial weights, so their
 first losses agree (checked, to bfloat16 tolerance). Both are timed in one run, each alone on
-the device (the other's arrays freed), so a size is measured when either side fits.
+the device (meshax's arrays freed before the twin's are made): a size is measured when each side
+fits alone, and meshax's numbers are kept where only the twin runs out of memory.
 Reported: TFLOP/s (3 x the forward matmul FLOPs, attention scores included, as in the issue's
 table), MFU against the device's dense bf16 peak (a table by device name, and a large bf16
 matmul measured in the same run) and meshax's throughput over the twin's.
 
 Runs only when JAX's first device is a GPU; otherwise one "skipped" record. `measure` itself
-runs anywhere (the smoke test runs a tiny size on the CPU).
+runs anywhere (tests/test_benchmark_gpu.py runs a tiny size on the CPU).
 """
 
 from __future__ import annotations
