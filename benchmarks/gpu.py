@@ -17,6 +17,7 @@ runs anywhere (tests/test_benchmark_gpu.py runs a tiny size on the CPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import time
@@ -24,7 +25,7 @@ import time
 import numpy as np
 
 from benchmarks.records import record, side
-from benchmarks.timing import round_robin
+from benchmarks.timing import first_then_median
 
 # Dense bf16 peaks (TFLOP/s, without sparsity), by a substring of jax's device_kind.
 PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
@@ -198,14 +199,6 @@ def twin_step(size: Lm, weights: dict, lr: float = 1e-4, implementation=None):
     return step
 
 
-def _time_alone(step, batch, steps: int, warmup: int) -> tuple[float, float, float]:
-    """(first loss, seconds of the first call: compile and step, median seconds per step)."""
-    t0 = time.perf_counter()
-    first = float(step(batch))
-    first_s = time.perf_counter() - t0
-    return first, first_s, round_robin({"step": lambda: step(batch)}, steps, warmup)["step"]
-
-
 def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
     """meshax's step and the twin's, from the same weights, each timed alone: meshax's arrays are
     freed before the twin's are made, and a twin that does not fit leaves meshax's numbers (its
@@ -214,15 +207,15 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
     m_step, weights, task = meshax_step(size)
     weights = {k: np.asarray(v) for k, v in weights.items()}  # on the host, to outlive meshax's arrays
     batch = task.train_batch(0)
-    m_first, m_first_s, m_s = _time_alone(m_step, batch, steps, warmup)
+    m_first, m_first_s, m_s = first_then_median(functools.partial(m_step, batch), steps, warmup)
+    m_first = float(m_first)
     del m_step
     gc.collect()  # meshax's program holds reference cycles: free its arrays before the twin's
     flops = size.flops()
     r = {"meshax_s": m_s, "meshax_tflops": flops / m_s / 1e12, "first_losses": (m_first, None), "steps": steps}
     try:
-        t_first, t_first_s, t_s = _time_alone(
-            twin_step(size, weights, implementation=implementation), batch, steps, warmup
-        )
+        t_step = functools.partial(twin_step(size, weights, implementation=implementation), batch)
+        t_first, t_first_s, t_s = first_then_median(t_step, steps, warmup)
     except Exception as err:
         if not _fits_error(err):
             raise
@@ -239,7 +232,7 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
         "twin_s": t_s,
         "twin_tflops": flops / t_s / 1e12,
         "throughput_ratio": t_s / m_s,  # meshax's throughput over the twin's
-        "first_losses": (m_first, t_first),  # before any update
+        "first_losses": (m_first, float(t_first)),  # before any update
         "first_call_s": (m_first_s, t_first_s),
     }
 

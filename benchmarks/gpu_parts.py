@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import numpy as np
 
 from benchmarks import gpu
+from benchmarks.timing import first_then_median
 
 
 def _timed(fn, *args, reps: int = 10) -> dict:
@@ -27,17 +26,8 @@ def _timed(fn, *args, reps: int = 10) -> dict:
 
     try:
         f = jax.jit(fn)
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        compile_s = time.perf_counter() - t0
-        for _ in range(2):
-            jax.block_until_ready(f(*args))
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(*args))
-            times.append(time.perf_counter() - t0)
-        return {"ms": 1e3 * statistics.median(times), "compile_s": compile_s}
+        _, compile_s, s = first_then_median(lambda: jax.block_until_ready(f(*args)), reps, 2)
+        return {"ms": 1e3 * s, "compile_s": compile_s}
     except Exception as err:  # a part that cannot run here (cuDNN without a GPU) says why
         return {"ms": None, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
 
@@ -81,8 +71,8 @@ def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
     weights = jnp.ones((b, t), f32)
     qkv = [jnp.asarray(rng.standard_normal((b, t, size.heads, size.d_kv)), bf) for _ in range(3)]
     y = jnp.asarray(rng.standard_normal((b, t, m)), bf)
-    table = jnp.asarray(rng.standard_normal((v, m)) * 0.02, f32)
     params = jax.tree.map(jnp.asarray, _params(size, rng))
+    table = params["transformer/embedding"]
 
     def attention(implementation):
         def loss(q, k, v):
@@ -138,13 +128,13 @@ def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_parts", description=__doc__.splitlines()[0])
-    names = [s.name for s in gpu.SIZES + gpu.LARGER]
-    p.add_argument("--size", default="125M", choices=names, help="the model size (default: 125M)")
+    sizes = {s.name: s for s in gpu.SIZES + gpu.LARGER}
+    p.add_argument("--size", default="125M", choices=sizes, help="the model size (default: 125M)")
     p.add_argument("--out", default="benchmarks/out/gpu_parts.json", help="the JSON written")
     args = p.parse_args(argv)
     import jax
 
-    size = next(s for s in gpu.SIZES + gpu.LARGER if s.name == args.size)
+    size = sizes[args.size]
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {size}", flush=True)
     records = parts(size)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

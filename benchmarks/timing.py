@@ -34,6 +34,15 @@ def interleaved(a: Callable[[], object], b: Callable[[], object], steps: int, wa
     }
 
 
+def first_then_median(fn: Callable[[], object], steps: int, warmup: int) -> tuple[object, float, float]:
+    """(the first call's result, its seconds: compile and run, the median seconds of `steps` calls
+    after `warmup` more). `fn` must block until its result is on the host or ready."""
+    t0 = time.perf_counter()
+    first = fn()
+    first_s = time.perf_counter() - t0
+    return first, first_s, round_robin({"fn": fn}, steps, warmup)["fn"]
+
+
 def round_robin(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:
     """Median seconds of each of several callables, run in rotating order, `reps` times each."""
     names = list(fns)
