@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import meshax as mx
+from meshax.lower.context import LoweringContext
 from meshax.ops.attention import AttentionOperation
 from tests.conftest import rand, run
 
@@ -130,3 +131,36 @@ def test_fused_attention_asks_for_cudnn_on_a_gpu_and_falls_back_to_xla(monkeypat
     monkeypatch.setattr(jax.nn, "dot_product_attention", out_of_memory)
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):  # not hidden by a second try
         attention._attend(q, q, q, None)
+
+
+@pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl, mx.PlacementMeshImpl])
+def test_the_gradient_reuses_the_forwards_kernel_call(monkeypatch, impl_cls):
+    """The forward runs as jax.vjp of the kernel and the gradient applies its pullback: half the
+    kernel calls of running it again (cuDNN's forward with and without its statistics are two
+    calls that XLA does not merge). Where the gradient op does not get the forward's slices, it
+    runs the kernel again, with the same values."""
+    import jax
+
+    calls = []
+    real = jax.nn.dot_product_attention
+
+    def spy(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    q = mx.placeholder(mesh, "q", [BATCH, LENGTH, HEADS, D_KV])
+    k = mx.placeholder(mesh, "k", [BATCH, MEMORY, HEADS, D_KV])
+    out = mx.fused_attention(q, k, k, D_KV, HEADS, causal=True)
+    grads = mx.gradients(mx.reduce_sum(out * out), [q, k])
+    feeds = {q: rand([4, 8, 4, 8], 1), k: rand([4, 8, 4, 8], 2)}
+    reused = run([out, *grads], impl_cls, "rows:2;cols:4", "b:rows;heads:cols", feeds)
+    once = len(calls)
+    calls.clear()
+    monkeypatch.setattr(LoweringContext, "recall", lambda *a: None)
+    again = run([out, *grads], impl_cls, "rows:2;cols:4", "b:rows;heads:cols", feeds)
+    assert once > 0 and len(calls) == 2 * once
+    for a, b in zip(reused, again):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

@@ -63,8 +63,11 @@ def test_xla_does_not_merge_the_recomputation_away():
 SMALL = TransformerConfig(vocab_size=16, d_model=16, d_ff=32, num_heads=8, d_kv=4, num_layers=2, dropout=0.1)
 
 
-def test_a_rematerialized_transformer_trains_identically():
+@pytest.mark.parametrize("attention", ["einsum", "fused"])
+def test_a_rematerialized_transformer_trains_identically(attention):
     def losses(config):
+        if attention == "fused":  # (which has no dropout on the attention weights)
+            config = dataclasses.replace(config, attention=attention, dropout=0.0)
         task = LmTask(model=config, source="markov", markov_vocab=16, batch_size=8, length=8)
         program = build(task, "rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols", "simd", SgdOptimizer(0.5))
         return [float(program.train_fn(task.train_batch(s), seed=s)[0]) for s in range(4)]

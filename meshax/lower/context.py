@@ -151,6 +151,15 @@ class LoweringContext:
             self._memo[key] = (xs, make())  # (xs kept alive: their ids stay theirs)
         return self._memo[key][1]
 
+    def remember(self, what: str, xs: list, value) -> None:
+        """Keep `value` for a later op of this program given the very same slices `xs` (`recall`)."""
+        self._memo[(what, tuple(id(x) for x in xs), ())] = (xs, value)
+
+    def recall(self, what: str, xs: list):
+        """What `remember` kept for these very slices, or None (other slices: resharded, recomputed)."""
+        entry = self._memo.get((what, tuple(id(x) for x in xs), ()))
+        return None if entry is None else entry[1]
+
     def masked(self, x: LaidOutTensor, shape, dims, fill) -> LaidOutTensor:
         """x with its padding along `dims` (names or Dimensions of `shape`) replaced by `fill`, as
         a sum, max, min or contraction over them needs (the identity). No-op where even."""

@@ -8,9 +8,14 @@ communication. Masks stay masks: `causal` is the kernel's own flag, and a boolea
 keys a query may see, e.g. [batch, memory_length] for padding) is broadcast per device, never
 turned into a float bias over the whole [length, memory_length].
 
+The forward runs as `jax.vjp` of the kernel, and the gradient op applies that pullback (cuDNN's
+saved softmax statistics, or XLA's probabilities) when it gets the very same q, k, v slices in the
+same program; otherwise (resharded in between, or traced apart) it runs `jax.vjp` again. XLA does
+not merge the two: cuDNN's forward is a different call with and without the statistics.
+
 FLOPs are counted as the einsum attention counts its two matmuls (4 x queries x keys x d_kv per
-head) and, for the gradient, its four; the gradient kernel, `jax.vjp` of the same call,
-recomputes the forward's softmax as flash attention does, which the count leaves out.
+head) and, for the gradient, its four; cuDNN's backward recomputes the softmax from its
+statistics as flash attention does, which the count leaves out.
 """
 
 from __future__ import annotations
@@ -147,6 +152,16 @@ class AttentionOperation(SlicewiseOperation):
         self.differentiable = True
         self._kernel, self._dims = kernel, dims
 
+    def _fn_slices(self, ctx, local, vals):
+        """The output, as `jax.vjp` of the kernel; its pullback is kept for the gradient op."""
+
+        def forward(q, k, v, *mask):
+            return jax.vjp(lambda q, k, v: self._kernel(q, k, v, *mask), q, k, v)
+
+        out, pulls = ctx.slicewise(forward, *vals)
+        ctx.remember("attention", _slices(vals), pulls)
+        return [out]
+
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
         if g is None:
@@ -178,6 +193,17 @@ class AttentionGradOperation(SlicewiseOperation):
             flops=lambda local: 8 * keys * int(np.prod(local[0], dtype=np.int64)),
             name=f"{forward.name}_grad",
         )
+
+    def _fn_slices(self, ctx, local, vals):
+        q, k, v, g, *mask = vals
+        pulls = ctx.recall("attention", _slices([q, k, v, *mask]))
+        if pulls is None:  # not the forward's slices: its kernel runs again
+            return super()._fn_slices(ctx, local, vals)
+        return list(ctx.slicewise(lambda pull, g: tuple(pull(g)), pulls, g))
+
+
+def _slices(vals) -> list:
+    return [s for v in vals for s in v.slices]
 
 
 def fused_attention(
