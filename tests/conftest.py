@@ -60,7 +60,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: an end-to-end test left out of the default run (pytest -m slow)")
 
 
-# The placement backend compiles a program per device (~5-15 s per case set here): where a test
+# The placement backend runs a program per device (~2-5 s per case set here): where a test
 # is parametrized over the canonical layouts, it runs the one that splits two dims over both mesh
 # dims (every collective it has is an independent check of SIMD's; with nothing split it has none)
 # and SIMD runs them all. The fuzzer runs the placement backend on random layouts.

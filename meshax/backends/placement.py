@@ -1,6 +1,7 @@
 """`PlacementMeshImpl`: one array per device, every collective an explicit transfer.
 
-Slow and transparent: each op runs eagerly on each device's slice, and allreduce, allgather,
+Slow and transparent: each op runs on each device's slice in turn (on virtual CPU devices, which
+share one host, computed on the first device and put back on its own), and allreduce, allgather,
 alltoall, reduce-scatter and permutes are written out as device-to-device copies in Python.
 It shares no collective code with the SIMD backend, so it is an independent check of it.
 """
@@ -45,6 +46,14 @@ class PlacementMeshImpl(MeshImpl):
             return x
         return jax.device_put(x, self.devices[pnum])
 
+    def _home(self, x):
+        """Where a slice is computed on: CPU devices share one host, so every slice runs on the
+        first one (one compilation per op instead of one per device; the copies are cheap) and
+        its result is put back on its own device."""
+        if isinstance(x, jax.core.Tracer) or self.devices[0].platform != "cpu":
+            return x
+        return jax.device_put(x, self.devices[0])
+
     def _groups(self, axes) -> list[list[int]]:
         """Processors that differ only in `axes`, each group ordered by its coordinates there."""
         groups: dict[tuple, list[int]] = {}
@@ -61,7 +70,8 @@ class PlacementMeshImpl(MeshImpl):
                 self._jitted.append(jax.jit(fn))
             fn = self._jitted[self._call]
             self._call += 1
-        outs = [fn(*[a[p] if isinstance(a, list) else a for a in args]) for p in range(self.size)]
+        home = self._home
+        outs = [fn(*[home(a[p]) if isinstance(a, list) else a for a in args]) for p in range(self.size)]
         if isinstance(outs[0], tuple):
             return tuple([self._put(o[k], p) for p, o in enumerate(outs)] for k in range(len(outs[0])))
         return [self._put(o, p) for p, o in enumerate(outs)]
