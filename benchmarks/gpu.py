@@ -1,7 +1,8 @@
 """Section 6: GPU. meshax's decoder-LM training step beside a plain-JAX twin written the fast way.
 
 Both sides are the same model (meshax's Transformer: pre-norm, tied embeddings, sinusoidal
-positions, ReLU feed-forward) in bfloat16 with float32 master weights, cuDNN attention through
+positions, ReLU feed-forward) in bfloat16 with float32 master weights, float32 logits whose
+gradient comes back through bfloat16 matmuls, cuDNN attention through
 `jax.nn.dot_product_attention`, and Adam; the twin starts from meshax's initial weights, so their
 first losses agree (checked, to bfloat16 tolerance). Both are timed in one run, each alone on
 the device (meshax's arrays freed before the twin's are made): a size is measured when each side
@@ -148,6 +149,31 @@ def _norm(x, scale, bias):
     return y.astype(x.dtype)
 
 
+def narrow_gradient_logits():
+    """logits(y, table): y [b, t, m] bfloat16 times the float32 table cast to bfloat16, summed into
+    float32 logits; the gradient comes back at bfloat16 width first, as meshax's wide einsums pass
+    theirs, so both gradient matmuls are bfloat16 ones (jax.grad of the einsum feeds them the
+    float32 gradient: float32 matmuls); the table's gradient is summed in float32."""
+    import jax
+    import jax.numpy as jnp
+
+    def logits(y, table):
+        return jnp.einsum("btm,vm->btv", y, table.astype(y.dtype), preferred_element_type=jnp.float32)
+
+    def forward(y, table):
+        return logits(y, table), (y, table)
+
+    def backward(saved, g):
+        y, table = saved
+        g = g.astype(y.dtype)
+        dy = jnp.einsum("btv,vm->btm", g, table.astype(y.dtype))
+        return dy, jnp.einsum("btv,btm->vm", g, y, preferred_element_type=jnp.float32)
+
+    rule = jax.custom_vjp(logits)
+    rule.defvjp(forward, backward)
+    return rule
+
+
 def twin_loss(params, ids, targets, weights, size: Lm, implementation=None):
     """meshax's Transformer LM written directly in JAX, the fast way (bf16, fused attention)."""
     import jax
@@ -173,7 +199,7 @@ def twin_loss(params, ids, targets, weights, size: Lm, implementation=None):
         h = jax.nn.relu(y @ w("ffn/wi/kernel").astype(bf) + w("ffn/wi/bias").astype(bf))
         x = x + (h @ w("ffn/wo/kernel").astype(bf) + w("ffn/wo/bias").astype(bf))
     y = _norm(x, params[f"{p}/decoder/final_norm/scale"], params[f"{p}/decoder/final_norm/bias"])
-    logits = jnp.einsum("btm,vm->btv", y, table.astype(bf), preferred_element_type=jnp.float32)
+    logits = narrow_gradient_logits()(y, table)
     xent = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
     return jnp.sum(xent * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 

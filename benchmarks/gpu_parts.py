@@ -2,8 +2,9 @@
 
 Section 6 says how fast meshax's step is beside its plain-JAX twin; this says why both are where
 they are. It times the twin's parts, each jitted alone at the size's shapes: one layer's attention
-(JAX's default implementation, cuDNN's and XLA's), one layer's matmuls, the logits and loss, the
-embedding lookup (with distinct ids, and with text's repeated ids), Adam's update, and the whole
+(JAX's default implementation, cuDNN's and XLA's), one layer's matmuls, the logits and loss (the
+gradient's matmuls in bfloat16 as the twin and meshax run them, and in float32 as jax.grad of the
+einsum would), the embedding lookup (with distinct ids, and with text's repeated ids), Adam's update, and the whole
 gradient. A part that cannot run here (cuDNN on a CPU) says why. Prints a table, writes JSON.
 """
 
@@ -81,10 +82,16 @@ def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
 
         return jax.grad(loss, argnums=(0, 1, 2))
 
-    def head(y, table):
-        logits = jnp.einsum("btm,vm->btv", y, table.astype(bf), preferred_element_type=f32)
-        xent = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, ids[..., None], -1)[..., 0]
-        return jnp.sum(xent * weights) / jnp.sum(weights)
+    def head(narrow_gradient: bool):
+        def loss(y, table):
+            if narrow_gradient:  # the twin's (and meshax's) logits: bfloat16 gradient matmuls
+                logits = gpu.narrow_gradient_logits()(y, table)
+            else:  # jax.grad of the einsum: float32 gradient matmuls
+                logits = jnp.einsum("btm,vm->btv", y, table.astype(bf), preferred_element_type=f32)
+            xent = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, ids[..., None], -1)[..., 0]
+            return jnp.sum(xent * weights) / jnp.sum(weights)
+
+        return jax.grad(loss, argnums=(0, 1))
 
     def matmuls(y, *ws):
         wq, wo, wi, wout = (w.astype(bf) for w in ws)
@@ -110,7 +117,8 @@ def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
         (f"attention, one layer, {impl or 'JAX default'}", attention(impl), qkv) for impl in (None, "cudnn", "xla")
     ] + [
         ("matmuls, one layer (q, o, wi, wo)", jax.grad(matmuls, argnums=tuple(range(5))), [y, *layer_ws]),
-        ("logits and loss (float32)", jax.grad(head, argnums=(0, 1)), [y, table]),
+        ("logits and loss (float32), bfloat16 gradient matmuls", head(True), [y, table]),
+        ("logits and loss (float32), float32 gradient matmuls", head(False), [y, table]),
         ("embedding lookup, distinct ids", lookup(ids), [table]),
         ("embedding lookup, text's repeated ids", lookup(text_ids), [table]),
         ("Adam update", adam, [params, state, params]),

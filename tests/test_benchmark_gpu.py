@@ -1,6 +1,7 @@
 """Section 6 (GPU) on the CPU: its measurement and its bookkeeping, so a GPU run, rare and
 short, does not die on a bug that a CPU could have caught."""
 
+import numpy as np
 import pytest
 
 from benchmarks import gpu
@@ -86,7 +87,30 @@ def test_the_parts_of_a_step_are_each_timed_or_say_why_not(monkeypatch):
     monkeypatch.setattr(gpu, "TWIN_ATTENTION", None)  # the whole gradient's (cuDNN on a GPU)
 
     records = gpu_parts.parts(gpu.Lm("tiny", 2, 64, 4, batch=2, length=64, vocab=512), reps=2)
-    assert len(records) == 10 and len({r["part"] for r in records}) == 10
+    assert len(records) == 11 and len({r["part"] for r in records}) == 11
     failed = [r for r in records if r["ms"] is None]
     assert [r["part"] for r in failed] == ["attention, one layer, cudnn"] and failed[0]["error"]
     assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in records if r not in failed)
+
+
+def test_the_twins_logits_pass_a_bfloat16_gradient_to_bfloat16_matmuls():
+    """As meshax's wide einsum does: the same gradient as jax.grad of the einsum, to bfloat16's
+    rounding, with both of its matmuls taking bfloat16 operands."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    y = jnp.asarray(rng.standard_normal((2, 8, 16)), jnp.bfloat16)
+    table = jnp.asarray(rng.standard_normal((32, 16)) * 0.1, jnp.float32)
+
+    def loss(logits):
+        return lambda y, t: jnp.sum(jax.nn.log_softmax(logits(y, t))[..., 3])
+
+    plain = lambda y, t: jnp.einsum("btm,vm->btv", y, t.astype(y.dtype), preferred_element_type=jnp.float32)  # noqa: E731
+    narrow = jax.grad(loss(gpu.narrow_gradient_logits()), argnums=(0, 1))
+    got, want = narrow(y, table), jax.grad(loss(plain), argnums=(0, 1))(y, table)
+    assert got[0].dtype == jnp.bfloat16 and got[1].dtype == jnp.float32
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+    dots = [e for e in jax.make_jaxpr(narrow)(y, table).jaxpr.eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 3 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)

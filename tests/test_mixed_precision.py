@@ -45,6 +45,11 @@ def test_weights_and_optimizer_state_stay_float32_the_rest_is_bfloat16_where_it_
     assert len(wide) == 2, wide  # the attention logits and the vocab logits
     assert all(op.outputs[0].dtype == "bfloat16" for op in forward if op.name not in wide)
     assert all(op.inputs[0].dtype == "bfloat16" for op in forward)
+    # every gradient matmul takes bfloat16 operands, the float32 logits' too (their gradient is
+    # cast to bfloat16 first: a float32 one beside a bfloat16 operand would run a float32 matmul)
+    backward = [op for op in graph.operations if isinstance(op, EinsumOperation) and op.grad_of is not None]
+    assert {op.grad_of.name for op in backward} >= wide
+    assert all(t.dtype == "bfloat16" for op in backward for t in op.inputs)
 
 
 def _sites(config, mesh, layout):

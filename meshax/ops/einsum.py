@@ -21,7 +21,7 @@ from meshax.core.shape import Shape
 from meshax.layout.rules import block_sizes
 from meshax.ops._dtypes import gradient_dtype, result_type
 from meshax.ops._util import shape_of_names
-from meshax.ops.elementwise import union_shape
+from meshax.ops.elementwise import cast, union_shape
 
 
 def _subscripts(shapes: list[Shape], out: Shape) -> str:
@@ -123,6 +123,13 @@ class EinsumOperation(Operation):
             return [None] * len(self.inputs)
         from meshax.ops.shape_ops import broadcast
 
+        natural = result_type(*[t.dtype for t in self.inputs])
+        if is_floating(natural) and is_floating(g.dtype) and natural.itemsize < g.dtype.itemsize:
+            # A wide einsum (bfloat16 inputs summed into float32: the logits) passes its gradient
+            # back at the inputs' width, so its gradient's matmuls are bfloat16 ones as the rest
+            # of the step's are (JAX lowers a float32 gradient beside a bfloat16 operand to a
+            # float32 matmul, the bfloat16 operand converted up)
+            g = cast(g, natural)
         grads = []
         for i, x in enumerate(self.inputs):
             others = [g] + [t for j, t in enumerate(self.inputs) if j != i]
