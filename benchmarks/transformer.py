@@ -3,12 +3,12 @@
 meshax's side is the library's own: `LmTask` (decoder-only LM on a Markov chain over 256
 tokens, so vocab splits 8 ways) built by `meshax.train.loop.build` with
 `AdamWeightDecayOptimizer(1e-3)`; one step is `program.train_fn(feeds, seed=step)`, which
-returns (loss, loss_sum, count, correct) and updates the variables in place.
+returns the loss and updates the variables in place (the metrics are the evaluation's).
 
 The plain-JAX twin is the same mathematics in jnp on a pytree of parameters, started from
 meshax's initial values (`variable_value`), with the same Adam slots and float global step,
 jitted with the `NamedSharding`s meshax's plan gives every variable and placeholder, the state
-donated, and the same four outputs fetched to the host. What meshax computes
+donated, and the loss fetched to the host. What meshax computes
 (meshax/models/transformer.py, meshax/train/tasks.py, meshax/layers.py, meshax/optimize.py):
 
   x = table[ids] * sqrt(d_model) + sinusoid            (tied embedding, sin | cos positions)
@@ -16,8 +16,7 @@ donated, and the same four outputs fetched to the host. What meshax computes
               x += relu(layer_norm(x) wi + bi) wo + bo
   logits = layer_norm(x) table^T
   xent = -sum_vocab one_hot(targets) * log_softmax(logits)
-  loss_sum = sum(xent * weights), count = sum(weights), correct = sum((argmax == targets) * weights)
-  loss = loss_sum / max(count, 1); Adam on d loss; global_step += 1.
+  loss = sum(xent * weights) / max(sum(weights), 1); Adam on d loss; global_step += 1.
 """
 
 from __future__ import annotations
@@ -37,8 +36,8 @@ LAYOUTS = [
     ("all:8", "vocab:all;d_ff:all;heads:all"),
     ("rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols"),
 ]
-OUTPUTS = ("loss", "loss_sum", "count", "correct")
-# the letters loss_and_metrics names its arrays' dims with, as meshax's Transformer names them
+OUTPUTS = ("loss",)
+# the letters `loss` names its arrays' dims with, as meshax's Transformer names them
 _DIMS = {"b": "batch", "l": "length", "m": "memory_length", "d": "d_model", "h": "heads", "k": "d_kv", "f": "d_ff"}
 
 
@@ -140,10 +139,8 @@ def _no_constraint(a, kind: str, dims: str):
     return a
 
 
-def loss_and_metrics(
-    params: dict, ids, targets, weights, *, sinusoid, config, prefix="transformer", constrain=_no_constraint
-):
-    """(loss, (loss_sum, count, correct)) of the decoder-only LM, in jnp on `params` by name.
+def loss(params: dict, ids, targets, weights, *, sinusoid, config, prefix="transformer", constrain=_no_constraint):
+    """The loss of the decoder-only LM, in jnp on `params` by name.
 
     `constrain(array, kind, dims)` is applied where meshax's Transformer annotates a GSPMD
     sharding (kind: weights, BSM, BSND, BSH; dims: the array's dims as letters of `_DIMS`)."""
@@ -176,10 +173,7 @@ def loss_and_metrics(
     logits = jnp.einsum("bld,vd->blv", x, table)
     logp = jax.nn.log_softmax(logits, axis=-1)
     xent = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-    loss_sum = jnp.sum(xent * weights)
-    count = jnp.sum(weights)
-    correct = jnp.sum((jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * weights)
-    return loss_sum / jnp.maximum(count, 1.0), (loss_sum, count, correct)
+    return jnp.sum(xent * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
 class JaxLm:
@@ -212,7 +206,7 @@ class JaxLm:
 
         def step(state, ids, targets, weights):
             params, adam_m, adam_v, gstep = state
-            (loss, metrics), grads = jax.value_and_grad(loss_and_metrics, has_aux=True)(
+            value, grads = jax.value_and_grad(loss)(
                 params, ids, targets, weights, sinusoid=sinusoid, config=config, constrain=constrain
             )
             t = gstep + 1.0
@@ -224,7 +218,7 @@ class JaxLm:
                 new_v[n] = adam_v[n] * B2 + jnp.square(g) * (1.0 - B2)
                 update = (new_m[n] / c1) / (jnp.sqrt(new_v[n] / c2) + EPS)
                 new_p[n] = params[n] - update * LR
-            return (loss, *metrics), (new_p, new_m, new_v, gstep + 1.0)
+            return (value,), (new_p, new_m, new_v, gstep + 1.0)
 
         p_sh = {n: var_sh[n] for n in names}
         m_sh = {n: var_sh[f"{n}/adam_m"] for n in names}
@@ -232,7 +226,7 @@ class JaxLm:
         state_sh = (p_sh, m_sh, v_sh, var_sh["global_step"])
         f_sh = tuple(self._feed_sh[k] for k in ("ids", "targets", "weights"))
         self._jit = jax.jit(
-            step, in_shardings=(state_sh, *f_sh), out_shardings=((scalar,) * 4, state_sh), donate_argnums=(0,)
+            step, in_shardings=(state_sh, *f_sh), out_shardings=((scalar,), state_sh), donate_argnums=(0,)
         )
         put = lambda d, sh: {n: jax.device_put(d[n], sh[n]) for n in names}  # noqa: E731
         self._state = (

@@ -96,3 +96,21 @@ def test_a_model_whose_weights_do_not_fit_is_refused_before_anything_is_allocate
         mx.ConfigError, match=r"weights, gradients and optimizer state alone take .* on this host's 2 CPU"
     ):
         loop.build(MlpTask(), "all:2", "batch:all")
+
+
+def test_a_training_step_computes_the_loss_not_the_evaluations_metrics():
+    """The metrics (an accuracy's argmax over the vocabulary: a pass over the float32 logits, and
+    under a split vocabulary an allreduce of its min) are computed by the evaluation only: the
+    training step returns the loss, and evaluation still reports every metric."""
+    from meshax.train import LmTask
+    from meshax.train.loop import build, evaluate
+
+    task = LmTask(model="tiny", source="markov", markov_vocab=16, batch_size=8, length=8, eval_batches_count=1)
+    program = build(task, "all:8", "vocab:all;d_ff:all;heads:all")
+    assert len(program.train_fn(task.train_batch(0), seed=0)) == 1
+    assert {"loss", "accuracy"} <= set(evaluate(task, program))
+
+    def argmax_allreduces(fn):
+        return [s for s in fn.counters.sites() if s.kind == "allreduce" and s.op_name.startswith("reduce_min")]
+
+    assert argmax_allreduces(program.eval_fn) and not argmax_allreduces(program.train_fn)

@@ -69,18 +69,19 @@ class Program:
     train_fn: LoweredFunction
     eval_fn: LoweredFunction
     metric_names: list[str]
-    logged_names: list[str] = dataclasses.field(default_factory=list)  # `mx.log_scalar`s, after the metrics
+    logged_names: list[str] = dataclasses.field(default_factory=list)  # `mx.log_scalar`s, after the loss
 
 
 def training_graph(task: Task, optimizer: Optimizer | None = None):
     """The task's graph with gradients and optimizer updates (default Adam), on no mesh yet:
-    (graph, what the task built, outputs: the loss then each metric, updates)."""
+    (graph, what the task built, outputs: the loss, updates). A training step computes the loss
+    alone: its metrics (an accuracy's argmax over the logits, say) are the evaluation's."""
     graph = Graph()
     built = task.build(Mesh(graph, "mesh"))
     params = list(graph.trainable_variables)
     grads = gradients(built.loss, [v.value for v in params])
     updates = (optimizer or AdamWeightDecayOptimizer(1e-3)).apply_grads(grads, params)
-    return graph, built, [built.loss, *built.metrics.values()], updates
+    return graph, built, [built.loss], updates
 
 
 def build(
@@ -216,7 +217,7 @@ def train(
     for step in range(first, steps):
         feeds = task.train_batch(step, rows)
         start = time.perf_counter()
-        loss, *rest = program.train_fn(feeds, seed=step, rows=rows)
+        loss, *logged = program.train_fn(feeds, seed=step, rows=rows)
         seconds = time.perf_counter() - start
         times.append(seconds)
         losses.append(float(loss))
@@ -229,7 +230,6 @@ def train(
                 f"training diverged: the loss is {losses[-1]} at step {step + 1}{before}; lower the learning "
                 "rate (--lr), or add warmup (--warmup). Nothing is saved after the last checkpoint"
             )
-        logged = rest[len(program.metric_names) :]
         entry.update({n: float(v) for n, v in zip(program.logged_names, logged)})
         if task.tokens_per_batch:
             entry["tokens_per_second"] = task.tokens_per_batch / seconds
