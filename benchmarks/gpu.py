@@ -11,8 +11,10 @@ Reported: TFLOP/s (3 x the forward matmul FLOPs, attention scores included, as i
 table), MFU against the device's dense bf16 peak (a table by device name, and a large bf16
 matmul measured in the same run) and meshax's throughput over the twin's.
 
-Runs only when JAX's first device is a GPU; otherwise one "skipped" record. `measure` itself
-runs anywhere (tests/test_benchmark_gpu.py runs a tiny size on the CPU).
+On any device, first: both sides' compiled steps at a small size by XLA's cost analysis, meshax's
+bytes accessed over the twin's at equal FLOPs (a check of the two programs that needs no GPU).
+The timed sizes run only when JAX's first device is a GPU; otherwise a "skipped" record. `measure`
+itself runs anywhere (tests/test_benchmark_gpu.py runs a tiny size on the CPU).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ SIZES = [
     Lm("1.3B", 24, 2048, 16, batch=8),
 ]
 LARGER = [Lm("2.7B", 32, 2560, 32, batch=8)]  # tried after the three: the largest that fits
+COSTED = Lm("small", 2, 256, 4, batch=4, length=256, vocab=8192)  # compiled and costed on any device
+COSTED_QUICK = Lm("tiny", 2, 64, 4, batch=4, length=64, vocab=512)
 
 
 def peak_tflops(device_kind: str) -> float | None:
@@ -118,10 +122,8 @@ def _task(size: Lm):
     return LmTask(model=config, batch_size=size.batch, length=size.length)
 
 
-def meshax_step(size: Lm, lr: float = 1e-4):
-    """(step(batch) -> loss, the initial weights by variable name, the task)."""
-    import jax
-
+def _program(size: Lm, lr: float = 1e-4):
+    """(meshax's compiled training program on one device, its initial weights by name, the task)."""
     from meshax.optimize import AdamWeightDecayOptimizer
     from meshax.train.loop import build
 
@@ -129,6 +131,14 @@ def meshax_step(size: Lm, lr: float = 1e-4):
     program = build(task, "all:1", "", "simd", AdamWeightDecayOptimizer(lr))
     program.lowering.initialize()
     weights = {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
+    return program, weights, task
+
+
+def meshax_step(size: Lm, lr: float = 1e-4):
+    """(step(batch) -> loss, the initial weights by variable name, the task)."""
+    import jax
+
+    program, weights, task = _program(size, lr)
     calls = [0]
 
     def step(batch):
@@ -204,19 +214,28 @@ def twin_loss(params, ids, targets, weights, size: Lm, implementation=None):
     return jnp.sum(xent * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def twin_step(size: Lm, weights: dict, lr: float = 1e-4, implementation=None):
+def _twin_update(size: Lm, lr: float, implementation):
+    """(the twin's jitted update(params, opt_state, ids, targets, weights), its optax optimizer)."""
     import jax
     import optax
 
-    params = {k: jax.device_put(v) for k, v in weights.items()}
     optimizer = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8)
-    state = [params, optimizer.init(params)]
 
     @jax.jit
     def update(params, opt_state, ids, targets, w):
         loss, grads = jax.value_and_grad(twin_loss)(params, ids, targets, w, size, implementation)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
+    return update, optimizer
+
+
+def twin_step(size: Lm, weights: dict, lr: float = 1e-4, implementation=None):
+    import jax
+
+    params = {k: jax.device_put(v) for k, v in weights.items()}
+    update, optimizer = _twin_update(size, lr, implementation)
+    state = [params, optimizer.init(params)]
 
     def step(batch):
         state[0], state[1], loss = update(state[0], state[1], batch["ids"], batch["targets"], batch["weights"])
@@ -263,6 +282,54 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
     }
 
 
+def compiled_costs(size: Lm) -> dict:
+    """XLA's cost analysis of each side's compiled step (FLOPs and bytes accessed), on whatever
+    device JAX has: a check of the two programs that needs no GPU to run."""
+    import jax
+
+    program, weights, task = _program(size)
+    batch = task.train_batch(0)
+    program_cost = program.train_fn.cost_analysis(batch)
+    params = {k: jax.numpy.asarray(v) for k, v in weights.items()}
+    update, optimizer = _twin_update(size, 1e-4, TWIN_ATTENTION if jax.default_backend() == "gpu" else None)
+    twin = update.lower(params, optimizer.init(params), batch["ids"], batch["targets"], batch["weights"]).compile()
+    twin_cost = twin.cost_analysis()
+    twin_cost = twin_cost[0] if isinstance(twin_cost, list) else twin_cost
+    return {
+        "meshax_bytes": program_cost["bytes accessed"],
+        "twin_bytes": twin_cost["bytes accessed"],
+        "meshax_flops": program_cost["flops"],
+        "twin_flops": twin_cost["flops"],
+    }
+
+
+def cost_record(size: Lm, platform: str) -> dict:
+    """meshax's compiled step against the twin's by XLA's cost analysis: bytes accessed (the
+    memory traffic a GPU step is bound by, outside its matmuls) at equal FLOPs."""
+    c = compiled_costs(size)
+    ratio = c["meshax_bytes"] / c["twin_bytes"]
+    same_flops = abs(c["meshax_flops"] - c["twin_flops"]) <= 0.01 * c["twin_flops"]
+    return record(
+        6,
+        "compiled step's bytes accessed, meshax / twin (XLA's cost analysis)",
+        {
+            "platform": platform,
+            "layers": size.layers,
+            "d_model": size.d_model,
+            "vocab": size.vocab,
+            "batch": size.batch,
+            "length": size.length,
+        },
+        ratio,
+        "x",
+        target="<= 1.0, equal FLOPs",
+        met=ratio <= 1.0 and same_flops,
+        numerator=side("meshax", c["meshax_bytes"], "bytes"),
+        denominator=side("plain-JAX twin", c["twin_bytes"], "bytes"),
+        flops=(c["meshax_flops"], c["twin_flops"]),
+    )
+
+
 def _fits_error(err: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(err) or "out of memory" in str(err).lower()
 
@@ -280,8 +347,10 @@ def run(quick: bool) -> list[dict]:
     import jax
 
     device = jax.devices()[0]
+    costed = cost_record(COSTED_QUICK if quick else COSTED, device.platform)
     if device.platform != "gpu":
         return [
+            costed,
             record(
                 6,
                 "GPU benchmarks",
@@ -290,7 +359,7 @@ def run(quick: bool) -> list[dict]:
                 "",
                 status="skipped: no GPU",
                 note="skipped: no GPU",
-            )
+            ),
         ]
     kind = device.device_kind
     table_peak, measured_peak = peak_tflops(kind), matmul_tflops()
@@ -299,6 +368,7 @@ def run(quick: bool) -> list[dict]:
     )
     peak = table_peak or measured_peak
     out = [
+        costed,
         record(
             6,
             "bf16 matmul peak, measured",
@@ -306,7 +376,7 @@ def run(quick: bool) -> list[dict]:
             measured_peak,
             "TFLOP/s",
             table_peak=table_peak,
-        )
+        ),
     ]
     targets = {"350M": 0.45, "1.3B": 0.58}
     sizes = SIZES[:1] if quick else SIZES + LARGER

@@ -59,7 +59,9 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
     monkeypatch.setattr(gpu, "twin_step", twin_step_or_out_of_memory)
     monkeypatch.setattr(gpu, "SIZES", [broken, TINY, twinless])
     monkeypatch.setattr(gpu, "LARGER", [])
-    records = gpu.run(quick=False)
+    monkeypatch.setattr(gpu, "COSTED", TINY)
+    costed, *records = gpu.run(quick=False)
+    assert costed["name"].startswith("compiled step's bytes accessed")
     names = [r["name"] for r in records]
     assert names == [
         "bf16 matmul peak, measured",
@@ -77,6 +79,17 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
     assert mfu["config"]["measured_peak_tflops"] == 500.0
     assert "RESOURCE_EXHAUSTED" in no_twin["note"] and no_twin["value"] is None
     assert mfu_alone["value"] > 0 and mfu_alone["twin_mfu"] is None and mfu_alone["met"] is False  # target 45%
+
+
+def test_without_a_gpu_the_two_compiled_steps_are_costed_and_the_timings_skipped(monkeypatch):
+    """On the CPU, section 6 compares the two compiled steps by XLA's cost analysis: meshax's
+    accesses no more bytes than the twin's, at the same FLOPs (to 1%)."""
+    costed, skipped = gpu.run(quick=True)  # (a tiny model)
+    assert skipped["status"] == "skipped: no GPU"
+    assert costed["met"] is True and 0 < costed["value"] <= 1.0
+    assert costed["value"] == pytest.approx(costed["numerator"]["value"] / costed["denominator"]["value"])
+    meshax_flops, twin_flops = costed["flops"]
+    assert meshax_flops == pytest.approx(twin_flops, rel=0.01)
 
 
 def test_the_parts_of_a_step_are_each_timed_or_say_why_not(monkeypatch):

@@ -96,7 +96,9 @@ def test_section5_no_counter_mismatch(results):
         assert r["value"] == 0 and r["mismatched"] == [], r["summary"]
 
 
-def test_section6_says_skipped_without_gpu(results):
-    (r,) = by_section(results, 6)
+def test_section6_costs_both_compiled_steps_and_says_skipped_without_gpu(results):
+    costed, *timed = by_section(results, 6)
+    assert costed["name"].startswith("compiled step's bytes accessed") and costed["met"] is True
     if results["machine"]["platform"] != "gpu":
+        (r,) = timed
         assert r["status"] == "skipped: no GPU" and r["value"] is None

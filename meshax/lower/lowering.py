@@ -473,6 +473,11 @@ class LoweredFunction:
         host arrays by name (`feeds`) or global jax.Arrays by placeholder (`global_feeds`)."""
         return self._compiled(feeds, seed, global_feeds).as_text()
 
+    def cost_analysis(self, feeds: Mapping | None = None, seed: int = 0) -> dict[str, float]:
+        """XLA's cost analysis of the compiled program ("flops", "bytes accessed", ...)."""
+        cost = self._compiled(feeds, seed).cost_analysis()
+        return dict(cost[0] if isinstance(cost, list) else cost)
+
     def peak_memory_bytes(self, feeds: Mapping | None = None, seed: int = 0) -> int:
         """What the compiled program needs on one device at its peak, by XLA's memory analysis:
         arguments, outputs and temporaries, less the outputs that reuse donated arguments."""
