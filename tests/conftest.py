@@ -63,7 +63,8 @@ def pytest_configure(config):
 # The placement backend runs a program per device (~2-5 s per case set here): where a test
 # is parametrized over the canonical layouts, it runs the one that splits two dims over both mesh
 # dims (every collective it has is an independent check of SIMD's; with nothing split it has none)
-# and SIMD runs them all. The fuzzer runs the placement backend on random layouts.
+# and SIMD runs them all. A test with no layout parameter runs on both backends. The fuzzer runs
+# the placement backend on random layouts.
 PLACEMENT_LAYOUTS = {"b:rows;d:cols"}
 
 
@@ -71,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
     keep, drop = [], []
     for item in items:
         params = item.callspec.params if hasattr(item, "callspec") else {}
-        canonical = params.get("layout", "") in LAYOUTS
+        canonical = "layout" in params and params["layout"] in LAYOUTS
         placement = params.get("impl_cls") is mx.PlacementMeshImpl
         (drop if placement and canonical and params.get("layout", "") not in PLACEMENT_LAYOUTS else keep).append(item)
     if drop:
