@@ -164,3 +164,14 @@ def test_the_gradient_reuses_the_forwards_kernel_call(monkeypatch, impl_cls):
     assert once > 0 and len(calls) == 2 * once
     for a, b in zip(reused, again):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    # a graph without the gradient (decoding) runs the forward-only kernel: nothing kept
+    kept = []
+    monkeypatch.setattr(LoweringContext, "remember", lambda *a: kept.append(a))
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    q = mx.placeholder(mesh, "q", [BATCH, LENGTH, HEADS, D_KV])
+    k = mx.placeholder(mesh, "k", [BATCH, MEMORY, HEADS, D_KV])
+    feeds = {q: feeds[next(t for t in feeds if t.name == "q")], k: feeds[next(t for t in feeds if t.name == "k")]}
+    alone = run([mx.fused_attention(q, k, k, D_KV, HEADS, causal=True)], impl_cls, "rows:2;cols:4", "b:rows", feeds)
+    assert not kept
+    np.testing.assert_allclose(alone[0], reused[0], rtol=1e-6, atol=1e-6)

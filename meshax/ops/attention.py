@@ -8,10 +8,12 @@ communication. Masks stay masks: `causal` is the kernel's own flag, and a boolea
 keys a query may see, e.g. [batch, memory_length] for padding) is broadcast per device, never
 turned into a float bias over the whole [length, memory_length].
 
-The forward runs as `jax.vjp` of the kernel, and the gradient op applies that pullback (cuDNN's
-saved softmax statistics, or XLA's probabilities) when it gets the very same q, k, v slices in the
-same program; otherwise (resharded in between, or traced apart) it runs `jax.vjp` again. XLA does
-not merge the two: cuDNN's forward is a different call with and without the statistics.
+Where the graph differentiates it, the forward runs as `jax.vjp` of the kernel, and the gradient
+op applies that pullback (cuDNN's saved softmax statistics, or XLA's probabilities) when it gets
+the very same q, k, v slices in the same program; otherwise (resharded in between, or traced
+apart) it runs `jax.vjp` again. XLA does not merge the two: cuDNN's forward is a different call
+with and without the statistics. A graph without its gradient (decoding) runs the forward-only
+kernel.
 
 FLOPs are counted as the einsum attention counts its two matmuls (4 x queries x keys x d_kv per
 head) and, for the gradient, its four; cuDNN's backward recomputes the softmax from its
@@ -151,9 +153,13 @@ class AttentionOperation(SlicewiseOperation):
         )
         self.differentiable = True
         self._kernel, self._dims = kernel, dims
+        self._differentiated = False  # (set when the gradient op is built)
 
     def _fn_slices(self, ctx, local, vals):
-        """The output, as `jax.vjp` of the kernel; its pullback is kept for the gradient op."""
+        """The output; where the graph has this op's gradient, as `jax.vjp` of the kernel, its
+        pullback kept for the gradient op (elsewhere, decoding say, the forward-only kernel)."""
+        if not self._differentiated:
+            return super()._fn_slices(ctx, local, vals)
 
         def forward(q, k, v, *mask):
             return jax.vjp(lambda q, k, v: self._kernel(q, k, v, *mask), q, k, v)
@@ -167,6 +173,7 @@ class AttentionOperation(SlicewiseOperation):
         if g is None:
             return [None] * len(self.inputs)
         op = AttentionGradOperation(self, g)
+        self._differentiated = True
         return [*op.outputs, *([None] if len(self.inputs) == 4 else [])]
 
 
