@@ -159,19 +159,23 @@ def _norm(x, scale, bias):
     return y.astype(x.dtype)
 
 
+def wide_logits(y, table):
+    """y [b, t, m] bfloat16 times the float32 table cast to bfloat16, summed into float32 logits
+    (`jax.grad` of it feeds the float32 gradient to both gradient matmuls: float32 matmuls)."""
+    import jax.numpy as jnp
+
+    return jnp.einsum("btm,vm->btv", y, table.astype(y.dtype), preferred_element_type=jnp.float32)
+
+
 def narrow_gradient_logits():
-    """logits(y, table): y [b, t, m] bfloat16 times the float32 table cast to bfloat16, summed into
-    float32 logits; the gradient comes back at bfloat16 width first, as meshax's wide einsums pass
-    theirs, so both gradient matmuls are bfloat16 ones (jax.grad of the einsum feeds them the
-    float32 gradient: float32 matmuls); the table's gradient is summed in float32."""
+    """`wide_logits` whose gradient comes back at bfloat16 width first, as meshax's wide einsums
+    pass theirs, so both gradient matmuls are bfloat16 ones; the table's gradient is summed in
+    float32."""
     import jax
     import jax.numpy as jnp
 
-    def logits(y, table):
-        return jnp.einsum("btm,vm->btv", y, table.astype(y.dtype), preferred_element_type=jnp.float32)
-
     def forward(y, table):
-        return logits(y, table), (y, table)
+        return wide_logits(y, table), (y, table)
 
     def backward(saved, g):
         y, table = saved
@@ -179,7 +183,7 @@ def narrow_gradient_logits():
         dy = jnp.einsum("btv,vm->btm", g, table.astype(y.dtype))
         return dy, jnp.einsum("btv,btm->vm", g, y, preferred_element_type=jnp.float32)
 
-    rule = jax.custom_vjp(logits)
+    rule = jax.custom_vjp(wide_logits)
     rule.defvjp(forward, backward)
     return rule
 

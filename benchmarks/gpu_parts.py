@@ -84,10 +84,8 @@ def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
 
     def head(narrow_gradient: bool):
         def loss(y, table):
-            if narrow_gradient:  # the twin's (and meshax's) logits: bfloat16 gradient matmuls
-                logits = gpu.narrow_gradient_logits()(y, table)
-            else:  # jax.grad of the einsum: float32 gradient matmuls
-                logits = jnp.einsum("btm,vm->btv", y, table.astype(bf), preferred_element_type=f32)
+            # the twin's (and meshax's) logits, bfloat16 gradient matmuls; or jax.grad's, float32 ones
+            logits = (gpu.narrow_gradient_logits() if narrow_gradient else gpu.wide_logits)(y, table)
             xent = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, ids[..., None], -1)[..., 0]
             return jnp.sum(xent * weights) / jnp.sum(weights)
 

@@ -48,6 +48,11 @@ def count_reads(ops: Sequence[Operation], outputs: Sequence[Tensor] = ()) -> dic
     return reads
 
 
+def _memo_key(what: str, xs: list, args: tuple = ()) -> tuple:
+    """A memo's key: what, the identities of the very slices (kept alive beside it), and args."""
+    return (what, tuple(id(x) for x in xs), args)
+
+
 class LoweringContext:
     def __init__(
         self,
@@ -146,18 +151,18 @@ class LoweringContext:
         """make(), computed once per (what, slices, args) in a program: a second op that needs
         the same masked slices or halo (a convolution's gradient, say) reuses the first's, so
         the counters record each collective once, as XLA runs it once."""
-        key = (what, tuple(id(x) for x in xs), args)
+        key = _memo_key(what, xs, args)
         if key not in self._memo:
             self._memo[key] = (xs, make())  # (xs kept alive: their ids stay theirs)
         return self._memo[key][1]
 
     def remember(self, what: str, xs: list, value) -> None:
         """Keep `value` for a later op of this program given the very same slices `xs` (`recall`)."""
-        self._memo[(what, tuple(id(x) for x in xs), ())] = (xs, value)
+        self._memo[_memo_key(what, xs)] = (xs, value)
 
     def recall(self, what: str, xs: list):
         """What `remember` kept for these very slices, or None (other slices: resharded, recomputed)."""
-        entry = self._memo.get((what, tuple(id(x) for x in xs), ()))
+        entry = self._memo.get(_memo_key(what, xs))
         return None if entry is None else entry[1]
 
     def masked(self, x: LaidOutTensor, shape, dims, fill) -> LaidOutTensor:
