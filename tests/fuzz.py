@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import meshax as mx
+from meshax.layout.propagate import Propagation
 
 MESHES = ["all:1", "all:2", "all:4", "all:8", "rows:2;cols:4", "rows:4;cols:2", "rows:2;cols:2", "x:2;y:2;z:2"]
 SIZES = [1, 2, 3, 4, 5, 7, 8]  # 3, 5 and 7 split unevenly (padded) over most mesh dims
@@ -721,8 +722,26 @@ def check(program: Program, impl_cls, rules: str) -> None:
     check_annotations(lowering)
 
 
+class FullSweeps(Propagation):
+    """Propagation without its worklist: every sweep visits every op, in both directions. The
+    worklist must give the same plan, origins included (it visits only the ops that could change)."""
+
+    def _sweep(self, level: int) -> bool:
+        self._due = {direction: set(range(len(self._ops))) for direction in (False, True)}
+        return super()._sweep(level)
+
+
+def same_as_full_sweeps(plan) -> None:
+    prop = plan.propagation
+    full = FullSweeps(prop.operations, plan.rules, plan.mesh_shape, plan.weights)
+    for t, axes in prop.axes.items():
+        assert (axes, prop.origin[t]) == (full.axes[t], full.origin[t]), f"{t.name}: the worklist's plan differs"
+
+
 def check_annotations(lowering) -> None:
-    """Propagation kept every annotation and reached a fixed point (one more sweep changes nothing)."""
+    """Propagation kept every annotation, gave the plan that full sweeps give, and reached a fixed
+    point (one more full sweep changes nothing)."""
+    same_as_full_sweeps(lowering.plan)
     prop = lowering.plan.propagation
     for op in lowering.graph.operations:
         if getattr(op, "annotation", None) is None:

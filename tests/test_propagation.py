@@ -221,3 +221,30 @@ def test_priorities_settle_lower_ones_first():
     assert "priority 1" in low.explain()
     xv, wv = rand([8, 4], 1), rand([4, 8], 2)
     assert_close(low.function(h)({"x": xv, "w": wv}), np.maximum(xv @ wv, 0))
+
+
+@pytest.mark.parametrize(
+    "mesh,layout,weight_layout,config",
+    [
+        ("x:2;y:4", "", None, {"sharding": "gspmd-2d-attempt1"}),
+        ("rows:2;cols:4", "batch:rows", "d_model:cols", {}),  # weights split one way, activations another
+        ("x:2;y:4", "", None, {"sharding": "gspmd-2d-finalized"}),  # annotations, the rest propagated
+        ("stage:2;x:2;y:2", "stage:stage", None, {"sharding": "gspmd-2d-finalized", "pipeline_stages": 2}),  # a loop
+    ],
+)
+def test_the_worklist_plans_a_training_step_as_full_sweeps_do(mesh, layout, weight_layout, config):
+    """Propagation visits only the ops next to a tensor that changed (and, as the level rises,
+    the ops with pairs at it); sweeping every op every time gives the same plan and origins."""
+    from meshax.models.transformer import TransformerConfig
+    from meshax.optimize import AdamWeightDecayOptimizer
+    from meshax.train import LmTask
+    from meshax.train.loop import build
+    from tests.fuzz import same_as_full_sweeps
+
+    model = TransformerConfig(vocab_size=32, d_model=16, d_ff=32, num_heads=4, d_kv=4, num_layers=2, **config)
+    task = LmTask(model=model, source="markov", markov_vocab=32, batch_size=8, length=8, sharding=model.sharding)
+    lowering, _, _ = build(
+        task, mesh, layout, "simd", AdamWeightDecayOptimizer(1e-3), compile=False, weight_layout=weight_layout
+    )
+    assert any(o.startswith("propagated") for origins in lowering.plan.propagation.origin.values() for o in origins)
+    same_as_full_sweeps(lowering.plan)

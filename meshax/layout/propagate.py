@@ -6,9 +6,11 @@ The passes, in the order they run (`make_plan`):
      an annotation with a priority p > 0 joins later, after everything before it has
      propagated to a fixed point (Shardy's p0, p1: annotate the batch first, then the model);
      ops may keep some dims of their outputs whole (fixed, replicated);
-  3. propagation: every other dim is *open*. Iterative forward and backward sweeps over the
-     whole graph (gradient and optimizer ops included) carry each factor's split from tensor
-     to tensor through the op sharding rules until nothing changes. Priorities: elementwise ops
+  3. propagation: every other dim is *open*. Iterative backward and forward sweeps over the
+     graph (gradient and optimizer ops included) carry each factor's split from tensor to
+     tensor through the op sharding rules until nothing changes; a sweep visits, in graph
+     order, only the ops that could carry something new (a worklist: those next to a tensor
+     that changed since they last ran), with the result of sweeping every op. Priorities: elementwise ops
      first, then ops that remove dims or contract (einsum, reductions), and last forward
      through ops that add dims (broadcast), which are preferred backward. A split is only ever
      refined (an open dim grows a longer split that extends the one it has), never overwritten,
@@ -20,6 +22,7 @@ Every dim remembers where its split came from, for `Lowering.explain`.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -110,8 +113,15 @@ class Propagation:
                     self._initial(t, rules)
         # A loop's boundary (`propagation_links`): its carries and scanned slices inside and the
         # tensors outside they stand for are tied by name, as an identity op ties them.
-        self.operations += [_Link(a, b, whole) for op in self.operations for a, b, whole in _links(op)]
-        self._rules = {op: rule_of(op) for op in self.operations}
+        self._ops = self.operations + [_Link(a, b, whole) for op in self.operations for a, b, whole in _links(op)]
+        self._rules = {op: rule_of(op) for op in self._ops}
+        self._sources: dict[tuple, list] = {}  # (op, target factors, direction, level) -> `_factor_splits`' tensors
+        self._users: dict = {}  # tensor -> the indices (in `_ops`) of the ops that read or write it
+        for j, op in enumerate(self._ops):
+            for t in {*op.inputs, *op.outputs}:
+                self._users.setdefault(t, []).append(j)
+        self._tops = {d: [self._top(op, d) for op in self._ops] for d in (False, True)}
+        self._running: tuple | None = None  # the pass under way: (direction, op index, its heap, its queue)
         self._run()
         for priority in sorted(later):  # Shardy's p1, p2 ...: each round propagates to a fixed point
             for t in later[priority]:
@@ -164,11 +174,14 @@ class Propagation:
         """factor -> (mesh axes, the tensor it came from): the finest compatible split among the
         op's tensors that may reach `target` at this level, fixed ones first, then in
         operand/result order."""
-        tensors = [
-            (t, fs)
-            for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
-            if t in self.axes and self._level(rule, fs, target, to_results) <= level
-        ]
+        key = (op, target, to_results, level)
+        if key not in self._sources:  # (which tensors may reach the target is fixed: worked out once)
+            self._sources[key] = [
+                (t, fs)
+                for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
+                if t in self.axes and self._level(rule, fs, target, to_results) <= level
+            ]
+        tensors = self._sources[key]
         found: dict[str, tuple] = {}
         for want_fixed in (True, False):
             for t, factors in tensors:
@@ -192,17 +205,18 @@ class Propagation:
             take.append(m)
         return tuple(take)
 
+    def _top(self, op, to_results: bool) -> int:
+        """The highest `_level` of the op's (source, target) pairs in this direction: at any level
+        above it, the op carries what it carries at it."""
+        rule = self._rules[op]
+        ins, outs = list(zip(op.inputs, rule.operands)), list(zip(op.outputs, rule.results))
+        targets = [fs for t, fs in (outs if to_results else ins) if t in self.axes]
+        same = len({frozenset(fs) for t, fs in ins + outs if t in self.axes}) == 1
+        if not targets or (same and all(None not in fs for fs in targets)):
+            return 0
+        return 2 if to_results and rule.adds_factors else 1
+
     def _through(self, op, to_results: bool, level: int) -> bool:
-        # What this returns depends only on the op's tensors: where none changed since the op last
-        # ran at this level in this direction, it changes nothing again (skipped, same result).
-        seen = self._seen.get((op, to_results))
-        if (
-            seen is not None
-            and seen[0] == level
-            and all(self._stamp.get(t, 0) <= seen[1] for t in (*op.inputs, *op.outputs))
-        ):
-            return False
-        self._seen[op, to_results] = (level, self._clock)
         rule = self._rules[op]
         targets = zip(op.outputs, rule.results) if to_results else zip(op.inputs, rule.operands)
         changed = False
@@ -221,28 +235,61 @@ class Propagation:
                     self.origin[t][i] = (
                         f"propagated {'forward' if to_results else 'backward'} through {op.name} from {source.name}"
                     )
-                    self._clock += 1
-                    self._stamp[t] = self._clock
+                    self._changed(t)
                     changed = True
         return changed
 
-    def sweep(self, level: int = 2) -> bool:
-        """One backward and one forward sweep through ops of priority <= level; whether anything
-        changed. (Backward first: a variable then takes its split from the annotated read of it,
-        not from its update at the end of the graph, which `explain` reports.)"""
+    # ---- the sweeps ---------------------------------------------------------------------------
+    # What an op carries in one direction depends only on its tensors and on which of its pairs
+    # the level admits. So a sweep visits only the ops due in that direction (a worklist): those
+    # next to a tensor that changed since they last ran, and, when the level rises, those with
+    # pairs at the new level. It visits them in the order a full sweep would, and an op due ahead
+    # of the one running joins this sweep, so the result is a full sweep's, visit for visit.
+    def _changed(self, t) -> None:
+        ahead = self._running
+        for j in self._users[t]:
+            for direction in (False, True):
+                if ahead is not None and direction == ahead[0] and (j > ahead[1] if direction else j < ahead[1]):
+                    if j not in ahead[3]:
+                        ahead[3].add(j)
+                        heapq.heappush(ahead[2], j if direction else -j)
+                else:
+                    self._due[direction].add(j)
+
+    def _pass(self, to_results: bool, level: int) -> bool:
+        """Op by op, in graph order forward (reverse order backward), those due in this direction."""
+        queued, self._due[to_results] = self._due[to_results], set()
+        heap = [j if to_results else -j for j in queued]
+        heapq.heapify(heap)
         changed = False
-        for op in reversed(self.operations):
-            changed |= self._through(op, False, level)
-        for op in self.operations:
-            changed |= self._through(op, True, level)
+        while heap:
+            j = abs(heapq.heappop(heap))
+            queued.discard(j)
+            self._running = (to_results, j, heap, queued)
+            changed |= self._through(self._ops[j], to_results, level)
+        self._running = None
         return changed
 
+    def _sweep(self, level: int) -> bool:
+        """One backward and one forward pass through the ops due; whether anything changed.
+        (Backward first: a variable then takes its split from the annotated read of it, not from
+        its update at the end of the graph, which `explain` reports.)"""
+        changed = self._pass(False, level)
+        return self._pass(True, level) | changed
+
+    def sweep(self, level: int = 2) -> bool:
+        """One full sweep, every op in both directions; whether anything changed (after
+        propagation nothing does: the fuzzer checks it)."""
+        self._due = {direction: set(range(len(self._ops))) for direction in (False, True)}
+        return self._sweep(level)
+
     def _run(self) -> None:
-        self._seen: dict[tuple, tuple[int, int]] = {}  # (op, direction) -> (level, clock) when it last ran
-        self._stamp: dict = {}  # tensor -> clock when it last changed
-        self._clock = 0
+        self._due = {direction: set(range(len(self._ops))) for direction in (False, True)}
         for level in (0, 1, 2):
-            while self.sweep(level):
+            if level:  # (an op whose pairs are all at lower levels carries nothing new)
+                for direction in (False, True):
+                    self._due[direction] |= {j for j, top in enumerate(self._tops[direction]) if top >= level}
+            while self._sweep(level):
                 pass
 
     # ---- results ------------------------------------------------------------------------------

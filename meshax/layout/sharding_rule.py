@@ -223,6 +223,16 @@ def rule_of(op) -> ShardingRule:
     """The op's own rule (`op.sharding_rule()`), or the rule by dim name, with the dims it
     names in `whole_dims` kept whole, those in `windows` ((name, halo width) pairs) windowed,
     and those in `cyclic` wrapping around."""
+    rule = _RULES.get(op)
+    if rule is None:  # (an op's rule is fixed when it is made: worked out once, a search asks hundreds of times)
+        rule = _RULES[op] = _own_rule(op)
+    return rule
+
+
+_RULES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # op -> its ShardingRule
+
+
+def _own_rule(op) -> ShardingRule:
     own = getattr(op, "sharding_rule", None)
     if own is not None:
         return own()
