@@ -28,6 +28,6 @@ def test_the_port_computes_mesh_tensorflows_losses():
 
 
 def test_the_port_trains_to_95_percent_on_the_digits():
-    losses, accuracy = port.train(500)
+    losses, accuracy = port.train(400)  # (0.970 after 400 steps; 0.973 after the example's 500)
     assert losses[-1] < 0.5 * losses[0]
     assert accuracy >= 0.95, accuracy
