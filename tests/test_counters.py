@@ -82,6 +82,25 @@ def test_einsum_contracting_split_dim_allreduces_once(impl_cls):
     _check_hlo(fn, feeds, impl_cls)
 
 
+@impls
+def test_a_function_traces_its_program_once_on_simd_and_counts_what_runs(impl_cls, monkeypatch):
+    """SIMD compiles the very trace that filled the counters (one run of the lowering code for
+    the function, however often it is called); the placement backend runs the code on every
+    call, and counts from an abstract trace of its own."""
+    from meshax.lower import lowering as lowering_module
+
+    runs = []
+    context = lowering_module.LoweringContext
+    monkeypatch.setattr(lowering_module, "LoweringContext", lambda *a: runs.append(1) or context(*a))
+    x, w, y, _ = _einsum_graph()
+    low, fn = lower(y, impl_cls, layout="h:cols")
+    assert len(runs) == 1  # (the counters' trace, before anything runs)
+    for _ in range(2):
+        assert_close(fn({x: XV, w: WV}), XV.astype(np.float64) @ WV)
+    assert len(runs) == (1 if impl_cls is mx.SimdMeshImpl else 3)
+    assert _counts(fn.counters) == _counts(low.trace_step([y])) and fn.counters["allreduce"].count == 1
+
+
 def test_einsum_counters_same_on_both_impls():
     results = []
     for impl_cls in IMPLS:

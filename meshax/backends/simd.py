@@ -124,10 +124,12 @@ class SimdMeshImpl(MeshImpl):
             ],
         )
 
+    compile_traces_once = True
+
     def compile(self, body, in_specs, out_specs, donate=()):
         in_sh = [self.named_sharding(lay) for _, _, lay in in_specs]
         # Explicit in_shardings: host arrays go straight to their shards, and values already laid
-        # out (the variables) are passed through without a copy, by JAX's C++ dispatch path.
+        # out (the variables) are passed through without a copy.
         fn = jax.jit(
             jax.shard_map(
                 self._local(body),
@@ -139,10 +141,15 @@ class SimdMeshImpl(MeshImpl):
             in_shardings=(NamedSharding(self.jax_mesh, P()), *in_sh),
             donate_argnums=tuple(1 + i for i in donate),
         )
-        if jax.process_count() > 1:  # jit takes a host array only whole on each process: make it global
-            return _SimdRunner(fn, lambda args: self._global_arrays(args, in_specs))
+        # Traced once, now (the body records its collectives as it goes), compiled on first use.
+        traced = fn.trace(
+            jax.ShapeDtypeStruct((), jnp.uint32, sharding=NamedSharding(self.jax_mesh, P())),
+            *[jax.ShapeDtypeStruct(self.padded_shape(spec), spec[1], sharding=s) for spec, s in zip(in_specs, in_sh)],
+        )
+        if jax.process_count() > 1:  # a program takes a host array only whole on each process: make it global
+            return _SimdRunner(traced, lambda args: self._global_arrays(args, in_specs))
         uneven = {i: spec for i, spec in enumerate(in_specs) if padded_dims(spec[0], spec[2], self.shape)}
-        return _SimdRunner(fn, lambda args: self._padded_host_arrays(args, uneven))
+        return _SimdRunner(traced, lambda args: self._padded_host_arrays(args, uneven))
 
     def _padded_host_arrays(self, args: list, uneven: dict[int, tuple]) -> list:
         """Host arrays (logical) padded where their layout's split does not divide."""
@@ -156,12 +163,15 @@ class SimdMeshImpl(MeshImpl):
 
 
 class _SimdRunner:
-    def __init__(self, fn, prepare):
-        self._fn = fn
+    def __init__(self, traced, prepare):
+        self._traced = traced
         self._prepare = prepare
+        self._compiled = None
 
     def __call__(self, args, seed):
-        return list(self._fn(np.uint32(seed), *self._prepare(args)))
+        return list(self.compiled(args, seed)(np.uint32(seed), *self._prepare(args)))
 
     def compiled(self, args, seed):
-        return self._fn.lower(np.uint32(seed), *self._prepare(args)).compile()
+        if self._compiled is None:
+            self._compiled = self._traced.lower().compile()
+        return self._compiled

@@ -304,12 +304,14 @@ class LoweredFunction:
         self.outputs = outs
         self.updates = updates
         self.counters = Counters()
-        # The counters come from an abstract trace, before anything runs; the compiled program is
-        # traced again from the same code, so it emits exactly the collectives recorded here.
+        # The counters are filled before anything runs: by the trace of the program itself where
+        # the backend compiles one trace (SIMD), else by an abstract trace of the same code, which
+        # emits exactly the collectives the program runs.
         self.ops, self.inputs, self._updated, body = lowering._program(outs, updates, self.counters)
         specs = [lowering._spec(t) for t in self.inputs]
-        lowering.impl.trace(body, specs)
-        body = lowering._body(self.ops, self.inputs, outs, self._updated, Counters())
+        if not lowering.impl.compile_traces_once:
+            lowering.impl.trace(body, specs)
+            body = lowering._body(self.ops, self.inputs, outs, self._updated, Counters())
         out_specs = [lowering._spec(v.outputs[0]) for v in self._updated] + [lowering._spec(t) for t in outs]
         donated = set(donate)
         consumed = [i for i, t in enumerate(self.inputs) if t.operation in self._updated or t in donated]

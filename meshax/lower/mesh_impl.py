@@ -351,6 +351,11 @@ class MeshImpl:
         raise NotImplementedError
 
     # ---- execution, provided by each backend -------------------------------------------------
+    # Whether `compile` traces `body` once, before it returns, and runs only that trace (SIMD):
+    # the collectives the body records then are the program's. Where not (placement: the body
+    # runs on every call), the program's counters come from a `trace` of their own.
+    compile_traces_once = False
+
     def compile(self, body: Callable, in_specs: list, out_specs: list, donate: Sequence[int] = ()) -> Runner:
         """A runner: `runner(values, seed) -> values`, running `body` on the slices.
 
