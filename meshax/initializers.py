@@ -4,7 +4,8 @@ They are small frozen dataclasses, equal when their parameters are, so meshax co
 initializer program per (initializer, shape, dtype, sharding) and reuses it for every layer.
 meshax runs them under `jax.jit` with the variable's `NamedSharding` as output sharding; with
 JAX's partitionable threefry the numbers do not depend on the layout, and each device makes
-only its own slice (a split parameter is never materialised whole). Any function with the
+only its own slice (a split parameter is never materialised whole). A small variable (at most
+2**20 values) is made whole on one device and then split: one program for every layout. Any function with the
 same signature (e.g. from `jax.nn.initializers`) works too.
 """
 

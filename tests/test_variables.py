@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 import meshax as mx
+from meshax.lower import mesh_impl
 from tests.conftest import IMPL_IDS, IMPLS
 
 io, hidden = mx.Dimension("io", 8), mx.Dimension("hidden", 16)
@@ -25,8 +26,17 @@ def one_var(init=None, dtype="float32"):
     return graph, mesh, w
 
 
+@pytest.fixture(params=["made whole", "made split"])
+def making(request, monkeypatch):
+    """Both ways a variable is made: whole and then split (at most `_MADE_WHOLE` values: one
+    program for every layout), or each device making its own slice (larger ones)."""
+    if request.param == "made split":
+        monkeypatch.setattr(mesh_impl, "_MADE_WHOLE", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("name", INITS)
-def test_initial_values_do_not_depend_on_the_layout(name):
+def test_initial_values_do_not_depend_on_the_layout(name, making):
     values = []
     for impl_cls in IMPLS:
         for mesh_shape, layout in [
@@ -57,8 +67,27 @@ def test_different_variables_and_seeds_get_different_values():
     assert not np.allclose(lo.variable_value(a), lo2.variable_value(a))
 
 
+def test_a_small_variable_is_made_by_one_program_for_every_layout(monkeypatch):
+    mesh_impl._whole_initializer_program.cache_clear()
+    values = []
+    for impl_cls, mesh_shape, layout in [
+        (mx.SimdMeshImpl, "all:8", ""),
+        (mx.PlacementMeshImpl, "rows:2;cols:4", "io:rows"),
+    ]:
+        graph, mesh, w = one_var(mx.initializers.normal())
+        values.append(mx.Lowering(graph, {mesh: impl_cls(mesh_shape, layout)}).variable_value(w))
+    info = mesh_impl._whole_initializer_program.cache_info()
+    assert (info.misses, info.hits) == (1, 1)
+    monkeypatch.setattr(mesh_impl, "_MADE_WHOLE", 0)  # made split, each device its slice: the same numbers
+    graph, mesh, w = one_var(mx.initializers.normal())
+    values.append(mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "io:rows;hidden:cols")}).variable_value(w))
+    for v in values[1:]:
+        np.testing.assert_array_equal(v, values[0])
+
+
 @pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
-def test_split_variable_is_a_sharded_global_array_never_whole_on_a_device(impl_cls):
+def test_split_variable_is_a_sharded_global_array_never_whole_on_a_device(impl_cls, monkeypatch):
+    monkeypatch.setattr(mesh_impl, "_MADE_WHOLE", 0)  # (as a variable too large to be made whole is)
     graph, mesh, w = one_var(mx.initializers.normal())
     impl = impl_cls("rows:2;cols:4", "io:rows;hidden:cols")
     lo = mx.Lowering(graph, {mesh: impl})

@@ -39,18 +39,26 @@ from meshax.lower.padding import logical_rows, pad, padded_dims, unpad
 REDUCE_SCATTER_AS = ("reduce_scatter", "allreduce")
 
 
+def _made(init: Callable, key, shape: Shape, dtype):
+    # made at the logical shape, so the numbers do not depend on the layout
+    dims = tuple(shape.to_integer_list)
+    value = init(key, dims, dtype)
+    if tuple(jnp.shape(value)) != dims:
+        raise ConfigError(f"its initializer {init!r} made an array of shape {jnp.shape(value)}, not {dims}")
+    return jnp.asarray(value, dtype)
+
+
 @functools.lru_cache(maxsize=1024)
 def _initializer_program(init: Callable, shape: Shape, dtype, layout: TensorLayout, mesh_shape: Shape, sharding):
-    # made at the logical shape, so the numbers do not depend on the layout, then padded
-    dims = tuple(shape.to_integer_list)
+    return jax.jit(lambda key: pad(_made(init, key, shape, dtype), shape, layout, mesh_shape), out_shardings=sharding)
 
-    def make(key):
-        value = init(key, dims, dtype)
-        if tuple(jnp.shape(value)) != dims:
-            raise ConfigError(f"its initializer {init!r} made an array of shape {jnp.shape(value)}, not {dims}")
-        return pad(jnp.asarray(value, dtype), shape, layout, mesh_shape)
 
-    return jax.jit(make, out_shardings=sharding)
+@functools.lru_cache(maxsize=1024)
+def _whole_initializer_program(init: Callable, shape: Shape, dtype):
+    return jax.jit(lambda key: _made(init, key, shape, dtype))
+
+
+_MADE_WHOLE = 1 << 20  # a variable of at most this many values is made whole and then laid out
 
 
 @functools.lru_cache(maxsize=1024)
@@ -321,8 +329,15 @@ class MeshImpl:
     def initialize(self, init: Callable, key, spec: tuple):
         """A variable's first value: `init(key, shape, dtype)` under jit with the layout's sharding
         as output, so each device makes only its slice, and the numbers do not depend on the
-        layout (JAX's partitionable threefry). One compile per (init, shape, dtype, layout)."""
+        layout (JAX's partitionable threefry). One compile per (init, shape, dtype, layout); a
+        variable of at most `_MADE_WHOLE` values is made whole and then split, by one compile per
+        (init, shape, dtype) that every layout and mesh shares."""
         shape, dtype, layout = spec
+        if shape.size <= _MADE_WHOLE and jax.process_count() == 1:
+            # small: made whole on one device and then laid out, by one program whatever the layout
+            # and mesh (the same numbers: they do not depend on the layout)
+            whole = _whole_initializer_program(init, shape, np.dtype(dtype))(key)
+            return self.from_global(jax.device_put(whole, self.global_sharding(shape, layout)), spec)
         make = _initializer_program(init, shape, np.dtype(dtype), layout, self.shape, self.named_sharding(layout))
         return self.from_padded(make(key), spec)
 
