@@ -12,9 +12,10 @@ The passes, in the order they run (`make_plan`):
      order, only the ops that could carry something new (a worklist: those next to a tensor
      that changed since they last ran), with the result of sweeping every op. Priorities:
      elementwise ops first, then ops that remove dims or contract (einsum, reductions), and
-     last forward through ops that add dims (broadcast), which are preferred backward. A split is only ever
-     refined (an open dim grows a longer split that extends the one it has), never overwritten,
-     and fixed dims never change, so the sweeps reach a fixed point; they are deterministic.
+     last forward through ops that add dims (broadcast), which are preferred backward. A split
+     is only ever refined (an open dim grows a longer split that extends the one it has), never
+     overwritten, and fixed dims never change, so the sweeps reach a fixed point; they are
+     deterministic.
      Splits cross a loop's boundary (`ScanOperation.propagation_links`) as through an identity.
   4. open dims that nothing reached are replicated.
 Every dim remembers where its split came from, for `Lowering.explain`.
