@@ -727,7 +727,7 @@ class FullSweeps(Propagation):
     worklist must give the same plan, origins included (it visits only the ops that could change)."""
 
     def _sweep(self, level: int) -> bool:
-        self._due = {direction: set(range(len(self._ops))) for direction in (False, True)}
+        self._due = self._every_op()
         return super()._sweep(level)
 
 

@@ -211,11 +211,9 @@ class Propagation:
         above it, the op carries what it carries at it."""
         rule = self._rules[op]
         ins, outs = list(zip(op.inputs, rule.operands)), list(zip(op.outputs, rule.results))
-        targets = [fs for t, fs in (outs if to_results else ins) if t in self.axes]
-        same = len({frozenset(fs) for t, fs in ins + outs if t in self.axes}) == 1
-        if not targets or (same and all(None not in fs for fs in targets)):
-            return 0
-        return 2 if to_results and rule.adds_factors else 1
+        targets = {fs for t, fs in (outs if to_results else ins) if t in self.axes}
+        sources = {fs for t, fs in ins + outs if t in self.axes}  # (a pair's level is its factors')
+        return max((self._level(rule, s, fs, to_results) for fs in targets for s in sources), default=0)
 
     def _through(self, op, to_results: bool, level: int) -> bool:
         rule = self._rules[op]
@@ -281,11 +279,14 @@ class Propagation:
     def sweep(self, level: int = 2) -> bool:
         """One full sweep, every op in both directions; whether anything changed (after
         propagation nothing does: the fuzzer checks it)."""
-        self._due = {direction: set(range(len(self._ops))) for direction in (False, True)}
+        self._due = self._every_op()
         return self._sweep(level)
 
+    def _every_op(self) -> dict[bool, set[int]]:
+        return {direction: set(range(len(self._ops))) for direction in (False, True)}
+
     def _run(self) -> None:
-        self._due = {direction: set(range(len(self._ops))) for direction in (False, True)}
+        self._due = self._every_op()
         for level in (0, 1, 2):
             if level:  # (an op whose pairs are all at lower levels carries nothing new)
                 for direction in (False, True):
