@@ -6,7 +6,9 @@ gradient comes back through bfloat16 matmuls, cuDNN attention through
 `jax.nn.dot_product_attention`, and Adam; the twin starts from meshax's initial weights, so their
 first losses agree (checked, to bfloat16 tolerance). Both are timed in one run, each alone on
 the device (meshax's arrays freed before the twin's are made): a size is measured when each side
-fits alone, and meshax's numbers are kept where only the twin runs out of memory.
+fits alone, and meshax's numbers are kept where only the twin runs out of memory. Throughput is
+of steps queued as meshax's training loop queues them (each loss fetched after the next step is
+dispatched); the time of a step waited for is recorded beside it.
 Reported: TFLOP/s (3 x the forward matmul FLOPs, attention scores included, as in the issue's
 table), MFU against the device's dense bf16 peak (a table by device name, and a large bf16
 matmul measured in the same run) and meshax's throughput over the twin's.
@@ -20,15 +22,15 @@ itself runs anywhere (tests/test_benchmark_gpu.py runs a tiny size on the CPU).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import math
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from benchmarks.records import record, side
-from benchmarks.timing import first_then_median
+from benchmarks.timing import first_then_median, queued
 
 # Dense bf16 peaks (TFLOP/s, without sparsity), by a substring of jax's device_kind.
 PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
@@ -134,18 +136,29 @@ def _program(size: Lm, lr: float = 1e-4):
     return program, weights, task
 
 
+@dataclasses.dataclass
+class Stepper:
+    """One side's training step on a fixed batch, split as a training loop runs it: `dispatch()`
+    queues a step on the device and returns its loss unfetched; `fetch(loss)` waits for it."""
+
+    dispatch: Callable[[], object]
+    fetch: Callable[[object], float]
+
+    def __call__(self) -> float:
+        """One step, waited for: its loss."""
+        return self.fetch(self.dispatch())
+
+
 def meshax_step(size: Lm, lr: float = 1e-4):
-    """(step(batch) -> loss, the initial weights by variable name, the task)."""
-    import jax
-
+    """(a Stepper on the task's first batch, the initial weights by variable name, the task)."""
     program, weights, task = _program(size, lr)
-    calls = [0]
+    batch, calls = task.train_batch(0), [0]
 
-    def step(batch):
+    def dispatch():
         calls[0] += 1
-        return jax.block_until_ready(program.train_fn(batch, seed=calls[0])[0])
+        return program.train_fn.dispatch(batch, seed=calls[0])
 
-    return step, weights, task
+    return Stepper(dispatch, lambda outputs: float(program.train_fn.fetch(outputs)[0])), weights, task
 
 
 # ---- the plain-JAX twin ----------------------------------------------------------------------
@@ -234,37 +247,54 @@ def _twin_update(size: Lm, lr: float, implementation):
     return update, optimizer
 
 
-def twin_step(size: Lm, weights: dict, lr: float = 1e-4, implementation=None):
+def twin_step(size: Lm, weights: dict, batch: dict, lr: float = 1e-4, implementation=None) -> Stepper:
     import jax
 
     params = {k: jax.device_put(v) for k, v in weights.items()}
     update, optimizer = _twin_update(size, lr, implementation)
     state = [params, optimizer.init(params)]
 
-    def step(batch):
+    def dispatch():
         state[0], state[1], loss = update(state[0], state[1], batch["ids"], batch["targets"], batch["weights"])
-        return jax.block_until_ready(loss)
+        return loss
 
-    return step
+    return Stepper(dispatch, lambda loss: float(np.asarray(loss)))
+
+
+def timed(stepper: Stepper, steps: int, warmup: int) -> dict:
+    """The first step's loss and seconds (compile and run); then seconds per step, the median of
+    two rounds of `steps` steps queued as meshax's training loop queues them (each loss fetched
+    after the next step is dispatched: the host's work hides behind the device's), and the median
+    of `steps` steps each waited for (the host's work adds to the device's)."""
+    first, first_s, waited = first_then_median(stepper, steps, warmup)
+    return {
+        "first": first,
+        "first_s": first_s,
+        "queued_s": queued(stepper.dispatch, stepper.fetch, steps, rounds=2),
+        "waited_s": waited,
+    }
 
 
 def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
     """meshax's step and the twin's, from the same weights, each timed alone: meshax's arrays are
     freed before the twin's are made, and a twin that does not fit leaves meshax's numbers (its
     fields None, `twin_error` saying why). A GPU step's time varies little from one call to the
-    next, so the two need not be interleaved."""
+    next, so the two need not be interleaved. Throughput is of queued steps (`timed`)."""
     m_step, weights, task = meshax_step(size)
     weights = {k: np.asarray(v) for k, v in weights.items()}  # on the host, to outlive meshax's arrays
-    batch = task.train_batch(0)
-    m_first, m_first_s, m_s = first_then_median(functools.partial(m_step, batch), steps, warmup)
-    m_first = float(m_first)
+    m = timed(m_step, steps, warmup)
     del m_step
     gc.collect()  # meshax's program holds reference cycles: free its arrays before the twin's
     flops = size.flops()
-    r = {"meshax_s": m_s, "meshax_tflops": flops / m_s / 1e12, "first_losses": (m_first, None), "steps": steps}
+    r = {
+        "meshax_s": m["queued_s"],
+        "meshax_tflops": flops / m["queued_s"] / 1e12,
+        "meshax_waited_s": m["waited_s"],
+        "first_losses": (m["first"], None),
+        "steps": steps,
+    }
     try:
-        t_step = functools.partial(twin_step(size, weights, implementation=implementation), batch)
-        t_first, t_first_s, t_s = first_then_median(t_step, steps, warmup)
+        t = timed(twin_step(size, weights, task.train_batch(0), implementation=implementation), steps, warmup)
     except Exception as err:
         if not _fits_error(err):
             raise
@@ -272,17 +302,19 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
             **r,
             "twin_s": None,
             "twin_tflops": None,
+            "twin_waited_s": None,
             "throughput_ratio": None,
-            "first_call_s": (m_first_s, None),
+            "first_call_s": (m["first_s"], None),
             "twin_error": str(err).splitlines()[0][:300],
         }
     return {
         **r,
-        "twin_s": t_s,
-        "twin_tflops": flops / t_s / 1e12,
-        "throughput_ratio": t_s / m_s,  # meshax's throughput over the twin's
-        "first_losses": (m_first, float(t_first)),  # before any update
-        "first_call_s": (m_first_s, t_first_s),
+        "twin_s": t["queued_s"],
+        "twin_tflops": flops / t["queued_s"] / 1e12,
+        "twin_waited_s": t["waited_s"],
+        "throughput_ratio": t["queued_s"] / m["queued_s"],  # meshax's throughput over the twin's
+        "first_losses": (m["first"], t["first"]),  # before any update
+        "first_call_s": (m["first_s"], t["first_s"]),
     }
 
 
@@ -394,7 +426,7 @@ def run(quick: bool) -> list[dict]:
         }
         gc.collect()  # the last size's arrays, or a failure's, freed first
         try:
-            r = measure(size, steps=5 if quick else 20, warmup=2 if quick else 3, implementation=TWIN_ATTENTION)
+            r = measure(size, steps=5 if quick else 10, warmup=2 if quick else 3, implementation=TWIN_ATTENTION)
         except Exception as err:  # one size failing must not lose the others' numbers
             what = "does not fit" if _fits_error(err) else f"failed ({type(err).__name__})"
             out.append(record(6, f"LM {size.name}: {what}", config, None, "", note=str(err).splitlines()[0][:300]))
@@ -420,6 +452,7 @@ def run(quick: bool) -> list[dict]:
                     numerator=side("meshax", r["meshax_tflops"], "TFLOP/s"),
                     denominator=side("plain-JAX twin", r["twin_tflops"], "TFLOP/s"),
                     note=f"first losses {r['first_losses'][0]:.4f} / {r['first_losses'][1]:.4f}",
+                    waited_step_s=(r["meshax_waited_s"], r["twin_waited_s"]),
                     **memory,
                 )
             )

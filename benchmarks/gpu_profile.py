@@ -19,9 +19,9 @@ import json
 import os
 import re
 import tempfile
-import time
 
 from benchmarks import gpu
+from benchmarks.timing import queued
 
 KINDS = [  # (kind, pattern over a kernel's or op's name), the first that matches
     ("attention", r"cudnn|fmha|flash|sdpa|attention"),  # before matmul: cuDNN's kernels name wgmma
@@ -70,38 +70,31 @@ def summarize(xspace_path: str, steps: int, top: int = 25) -> dict:
     return {"lines": lines}
 
 
-def profile(step, steps: int = 3, warmup: int = 2) -> dict:
-    """`step()` `warmup` times, then `steps` times under the profiler: the wall ms per step and
-    the trace's summary."""
+def profile(stepper: gpu.Stepper, steps: int = 3, warmup: int = 2) -> dict:
+    """`warmup` steps, then `steps` steps queued (as the training loop queues them) under the
+    profiler: the wall ms per step and the trace's summary."""
     import jax
 
     for _ in range(warmup):
-        step()
+        stepper()
     where = tempfile.mkdtemp(prefix="meshax-profile-")
     with jax.profiler.trace(where):
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        wall = (time.perf_counter() - t0) / steps
+        wall = queued(stepper.dispatch, stepper.fetch, steps, rounds=1)
     (xspace,) = glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True)
     return {"wall_ms": 1e3 * wall, **summarize(xspace, steps)}
 
 
 def both(size: gpu.Lm, steps: int = 3) -> dict:
     """meshax's step and the twin's at `size`, each profiled alone."""
-    import functools
+    import jax
 
     m_step, weights, task = gpu.meshax_step(size)
     weights = {k: gpu.np.asarray(v) for k, v in weights.items()}
-    batch = task.train_batch(0)
-    out = {"meshax": profile(functools.partial(m_step, batch), steps)}
+    out = {"meshax": profile(m_step, steps)}
     del m_step
     gc.collect()
-    import jax
-
     implementation = gpu.TWIN_ATTENTION if jax.default_backend() == "gpu" else None
-    t_step = gpu.twin_step(size, weights, implementation=implementation)
-    out["twin"] = profile(functools.partial(t_step, batch), steps)
+    out["twin"] = profile(gpu.twin_step(size, weights, task.train_batch(0), implementation=implementation), steps)
     return out
 
 
@@ -111,7 +104,8 @@ def show(result: dict, lines: int = 4, top: int = 12) -> None:
         print(f"== {side}: wall {r['wall_ms']:.2f} ms/step")
         for line in sorted(r["lines"], key=lambda x: -x["busy_ms"])[:lines]:
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in line["by_kind_ms"].items())
-            print(f"  {line['plane']} | {line['line']}: busy {line['busy_ms']:.2f} ms, {line['events']:.0f} events ({kinds})")
+            where = f"{line['plane']} | {line['line']}"
+            print(f"  {where}: busy {line['busy_ms']:.2f} ms, {line['events']:.0f} events ({kinds})")
             for e in line["top"][:top]:
                 print(f"    {e['ms']:8.3f} ms {e['calls']:6.1f}x  {e['name'][:110]}")
 

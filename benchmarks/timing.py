@@ -43,6 +43,23 @@ def first_then_median(fn: Callable[[], object], steps: int, warmup: int) -> tupl
     return first, first_s, round_robin({"fn": fn}, steps, warmup)["fn"]
 
 
+def queued(dispatch: Callable[[], object], fetch: Callable[[object], object], steps: int, rounds: int = 3) -> float:
+    """Seconds per step, the median of `rounds` runs of `steps` steps in which each step's result
+    is fetched after the next step is dispatched, as a training loop that logs every loss runs:
+    the host dispatches step k + 1 while the device runs step k."""
+    per_round = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        pending = dispatch()
+        for _ in range(steps - 1):
+            queued_next = dispatch()
+            fetch(pending)
+            pending = queued_next
+        fetch(pending)
+        per_round.append((time.perf_counter() - t0) / steps)
+    return statistics.median(per_round)
+
+
 def round_robin(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:
     """Median seconds of each of several callables, run in rotating order, `reps` times each."""
     names = list(fns)

@@ -17,6 +17,7 @@ def test_section6_measures_the_same_model_on_both_sides():
     assert abs(meshax_loss - twin_loss) < 1e-2 * twin_loss
     assert r["meshax_tflops"] > 0 and r["twin_tflops"] > 0 and min(r["first_call_s"]) > 0
     assert r["throughput_ratio"] == pytest.approx(r["twin_s"] / r["meshax_s"])
+    assert r["meshax_waited_s"] > 0 and r["twin_waited_s"] > 0  # steps waited for, beside the queued ones
     assert TINY.flops() == 3 * (2 * 4 * 64 * (2 * 12 * 64**2 + 512 * 64) + 2 * 4 * 4 * 64 * 64**2)
     assert gpu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and gpu.peak_tflops("cpu") is None
 
@@ -51,10 +52,10 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
     twinless = gpu.Lm("350M", 1, 64, 4, batch=4, length=64, vocab=512)  # its twin runs out of memory
     twin_step = gpu.twin_step
 
-    def twin_step_or_out_of_memory(size, weights, **kw):
+    def twin_step_or_out_of_memory(size, weights, batch, **kw):
         if size is twinless:
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 99GiB")
-        return twin_step(size, weights, **kw)
+        return twin_step(size, weights, batch, **kw)
 
     monkeypatch.setattr(gpu, "twin_step", twin_step_or_out_of_memory)
     monkeypatch.setattr(gpu, "SIZES", [broken, TINY, twinless])
@@ -126,3 +127,23 @@ def test_the_twins_logits_pass_a_bfloat16_gradient_to_bfloat16_matmuls():
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
     dots = [e for e in jax.make_jaxpr(narrow)(y, table).jaxpr.eqns if e.primitive.name == "dot_general"]
     assert len(dots) == 3 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
+
+
+def test_the_profile_of_each_sides_step_names_where_its_time_goes(tmp_path):
+    """`python -m benchmarks.gpu_profile` on the CPU at a tiny size: each side's trace is read
+    back into busy time per line, by kind, and its costliest events (the CPU's host plane
+    stands in for a GPU's device plane)."""
+    import json
+
+    from benchmarks import gpu_profile
+
+    gpu_profile.run(gpu.Lm("tiny", 2, 64, 4, batch=2, length=64, vocab=512), 2, str(tmp_path / "p.json"))
+    saved = json.loads((tmp_path / "p.json").read_text())
+    for side in ("meshax", "twin"):
+        r = saved[side]
+        assert r["wall_ms"] > 0
+        busiest = max(r["lines"], key=lambda line: line["busy_ms"])
+        assert busiest["busy_ms"] > 0 and busiest["top"][0]["ms"] > 0
+        assert sum(busiest["by_kind_ms"].values()) == pytest.approx(busiest["busy_ms"])
+    assert gpu_profile.kind_of("nvjet_sm90_tst_176x128_64x5_1x2_h_bz_TNN") == "matmul"
+    assert gpu_profile.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"

@@ -114,3 +114,35 @@ def test_a_training_step_computes_the_loss_not_the_evaluations_metrics():
         return [s for s in fn.counters.sites() if s.kind == "allreduce" and s.op_name.startswith("reduce_min")]
 
     assert argmax_allreduces(program.eval_fn) and not argmax_allreduces(program.train_fn)
+
+
+def test_the_loop_queues_the_next_step_before_it_fetches_a_loss_and_waits_where_the_variables_are_read():
+    """The host feeds step k + 1 while the devices run step k: each loss is fetched after the
+    next step is dispatched, except before an evaluation (or a checkpoint, or the end), which
+    reads that step's variables. The losses are those of a loop that waits on every step."""
+    from meshax.train.loop import build
+
+    task = MlpTask()
+    program = build(task, "all:2", "batch:all")
+    events = []
+    dispatch, fetch = program.train_fn.dispatch, program.train_fn.fetch
+
+    def dispatching(feeds, seed=0, rows=None):
+        events.append(f"dispatch {seed}")
+        return dispatch(feeds, seed, rows)
+
+    def fetching(values):
+        events.append("fetch")
+        return fetch(values)
+
+    program.train_fn.dispatch, program.train_fn.fetch = dispatching, fetching
+    result = train(task, program=program, steps=5, eval_every=3, on_eval=lambda step, _: events.append(f"eval {step}"))
+    assert events == [
+        *("dispatch 0", "dispatch 1", "fetch", "dispatch 2", "fetch", "fetch", "eval 3"),
+        *("dispatch 3", "dispatch 4", "fetch", "fetch", "eval 5"),
+    ]
+    waiting = build(task, "all:2", "batch:all")
+    rows = waiting.train_fn.feed_rows()
+    losses = [float(waiting.train_fn(task.train_batch(s, rows), seed=s, rows=rows)[0]) for s in range(5)]
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-6)
+    assert len(result.step_seconds) == 5 and all(t > 0 for t in result.step_seconds)

@@ -277,7 +277,8 @@ class Lowering:
 
 class LoweredFunction:
     """A compiled SPMD program. Call it with `{placeholder or its name: array}` (and a `seed`
-    for random ops, e.g. the step); it returns full NumPy arrays and updates the variables."""
+    for random ops, e.g. the step); it returns full NumPy arrays and updates the variables.
+    `dispatch` and `fetch` split a call in two, for a host that works while the program runs."""
 
     def __init__(self, lowering: Lowering, outputs, updates=(), donate: Sequence[Tensor] = ()):
         self._single = isinstance(outputs, Tensor)
@@ -406,23 +407,33 @@ class LoweredFunction:
 
     def __call__(self, feeds: Mapping | None = None, seed: int = 0, rows: tuple[int, int] | None = None):
         """Run the program; with `rows` (from `feed_rows`), each fed array holds only those rows."""
-        results = self._run(self._arguments(feeds, rows), seed)
-        k = len(self._updated)  # (the new values of the variables come first)
+        return self.fetch(self.dispatch(feeds, seed, rows))
+
+    def dispatch(self, feeds: Mapping | None = None, seed: int = 0, rows: tuple[int, int] | None = None) -> list:
+        """Start the program as `__call__` does and return its outputs unfetched, as the
+        backend's values (`fetch` them). The SIMD backend returns as soon as the program is
+        queued on the devices: the host can prepare the next step while this one runs."""
+        return self._start(self._arguments(feeds, rows), seed)
+
+    def fetch(self, values: list):
+        """`dispatch`'s outputs as full NumPy arrays (waiting for the program to finish)."""
+        impl, spec = self.lowering.impl, self.lowering._spec
+        outs = [impl.fetch(r, spec(t)) for r, t in zip(values, self.outputs)]
+        return outs[0] if self._single else outs
+
+    def _start(self, args: list, seed: int) -> list:
+        """Run on `args`; the variables take their new values (the program's first outputs)."""
+        results = self._run(args, seed)
+        k = len(self._updated)
         for var, value in zip(self._updated, results[:k]):
             self.lowering._variables[var] = value
-        impl, spec = self.lowering.impl, self.lowering._spec
-        outs = [impl.fetch(r, spec(t)) for r, t in zip(results[k:], self.outputs)]
-        return outs[0] if self._single else outs
+        return results[k:]
 
     def call_global(self, feeds: Mapping[Tensor, jax.Array], seed: int = 0) -> list[jax.Array]:
         """Run with every placeholder fed a global jax.Array (its logical value, any sharding:
         arrays not laid out as the plan says are moved there first); the outputs come back as
         logical global jax.Arrays with their layouts' shardings, nothing fetched to the host."""
-        results = self._run(self._global_arguments(feeds), seed)
-        k = len(self._updated)
-        for var, value in zip(self._updated, results[:k]):
-            self.lowering._variables[var] = value
-        results = results[k:]
+        results = self._start(self._global_arguments(feeds), seed)
         impl, spec = self.lowering.impl, self.lowering._spec
         return [
             impl.to_global(r, spec(t)) if t in self._padded else impl.to_padded(r, spec(t))

@@ -179,7 +179,10 @@ def train(
     With `checkpoint_dir`, save every `checkpoint_every` steps and at the end; with `resume`,
     start from the latest checkpoint there (restored onto this run's mesh and layout). Metrics
     go to `metrics_path` (JSON lines) and `tensorboard_dir` (TensorBoard event files), from
-    process 0 only in a multi-process run (every process gets the same losses and metrics)."""
+    process 0 only in a multi-process run (every process gets the same losses and metrics).
+    Each step is dispatched before the last one's loss is fetched, so the host feeds step k + 1
+    while the devices run step k; a step's `step_seconds` runs from its dispatch, or from the
+    last step's end where it was queued behind it."""
     program = program or build(task, mesh_shape, layout, backend, optimizer, seed)
     first = 0
     if resume:
@@ -212,13 +215,16 @@ def train(
         )
 
     losses, evals, times = [], [], []
-    rows = program.train_fn.feed_rows()  # this process's rows of each batch
-    preempted = _preemption_point()
-    for step in range(first, steps):
-        feeds = task.train_batch(step, rows)
-        start = time.perf_counter()
-        loss, *logged = program.train_fn(feeds, seed=step, rows=rows)
-        seconds = time.perf_counter() - start
+    last_done = [0.0]  # when the last step finished
+
+    def finish(step: int, outputs: list, started: float) -> None:
+        """Fetch a dispatched step's loss (waiting for it), record it, stop on divergence."""
+        loss, *logged = program.train_fn.fetch(outputs)
+        now = time.perf_counter()
+        # the device's time for this step: from its dispatch, or from the last step's end if it
+        # was queued behind it
+        seconds = now - max(started, last_done[0])
+        last_done[0] = now
         times.append(seconds)
         losses.append(float(loss))
         entry = {"step": step + 1, "loss": losses[-1], "step_seconds": seconds}
@@ -236,18 +242,35 @@ def train(
         record(entry)
         if on_step:
             on_step(step, losses[-1], seconds)
+
+    rows = program.train_fn.feed_rows()  # this process's rows of each batch
+    preempted = _preemption_point()
+    pending = None  # the step in flight: its loss is fetched after the next step is dispatched
+    for step in range(first, steps):
+        feeds = task.train_batch(step, rows)
+        started = time.perf_counter()
+        outputs = program.train_fn.dispatch(feeds, seed=step, rows=rows)
+        if pending:
+            finish(*pending)
+        pending = (step, outputs, started)
         done = step + 1
-        if eval_every and done % eval_every == 0 and done < steps:
+        evaluating = bool(eval_every) and done % eval_every == 0 and done < steps
+        stopping = preempted(done) and done < steps
+        saving = bool(checkpoint_dir and checkpoint_every) and done % checkpoint_every == 0 and done < steps
+        if evaluating or stopping or saving or done == steps:  # these see this step's variables
+            finish(*pending)
+            pending = None
+        if evaluating:
             evals.append((done, evaluate(task, program)))
             record({"step": done, "eval": evals[-1][1]})
             if on_eval:
                 on_eval(*evals[-1])
-        if preempted(done) and done < steps:
+        if stopping:
             if checkpoint_dir:
                 save(done)
             writer.close()
             raise Preempted(done, checkpoint_dir)
-        if checkpoint_dir and checkpoint_every and done % checkpoint_every == 0 and done < steps:
+        if saving:
             save(done)
     evals.append((steps, evaluate(task, program)))
     record({"step": steps, "eval": evals[-1][1]})
