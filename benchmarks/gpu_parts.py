@@ -2,10 +2,12 @@
 
 Section 6 says how fast meshax's step is beside its plain-JAX twin; this says why both are where
 they are. It times the twin's parts, each jitted alone at the size's shapes: one layer's attention
-(JAX's default implementation, cuDNN's and XLA's), one layer's matmuls, the logits and loss (the
-gradient's matmuls in bfloat16 as the twin and meshax run them, and in float32 as jax.grad of the
-einsum would), the embedding lookup (with distinct ids, and with text's repeated ids), Adam's update, and the whole
-gradient. A part that cannot run here (cuDNN on a CPU) says why. Prints a table, writes JSON.
+(JAX's default implementation, cuDNN's and XLA's; and over a padded batch, as a [batch, keys] mask
+and as cuDNN's key lengths), one layer's matmuls, the logits and loss (the gradient's matmuls in
+bfloat16 as the twin and meshax run them, in float32 as jax.grad of the einsum would, and with a
+one-pass logsumexp), the embedding lookup (with distinct ids, and with text's repeated ids),
+Adam's update, and the whole gradient. A part that cannot run here (cuDNN on a CPU) says why.
+Prints a table, writes JSON.
 """
 
 from __future__ import annotations
@@ -58,6 +60,38 @@ def _params(size: gpu.Lm, rng) -> dict:
     return params
 
 
+def one_pass_logsumexp():
+    """logsumexp over the last axis in one pass over x: a variadic reduce of (running max, sum of
+    exp(x - running max)), where the usual form reads x twice (its max, then its sum). The
+    gradient is softmax times the incoming one. A candidate for meshax's float32 loss, timed
+    here first."""
+    import jax
+    import jax.numpy as jnp
+
+    def combine(a, b):
+        (ma, sa), (mb, sb) = a, b
+        m = jnp.maximum(ma, mb)
+        # where both maxima are -inf (two empty partial sums), exp(ma - m) would be nan
+        return m, jnp.where(ma == m, sa, sa * jnp.exp(ma - m)) + jnp.where(mb == m, sb, sb * jnp.exp(mb - m))
+
+    def forward(x):
+        init = (jnp.array(-jnp.inf, x.dtype), jnp.array(0, x.dtype))
+        m, total = jax.lax.reduce((x, jnp.ones_like(x)), init, combine, (x.ndim - 1,))
+        return m + jnp.log(total)
+
+    def with_residual(x):
+        lse = forward(x)
+        return lse, (x, lse)
+
+    def backward(saved, g):
+        x, lse = saved
+        return (g[..., None] * jnp.exp(x - lse[..., None]),)
+
+    rule = jax.custom_vjp(forward)
+    rule.defvjp(with_residual, backward)
+    return rule
+
+
 def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
     """Each part's time, one record per part, for `size`."""
     import jax
@@ -75,18 +109,23 @@ def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
     params = jax.tree.map(jnp.asarray, _params(size, rng))
     table = params["transformer/embedding"]
 
-    def attention(implementation):
+    def attention(implementation, **kw):
         def loss(q, k, v):
-            out = jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=implementation)
+            out = jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=implementation, **kw)
             return jnp.sum(out.astype(f32))
 
         return jax.grad(loss, argnums=(0, 1, 2))
 
-    def head(narrow_gradient: bool):
+    # a padded batch: each sequence's last tenth is padding. As a [batch, keys] mask (meshax's
+    # padding mask) cuDNN refuses it and XLA's kernel runs; as key lengths, cuDNN takes it.
+    lengths = jnp.full((b,), t - t // 10, jnp.int32)
+    padding = (jnp.arange(t)[None, :] < lengths[:, None])[:, None, None, :]
+
+    def head(narrow_gradient: bool, logsumexp=jax.nn.logsumexp):
         def loss(y, table):
             # the twin's (and meshax's) logits, bfloat16 gradient matmuls; or jax.grad's, float32 ones
             logits = (gpu.narrow_gradient_logits() if narrow_gradient else gpu.wide_logits)(y, table)
-            xent = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, ids[..., None], -1)[..., 0]
+            xent = logsumexp(logits, -1) - jnp.take_along_axis(logits, ids[..., None], -1)[..., 0]
             return jnp.sum(xent * weights) / jnp.sum(weights)
 
         return jax.grad(loss, argnums=(0, 1))
@@ -114,9 +153,16 @@ def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
     cases = [
         (f"attention, one layer, {impl or 'JAX default'}", attention(impl), qkv) for impl in (None, "cudnn", "xla")
     ] + [
+        ("attention, one layer, a padding mask, JAX default", attention(None, mask=padding), qkv),
+        ("attention, one layer, padding as key lengths, cudnn", attention("cudnn", key_value_seq_lengths=lengths), qkv),
         ("matmuls, one layer (q, o, wi, wo)", jax.grad(matmuls, argnums=tuple(range(5))), [y, *layer_ws]),
         ("logits and loss (float32), bfloat16 gradient matmuls", head(True), [y, table]),
         ("logits and loss (float32), float32 gradient matmuls", head(False), [y, table]),
+        (
+            "logits and loss (float32), logsumexp in one pass",
+            head(True, lambda x, _: one_pass_logsumexp()(x)),
+            [y, table],
+        ),
         ("embedding lookup, distinct ids", lookup(ids), [table]),
         ("embedding lookup, text's repeated ids", lookup(text_ids), [table]),
         ("Adam update", adam, [params, state, params]),

@@ -101,9 +101,13 @@ def test_the_parts_of_a_step_are_each_timed_or_say_why_not(monkeypatch):
     monkeypatch.setattr(gpu, "TWIN_ATTENTION", None)  # the whole gradient's (cuDNN on a GPU)
 
     records = gpu_parts.parts(gpu.Lm("tiny", 2, 64, 4, batch=2, length=64, vocab=512), reps=2)
-    assert len(records) == 11 and len({r["part"] for r in records}) == 11
+    assert len(records) == 14 and len({r["part"] for r in records}) == 14
     failed = [r for r in records if r["ms"] is None]
-    assert [r["part"] for r in failed] == ["attention, one layer, cudnn"] and failed[0]["error"]
+    assert [r["part"] for r in failed] == [
+        "attention, one layer, cudnn",
+        "attention, one layer, padding as key lengths, cudnn",
+    ]
+    assert all(r["error"] for r in failed)
     assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in records if r not in failed)
 
 
@@ -147,3 +151,20 @@ def test_the_profile_of_each_sides_step_names_where_its_time_goes(tmp_path):
         assert sum(busiest["by_kind_ms"].values()) == pytest.approx(busiest["busy_ms"])
     assert gpu_profile.kind_of("nvjet_sm90_tst_176x128_64x5_1x2_h_bz_TNN") == "matmul"
     assert gpu_profile.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
+
+
+def test_the_one_pass_logsumexp_candidate_equals_jaxs_with_its_gradient():
+    """gpu_parts' candidate for the float32 loss: one variadic reduce, the same values and
+    gradient as jax.nn.logsumexp, also where a row holds -inf (a masked logit)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import gpu_parts
+
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((3, 5, 40)) * 4, jnp.float32)
+    x = x.at[0, 0, :7].set(-jnp.inf)
+    mine = gpu_parts.one_pass_logsumexp()
+    np.testing.assert_allclose(mine(x), jax.nn.logsumexp(x, -1), rtol=1e-6)
+    weights = jnp.arange(15.0).reshape(3, 5)
+    grads = [jax.grad(lambda x, f=f: jnp.sum(f(x) * weights))(x) for f in (mine, lambda x: jax.nn.logsumexp(x, -1))]
+    np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
