@@ -262,10 +262,11 @@ def twin_step(size: Lm, weights: dict, batch: dict, lr: float = 1e-4, implementa
 
 
 def timed(stepper: Stepper, steps: int, warmup: int) -> dict:
-    """The first step's loss and seconds (compile and run); then seconds per step, the median of
+    """The first step's loss and seconds (compile and run); then seconds per step, the mean of
     two rounds of `steps` steps queued as meshax's training loop queues them (each loss fetched
-    after the next step is dispatched: the host's work hides behind the device's), and the median
-    of `steps` steps each waited for (the host's work adds to the device's)."""
+    after the next step is dispatched: the host's work hides behind the device's, except for
+    each round's first dispatch), and the median of `steps` steps each waited for (the host's
+    work adds to the device's)."""
     first, first_s, waited = first_then_median(stepper, steps, warmup)
     return {
         "first": first,

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import functools
 import json
@@ -881,7 +882,11 @@ def _train(args, task, program, console) -> int:
     ) as progress:
         bar = progress.add_task("train", total=args.steps, status="")
 
+        recent: collections.deque[float] = collections.deque(maxlen=10)
+
         def on_step(step, loss, seconds):
+            recent.append(seconds)  # the last 10 steps' mean: queued steps' times vary one by one
+            seconds = sum(recent) / len(recent)
             speed = f"  {task.tokens_per_batch / seconds:,.0f} tokens/s" if task.tokens_per_batch else ""
             progress.update(bar, completed=step + 1, status=f"loss {loss:.4f}  {seconds * 1e3:.1f} ms/step{speed}")
 

@@ -116,33 +116,67 @@ def test_a_training_step_computes_the_loss_not_the_evaluations_metrics():
     assert argmax_allreduces(program.eval_fn) and not argmax_allreduces(program.train_fn)
 
 
-def test_the_loop_queues_the_next_step_before_it_fetches_a_loss_and_waits_where_the_variables_are_read():
-    """The host feeds step k + 1 while the devices run step k: each loss is fetched after the
-    next step is dispatched, except before an evaluation (or a checkpoint, or the end), which
-    reads that step's variables. The losses are those of a loop that waits on every step."""
+@pytest.mark.parametrize("backend", ["simd", "placement"])
+def test_the_loop_queues_the_next_step_before_it_fetches_a_loss_and_waits_where_the_variables_are_read(
+    tmp_path, backend
+):
+    """On SIMD the host feeds step k + 1 while the devices run step k: each loss is fetched (and
+    `on_step` called) after the next step is dispatched, except before an evaluation, a
+    checkpoint or the end, which read that step's variables. The placement backend runs a step
+    as it is dispatched: nothing is queued. The losses are those of a loop that waits on every
+    step."""
     from meshax.train.loop import build
 
     task = MlpTask()
-    program = build(task, "all:2", "batch:all")
+    program = build(task, "all:2", "batch:all", backend)
     events = []
-    dispatch, fetch = program.train_fn.dispatch, program.train_fn.fetch
+    dispatch = program.train_fn.dispatch
 
     def dispatching(feeds, seed=0, rows=None):
         events.append(f"dispatch {seed}")
         return dispatch(feeds, seed, rows)
 
-    def fetching(values):
-        events.append("fetch")
-        return fetch(values)
-
-    program.train_fn.dispatch, program.train_fn.fetch = dispatching, fetching
-    result = train(task, program=program, steps=5, eval_every=3, on_eval=lambda step, _: events.append(f"eval {step}"))
-    assert events == [
-        *("dispatch 0", "dispatch 1", "fetch", "dispatch 2", "fetch", "fetch", "eval 3"),
-        *("dispatch 3", "dispatch 4", "fetch", "fetch", "eval 5"),
-    ]
+    program.train_fn.dispatch = dispatching
+    result = train(
+        task,
+        program=program,
+        steps=7,
+        eval_every=3,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=5,
+        on_step=lambda step, *_: events.append(f"step {step}"),
+        on_eval=lambda step, _: events.append(f"eval {step}"),
+    )
+    if backend == "simd":
+        assert events == [
+            *("dispatch 0", "dispatch 1", "step 0", "dispatch 2", "step 1", "step 2", "eval 3"),
+            *("dispatch 3", "dispatch 4", "step 3", "step 4"),  # then the checkpoint of step 5
+            *("dispatch 5", "step 5", "eval 6", "dispatch 6", "step 6", "eval 7"),
+        ]
+    else:
+        steps = [
+            (f"dispatch {s}", f"step {s}") + (("eval 3",) if s == 2 else ("eval 6",) if s == 5 else ())
+            for s in range(7)
+        ]
+        assert events == [e for s in steps for e in s] + ["eval 7"]
     waiting = build(task, "all:2", "batch:all")
     rows = waiting.train_fn.feed_rows()
-    losses = [float(waiting.train_fn(task.train_batch(s, rows), seed=s, rows=rows)[0]) for s in range(5)]
-    np.testing.assert_allclose(result.losses, losses, rtol=1e-6)
-    assert len(result.step_seconds) == 5 and all(t > 0 for t in result.step_seconds)
+    losses = [float(waiting.train_fn(task.train_batch(s, rows), seed=s, rows=rows)[0]) for s in range(7)]
+    np.testing.assert_allclose(result.losses, losses, rtol=1e-5)
+    assert len(result.step_seconds) == 7 and all(t > 0 for t in result.step_seconds)
+
+
+def test_a_step_that_cannot_start_still_leaves_the_step_before_recorded():
+    """Step k + 1 is started before step k's loss is fetched: when starting it fails (no batch,
+    an interrupt), step k is still recorded before the error goes up."""
+
+    class NoThirdBatch(MlpTask):
+        def train_batch(self, step, rows=None):
+            if step == 2:
+                raise RuntimeError("no batch 2")
+            return super().train_batch(step, rows)
+
+    seen = []
+    with pytest.raises(RuntimeError, match="no batch 2"):
+        train(NoThirdBatch(), "all:2", "batch:all", steps=5, on_step=lambda step, *_: seen.append(step))
+    assert seen == [0, 1]

@@ -125,6 +125,7 @@ class SimdMeshImpl(MeshImpl):
         )
 
     compile_traces_once = True
+    dispatch_is_asynchronous = True
 
     def compile(self, body, in_specs, out_specs, donate=()):
         in_sh = [self.named_sharding(lay) for _, _, lay in in_specs]

@@ -370,6 +370,10 @@ class MeshImpl:
     # the collectives the body records then are the program's. Where not (placement: the body
     # runs on every call), the program's counters come from a `trace` of their own.
     compile_traces_once = False
+    # Whether a runner's call returns once the program is queued on the devices (SIMD), so that a
+    # training loop can prepare the next step meanwhile; not where the call runs the program
+    # (placement: op by op, from Python).
+    dispatch_is_asynchronous = False
 
     def compile(self, body: Callable, in_specs: list, out_specs: list, donate: Sequence[int] = ()) -> Runner:
         """A runner: `runner(values, seed) -> values`, running `body` on the slices.

@@ -180,9 +180,12 @@ def train(
     start from the latest checkpoint there (restored onto this run's mesh and layout). Metrics
     go to `metrics_path` (JSON lines) and `tensorboard_dir` (TensorBoard event files), from
     process 0 only in a multi-process run (every process gets the same losses and metrics).
-    Each step is dispatched before the last one's loss is fetched, so the host feeds step k + 1
-    while the devices run step k; a step's `step_seconds` runs from its dispatch, or from the
-    last step's end where it was queued behind it."""
+    On a backend that queues programs (SIMD), each step is dispatched before the last one's loss
+    is fetched, so the host feeds step k + 1 while the devices run step k; `on_step(k, ...)` then
+    runs with step k + 1 already under way. A step's `step_seconds` runs from its dispatch, or
+    from the last step's fetch where it was queued behind it: summed, they are the run's time.
+    Where the host, not the devices, sets the pace, a step fetched right before an evaluation, a
+    checkpoint or the end shows less than its share (no next step was prepared meanwhile)."""
     program = program or build(task, mesh_shape, layout, backend, optimizer, seed)
     first = 0
     if resume:
@@ -215,14 +218,13 @@ def train(
         )
 
     losses, evals, times = [], [], []
-    last_done = [0.0]  # when the last step finished
+    last_done = [0.0]  # when the last step's loss was fetched
 
     def finish(step: int, outputs: list, started: float) -> None:
         """Fetch a dispatched step's loss (waiting for it), record it, stop on divergence."""
         loss, *logged = program.train_fn.fetch(outputs)
         now = time.perf_counter()
-        # the device's time for this step: from its dispatch, or from the last step's end if it
-        # was queued behind it
+        # from its dispatch, or from the last step's fetch if it was queued behind that step
         seconds = now - max(started, last_done[0])
         last_done[0] = now
         times.append(seconds)
@@ -245,11 +247,17 @@ def train(
 
     rows = program.train_fn.feed_rows()  # this process's rows of each batch
     preempted = _preemption_point()
+    queue = program.lowering.impl.dispatch_is_asynchronous
     pending = None  # the step in flight: its loss is fetched after the next step is dispatched
     for step in range(first, steps):
-        feeds = task.train_batch(step, rows)
-        started = time.perf_counter()
-        outputs = program.train_fn.dispatch(feeds, seed=step, rows=rows)
+        try:
+            feeds = task.train_batch(step, rows)
+            started = time.perf_counter()
+            outputs = program.train_fn.dispatch(feeds, seed=step, rows=rows)
+        except BaseException:
+            if pending:  # the step before still gets its record
+                finish(*pending)
+            raise
         if pending:
             finish(*pending)
         pending = (step, outputs, started)
@@ -257,7 +265,7 @@ def train(
         evaluating = bool(eval_every) and done % eval_every == 0 and done < steps
         stopping = preempted(done) and done < steps
         saving = bool(checkpoint_dir and checkpoint_every) and done % checkpoint_every == 0 and done < steps
-        if evaluating or stopping or saving or done == steps:  # these see this step's variables
+        if not queue or evaluating or stopping or saving or done == steps:  # these see this step's variables
             finish(*pending)
             pending = None
         if evaluating:
