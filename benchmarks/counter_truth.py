@@ -2,7 +2,7 @@
 
 For every configuration of sections 1 and 2 (they run on the 8 devices): the program's
 counters (recorded while meshax traced it) against the collectives counted in the HLO that XLA
-compiled from it (`fn.compiled_text(feeds)`), per kind; tuple all-reduces count once per
+compiled from it (`fn.compiled_text()`), per kind; tuple all-reduces count once per
 element. Target: equal counts for every kind. Values per device are compared too (for
 information: XLA may legitimately change them, e.g. by folding).
 

@@ -326,7 +326,7 @@ def compiled_costs(size: Lm) -> dict:
 
     program, weights, task = _program(size)
     batch = task.train_batch(0)
-    program_cost = program.train_fn.cost_analysis(batch)
+    program_cost = program.train_fn.cost_analysis()
     params = {k: jax.numpy.asarray(v) for k, v in weights.items()}
     update, optimizer = _twin_update(size, 1e-4, TWIN_ATTENTION if jax.default_backend() == "gpu" else None)
     twin = update.lower(params, optimizer.init(params), batch["ids"], batch["targets"], batch["weights"]).compile()

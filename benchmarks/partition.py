@@ -137,5 +137,5 @@ def run(quick: bool) -> list[dict]:
                     )
                 )
             text_xla = jitted.lower(*xla_args).compile().as_text()
-        out.append(collectives_ratio(9, cfg, program.compiled_text(*args), text_xla, name, itemsize=4))  # (f32)
+        out.append(collectives_ratio(9, cfg, program.compiled_text(), text_xla, name, itemsize=4))  # (f32)
     return out

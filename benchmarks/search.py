@@ -49,7 +49,7 @@ def _step(task, mesh: str, layout: str):
     def step():
         jax.block_until_ready(program.train_fn(feeds, seed=0, rows=rows))
 
-    return step, program.train_fn.peak_memory_bytes(feeds)
+    return step, program.train_fn.peak_memory_bytes()
 
 
 def _timed_layouts(exact: list, k: int) -> list:

@@ -121,7 +121,7 @@ class MeshaxLm:
 
     def compiled_text(self) -> str:
         if self._hlo is None:
-            self._hlo = self.fn.compiled_text(self.feeds, seed=0)
+            self._hlo = self.fn.compiled_text()
         return self._hlo
 
 

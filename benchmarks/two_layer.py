@@ -136,7 +136,7 @@ class MeshaxModel:
         """XLA's compiled HLO of `program` ("comm" or "step"), compiled once per model."""
         if program not in self._hlo:
             fn = self.comm_fn if program == "comm" else self.step_fn
-            self._hlo[program] = fn.compiled_text(feeds(self.size))
+            self._hlo[program] = fn.compiled_text()
         return self._hlo[program]
 
     def sharding(self, name: str):

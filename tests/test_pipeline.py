@@ -120,7 +120,7 @@ def test_permutes_per_iteration_equal_the_stage_activation_and_the_hlo():
     # the backward loop the recomputed shift and the gradient's shift back, once per iteration
     assert permutes.count == 3 * iterations
     assert {s.values for s in permutes.sites} == {1 * 6}
-    hlo = hlo_collectives(fn.compiled_text(_feeds()))["permute"]
+    hlo = hlo_collectives(fn.compiled_text())["permute"]
     assert hlo["count"] == 3  # XLA's text holds each loop body once
     assert hlo["values"] == permutes.values // iterations
 

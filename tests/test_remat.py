@@ -51,7 +51,7 @@ def _tanh_count(remat: bool) -> int:
     loss = mx.reduce_sum(mx.square(f(f(x))))
     grads = mx.gradients(loss, [w1, w2])
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "")}).function([loss, *grads])
-    return fn.compiled_text({x: rand([8, 8], 1)}).count(" tanh(")
+    return fn.compiled_text().count(" tanh(")
 
 
 def test_xla_does_not_merge_the_recomputation_away():

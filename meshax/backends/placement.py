@@ -231,7 +231,7 @@ class _PlacementRunner:
     def __call__(self, args, seed):
         return self._run(args, seed)
 
-    def compiled(self, args, seed):
+    def compiled(self):
         raise TypeError(
             "PlacementMeshImpl runs op by op on each device and has no single compiled program; "
             "use SimdMeshImpl to inspect the compiled HLO"

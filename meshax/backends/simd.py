@@ -170,9 +170,9 @@ class _SimdRunner:
         self._compiled = None
 
     def __call__(self, args, seed):
-        return list(self.compiled(args, seed)(np.uint32(seed), *self._prepare(args)))
+        return list(self.compiled()(np.uint32(seed), *self._prepare(args)))
 
-    def compiled(self, args, seed):
+    def compiled(self):
         if self._compiled is None:
             self._compiled = self._traced.lower().compile()
         return self._compiled

@@ -358,12 +358,9 @@ class PartitionedProgram:
         full = tuple(a if i in self.owner.static_argnums else next(it) for i, a in enumerate(args))
         return full, {**kwargs, **dyn_kwargs}
 
-    def compiled_text(self, *args, **kwargs) -> str:
-        """The compiled SPMD program (HLO) for these arguments."""
-        dynamic, dyn_kwargs, _ = self.owner._split(args, kwargs)
-        leaves = jax.tree_util.tree_leaves((dynamic, dyn_kwargs))
-        feeds = {t: leaf for t, leaf in zip(self.placeholders, leaves) if t in self._function.placeholders}
-        return self._function.compiled_text(global_feeds=feeds)
+    def compiled_text(self) -> str:
+        """The compiled SPMD program (HLO) for this program's argument shapes."""
+        return self._function.compiled_text()
 
     # ---- what it costs and why ------------------------------------------------------------------
     def report(self, width: int = 132) -> str:

@@ -1,6 +1,6 @@
 """The collectives XLA actually runs, read from compiled HLO text: to check meshax's counters.
 
-`hlo_collectives(jax.jit(f).lower(*args).compile().as_text())` (or `fn.compiled_text(feeds)`)
+`hlo_collectives(jax.jit(f).lower(*args).compile().as_text())` (or `fn.compiled_text()`)
 gives, per kind named like meshax's counters (allreduce, allgather, alltoall, reduce_scatter,
 permute), the number of collective calls and the values each device puts in.
 ``all-reduce(`` / ``all-reduce-start(`` count once per element of a tuple result (XLA's

@@ -481,22 +481,18 @@ class LoweredFunction:
             array = jax.device_put(array, want)
         return impl.from_global(array.astype(t.dtype) if array.dtype != t.dtype else array, spec)
 
-    def compiled_text(self, feeds: Mapping | None = None, seed: int = 0, global_feeds: Mapping | None = None) -> str:
-        """The compiled program's text (HLO for the SIMD backend), for checking what runs; fed
-        host arrays by name (`feeds`) or global jax.Arrays by placeholder (`global_feeds`)."""
-        return self._compiled(feeds, seed, global_feeds).as_text()
+    def compiled_text(self) -> str:
+        """The compiled program's text (HLO for the SIMD backend), for checking what runs. The
+        program is traced from the inputs' shapes and layouts, so it needs no arguments."""
+        return self._run.compiled().as_text()
 
-    def cost_analysis(self, feeds: Mapping | None = None, seed: int = 0) -> dict[str, float]:
+    def cost_analysis(self) -> dict[str, float]:
         """XLA's cost analysis of the compiled program ("flops", "bytes accessed", ...)."""
-        cost = self._compiled(feeds, seed).cost_analysis()
+        cost = self._run.compiled().cost_analysis()
         return dict(cost[0] if isinstance(cost, list) else cost)
 
-    def peak_memory_bytes(self, feeds: Mapping | None = None, seed: int = 0) -> int:
+    def peak_memory_bytes(self) -> int:
         """What the compiled program needs on one device at its peak, by XLA's memory analysis:
         arguments, outputs and temporaries, less the outputs that reuse donated arguments."""
-        m = self._compiled(feeds, seed).memory_analysis()
+        m = self._run.compiled().memory_analysis()
         return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-
-    def _compiled(self, feeds, seed, global_feeds=None):
-        args = self._arguments(feeds) if global_feeds is None else self._global_arguments(global_feeds)
-        return self._run.compiled(args, seed)

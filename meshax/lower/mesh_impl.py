@@ -82,7 +82,7 @@ class Runner(Protocol):
 
     def __call__(self, args: list, seed: int) -> list: ...
 
-    def compiled(self, args: list, seed: int):
+    def compiled(self):
         """The program as the backend compiled it (a `jax.stages.Compiled` for SIMD): its HLO
         (`.as_text()`) for checking what runs, its `.memory_analysis()` per device."""
         ...
