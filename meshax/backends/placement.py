@@ -46,13 +46,20 @@ class PlacementMeshImpl(MeshImpl):
             return x
         return jax.device_put(x, self.devices[pnum])
 
-    def _home(self, x):
-        """Where a slice is computed on: CPU devices share one host, so every slice runs on the
-        first one (one compilation per op instead of one per device; the copies are cheap) and
-        its result is put back on its own device."""
-        if isinstance(x, jax.core.Tracer) or self.devices[0].platform != "cpu":
-            return x
-        return jax.device_put(x, self.devices[0])
+    def _put_each(self, xs: list, devices: list | None = None) -> list:
+        """`xs[p]` onto `devices[p]` (device p by default), in one transfer call: JAX batches a
+        list's transfers, about twice as fast as one call per slice."""
+        if any(isinstance(x, jax.core.Tracer) for x in xs):
+            return [x if isinstance(x, jax.core.Tracer) else self._put(x, p) for p, x in enumerate(xs)]
+        return jax.device_put(xs, devices or self.devices)
+
+    def _home(self, xs: list) -> list:
+        """Where the slices are computed on: CPU devices share one host, so every slice runs on
+        the first one (one compilation per op instead of one per device; the copies are cheap)
+        and its result is put back on its own device."""
+        if self.devices[0].platform != "cpu":
+            return xs
+        return self._put_each(xs, [self.devices[0]] * len(xs))
 
     def _groups(self, axes) -> list[list[int]]:
         """Processors that differ only in `axes`, each group ordered by its coordinates there."""
@@ -70,14 +77,14 @@ class PlacementMeshImpl(MeshImpl):
                 self._jitted.append(jax.jit(fn))
             fn = self._jitted[self._call]
             self._call += 1
-        home = self._home
-        outs = [fn(*[home(a[p]) if isinstance(a, list) else a for a in args]) for p in range(self.size)]
+        args = tuple(self._home(a) if isinstance(a, list) else a for a in args)
+        outs = [fn(*[a[p] if isinstance(a, list) else a for a in args]) for p in range(self.size)]
         if isinstance(outs[0], tuple):
-            return tuple([self._put(o[k], p) for p, o in enumerate(outs)] for k in range(len(outs[0])))
-        return [self._put(o, p) for p, o in enumerate(outs)]
+            return tuple(self._put_each([o[k] for o in outs]) for k in range(len(outs[0])))
+        return self._put_each(outs)
 
     def pcoord(self, axis: int) -> list:
-        return [self._put(jnp.int32(self.pnum_to_processor_coordinates(p)[axis]), p) for p in range(self.size)]
+        return self._put_each([jnp.int32(self.pnum_to_processor_coordinates(p)[axis]) for p in range(self.size)])
 
     def allreduce(self, xs, axes, op):
         out = [None] * self.size
@@ -172,7 +179,7 @@ class PlacementMeshImpl(MeshImpl):
     def put(self, array, spec):
         shape, _, layout = spec
         padded = self._pad(np.asarray(array), spec)
-        return [self._put(padded[where], p) for p, where in enumerate(self._stripes(shape, layout))]
+        return self._put_each([padded[where] for where in self._stripes(shape, layout)])
 
     def fetch(self, value, spec):
         shape, dtype, layout = spec
@@ -214,7 +221,7 @@ class PlacementMeshImpl(MeshImpl):
 
         def run(args, seed):
             inputs = [a if isinstance(a, list) else self.put(a, spec) for a, spec in zip(args, in_specs)]
-            seeds = [self._put(jnp.uint32(seed), p) for p in range(self.size)]
+            seeds = self._put_each([np.uint32(seed)] * self.size)
             self._jitted, self._call = jitted, 0
             try:
                 return body(inputs, seeds)
