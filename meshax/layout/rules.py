@@ -126,7 +126,7 @@ def convert_to_weight_rules(x) -> WeightRules:
 class TensorLayout:
     """Per tensor dim, the mesh axes (indices, major to minor) it is split over; () = not split."""
 
-    __slots__ = ("axes",)
+    __slots__ = ("_hash", "axes")
 
     def __init__(self, axes: Iterable):
         norm: list[tuple[int, ...]] = []
@@ -138,6 +138,7 @@ class TensorLayout:
             else:
                 norm.append(tuple(a))
         self.axes: tuple[tuple[int, ...], ...] = tuple(norm)
+        self._hash = hash(self.axes)  # (the search hashes layouts millions of times)
 
     @property
     def tensor_axis_to_mesh_axis(self) -> list:
@@ -163,10 +164,10 @@ class TensorLayout:
         return out
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, TensorLayout) and self.axes == other.axes
+        return self is other or (isinstance(other, TensorLayout) and self.axes == other.axes)
 
     def __hash__(self) -> int:
-        return hash(self.axes)
+        return self._hash
 
     def __repr__(self) -> str:
         return f"TensorLayout({self.tensor_axis_to_mesh_axis})"
