@@ -10,6 +10,7 @@ import meshax as mx
 from meshax.optimize import AdamWeightDecayOptimizer
 from meshax.train import MlpTask, MnistTask, train
 from meshax.train.data import DataError, load_mnist
+from meshax.train.loop import build
 
 
 def test_mnist_on_2x4_reaches_95_percent_and_matches_one_device():
@@ -21,7 +22,7 @@ def test_mnist_on_2x4_reaches_95_percent_and_matches_one_device():
     assert split.losses[-1] < 0.3 * split.losses[0]
 
 
-@pytest.mark.slow  # 40 s on 2 cores; the fuzzer and the op tests check the placement backend by default
+@pytest.mark.slow  # 10 s on 2 cores; the fuzzer and the op tests check the placement backend by default
 def test_mlp_learns_the_identity_on_the_placement_backend():
     result = train(
         MlpTask(batch_size=16, io=8, hidden=32),
@@ -180,3 +181,27 @@ def test_a_step_that_cannot_start_still_leaves_the_step_before_recorded():
     with pytest.raises(RuntimeError, match="no batch 2"):
         train(NoThirdBatch(), "all:2", "batch:all", steps=5, on_step=lambda step, *_: seen.append(step))
     assert seen == [0, 1]
+
+
+@pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl, mx.PlacementMeshImpl])
+def test_compiler_options_reach_the_programs_a_backend_compiles(impl_cls, tmp_path):
+    """XLA's `xla_dump_to` writes each program it compiles: the SIMD program (`jit_local`) or the
+    placement backend's per-op kernels, besides the trivial program that checked the options."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;d:4")
+    y = mx.reduce_sum(mx.exp(x))
+    impl = impl_cls("all:8", "b:all", compiler_options={"xla_dump_to": str(tmp_path)})
+    checked = {f.name.split(".")[1] for f in tmp_path.iterdir()}
+    fn = mx.Lowering(graph, {mesh: impl}).function(y)
+    xv = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    np.testing.assert_allclose(fn({"x": xv}), np.exp(xv).sum(), rtol=1e-5)
+    assert checked == {"jit__lambda"}
+    assert {f.name.split(".")[1] for f in tmp_path.iterdir()} - checked  # the program's own modules
+
+
+def test_unknown_compiler_options_are_refused_when_the_backend_is_made():
+    with pytest.raises(mx.ConfigError, match=r"xla_no_such_option.*XLA refuses them.*No such compile option"):
+        mx.SimdMeshImpl("all:8", "", compiler_options={"xla_no_such_option": 1})
+    with pytest.raises(mx.ConfigError, match="'high' is not a valid int32"):
+        build(MlpTask(), "all:8", "", compiler_options={"xla_backend_optimization_level": "high"})

@@ -10,6 +10,7 @@ import pytest
 
 import meshax as mx
 from meshax.train import CnnTask, LmTask, UNetTask, train
+from tests.conftest import train_optimized
 
 B = 3  # the other dim
 
@@ -192,8 +193,8 @@ def test_the_cnn_reaches_95_percent_on_the_digits_under_a_spatial_layout():
     relative 2e-7 over the first 50 steps, 2e-4 by step 150, 2e-3 by step 300), so the losses
     agree to 1e-4 over the first 100 steps and to 1e-2 over all 300, and both runs end at the
     same evaluation."""
-    split = train(CnnTask(), "rows:2;cols:4", "h:rows;w:cols", steps=300)
-    one = train(CnnTask(), "all:1", "", steps=300)
+    split = train_optimized(CnnTask(), "rows:2;cols:4", "h:rows;w:cols", 300)
+    one = train_optimized(CnnTask(), "all:1", "", 300)
     np.testing.assert_allclose(split.losses[:100], one.losses[:100], rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(split.losses, one.losses, rtol=1e-2)
     np.testing.assert_allclose(split.evals[-1][1]["loss"], one.evals[-1][1]["loss"], rtol=1e-2)

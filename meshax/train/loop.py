@@ -11,7 +11,7 @@ import dataclasses
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 
@@ -93,14 +93,17 @@ def build(
     seed: int = 0,
     compile: bool = True,
     weight_layout: str | None = None,
+    compiler_options: Mapping[str, object] | None = None,
 ):
     """The task's graph with gradients and optimizer updates, laid out on the mesh (weight-shaped
-    tensors by `weight_layout` where given: `MeshImpl`)."""
+    tensors by `weight_layout` where given; its programs compiled with XLA's `compiler_options`:
+    `MeshImpl`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
     graph, built, outputs, updates = training_graph(task, optimizer)
     mesh = graph.operations[0].mesh
-    lowering = Lowering(graph, {mesh: BACKENDS[backend](mesh_shape, layout, weight_layout=weight_layout)}, seed=seed)
+    impl = BACKENDS[backend](mesh_shape, layout, weight_layout=weight_layout, compiler_options=compiler_options)
+    lowering = Lowering(graph, {mesh: impl}, seed=seed)
     names = list(built.metrics)
     if not compile:  # for planning: trace only, allocate nothing
         return lowering, outputs, updates
