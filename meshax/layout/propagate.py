@@ -23,6 +23,7 @@ Every dim remembers where its split came from, for `Lowering.explain`.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -85,6 +86,40 @@ def _links(op) -> list:
     return links() if links is not None else []
 
 
+class _Structure:
+    """What propagation needs of a list of ops whatever the rules: the ops (with a loop boundary's
+    links), their sharding rules, each tensor's ops, each op's highest level per direction, and
+    the tensors each op may carry from (filled as the sweeps ask). The layout search propagates
+    one graph under hundreds of rule sets; this is worked out once for all of them."""
+
+    def __init__(self, operations: tuple):
+        # A loop's boundary (`propagation_links`): its carries and scanned slices inside and the
+        # tensors outside they stand for are tied by name, as an identity op ties them.
+        self.ops = list(operations) + [_Link(a, b, whole) for op in operations for a, b, whole in _links(op)]
+        self.rules = {op: rule_of(op) for op in self.ops}
+        self.tensors = {t for op in operations for t in op.outputs}  # (those propagation lays out)
+        self.sources: dict[tuple, list] = {}  # (op, target factors, direction, level) -> `_factor_splits`' tensors
+        self.users: dict = {}  # tensor -> the indices (in `ops`) of the ops that read or write it
+        for j, op in enumerate(self.ops):
+            for t in {*op.inputs, *op.outputs}:
+                self.users.setdefault(t, []).append(j)
+        self.tops = {d: [self._top(op, d) for op in self.ops] for d in (False, True)}
+
+    def _top(self, op, to_results: bool) -> int:
+        """The highest `_level` of the op's (source, target) pairs in this direction: at any level
+        above it, the op carries what it carries at it."""
+        rule = self.rules[op]
+        ins, outs = list(zip(op.inputs, rule.operands)), list(zip(op.outputs, rule.results))
+        targets = {fs for t, fs in (outs if to_results else ins) if t in self.tensors}
+        sources = {fs for t, fs in ins + outs if t in self.tensors}  # (a pair's level is its factors')
+        return max((Propagation._level(rule, s, fs, to_results) for fs in targets for s in sources), default=0)
+
+
+@functools.lru_cache(maxsize=4)
+def _structure(operations: tuple) -> _Structure:
+    return _Structure(operations)
+
+
 class Propagation:
     """Per tensor and dim: its mesh axes (None: open, nothing yet), whether it is fixed, and
     where it came from."""
@@ -112,16 +147,10 @@ class Propagation:
                     self._initial(t, weights[0], "weight rule ")
                 else:
                     self._initial(t, rules)
-        # A loop's boundary (`propagation_links`): its carries and scanned slices inside and the
-        # tensors outside they stand for are tied by name, as an identity op ties them.
-        self._ops = self.operations + [_Link(a, b, whole) for op in self.operations for a, b, whole in _links(op)]
-        self._rules = {op: rule_of(op) for op in self._ops}
-        self._sources: dict[tuple, list] = {}  # (op, target factors, direction, level) -> `_factor_splits`' tensors
-        self._users: dict = {}  # tensor -> the indices (in `_ops`) of the ops that read or write it
-        for j, op in enumerate(self._ops):
-            for t in {*op.inputs, *op.outputs}:
-                self._users.setdefault(t, []).append(j)
-        self._tops = {d: [self._top(op, d) for op in self._ops] for d in (False, True)}
+        ops = tuple(self.operations)  # (one op is a tensor laid out after the plan: not worth keeping)
+        graph = _structure(ops) if len(ops) > 1 else _Structure(ops)
+        self._ops, self._rules, self._users, self._tops = graph.ops, graph.rules, graph.users, graph.tops
+        self._sources, self._tensors = graph.sources, graph.tensors
         self._running: tuple | None = None  # the pass under way: (direction, op index, its heap, its queue)
         self._run()
         for priority in sorted(later):  # Shardy's p1, p2 ...: each round propagates to a fixed point
@@ -176,11 +205,11 @@ class Propagation:
         op's tensors that may reach `target` at this level, fixed ones first, then in
         operand/result order."""
         key = (op, target, to_results, level)
-        if key not in self._sources:  # (which tensors may reach the target is fixed: worked out once)
+        if key not in self._sources:  # (which tensors may reach the target is fixed: worked out once per graph)
             self._sources[key] = [
                 (t, fs)
                 for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
-                if t in self.axes and self._level(rule, fs, target, to_results) <= level
+                if t in self._tensors and self._level(rule, fs, target, to_results) <= level
             ]
         tensors = self._sources[key]
         found: dict[str, tuple] = {}
@@ -205,15 +234,6 @@ class Propagation:
                 break
             take.append(m)
         return tuple(take)
-
-    def _top(self, op, to_results: bool) -> int:
-        """The highest `_level` of the op's (source, target) pairs in this direction: at any level
-        above it, the op carries what it carries at it."""
-        rule = self._rules[op]
-        ins, outs = list(zip(op.inputs, rule.operands)), list(zip(op.outputs, rule.results))
-        targets = {fs for t, fs in (outs if to_results else ins) if t in self.axes}
-        sources = {fs for t, fs in ins + outs if t in self.axes}  # (a pair's level is its factors')
-        return max((self._level(rule, s, fs, to_results) for fs in targets for s in sources), default=0)
 
     def _through(self, op, to_results: bool, level: int) -> bool:
         rule = self._rules[op]
