@@ -205,3 +205,5 @@ def test_unknown_compiler_options_are_refused_when_the_backend_is_made():
         mx.SimdMeshImpl("all:8", "", compiler_options={"xla_no_such_option": 1})
     with pytest.raises(mx.ConfigError, match="'high' is not a valid int32"):
         build(MlpTask(), "all:8", "", compiler_options={"xla_backend_optimization_level": "high"})
+    with pytest.raises(mx.ConfigError, match=r"unhashable type: 'list'.*a bool, int or string"):
+        mx.PlacementMeshImpl("all:8", "", compiler_options={"xla_backend_optimization_level": [3]})

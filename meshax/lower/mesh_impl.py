@@ -84,10 +84,10 @@ def _checked_compiler_options(options: Mapping[str, object] | None) -> dict | No
         return None
     try:
         jax.jit(lambda: jnp.zeros(()), compiler_options=dict(options)).trace().lower().compile()
-    except jax.errors.JaxRuntimeError as e:
+    except (jax.errors.JaxRuntimeError, TypeError, ValueError) as e:
         raise ConfigError(
-            f"compiler_options {dict(options)!r}: XLA refuses them ({str(e).strip()}); "
-            "give XLA's option names (its DebugOptions fields, the names XLA_FLAGS takes without '--')"
+            f"compiler_options {dict(options)!r}: XLA refuses them ({str(e).strip().splitlines()[-1]}); "
+            "name XLA's options as XLA_FLAGS does, without '--', each with a value of its type (a bool, int or string)"
         ) from None
     return dict(options)
 
