@@ -84,6 +84,7 @@ class Graph:
         self.trainable_variables: list = []
         self.all_variables: list = []
         self.memo: dict = {}  # identical computations built once (e.g. two max-reductions of one tensor)
+        self.derived: dict = {}  # what later layers work out once per graph (propagation's `_Structure`)
         self.random_ops = 0  # random ops built so far: each gets its own seed
         self.source: str | None = None  # when set, the source line of every op built (a front end's)
         self.logged_scalars: dict = {}  # name -> scalar tensor to log at every training step (`log_scalar`)

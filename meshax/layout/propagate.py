@@ -23,7 +23,6 @@ Every dim remembers where its split came from, for `Lowering.explain`.
 
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from collections.abc import Sequence
@@ -115,9 +114,15 @@ class _Structure:
         return max((Propagation._level(rule, s, fs, to_results) for fs in targets for s in sources), default=0)
 
 
-@functools.lru_cache(maxsize=4)
 def _structure(operations: tuple) -> _Structure:
-    return _Structure(operations)
+    """The ops' `_Structure`, kept on their graph (so it lives as long as the graph does) for the
+    last 4 lists of its ops propagated."""
+    kept = operations[0].graph.derived.setdefault(_Structure, {})
+    if operations not in kept:
+        while len(kept) >= 4:
+            del kept[next(iter(kept))]
+        kept[operations] = _Structure(operations)
+    return kept[operations]
 
 
 class Propagation:
