@@ -124,13 +124,13 @@ def _task(size: Lm):
     return LmTask(model=config, batch_size=size.batch, length=size.length)
 
 
-def _program(size: Lm, lr: float = 1e-4):
+def _program(size: Lm, lr: float = 1e-4, compiler_options=None):
     """(meshax's compiled training program on one device, its initial weights by name, the task)."""
     from meshax.optimize import AdamWeightDecayOptimizer
     from meshax.train.loop import build
 
     task = _task(size)
-    program = build(task, "all:1", "", "simd", AdamWeightDecayOptimizer(lr))
+    program = build(task, "all:1", "", "simd", AdamWeightDecayOptimizer(lr), compiler_options=compiler_options)
     program.lowering.initialize()
     weights = {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
     return program, weights, task
@@ -149,9 +149,10 @@ class Stepper:
         return self.fetch(self.dispatch())
 
 
-def meshax_step(size: Lm, lr: float = 1e-4):
-    """(a Stepper on the task's first batch, the initial weights by variable name, the task)."""
-    program, weights, task = _program(size, lr)
+def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None):
+    """(a Stepper on the task's first batch, the initial weights by variable name, the task); the
+    program compiled with XLA's `compiler_options` where given."""
+    program, weights, task = _program(size, lr, compiler_options)
     batch, calls = task.train_batch(0), [0]
 
     def dispatch():

@@ -92,8 +92,9 @@ def one_pass_logsumexp():
     return rule
 
 
-def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
-    """Each part's time, one record per part, for `size`."""
+def parts(size: gpu.Lm, reps: int = 10, only: str | None = None) -> list[dict]:
+    """Each part's time, one record per part, for `size`; only the parts whose names contain
+    `only`, where given."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -170,7 +171,7 @@ def parts(size: gpu.Lm, reps: int = 10) -> list[dict]:
         ("whole gradient, text's repeated ids", whole(text_ids), [params]),
     ]
     records = []
-    for name, fn, args in cases:
+    for name, fn, args in [c for c in cases if only is None or only in c[0]]:
         r = _timed(fn, *args, reps=reps)
         records.append({"part": name, "size": size.name, **r})
         shown = f"{r['ms']:.2f} ms (compile {r['compile_s']:.1f} s)" if r["ms"] is not None else r["error"]
@@ -182,13 +183,14 @@ def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_parts", description=__doc__.splitlines()[0])
     sizes = {s.name: s for s in gpu.SIZES + gpu.LARGER}
     p.add_argument("--size", default="125M", choices=sizes, help="the model size (default: 125M)")
+    p.add_argument("--only", default=None, help="time only the parts whose names contain this")
     p.add_argument("--out", default="benchmarks/out/gpu_parts.json", help="the JSON written")
     args = p.parse_args(argv)
     import jax
 
     size = sizes[args.size]
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {size}", flush=True)
-    records = parts(size)
+    records = parts(size, only=args.only)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"device": jax.devices()[0].device_kind, "flops": size.flops(), "parts": records}, f, indent=1)

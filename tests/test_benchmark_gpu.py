@@ -111,6 +111,10 @@ def test_the_parts_of_a_step_are_each_timed_or_say_why_not(monkeypatch):
     ]
     assert all(r["error"] for r in failed)
     assert all(r["ms"] > 0 and r["compile_s"] > 0 for r in records if r not in failed)
+    assert [r["part"] for r in gpu_parts.parts(gpu.Lm("tiny", 1, 32, 2, 2, 32, 64), reps=1, only="embedding")] == [
+        "embedding lookup, distinct ids",
+        "embedding lookup, text's repeated ids",
+    ]
 
 
 def test_the_twins_logits_pass_a_bfloat16_gradient_to_bfloat16_matmuls():
@@ -170,3 +174,38 @@ def test_the_one_pass_logsumexp_candidate_equals_jaxs_with_its_gradient():
     weights = jnp.arange(15.0).reshape(3, 5)
     grads = [jax.grad(lambda x, f=f: jnp.sum(f(x) * weights))(x) for f in (mine, lambda x: jax.nn.logsumexp(x, -1))]
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
+
+
+def test_xla_option_candidates_are_each_timed_and_the_faster_ones_tried_together(monkeypatch):
+    """`python -m benchmarks.gpu_options`: XLA's defaults first and last, each candidate between
+    (a refused one records XLA's reason, and the rest go on), then the candidates faster than the
+    defaults by more than the two defaults' spread, together. One real step at a tiny size; the
+    order and the choice with the step's timing faked."""
+    from benchmarks import gpu_options
+
+    tiny = gpu.Lm("tiny", 2, 64, 4, batch=2, length=64, vocab=512)
+    real = gpu_options.one(tiny, "cuBLASLt", {"xla_gpu_enable_cublaslt": True}, steps=2, warmup=1)
+    assert real["queued_s"] > 0 and real["tflops"] > 0 and np.isfinite(real["first_loss"])
+    refused = gpu_options.one(tiny, "typo", {"xla_gpu_enable_cublasltt": True}, steps=2, warmup=1)
+    assert refused["queued_s"] is None and "xla_gpu_enable_cublasltt" in refused["error"]
+
+    times = {"a": 0.0895, "b": 0.095, "c": 0.0889, "bad": None}
+    defaults = iter([0.0910, 0.0905])
+
+    def fake(size, name, options, steps, warmup):
+        s = next(defaults) if name == gpu_options.DEFAULTS else times.get(name, 0.088)
+        return {"name": name, "options": options, "queued_s": s, "tflops": s and 1.0, "error": None if s else "refused"}
+
+    monkeypatch.setattr(gpu_options, "one", fake)
+    candidates = {name: {f"option_{name}": True} for name in times}
+    records = gpu_options.run(tiny, candidates)
+    names = [r["name"] for r in records]
+    assert names == [gpu_options.DEFAULTS, "a", "b", "c", "bad", gpu_options.DEFAULTS, gpu_options.TOGETHER]
+    # the spread of the defaults is 0.55%: a (1.1% faster) and c (1.8%) count, b and bad do not
+    assert records[-1]["options"] == {"option_a": True, "option_c": True}
+    assert records[1]["vs_defaults"] == pytest.approx(0.0905 / 0.0895) and records[4]["vs_defaults"] is None
+    assert "refused" in gpu_options.table(records, 989.0)
+    # one faster candidate alone is not timed again
+    defaults = iter([0.0910, 0.0905])
+    times = {"a": 0.090, "b": 0.095}
+    assert [r["name"] for r in gpu_options.run(tiny, {n: {n: 1} for n in times})][-1] == gpu_options.DEFAULTS

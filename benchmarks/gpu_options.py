@@ -1,0 +1,122 @@
+"""Which XLA options make meshax's LM training step faster on a GPU: `python -m benchmarks.gpu_options [--size 350M]`.
+
+Each candidate is a set of XLA options (what `jax.jit(compiler_options=...)` takes), given to
+meshax's SIMD backend as `build(..., compiler_options=...)`. meshax's step of section 6 at the
+size is built, compiled and timed with each candidate in turn, each freed before the next: XLA's
+defaults first and again last (the two show the run's noise), then the candidates that beat the
+defaults by more than that noise, all together. Timed as section 6 times it (queued steps).
+Prints a table, writes JSON. A candidate that XLA refuses or that fails records why, and the rest
+run. Runs anywhere: the GPU options are accepted and unused on a CPU (a test runs it there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+
+from benchmarks import gpu
+
+CANDIDATES = {
+    "command buffers off": {"xla_gpu_enable_command_buffer": ""},
+    "cuBLASLt (bias and ReLU epilogues)": {"xla_gpu_enable_cublaslt": True},
+    "cuDNN layer norm": {"xla_gpu_enable_cudnn_layer_norm": True},
+    "cuBLAS for every matmul (no Triton gemm)": {"xla_gpu_enable_triton_gemm": False},
+    "cuDNN gemm fusions": {"xla_gpu_cudnn_gemm_fusion_level": 2},
+    "Triton block-level fusions (norms)": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": True},
+    "Triton warp specialization": {"xla_gpu_experimental_enable_triton_warp_specialization": True},
+}
+DEFAULTS = "XLA's defaults"
+TOGETHER = "the faster ones together"
+
+
+def one(size: gpu.Lm, name: str, options: dict, steps: int, warmup: int) -> dict:
+    """meshax's step at `size` compiled with `options`, timed: a record (or the error that stopped it)."""
+    record = {"name": name, "options": options}
+    try:
+        stepper, _, _ = gpu.meshax_step(size, compiler_options=options or None)
+        t = gpu.timed(stepper, steps, warmup)
+    except Exception as err:  # XLA refused the options, or the step failed with them: say why, go on
+        return {**record, "queued_s": None, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}
+    finally:
+        gc.collect()  # the program holds reference cycles: free its arrays before the next one's
+    return {
+        **record,
+        "queued_s": t["queued_s"],
+        "waited_s": t["waited_s"],
+        "tflops": size.flops() / t["queued_s"] / 1e12,
+        "first_loss": t["first"],
+        "first_s": t["first_s"],
+    }
+
+
+def faster(records: list[dict], default_s: float, noise: float) -> dict:
+    """The options of every candidate faster than `default_s` by more than the fraction `noise`
+    (at least 0.5%), merged; {} if none is."""
+    merged = {}
+    for r in records:
+        if r["queued_s"] is not None and r["queued_s"] < default_s * (1 - max(noise, 0.005)):
+            merged.update(r["options"])
+    return merged
+
+
+def run(size: gpu.Lm, candidates: dict[str, dict], steps: int = 10, warmup: int = 3) -> list[dict]:
+    """The defaults, each candidate, the defaults again, then the faster candidates together."""
+
+    def timed(name, options):
+        r = one(size, name, options, steps, warmup)
+        shown = f"{1e3 * r['queued_s']:.2f} ms/step" if r["queued_s"] is not None else r["error"]
+        print(f"{size.name}: {name} {options}: {shown}", flush=True)
+        return r
+
+    first = timed(DEFAULTS, {})
+    tried = [timed(name, options) for name, options in candidates.items()]
+    last = timed(DEFAULTS, {})
+    records = [first, *tried, last]
+    defaults = [r["queued_s"] for r in (first, last) if r["queued_s"] is not None]
+    default_s = min(defaults) if defaults else None
+    if default_s is not None:
+        merged = faster(tried, default_s, (max(defaults) - default_s) / default_s)
+        if len([r for r in tried if set(r["options"]) <= set(merged)]) > 1:  # one alone is measured already
+            records.append(timed(TOGETHER, merged))
+    for r in records:
+        r["vs_defaults"] = None if r["queued_s"] is None or default_s is None else default_s / r["queued_s"]
+    return records
+
+
+def table(records: list[dict], peak: float | None) -> str:
+    lines = [f"{'candidate':<44} {'ms/step':>9} {'TFLOP/s':>8} {'MFU':>6} {'x defaults':>10}"]
+    for r in records:
+        if r["queued_s"] is None:
+            lines.append(f"{r['name']:<44} {r['error'][:120]}")
+            continue
+        mfu = f"{r['tflops'] / peak:.1%}" if peak else "-"
+        vs = "-" if r["vs_defaults"] is None else f"{r['vs_defaults']:.3f}"
+        lines.append(f"{r['name']:<44} {1e3 * r['queued_s']:>9.2f} {r['tflops']:>8.1f} {mfu:>6} {vs:>10}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.gpu_options", description=__doc__.splitlines()[0])
+    sizes = {s.name: s for s in gpu.SIZES + gpu.LARGER}
+    p.add_argument("--size", default="350M", choices=sizes, help="the model size (default: 350M)")
+    p.add_argument("--only", default=None, help="comma-separated candidate names (default: all)")
+    p.add_argument("--out", default="benchmarks/out/gpu_options.json", help="the JSON written")
+    args = p.parse_args(argv)
+    import jax
+
+    size = sizes[args.size]
+    chosen = CANDIDATES if args.only is None else {n: CANDIDATES[n] for n in args.only.split(",")}
+    kind = jax.devices()[0].device_kind
+    print(f"{kind}, jax {jax.__version__}, {size}", flush=True)
+    records = run(size, chosen)
+    print(table(records, gpu.peak_tflops(kind)), flush=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"device": kind, "size": size.name, "flops": size.flops(), "records": records}, f, indent=1)
+    return records
+
+
+if __name__ == "__main__":
+    main()
