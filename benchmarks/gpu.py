@@ -3,7 +3,8 @@
 Both sides are the same model (meshax's Transformer: pre-norm, tied embeddings, sinusoidal
 positions, ReLU feed-forward) in bfloat16 with float32 master weights, float32 logits whose
 gradient comes back through bfloat16 matmuls, cuDNN attention through
-`jax.nn.dot_product_attention`, and Adam; the twin starts from meshax's initial weights, so their
+`jax.nn.dot_product_attention`, and Adam, compiled with the same XLA options (meshax's own for
+the platform); the twin starts from meshax's initial weights, so their
 first losses agree (checked, to bfloat16 tolerance). Both are timed in one run, each alone on
 the device (meshax's arrays freed before the twin's are made): a size is measured when each side
 fits alone, and meshax's numbers are kept where only the twin runs out of memory. Throughput is
@@ -22,6 +23,7 @@ itself runs anywhere (tests/test_benchmark_gpu.py runs a tiny size on the CPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import math
 import time
@@ -237,9 +239,13 @@ def _twin_update(size: Lm, lr: float, implementation):
     import jax
     import optax
 
+    from meshax.lower.mesh_impl import compiler_options_for
+
     optimizer = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8)
 
-    @jax.jit
+    # compiled with the XLA options meshax gives its own programs on this platform (cuBLAS for
+    # every matmul on a GPU): the two sides differ in their programs, not in XLA's options
+    @functools.partial(jax.jit, compiler_options=compiler_options_for(jax.default_backend(), None))
     def update(params, opt_state, ids, targets, w):
         loss, grads = jax.value_and_grad(twin_loss)(params, ids, targets, w, size, implementation)
         updates, opt_state = optimizer.update(grads, opt_state, params)

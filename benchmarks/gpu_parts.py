@@ -23,12 +23,14 @@ from benchmarks.timing import first_then_median
 
 
 def _timed(fn, *args, reps: int = 10) -> dict:
-    """Median ms of the jitted `fn` over `reps` calls after two warm ones; the first call's
-    seconds (compile); or the error that stopped it."""
+    """Median ms of `fn`, jitted with the XLA options meshax compiles with, over `reps` calls
+    after two warm ones; the first call's seconds (compile); or the error that stopped it."""
     import jax
 
+    from meshax.lower.mesh_impl import compiler_options_for
+
     try:
-        f = jax.jit(fn)
+        f = jax.jit(fn, compiler_options=compiler_options_for(jax.default_backend(), None))  # as meshax's
         _, compile_s, s = first_then_median(lambda: jax.block_until_ready(f(*args)), reps, 2)
         return {"ms": 1e3 * s, "compile_s": compile_s}
     except Exception as err:  # a part that cannot run here (cuDNN without a GPU) says why

@@ -200,6 +200,23 @@ def test_compiler_options_reach_the_programs_a_backend_compiles(impl_cls, tmp_pa
     assert {f.name.split(".")[1] for f in tmp_path.iterdir()} - checked  # the program's own modules
 
 
+def test_gpu_programs_get_meshaxs_gpu_options_under_the_backends_own():
+    """On GPUs every program gets `GPU_COMPILER_OPTIONS` (cuBLAS for every matmul), each one
+    overridden by the backend's `compiler_options`; other platforms get only the backend's."""
+    from meshax.lower.mesh_impl import compiler_options_for
+
+    assert mx.GPU_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": False}
+    assert compiler_options_for("gpu", None) == mx.GPU_COMPILER_OPTIONS
+    assert compiler_options_for("gpu", {"xla_gpu_enable_triton_gemm": True, "xla_dump_to": "d"}) == {
+        "xla_gpu_enable_triton_gemm": True,
+        "xla_dump_to": "d",
+    }
+    assert compiler_options_for("cpu", None) is None and compiler_options_for("tpu", {"a": 1}) == {"a": 1}
+    assert mx.SimdMeshImpl("all:8", "").program_compiler_options is None  # on this machine's CPU
+    impl = mx.PlacementMeshImpl("all:8", "", compiler_options={"xla_backend_optimization_level": 1})
+    assert impl.program_compiler_options == {"xla_backend_optimization_level": 1}
+
+
 def test_unknown_compiler_options_are_refused_when_the_backend_is_made():
     with pytest.raises(mx.ConfigError, match=r"xla_no_such_option.*XLA refuses them.*No such compile option"):
         mx.SimdMeshImpl("all:8", "", compiler_options={"xla_no_such_option": 1})

@@ -75,7 +75,7 @@ class PlacementMeshImpl(MeshImpl):
     def slicewise(self, fn: Callable, *args):
         if self._jitted is not None:
             if self._call == len(self._jitted):
-                self._jitted.append(jax.jit(fn, compiler_options=self.compiler_options))
+                self._jitted.append(jax.jit(fn, compiler_options=self.program_compiler_options))
             fn = self._jitted[self._call]
             self._call += 1
         args = tuple(self._home(a) if isinstance(a, list) else a for a in args)

@@ -141,7 +141,7 @@ class SimdMeshImpl(MeshImpl):
             ),
             in_shardings=(NamedSharding(self.jax_mesh, P()), *in_sh),
             donate_argnums=tuple(1 + i for i in donate),
-            compiler_options=self.compiler_options,
+            compiler_options=self.program_compiler_options,
         )
         # Traced once, now (the body records its collectives as it goes), compiled on first use.
         traced = fn.trace(

@@ -38,6 +38,20 @@ from meshax.lower.padding import logical_rows, pad, padded_dims, unpad
 
 REDUCE_SCATTER_AS = ("reduce_scatter", "allreduce")
 
+# XLA options meshax compiles every GPU program with, under a backend's own `compiler_options`:
+# every matmul through cuBLAS, not through XLA's Triton gemm fusions. On an H100 (jax 0.11.2)
+# benchmark section 6's 350M step took 88.2 ms with it, and 91.9 and 92.7 ms without
+# (`python -m benchmarks.gpu_options`). `compiler_options={"xla_gpu_enable_triton_gemm": True}`
+# gives XLA's default back.
+GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+
+
+def compiler_options_for(platform: str, options: Mapping[str, object] | None) -> dict | None:
+    """The XLA options a program for `platform`'s devices is compiled with: meshax's own for the
+    platform (GPU_COMPILER_OPTIONS on GPUs), each overridden by `options`; None for none."""
+    merged = {**(GPU_COMPILER_OPTIONS if platform == "gpu" else {}), **(options or {})}
+    return merged or None
+
 
 def _made(init: Callable, key, shape: Shape, dtype):
     # made at the logical shape, so the numbers do not depend on the layout
@@ -126,7 +140,8 @@ class MeshImpl:
         the counters then record the all-reduces that run.
         `compiler_options`: XLA options for every program this backend compiles, as `jax.jit`
         takes them (`{"xla_backend_optimization_level": 3}`, say): per program, where `XLA_FLAGS`
-        sets them for the whole process."""
+        sets them for the whole process. On GPUs they override meshax's own
+        (`GPU_COMPILER_OPTIONS`); `program_compiler_options` is what programs get."""
         if reduce_scatter_as not in REDUCE_SCATTER_AS:
             raise ConfigError(
                 f"reduce_scatter_as={reduce_scatter_as!r} is not one of {', '.join(map(repr, REDUCE_SCATTER_AS))}"
@@ -144,6 +159,12 @@ class MeshImpl:
             raise ValueError(f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given")
         if self._devices is not None and all(isinstance(d, str) for d in self._devices):
             self._devices = None  # TensorFlow device names ("gpu:0", as Mesh-TensorFlow takes): JAX's first devices
+
+    @property
+    def program_compiler_options(self) -> dict | None:
+        """The XLA options every program of this backend is compiled with: meshax's own for the
+        devices' platform, overridden by `compiler_options`."""
+        return compiler_options_for(self.devices[0].platform, self.compiler_options)
 
     # ---- geometry -------------------------------------------------------------------------
     @property
