@@ -234,8 +234,11 @@ def twin_loss(params, ids, targets, weights, size: Lm, implementation=None):
     return jnp.sum(xent * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def _twin_update(size: Lm, lr: float, implementation):
-    """(the twin's jitted update(params, opt_state, ids, targets, weights), its optax optimizer)."""
+def _twin_update(size: Lm, lr: float, implementation, compiler_options=None):
+    """(the twin's jitted update(params, opt_state, ids, targets, weights), its optax optimizer);
+    compiled with the XLA options meshax gives its own programs on this platform (cuBLAS for
+    every matmul on a GPU), overridden by `compiler_options`: the two sides differ in their
+    programs, not in XLA's options."""
     import jax
     import optax
 
@@ -243,9 +246,7 @@ def _twin_update(size: Lm, lr: float, implementation):
 
     optimizer = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8)
 
-    # compiled with the XLA options meshax gives its own programs on this platform (cuBLAS for
-    # every matmul on a GPU): the two sides differ in their programs, not in XLA's options
-    @functools.partial(jax.jit, compiler_options=compiler_options_for(jax.default_backend(), None))
+    @functools.partial(jax.jit, compiler_options=compiler_options_for(jax.default_backend(), compiler_options))
     def update(params, opt_state, ids, targets, w):
         loss, grads = jax.value_and_grad(twin_loss)(params, ids, targets, w, size, implementation)
         updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -331,11 +332,15 @@ def compiled_costs(size: Lm) -> dict:
     device JAX has: a check of the two programs that needs no GPU to run."""
     import jax
 
-    program, weights, task = _program(size)
+    # XLA's cost analysis counts the matmuls XLA emits itself (its Triton gemm fusions on a GPU),
+    # not calls to cuBLAS: both steps are costed as XLA compiles them by default.
+    counted = {"xla_gpu_enable_triton_gemm": True}
+    program, weights, task = _program(size, compiler_options=counted)
     batch = task.train_batch(0)
     program_cost = program.train_fn.cost_analysis()
     params = {k: jax.numpy.asarray(v) for k, v in weights.items()}
-    update, optimizer = _twin_update(size, 1e-4, TWIN_ATTENTION if jax.default_backend() == "gpu" else None)
+    attention = TWIN_ATTENTION if jax.default_backend() == "gpu" else None
+    update, optimizer = _twin_update(size, 1e-4, attention, compiler_options=counted)
     twin = update.lower(params, optimizer.init(params), batch["ids"], batch["targets"], batch["weights"]).compile()
     twin_cost = twin.cost_analysis()
     twin_cost = twin_cost[0] if isinstance(twin_cost, list) else twin_cost
