@@ -2,7 +2,7 @@
 
 Each candidate is a set of XLA options (what `jax.jit(compiler_options=...)` takes), given to
 meshax's SIMD backend as `build(..., compiler_options=...)`, over meshax's own options for GPUs
-(`meshax.GPU_COMPILER_OPTIONS`). meshax's step of section 6 at the size is built, compiled and
+(`meshax.lower.mesh_impl.GPU_COMPILER_OPTIONS`). meshax's step of section 6 at the size is built, compiled and
 timed with each candidate in turn, each freed before the next: meshax's defaults first and again
 last (the two show the run's noise), then the candidates that beat the defaults by more than
 that noise, all together. Timed as section 6 times it (queued steps).

@@ -36,7 +36,6 @@ from meshax.core import (
 from meshax.jaxpr import Partitioned, PartitionedProgram, partition, replicated_region
 from meshax.layout import OPEN, LayoutRules, ShardingRule, TensorLayout, WeightRules, convert_to_layout_rules
 from meshax.lower import (
-    GPU_COMPILER_OPTIONS,
     Counters,
     LaidOutTensor,
     LoweredFunction,
@@ -55,7 +54,6 @@ from meshax.search import search_layout
 
 __version__ = "0.1.0"
 __all__ = [
-    "GPU_COMPILER_OPTIONS",
     "ConfigError",
     "Counters",
     "Dimension",

@@ -203,10 +203,10 @@ def test_compiler_options_reach_the_programs_a_backend_compiles(impl_cls, tmp_pa
 def test_gpu_programs_get_meshaxs_gpu_options_under_the_backends_own():
     """On GPUs every program gets `GPU_COMPILER_OPTIONS` (cuBLAS for every matmul), each one
     overridden by the backend's `compiler_options`; other platforms get only the backend's."""
-    from meshax.lower.mesh_impl import compiler_options_for
+    from meshax.lower.mesh_impl import GPU_COMPILER_OPTIONS, compiler_options_for
 
-    assert mx.GPU_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": False}
-    assert compiler_options_for("gpu", None) == mx.GPU_COMPILER_OPTIONS
+    assert GPU_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": False}
+    assert compiler_options_for("gpu", None) == GPU_COMPILER_OPTIONS
     assert compiler_options_for("gpu", {"xla_gpu_enable_triton_gemm": True, "xla_dump_to": "d"}) == {
         "xla_gpu_enable_triton_gemm": True,
         "xla_dump_to": "d",

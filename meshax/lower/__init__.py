@@ -4,11 +4,10 @@ from meshax.lower.counters import CollectiveRecord, Counters, Site, pretty_print
 from meshax.lower.hlo import hlo_collectives
 from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.lowering import LoweredFunction, Lowering
-from meshax.lower.mesh_impl import GPU_COMPILER_OPTIONS, MeshImpl
+from meshax.lower.mesh_impl import MeshImpl
 from meshax.lower.report import log_variable_sizes
 
 __all__ = [
-    "GPU_COMPILER_OPTIONS",
     "CollectiveRecord",
     "Counters",
     "LaidOutTensor",
