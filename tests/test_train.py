@@ -200,9 +200,10 @@ def test_compiler_options_reach_the_programs_a_backend_compiles(impl_cls, tmp_pa
     assert {f.name.split(".")[1] for f in tmp_path.iterdir()} - checked  # the program's own modules
 
 
-def test_gpu_programs_get_meshaxs_gpu_options_under_the_backends_own():
+def test_gpu_programs_get_meshaxs_gpu_options_under_the_backends_own(monkeypatch):
     """On GPUs every program gets `GPU_COMPILER_OPTIONS` (cuBLAS for every matmul), each one
-    overridden by the backend's `compiler_options`; other platforms get only the backend's."""
+    overridden by the backend's `compiler_options`, and left out where XLA_FLAGS sets it; other
+    platforms get only the backend's."""
     from meshax.lower.mesh_impl import GPU_COMPILER_OPTIONS, compiler_options_for
 
     assert GPU_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": False}
@@ -212,6 +213,10 @@ def test_gpu_programs_get_meshaxs_gpu_options_under_the_backends_own():
         "xla_dump_to": "d",
     }
     assert compiler_options_for("cpu", None) is None and compiler_options_for("tpu", {"a": 1}) == {"a": 1}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_gpu_enable_triton_gemm=true")
+    assert compiler_options_for("gpu", None) is None  # XLA_FLAGS's value stands
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_any=true")  # another option
+    assert compiler_options_for("gpu", None) == GPU_COMPILER_OPTIONS
     assert mx.SimdMeshImpl("all:8", "").program_compiler_options is None  # on this machine's CPU
     impl = mx.PlacementMeshImpl("all:8", "", compiler_options={"xla_backend_optimization_level": 1})
     assert impl.program_compiler_options == {"xla_backend_optimization_level": 1}

@@ -9,6 +9,7 @@ one per device for the placement backend). Ops never import a backend.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -38,19 +39,21 @@ from meshax.lower.padding import logical_rows, pad, padded_dims, unpad
 
 REDUCE_SCATTER_AS = ("reduce_scatter", "allreduce")
 
-# XLA options meshax compiles every GPU program with, under a backend's own `compiler_options`:
-# every matmul through cuBLAS, not through XLA's Triton gemm fusions. On an H100 (jax 0.11.2)
-# benchmark section 6's 350M step took 88.2 ms with it, and 91.9 and 92.7 ms without
-# (`python -m benchmarks.gpu_options`). `compiler_options={"xla_gpu_enable_triton_gemm": True}`
-# gives XLA's default back.
+# XLA options meshax compiles every GPU program with, under a backend's own `compiler_options`
+# and under XLA_FLAGS: every matmul through cuBLAS, not through XLA's Triton gemm fusions. On an
+# H100 (jax 0.11.2) benchmark section 6's 350M step took 88.2 ms with it, and 91.9 and 92.7 ms
+# without (`python -m benchmarks.gpu_options`). `compiler_options={"xla_gpu_enable_triton_gemm":
+# True}`, or `--xla_gpu_enable_triton_gemm=true` in XLA_FLAGS, gives XLA's default back.
 GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
 
 
 def compiler_options_for(platform: str, options: Mapping[str, object] | None) -> dict | None:
     """The XLA options a program for `platform`'s devices is compiled with: meshax's own for the
-    platform (GPU_COMPILER_OPTIONS on GPUs), each overridden by `options`; None for none."""
-    merged = {**(GPU_COMPILER_OPTIONS if platform == "gpu" else {}), **(options or {})}
-    return merged or None
+    platform (GPU_COMPILER_OPTIONS on GPUs) except those XLA_FLAGS sets (a program's options
+    would override XLA_FLAGS), each overridden by `options`; None for none."""
+    in_flags = {f.lstrip("-").split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
+    own = {k: v for k, v in GPU_COMPILER_OPTIONS.items() if k not in in_flags} if platform == "gpu" else {}
+    return {**own, **(options or {})} or None
 
 
 def _made(init: Callable, key, shape: Shape, dtype):
