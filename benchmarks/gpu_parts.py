@@ -19,7 +19,7 @@ import os
 import numpy as np
 
 from benchmarks import gpu
-from benchmarks.timing import first_then_median
+from benchmarks.timing import first_then_median, jit_as_meshax
 
 
 def _timed(fn, *args, reps: int = 10) -> dict:
@@ -27,10 +27,8 @@ def _timed(fn, *args, reps: int = 10) -> dict:
     after two warm ones; the first call's seconds (compile); or the error that stopped it."""
     import jax
 
-    from meshax.lower.mesh_impl import compiler_options_for
-
     try:
-        f = jax.jit(fn, compiler_options=compiler_options_for(jax.default_backend(), None))  # as meshax's
+        f = jit_as_meshax(fn)
         _, compile_s, s = first_then_median(lambda: jax.block_until_ready(f(*args)), reps, 2)
         return {"ms": 1e3 * s, "compile_s": compile_s}
     except Exception as err:  # a part that cannot run here (cuDNN without a GPU) says why

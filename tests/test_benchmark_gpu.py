@@ -207,5 +207,5 @@ def test_xla_option_candidates_are_each_timed_and_the_faster_ones_tried_together
     assert "refused" in gpu_options.table(records, 989.0)
     # one faster candidate alone is not timed again
     defaults = iter([0.0910, 0.0905])
-    times = {"a": 0.090, "b": 0.095}
+    times = {"a": 0.089, "b": 0.095}
     assert [r["name"] for r in gpu_options.run(tiny, {n: {n: 1} for n in times})][-1] == gpu_options.DEFAULTS

@@ -200,14 +200,14 @@ def test_compiler_options_reach_the_programs_a_backend_compiles(impl_cls, tmp_pa
     assert {f.name.split(".")[1] for f in tmp_path.iterdir()} - checked  # the program's own modules
 
 
-def test_gpu_programs_get_meshaxs_gpu_options_under_the_backends_own(monkeypatch):
-    """On GPUs every program gets `GPU_COMPILER_OPTIONS` (cuBLAS for every matmul), each one
-    overridden by the backend's `compiler_options`, and left out where XLA_FLAGS sets it; other
-    platforms get only the backend's."""
-    from meshax.lower.mesh_impl import GPU_COMPILER_OPTIONS, compiler_options_for
+def test_meshaxs_platform_options_reach_the_programs_under_the_backends_own(monkeypatch, tmp_path):
+    """Each backend's programs get meshax's options for their devices' platform (cuBLAS for
+    every matmul on GPUs), each overridden by the backend's `compiler_options` and left out
+    where XLA_FLAGS sets it: shown on the CPU with a CPU entry made for the test."""
+    from meshax.lower import mesh_impl
+    from meshax.lower.mesh_impl import compiler_options_for
 
-    assert GPU_COMPILER_OPTIONS == {"xla_gpu_enable_triton_gemm": False}
-    assert compiler_options_for("gpu", None) == GPU_COMPILER_OPTIONS
+    assert mesh_impl.PLATFORM_COMPILER_OPTIONS == {"gpu": {"xla_gpu_enable_triton_gemm": False}}
     assert compiler_options_for("gpu", {"xla_gpu_enable_triton_gemm": True, "xla_dump_to": "d"}) == {
         "xla_gpu_enable_triton_gemm": True,
         "xla_dump_to": "d",
@@ -215,11 +215,32 @@ def test_gpu_programs_get_meshaxs_gpu_options_under_the_backends_own(monkeypatch
     assert compiler_options_for("cpu", None) is None and compiler_options_for("tpu", {"a": 1}) == {"a": 1}
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_gpu_enable_triton_gemm=true")
     assert compiler_options_for("gpu", None) is None  # XLA_FLAGS's value stands
+    flag_file = tmp_path / "flags"
+    flag_file.write_text("--xla_gpu_enable_triton_gemm=true\n")
+    monkeypatch.setenv("XLA_FLAGS", str(flag_file))  # XLA_FLAGS naming a file of flags, as XLA reads it
+    assert compiler_options_for("gpu", None) is None
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_any=true")  # another option
-    assert compiler_options_for("gpu", None) == GPU_COMPILER_OPTIONS
-    assert mx.SimdMeshImpl("all:8", "").program_compiler_options is None  # on this machine's CPU
-    impl = mx.PlacementMeshImpl("all:8", "", compiler_options={"xla_backend_optimization_level": 1})
-    assert impl.program_compiler_options == {"xla_backend_optimization_level": 1}
+    assert compiler_options_for("gpu", None) == {"xla_gpu_enable_triton_gemm": False}
+
+    monkeypatch.delenv("XLA_FLAGS")
+
+    def run(impl_cls, **kw):
+        graph = mx.Graph()
+        mesh = mx.Mesh(graph, "m")
+        y = mx.reduce_sum(mx.exp(mx.placeholder(mesh, "x", "b:8;d:4")))
+        mx.Lowering(graph, {mesh: impl_cls("all:8", "b:all", **kw)}).function(y)({"x": np.ones((8, 4), np.float32)})
+
+    def dumped(directory) -> set[str]:  # files XLA dumped there (not those of the options' check)
+        return {f.name for f in directory.iterdir() if ".jit__lambda." not in f.name} if directory.exists() else set()
+
+    for impl_cls in (mx.SimdMeshImpl, mx.PlacementMeshImpl):
+        own, mine = tmp_path / f"own-{impl_cls.__name__}", tmp_path / f"mine-{impl_cls.__name__}"
+        monkeypatch.setitem(mesh_impl.PLATFORM_COMPILER_OPTIONS, "cpu", {"xla_dump_to": str(own)})
+        run(impl_cls)
+        before = dumped(own)
+        assert before and not dumped(mine)
+        run(impl_cls, compiler_options={"xla_dump_to": str(mine)})
+        assert dumped(mine) and dumped(own) == before  # the backend's own option overrode meshax's
 
 
 def test_unknown_compiler_options_are_refused_when_the_backend_is_made():

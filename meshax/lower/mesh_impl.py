@@ -39,20 +39,34 @@ from meshax.lower.padding import logical_rows, pad, padded_dims, unpad
 
 REDUCE_SCATTER_AS = ("reduce_scatter", "allreduce")
 
-# XLA options meshax compiles every GPU program with, under a backend's own `compiler_options`
-# and under XLA_FLAGS: every matmul through cuBLAS, not through XLA's Triton gemm fusions. On an
-# H100 (jax 0.11.2) benchmark section 6's 350M step took 88.2 ms with it, and 91.9 and 92.7 ms
-# without (`python -m benchmarks.gpu_options`). `compiler_options={"xla_gpu_enable_triton_gemm":
-# True}`, or `--xla_gpu_enable_triton_gemm=true` in XLA_FLAGS, gives XLA's default back.
-GPU_COMPILER_OPTIONS = {"xla_gpu_enable_triton_gemm": False}
+# XLA options meshax compiles a backend's programs with, by the devices' platform (JAX's name:
+# "gpu" for NVIDIA's and AMD's), under the backend's own `compiler_options` and under XLA_FLAGS.
+# On GPUs, every matmul through cuBLAS, not through XLA's Triton gemm fusions: on one H100
+# (jax 0.11.2) benchmark section 6's 350M step took 88.2 ms with it, and 91.9 and 92.7 ms
+# without (`python -m benchmarks.gpu_options`); measured on no other GPU.
+# `compiler_options={"xla_gpu_enable_triton_gemm": True}`, or `--xla_gpu_enable_triton_gemm=true`
+# in XLA_FLAGS, gives XLA's default back.
+PLATFORM_COMPILER_OPTIONS: dict[str, dict[str, object]] = {"gpu": {"xla_gpu_enable_triton_gemm": False}}
+
+
+def _set_by_xla_flags() -> set[str]:
+    """The option names XLA_FLAGS sets: `--name=value` or `--name`, in the variable or, where it
+    does not start with '-', in the file it names (as XLA reads it)."""
+    flags = os.environ.get("XLA_FLAGS", "").strip()
+    if flags and not flags.startswith("-") and os.path.isfile(flags):
+        with open(flags) as f:
+            flags = f.read()
+    return {f.lstrip("-").split("=", 1)[0] for f in flags.split() if f.startswith("-")}
 
 
 def compiler_options_for(platform: str, options: Mapping[str, object] | None) -> dict | None:
-    """The XLA options a program for `platform`'s devices is compiled with: meshax's own for the
-    platform (GPU_COMPILER_OPTIONS on GPUs) except those XLA_FLAGS sets (a program's options
-    would override XLA_FLAGS), each overridden by `options`; None for none."""
-    in_flags = {f.lstrip("-").split("=", 1)[0] for f in os.environ.get("XLA_FLAGS", "").split()}
-    own = {k: v for k, v in GPU_COMPILER_OPTIONS.items() if k not in in_flags} if platform == "gpu" else {}
+    """The XLA options a backend's programs for `platform`'s devices are compiled with: meshax's
+    own for the platform (PLATFORM_COMPILER_OPTIONS) except those XLA_FLAGS sets (a program's
+    options would override XLA_FLAGS), each overridden by `options`; None for none."""
+    own = PLATFORM_COMPILER_OPTIONS.get(platform, {})
+    if own:
+        in_flags = _set_by_xla_flags()
+        own = {k: v for k, v in own.items() if k not in in_flags}
     return {**own, **(options or {})} or None
 
 
@@ -143,8 +157,8 @@ class MeshImpl:
         the counters then record the all-reduces that run.
         `compiler_options`: XLA options for every program this backend compiles, as `jax.jit`
         takes them (`{"xla_backend_optimization_level": 3}`, say): per program, where `XLA_FLAGS`
-        sets them for the whole process. On GPUs they override meshax's own
-        (`GPU_COMPILER_OPTIONS`); `program_compiler_options` is what programs get."""
+        sets them for the whole process. They override meshax's own for the platform
+        (`PLATFORM_COMPILER_OPTIONS`); `program_compiler_options` is what programs get."""
         if reduce_scatter_as not in REDUCE_SCATTER_AS:
             raise ConfigError(
                 f"reduce_scatter_as={reduce_scatter_as!r} is not one of {', '.join(map(repr, REDUCE_SCATTER_AS))}"
