@@ -333,8 +333,9 @@ def compiled_costs(size: Lm) -> dict:
 
     # XLA's cost analysis counts the matmuls XLA emits itself (its Triton gemm fusions on a GPU),
     # not calls to cuBLAS: both steps are costed as XLA compiles them by default.
-    # (nor where its autotuner falls back to cuBLAS, which it may at any size)
-    counted = {"xla_gpu_enable_triton_gemm": True, "xla_gpu_cublas_fallback": False}
+    # (Its autotuner may still pick cuBLAS for some matmul, whose FLOPs then go uncounted: the
+    # row's check of equal FLOPs would say so. On the H100, at COSTED, both counts were complete.)
+    counted = {"xla_gpu_enable_triton_gemm": True}
     program, weights, task = _program(size, compiler_options=counted)
     batch = task.train_batch(0)
     program_cost = program.train_fn.cost_analysis()
@@ -396,7 +397,13 @@ def run(quick: bool) -> list[dict]:
     import jax
 
     device = jax.devices()[0]
-    costed = cost_record(COSTED_QUICK if quick else COSTED, device.platform)
+    costed_size = COSTED_QUICK if quick else COSTED
+    try:
+        costed = cost_record(costed_size, device.platform)
+    except Exception as err:  # it must not cost the GPU timings that follow
+        name = "compiled step's bytes accessed, meshax / twin: failed"
+        config = {"platform": device.platform, "model": costed_size.name}
+        costed = record(6, name, config, None, "", note=str(err).splitlines()[0][:300])
     if device.platform != "gpu":
         return [
             costed,
