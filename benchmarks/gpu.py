@@ -32,7 +32,8 @@ from collections.abc import Callable
 import numpy as np
 
 from benchmarks.records import record, side
-from benchmarks.timing import first_then_median, jit_as_meshax, queued
+from benchmarks.timing import first_then_median, queued
+from meshax.lower.mesh_impl import jit_for_platform
 
 # Dense bf16 peaks (TFLOP/s, without sparsity), by a substring of jax's device_kind.
 PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "A10": 125.0, "V100": 125.0}
@@ -95,7 +96,7 @@ def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
 
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16) / math.sqrt(n)
 
-    @jit_as_meshax  # (through cuBLAS on a GPU, as meshax's matmuls)
+    @jit_for_platform  # (through cuBLAS on a GPU, as meshax's matmuls)
     def chain(x):
         for _ in range(reps):
             x = x @ a
@@ -244,7 +245,7 @@ def _twin_update(size: Lm, lr: float, implementation, compiler_options=None):
 
     optimizer = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8)
 
-    @functools.partial(jit_as_meshax, compiler_options=compiler_options)
+    @functools.partial(jit_for_platform, compiler_options=compiler_options)
     def update(params, opt_state, ids, targets, w):
         loss, grads = jax.value_and_grad(twin_loss)(params, ids, targets, w, size, implementation)
         updates, opt_state = optimizer.update(grads, opt_state, params)

@@ -19,7 +19,8 @@ import os
 import numpy as np
 
 from benchmarks import gpu
-from benchmarks.timing import first_then_median, jit_as_meshax
+from benchmarks.timing import first_then_median
+from meshax.lower.mesh_impl import jit_for_platform
 
 
 def _timed(fn, *args, reps: int = 10) -> dict:
@@ -28,7 +29,7 @@ def _timed(fn, *args, reps: int = 10) -> dict:
     import jax
 
     try:
-        f = jit_as_meshax(fn)
+        f = jit_for_platform(fn)
         _, compile_s, s = first_then_median(lambda: jax.block_until_ready(f(*args)), reps, 2)
         return {"ms": 1e3 * s, "compile_s": compile_s}
     except Exception as err:  # a part that cannot run here (cuDNN without a GPU) says why

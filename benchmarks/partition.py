@@ -27,7 +27,8 @@ from jax.sharding import PartitionSpec as P
 import meshax as mx
 from benchmarks import plain_jax as pj
 from benchmarks.records import collectives_ratio, record, step_ratio
-from benchmarks.timing import interleaved, jit_as_meshax
+from benchmarks.timing import interleaved
+from meshax.lower.mesh_impl import jit_for_platform
 
 MESH = "x:2;y:4"
 SHARDING = "finalized"
@@ -75,7 +76,7 @@ def _xla(step, args: tuple, by_path: dict, mesh):
 
     params = jax.tree_util.tree_map_with_path(place, args[0])
     rest = jax.tree_util.tree_map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), args[1:])
-    return jit_as_meshax(step), (params, *rest)
+    return jit_for_platform(step), (params, *rest)
 
 
 def _block(tree):

@@ -19,7 +19,8 @@ import numpy as np
 
 from benchmarks import hlo
 from benchmarks.records import collectives_records, record, side, step_ratio
-from benchmarks.timing import interleaved, jit_as_meshax
+from benchmarks.timing import interleaved
+from meshax.lower.mesh_impl import jit_for_platform
 
 MESH, LAYOUT = "rows:2;cols:4", "h:rows;w:cols"
 QUICK = {"size": (4, 32, 32, 8), "steps": 10, "warmup": 3}
@@ -78,7 +79,7 @@ class JaxNet:
             value, grads = jax.value_and_grad(loss)(params, x)
             return value, [p - LR * g for p, g in zip(params, grads)]
 
-        self._step = jit_as_meshax(
+        self._step = jit_for_platform(
             step,
             in_shardings=(f_sh, self.x_sharding),
             out_shardings=(jax.sharding.NamedSharding(self.x_sharding.mesh, jax.sharding.PartitionSpec()), f_sh),

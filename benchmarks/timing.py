@@ -1,24 +1,10 @@
-"""Side-by-side timing: A and B repetitions interleaved (ABBA order), medians compared; plain-JAX
-baselines compiled with the XLA options meshax compiles with."""
+"""Side-by-side timing: A and B repetitions interleaved (ABBA order), medians compared."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from collections.abc import Callable
-
-
-def jit_as_meshax(fn: Callable, compiler_options=None, **jit_kwargs):
-    """`jax.jit(fn, **jit_kwargs)` compiled with the XLA options meshax gives its own programs on
-    this machine's devices (cuBLAS for every matmul on GPUs), `compiler_options` over them: a
-    plain-JAX baseline then differs from meshax's program in what it computes, not in XLA's
-    options."""
-    import jax
-
-    from meshax.lower.mesh_impl import compiler_options_for
-
-    options = compiler_options_for(jax.devices()[0].platform, compiler_options)
-    return jax.jit(fn, compiler_options=options, **jit_kwargs)
 
 
 def interleaved(a: Callable[[], object], b: Callable[[], object], steps: int, warmup: int) -> dict:

@@ -25,7 +25,7 @@ import math
 
 import numpy as np
 
-from benchmarks.timing import jit_as_meshax
+from meshax.lower.mesh_impl import jit_for_platform
 
 LR = 1e-3
 B1, B2, EPS = 0.9, 0.999, 1e-8
@@ -227,7 +227,7 @@ class JaxLm:
         v_sh = {n: var_sh[f"{n}/adam_v"] for n in names}
         state_sh = (p_sh, m_sh, v_sh, var_sh["global_step"])
         f_sh = tuple(self._feed_sh[k] for k in ("ids", "targets", "weights"))
-        self._jit = jit_as_meshax(
+        self._jit = jit_for_platform(
             step, in_shardings=(state_sh, *f_sh), out_shardings=((scalar,), state_sh), donate_argnums=(0,)
         )
         put = lambda d, sh: {n: jax.device_put(d[n], sh[n]) for n in names}  # noqa: E731

@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from benchmarks.timing import jit_as_meshax
+from meshax.lower.mesh_impl import jit_for_platform
 
 LR = 0.001
 
@@ -174,7 +174,7 @@ class JaxModel:
         if shardings is not None:
             p_sh = tuple(shardings[n] for n in ("w", "bias", "v"))
             sc = shardings["scalar"]
-            self._jit = jit_as_meshax(
+            self._jit = jit_for_platform(
                 step,
                 in_shardings=(p_sh, sc, shardings["x"], shardings["g"]),
                 out_shardings=(sc, p_sh, sc),
@@ -184,7 +184,7 @@ class JaxModel:
             put_p = [jax.device_put(p, s) for p, s in zip(params, p_sh)]
             self._gs = jax.device_put(np.float32(0), sc)
         else:
-            self._jit = jit_as_meshax(step, donate_argnums=(0, 1))
+            self._jit = jit_for_platform(step, donate_argnums=(0, 1))
             self._x_sh = self._g_sh = device
             put_p = [jax.device_put(p, device) for p in params]
             self._gs = jax.device_put(np.float32(0), device)

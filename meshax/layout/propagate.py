@@ -153,9 +153,9 @@ class Propagation:
                 else:
                     self._initial(t, rules)
         ops = tuple(self.operations)  # (one op is a tensor laid out after the plan: not worth keeping)
-        graph = _structure(ops) if len(ops) > 1 else _Structure(ops)
-        self._ops, self._rules, self._users, self._tops = graph.ops, graph.rules, graph.users, graph.tops
-        self._sources, self._tensors = graph.sources, graph.tensors
+        structure = _structure(ops) if len(ops) > 1 else _Structure(ops)
+        self._ops, self._rules, self._users = structure.ops, structure.rules, structure.users
+        self._tops, self._sources, self._tensors = structure.tops, structure.sources, structure.tensors
         self._running: tuple | None = None  # the pass under way: (direction, op index, its heap, its queue)
         self._run()
         for priority in sorted(later):  # Shardy's p1, p2 ...: each round propagates to a fixed point

@@ -70,6 +70,15 @@ def compiler_options_for(platform: str, options: Mapping[str, object] | None) ->
     return {**own, **(options or {})} or None
 
 
+def jit_for_platform(fn: Callable, compiler_options: Mapping[str, object] | None = None, **jit_kwargs):
+    """`jax.jit(fn, **jit_kwargs)` compiled with meshax's own XLA options for the platform of
+    JAX's first device, `compiler_options` over them, as a backend compiles its programs: for
+    programs outside a backend (`meshax calibrate`'s, and the benchmarks' plain-JAX baselines,
+    which then differ from meshax's programs in what they compute, not in XLA's options)."""
+    options = compiler_options_for(jax.devices()[0].platform, compiler_options)
+    return jax.jit(fn, compiler_options=options, **jit_kwargs)
+
+
 def _made(init: Callable, key, shape: Shape, dtype):
     # made at the logical shape, so the numbers do not depend on the layout
     dims = tuple(shape.to_integer_list)
@@ -177,10 +186,11 @@ class MeshImpl:
         if self._devices is not None and all(isinstance(d, str) for d in self._devices):
             self._devices = None  # TensorFlow device names ("gpu:0", as Mesh-TensorFlow takes): JAX's first devices
 
-    @property
+    @functools.cached_property
     def program_compiler_options(self) -> dict | None:
         """The XLA options every program of this backend is compiled with: meshax's own for the
-        devices' platform, overridden by `compiler_options`."""
+        devices' platform, overridden by `compiler_options` (worked out once: the placement
+        backend asks for every op's kernel)."""
         return compiler_options_for(self.devices[0].platform, self.compiler_options)
 
     # ---- geometry -------------------------------------------------------------------------

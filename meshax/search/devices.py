@@ -136,13 +136,10 @@ def calibrate(mesh_shape, name: str = "", matmul_size: int = 512, message_bytes:
     mesh = jax.make_mesh(tuple(shape.to_integer_list), names, devices=jax.devices()[: shape.size])
     n = matmul_size
 
-    from meshax.lower.mesh_impl import compiler_options_for
+    from meshax.lower.mesh_impl import jit_for_platform
 
-    options = compiler_options_for(jax.devices()[0].platform, None)  # as meshax compiles (cuBLAS on GPUs)
-
-    def local(f):
-        fn = jax.shard_map(f, mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False)
-        return jax.jit(fn, compiler_options=options)
+    def local(f):  # compiled as meshax compiles its programs (cuBLAS matmuls on GPUs)
+        return jit_for_platform(jax.shard_map(f, mesh=mesh, in_specs=P(names), out_specs=P(names), check_vma=False))
 
     def ones(*dims):  # each device's block along the first dim
         return jax.device_put(jnp.ones((shape.size * dims[0], *dims[1:]), jnp.float32), NamedSharding(mesh, P(names)))
