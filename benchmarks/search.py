@@ -146,8 +146,7 @@ def _gspmd_scale() -> list[dict]:
 
     cfg = {"mesh": "x:16;y:32", "program": "gspmd-64b LM, batch 64 x 1024, Adam", "device": "tpu-v3"}
     annotated = LmTask(model="gspmd-64b", sharding="gspmd-2d-finalized", batch_size=64, length=1024)
-    lowering, outputs, updates = build(annotated, cfg["mesh"], "", compile=False)
-    hand = evaluate(lowering, outputs, updates, "tpu-v3", label="gspmd-2d-finalized (annotations)")
+    hand = evaluate(annotated, mesh=cfg["mesh"], device="tpu-v3", label="gspmd-2d-finalized (annotations)")
     task = LmTask(model="gspmd-64b", batch_size=64, length=1024)
     return _at_scale(
         "GSPMD 2D finalized",

@@ -777,22 +777,30 @@ def _calibrate(args) -> int:
     return 0
 
 
-def _search(args, task, lowering, outputs, updates) -> int:
+def _search(args, task) -> int:
     from meshax.layout import convert_to_mesh_shape
     from meshax.search import SearchResult, evaluate, search_layout
     from meshax.search.draw import draw_comparison
+    from meshax.search.program import model_of
     from meshax.search.search import search_mesh_and_layout
 
-    # beside the choice: the layout given (or the task's default, where it fits the mesh)
-    label = None
-    if args.sharding:  # the annotations are the user's layout: name them
-        label = f"{args.layout} + annotations {args.sharding}" if args.layout else f"annotations {args.sharding}"
-    baseline = None if getattr(args, "no_baseline", False) else evaluate(lowering, outputs, updates, args.device, label)
+    # Costed once, at small depths where the model is deep: the search's candidates and the
+    # layout given beside them (or the task's default, where it fits the mesh), annotations and all
     searched = dataclasses.replace(task, sharding="") if getattr(task, "sharding", "") else task
+    model = model_of(searched)
+    baseline = None
+    if not getattr(args, "no_baseline", False):
+        label = None
+        if args.sharding:  # the annotations are the user's layout: name them
+            label = f"{args.layout} + annotations {args.sharding}" if args.layout else f"annotations {args.sharding}"
+        yours = model if searched is task else model_of(task)
+        baseline = evaluate(
+            yours, mesh=args.mesh, layout=args.layout, weight_layout=args.weight_layout, device=args.device, label=label
+        )
     search: Callable[..., SearchResult] = search_mesh_and_layout if args.search_mesh else search_layout
     where = convert_to_mesh_shape(args.mesh).size if args.search_mesh else args.mesh  # (every mesh of that many)
     result = search(
-        searched,
+        model,
         where,
         layout=args.pin,
         memory_budget=args.memory_budget,
@@ -833,6 +841,8 @@ def _plan(args, task, console) -> int:
             raise ConfigError(f"--picture {args.picture!r} is a file: give a folder to write the pictures to")
         _check_can_create("--picture", args.picture)
         os.makedirs(args.picture)
+    if args.search:
+        return _search(args, task)
     lowering, outputs, updates = build(
         task,
         args.mesh,
@@ -843,8 +853,6 @@ def _plan(args, task, console) -> int:
         compile=False,
         weight_layout=args.weight_layout,
     )
-    if args.search:
-        return _search(args, task, lowering, outputs, updates)
     counters = lowering.trace_step(outputs, updates)
     summary = summarize(lowering, counters, outputs)
     if args.json:

@@ -387,8 +387,7 @@ def test_with_weight_rules_the_search_is_as_fast_as_gspmd_2d_finalized():
     from meshax.search import evaluate
 
     annotated = LmTask(model="gspmd-64b", sharding="gspmd-2d-finalized", batch_size=64, length=1024)
-    lowering, outputs, updates = build(annotated, "x:16;y:32", "", compile=False)
-    hand = evaluate(lowering, outputs, updates, "tpu-v3", label="gspmd-2d-finalized")
+    hand = evaluate(annotated, mesh="x:16;y:32", device="tpu-v3", label="gspmd-2d-finalized")  # (extrapolated)
     task = LmTask(model="gspmd-64b", batch_size=64, length=1024)
     result = search_layout(task, "x:16;y:32", memory_budget="32GB", device="tpu-v3", search_weights=True, baseline=hand)
     assert result.best.weight_layout is not None and "except" in result.best.weight_layout
@@ -440,6 +439,27 @@ def test_costs_extrapolated_from_two_depths_equal_the_deep_models(task, mesh, la
         weight_rules = None if weights is None else convert_to_weight_rules(weights)
         rule_set = mx.convert_to_layout_rules(layout)
         assert _same(extrapolated.estimator(rule_set, weight_rules), full.estimator(rule_set, weight_rules))
+
+
+def test_a_task_is_evaluated_as_the_search_costs_it_and_as_its_full_lowering_costs():
+    """`evaluate(task, mesh=, layout=, weight_layout=)` costs a 3-layer model at depths 1 and 2,
+    extrapolated (as the search costs its candidates): the same Candidate as the full model's
+    lowering. (Extrapolating annotated models: test_costs_extrapolated_from_two_depths_equal...)"""
+    from meshax.models.transformer import TransformerConfig
+    from meshax.search import evaluate
+
+    config = TransformerConfig(vocab_size=32, d_model=16, d_ff=32, num_heads=4, d_kv=4, num_layers=3)
+    task = LmTask(model=config, source="markov", markov_vocab=32, batch_size=8, length=8)
+    mesh, layout, weights = "rows:2;cols:4", "d_model:cols;batch:rows", "d_model:rows"
+    lowering, outputs, updates = build(task, mesh, layout, compile=False, weight_layout=weights)
+    full = evaluate(lowering, outputs, updates, label="mine")
+    model = model_of(task)
+    fast = evaluate(model, mesh=mesh, layout=layout, weight_layout=weights, label="mine")
+    assert "extrapolated" in model.note and _same(fast.cost, full.cost)
+    assert (fast.name, fast.layout, fast.mesh, fast.weight_layout) == (full.name, layout, mesh, weights)
+    assert fast.step_s == pytest.approx(full.step_s)
+    with pytest.raises(mx.ConfigError, match=r"needs the mesh to cost it on"):
+        evaluate(MLP, layout="batch:rows")
 
 
 def test_search_flags_without_search_are_refused(capsys):

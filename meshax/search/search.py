@@ -245,6 +245,11 @@ def _pairs(layout: str) -> list[tuple[str, tuple[str, ...]]]:
     return [(d, tuple(rules.mesh_dims_for(d))) for d in rules.tensor_dim_names]
 
 
+def _rules(layout: str) -> Rules:
+    """A layout as the search's rule sets are, in dim-name order (so a rule set it traced is found)."""
+    return tuple(sorted(_pairs(layout)))
+
+
 def search_layout(
     graph,
     mesh_shape,
@@ -364,7 +369,7 @@ def search_layout(
         _no_fit(compared, budget, mesh_shape, program.lowering)
     ranked = sorted(fits, key=lambda c: c.step_s)[:top]  # (a stable sort: ties keep the fixed order)
     if isinstance(baseline, str):
-        baseline = exact(tuple(_pairs(baseline)))
+        baseline = evaluate(model, mesh=mesh_shape, layout=baseline, device=dev)
     return SearchResult(ranked, baseline, len(rule_sets), method, time.perf_counter() - start, budget, dev, compared)
 
 
@@ -425,15 +430,35 @@ def search_mesh_and_layout(
 
 
 def evaluate(
-    lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = (), device=None, label: str | None = None
+    lowering,
+    outputs: Sequence[Tensor] = (),
+    updates: Sequence = (),
+    device=None,
+    label: str | None = None,
+    *,
+    mesh=None,
+    layout: str = "",
+    weight_layout: str | None = None,
 ) -> Candidate:
-    """The exact Candidate of a lowering's own layout (rules, weight rules and annotations), to
-    compare with; `label` names it in the report (default: its rules)."""
+    """The exact Candidate of a layout, to compare with; `label` names it in the report (default:
+    its rules). `lowering`: a Lowering, costed under its own layout (rules, weight rules and
+    annotations) with `outputs` and `updates`; or what `search_layout` takes (a training task, a
+    graph with `outputs` and `updates`, or a `model_of`), costed on `mesh` under `layout` and
+    `weight_layout` as the search costs its candidates: a deep model at two small depths,
+    extrapolated exactly, and on the same Model a rule set traced once for both."""
     dev = load_device(device)
-    impl = lowering.impl
-    weights = None if impl.weight_rules is None else str(impl.weight_rules)
-    cost = exact_cost(lowering, outputs, updates)
-    candidate = _candidate(str(impl.layout_rules), cost, dev, impl.shape, weights)
+    if isinstance(lowering, Lowering):
+        impl = lowering.impl
+        weights = None if impl.weight_rules is None else str(impl.weight_rules)
+        candidate = _candidate(str(impl.layout_rules), exact_cost(lowering, outputs, updates), dev, impl.shape, weights)
+    else:
+        if mesh is None:
+            raise ConfigError("evaluate(task, ...) needs the mesh to cost it on: evaluate(task, mesh=..., layout=...)")
+        mesh_shape = convert_to_mesh_shape(mesh)
+        weights = None if weight_layout is None else str(convert_to_weight_rules(weight_layout))
+        program = model_of(lowering, outputs, updates).on(mesh_shape)
+        cost = program.exact(_rules(layout), weights)
+        candidate = _candidate(str(convert_to_layout_rules(layout)), cost, dev, mesh_shape, weights)
     candidate.label = label
     return candidate
 
