@@ -430,7 +430,7 @@ def search_mesh_and_layout(
 
 
 def evaluate(
-    lowering,
+    what,
     outputs: Sequence[Tensor] = (),
     updates: Sequence = (),
     device=None,
@@ -441,22 +441,22 @@ def evaluate(
     weight_layout: str | None = None,
 ) -> Candidate:
     """The exact Candidate of a layout, to compare with; `label` names it in the report (default:
-    its rules). `lowering`: a Lowering, costed under its own layout (rules, weight rules and
-    annotations) with `outputs` and `updates`; or what `search_layout` takes (a training task, a
-    graph with `outputs` and `updates`, or a `model_of`), costed on `mesh` under `layout` and
-    `weight_layout` as the search costs its candidates: a deep model at two small depths,
-    extrapolated exactly, and on the same Model a rule set traced once for both."""
+    its rules). `what`: a Lowering, costed under its own layout (rules, weight rules and
+    annotations) with `outputs` and `updates`; or, as `search_layout` takes it, a training task
+    or a graph with `outputs` and `updates`, costed on `mesh` under `layout` and `weight_layout`
+    as the search costs its candidates: a deep model at two small depths, extrapolated exactly
+    (and on the search's own Model, `program.model_of`, a rule set is traced once for both)."""
     dev = load_device(device)
-    if isinstance(lowering, Lowering):
-        impl = lowering.impl
+    if isinstance(what, Lowering):
+        impl = what.impl
         weights = None if impl.weight_rules is None else str(impl.weight_rules)
-        candidate = _candidate(str(impl.layout_rules), exact_cost(lowering, outputs, updates), dev, impl.shape, weights)
+        candidate = _candidate(str(impl.layout_rules), exact_cost(what, outputs, updates), dev, impl.shape, weights)
     else:
         if mesh is None:
             raise ConfigError("evaluate(task, ...) needs the mesh to cost it on: evaluate(task, mesh=..., layout=...)")
         mesh_shape = convert_to_mesh_shape(mesh)
         weights = None if weight_layout is None else str(convert_to_weight_rules(weight_layout))
-        program = model_of(lowering, outputs, updates).on(mesh_shape)
+        program = model_of(what, outputs, updates).on(mesh_shape)
         cost = program.exact(_rules(layout), weights)
         candidate = _candidate(str(convert_to_layout_rules(layout)), cost, dev, mesh_shape, weights)
     candidate.label = label
