@@ -150,9 +150,6 @@ def test_deterministic_and_pinned_rules_are_kept():
     assert 1 < a.legal < 345
 
 
-PAPER_SEARCH = "--search --memory-budget 16GB --device tpu-v3"  # (the README's command, run here)
-
-
 @pytest.mark.slow
 def test_the_readmes_paper_scale_search_finds_the_papers_layout(monkeypatch, capsys):
     """The README's search for the paper's largest Transformer on 512 TPU v3 cores, as written
@@ -160,9 +157,9 @@ def test_the_readmes_paper_scale_search_finds_the_papers_layout(monkeypatch, cap
     import shlex
 
     import meshax.search
-    from tests.test_readme_commands import readme_commands
+    from tests.test_readme_commands import PAPER_SEARCH, readme_command_with
 
-    (command,) = [c for c in readme_commands() if PAPER_SEARCH in " ".join(c.split())]
+    command = readme_command_with(PAPER_SEARCH)
     results = []
     search = meshax.search.search_layout
     monkeypatch.setattr(meshax.search, "search_layout", lambda *a, **kw: results.append(search(*a, **kw)) or results[0])
