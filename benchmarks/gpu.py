@@ -127,13 +127,28 @@ def _task(size: Lm):
     return LmTask(model=config, batch_size=size.batch, length=size.length)
 
 
-def _program(size: Lm, lr: float = 1e-4, compiler_options=None):
+# Each side's optimizer by name: meshax's and optax's, the same update (Adam: float32 moments).
+OPTIMIZERS = ("adam", "sgd")
+
+
+def _meshax_optimizer(name: str, lr: float):
+    from meshax.optimize import AdamWeightDecayOptimizer, SgdOptimizer
+
+    return {"adam": AdamWeightDecayOptimizer, "sgd": SgdOptimizer}[name](lr)
+
+
+def _optax_optimizer(name: str, lr: float):
+    import optax
+
+    return {"adam": lambda: optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8), "sgd": lambda: optax.sgd(lr)}[name]()
+
+
+def _program(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam"):
     """(meshax's compiled training program on one device, its initial weights by name, the task)."""
-    from meshax.optimize import AdamWeightDecayOptimizer
     from meshax.train.loop import build
 
     task = _task(size)
-    program = build(task, "all:1", "", "simd", AdamWeightDecayOptimizer(lr), compiler_options=compiler_options)
+    program = build(task, "all:1", "", "simd", _meshax_optimizer(optimizer, lr), compiler_options=compiler_options)
     program.lowering.initialize()
     weights = {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
     return program, weights, task
@@ -152,10 +167,10 @@ class Stepper:
         return self.fetch(self.dispatch())
 
 
-def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None):
+def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam"):
     """(a Stepper on the task's first batch, the initial weights by variable name, the task); the
     program compiled with XLA's `compiler_options` where given."""
-    program, weights, task = _program(size, lr, compiler_options)
+    program, weights, task = _program(size, lr, compiler_options, optimizer)
     batch, calls = task.train_batch(0), [0]
 
     def dispatch():
@@ -235,7 +250,7 @@ def twin_loss(params, ids, targets, weights, size: Lm, implementation=None):
     return jnp.sum(xent * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def _twin_update(size: Lm, lr: float, implementation, compiler_options=None):
+def _twin_update(size: Lm, lr: float, implementation, compiler_options=None, optimizer: str = "adam"):
     """(the twin's jitted update(params, opt_state, ids, targets, weights), its optax optimizer);
     compiled with the XLA options meshax gives its own programs on this platform (cuBLAS for
     every matmul on a GPU), overridden by `compiler_options`: the two sides differ in their
@@ -243,23 +258,25 @@ def _twin_update(size: Lm, lr: float, implementation, compiler_options=None):
     import jax
     import optax
 
-    optimizer = optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8)
+    transform = _optax_optimizer(optimizer, lr)
 
     @functools.partial(jit_for_platform, compiler_options=compiler_options)
     def update(params, opt_state, ids, targets, w):
         loss, grads = jax.value_and_grad(twin_loss)(params, ids, targets, w, size, implementation)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
+        updates, opt_state = transform.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    return update, optimizer
+    return update, transform
 
 
-def twin_step(size: Lm, weights: dict, batch: dict, lr: float = 1e-4, implementation=None) -> Stepper:
+def twin_step(
+    size: Lm, weights: dict, batch: dict, lr: float = 1e-4, implementation=None, optimizer: str = "adam"
+) -> Stepper:
     import jax
 
     params = {k: jax.device_put(v) for k, v in weights.items()}
-    update, optimizer = _twin_update(size, lr, implementation)
-    state = [params, optimizer.init(params)]
+    update, transform = _twin_update(size, lr, implementation, optimizer=optimizer)
+    state = [params, transform.init(params)]
 
     def dispatch():
         state[0], state[1], loss = update(state[0], state[1], batch["ids"], batch["targets"], batch["weights"])
@@ -283,12 +300,12 @@ def timed(stepper: Stepper, steps: int, warmup: int) -> dict:
     }
 
 
-def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
+def measure(size: Lm, steps: int, warmup: int, implementation=None, optimizer: str = "adam") -> dict:
     """meshax's step and the twin's, from the same weights, each timed alone: meshax's arrays are
     freed before the twin's are made, and a twin that does not fit leaves meshax's numbers (its
     fields None, `twin_error` saying why). A GPU step's time varies little from one call to the
     next, so the two need not be interleaved. Throughput is of queued steps (`timed`)."""
-    m_step, weights, task = meshax_step(size)
+    m_step, weights, task = meshax_step(size, optimizer=optimizer)
     weights = {k: np.asarray(v) for k, v in weights.items()}  # on the host, to outlive meshax's arrays
     m = timed(m_step, steps, warmup)
     del m_step
@@ -302,7 +319,8 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None) -> dict:
         "steps": steps,
     }
     try:
-        t = timed(twin_step(size, weights, task.train_batch(0), implementation=implementation), steps, warmup)
+        twin = twin_step(size, weights, task.train_batch(0), implementation=implementation, optimizer=optimizer)
+        t = timed(twin, steps, warmup)
     except Exception as err:
         if not _fits_error(err):
             raise

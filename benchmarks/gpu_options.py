@@ -21,6 +21,9 @@ from benchmarks import gpu
 
 CANDIDATES = {
     "command buffers off": {"xla_gpu_enable_command_buffer": ""},
+    "command buffers, concurrent scheduling": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
+    "command buffers, concurrent regions": {"xla_gpu_graph_enable_concurrent_region": True},
+    "command buffers from one op up": {"xla_gpu_graph_min_graph_size": 1},
     "cuBLASLt (bias and ReLU epilogues)": {"xla_gpu_enable_cublaslt": True},
     "cuDNN layer norm": {"xla_gpu_enable_cudnn_layer_norm": True},
     "Triton gemm fusions (XLA's default)": {"xla_gpu_enable_triton_gemm": True},

@@ -84,17 +84,18 @@ def profile(stepper: gpu.Stepper, steps: int = 3, warmup: int = 2) -> dict:
     return {"wall_ms": 1e3 * wall, **summarize(xspace, steps)}
 
 
-def both(size: gpu.Lm, steps: int = 3) -> dict:
+def both(size: gpu.Lm, steps: int = 3, optimizer: str = "adam") -> dict:
     """meshax's step and the twin's at `size`, each profiled alone."""
     import jax
 
-    m_step, weights, task = gpu.meshax_step(size)
+    m_step, weights, task = gpu.meshax_step(size, optimizer=optimizer)
     weights = {k: gpu.np.asarray(v) for k, v in weights.items()}
     out = {"meshax": profile(m_step, steps)}
     del m_step
     gc.collect()
     implementation = gpu.TWIN_ATTENTION if jax.default_backend() == "gpu" else None
-    out["twin"] = profile(gpu.twin_step(size, weights, task.train_batch(0), implementation=implementation), steps)
+    twin = gpu.twin_step(size, weights, task.train_batch(0), implementation=implementation, optimizer=optimizer)
+    out["twin"] = profile(twin, steps)
     return out
 
 
@@ -115,20 +116,23 @@ def main(argv=None) -> dict:
     sizes = {s.name: s for s in gpu.SIZES + gpu.LARGER}
     p.add_argument("--size", default="1.3B", choices=sizes, help="the model size (default: 1.3B)")
     p.add_argument("--steps", type=int, default=3, help="steps traced per side (default: 3)")
+    p.add_argument("--optimizer", default="adam", choices=gpu.OPTIMIZERS, help="both sides' (default: adam)")
     p.add_argument("--out", default="benchmarks/out/gpu_profile.json", help="the JSON written")
     args = p.parse_args(argv)
-    return run(sizes[args.size], args.steps, args.out)
+    return run(sizes[args.size], args.steps, args.out, args.optimizer)
 
 
-def run(size: gpu.Lm, steps: int, out: str) -> dict:
+def run(size: gpu.Lm, steps: int, out: str, optimizer: str = "adam") -> dict:
     import jax
 
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {size}", flush=True)
-    result = both(size, steps)
+    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {size}, {optimizer}", flush=True)
+    result = both(size, steps, optimizer)
     show(result)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
-        json.dump({"device": jax.devices()[0].device_kind, "size": size.name, **result}, f, indent=1)
+        json.dump(
+            {"device": jax.devices()[0].device_kind, "size": size.name, "optimizer": optimizer, **result}, f, indent=1
+        )
     return result
 
 

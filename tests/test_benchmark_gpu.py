@@ -22,6 +22,19 @@ def test_section6_measures_the_same_model_on_both_sides():
     assert gpu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and gpu.peak_tflops("cpu") is None
 
 
+@pytest.mark.parametrize("optimizer", gpu.OPTIMIZERS)
+def test_both_sides_take_the_same_steps_with_each_optimizer(optimizer):
+    """From the same weights and batch, meshax's step and the twin's lose the same after each
+    update: the optimizers are the same update on both sides, not only the same first loss."""
+    m_step, weights, task = gpu.meshax_step(TINY, lr=1e-2, optimizer=optimizer)
+    weights = {k: np.asarray(v) for k, v in weights.items()}
+    twin = gpu.twin_step(TINY, weights, task.train_batch(0), lr=1e-2, optimizer=optimizer)
+    meshax_losses = [m_step() for _ in range(4)]
+    twin_losses = [twin() for _ in range(4)]
+    assert meshax_losses[-1] < meshax_losses[0] - 0.05  # each update changes the loss
+    np.testing.assert_allclose(meshax_losses, twin_losses, rtol=1e-3)
+
+
 def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(monkeypatch):
     """run() as on a GPU (the device faked): the matmul peak, then per size a throughput ratio
     and an MFU row; a size that fails is a record naming its error, and the sizes after it run."""
