@@ -202,7 +202,7 @@ def wide_logits(y, table):
 def narrow_gradient_logits():
     """`wide_logits` whose gradient comes back at bfloat16 width first, as meshax's wide einsums
     pass theirs, so both gradient matmuls are bfloat16 ones; the table's gradient is summed in
-    float32."""
+    float32 (and given the table's dtype: a twin may be given bfloat16 weights)."""
     import jax
     import jax.numpy as jnp
 
@@ -213,7 +213,7 @@ def narrow_gradient_logits():
         y, table = saved
         g = g.astype(y.dtype)
         dy = jnp.einsum("btv,vm->btm", g, table.astype(y.dtype))
-        return dy, jnp.einsum("btv,btm->vm", g, y, preferred_element_type=jnp.float32)
+        return dy, jnp.einsum("btv,btm->vm", g, y, preferred_element_type=jnp.float32).astype(table.dtype)
 
     rule = jax.custom_vjp(wide_logits)
     rule.defvjp(forward, backward)

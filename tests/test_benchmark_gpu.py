@@ -35,6 +35,21 @@ def test_both_sides_take_the_same_steps_with_each_optimizer(optimizer):
     np.testing.assert_allclose(meshax_losses, twin_losses, rtol=1e-3)
 
 
+def test_the_twin_trains_on_weights_stored_in_bfloat16():
+    """The twin given bfloat16 weights (no float32 master copy, as the GPU guide measured it):
+    its first loss is the float32 weights' to bfloat16 tolerance, and SGD's steps lower it."""
+    import ml_dtypes
+
+    _, weights, task = gpu.meshax_step(TINY, optimizer="sgd")
+    batch = task.train_batch(0)
+    full = gpu.twin_step(TINY, {k: np.asarray(v) for k, v in weights.items()}, batch, optimizer="sgd")
+    narrow = {k: np.asarray(v).astype(ml_dtypes.bfloat16) for k, v in weights.items()}
+    twin = gpu.twin_step(TINY, narrow, batch, lr=1e-1, optimizer="sgd")
+    losses = [twin() for _ in range(3)]
+    assert abs(losses[0] - full()) < 1e-2 * losses[0]
+    assert losses[-1] < losses[0] - 0.05
+
+
 def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(monkeypatch):
     """run() as on a GPU (the device faked): the matmul peak, then per size a throughput ratio
     and an MFU row; a size that fails is a record naming its error, and the sizes after it run."""
