@@ -140,7 +140,7 @@ def _meshax_optimizer(name: str, lr: float):
 def _optax_optimizer(name: str, lr: float):
     import optax
 
-    return {"adam": lambda: optax.adam(lr, b1=0.9, b2=0.999, eps=1e-8), "sgd": lambda: optax.sgd(lr)}[name]()
+    return {"adam": functools.partial(optax.adam, b1=0.9, b2=0.999, eps=1e-8), "sgd": optax.sgd}[name](lr)
 
 
 def _program(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam"):
