@@ -3,7 +3,8 @@
 Both sides are the same model (meshax's Transformer: pre-norm, tied embeddings, sinusoidal
 positions, ReLU feed-forward) in bfloat16 with float32 master weights, float32 logits whose
 gradient comes back through bfloat16 matmuls, cuDNN attention through
-`jax.nn.dot_product_attention`, and Adam, compiled with the same XLA options (meshax's own for
+`jax.nn.dot_product_attention`, and Adam (or SGD: `optimizer=`, the same on both sides),
+compiled with the same XLA options (meshax's own for
 the platform); the twin starts from meshax's initial weights, so their
 first losses agree (checked, to bfloat16 tolerance). Both are timed in one run, each alone on
 the device (meshax's arrays freed before the twin's are made): a size is measured when each side
@@ -127,20 +128,21 @@ def _task(size: Lm):
     return LmTask(model=config, batch_size=size.batch, length=size.length)
 
 
-# Each side's optimizer by name: meshax's and optax's, the same update (Adam: float32 moments).
-OPTIMIZERS = ("adam", "sgd")
+OPTIMIZERS = ("adam", "sgd")  # both sides' optimizer, by name
 
 
-def _meshax_optimizer(name: str, lr: float):
-    from meshax.optimize import AdamWeightDecayOptimizer, SgdOptimizer
-
-    return {"adam": AdamWeightDecayOptimizer, "sgd": SgdOptimizer}[name](lr)
-
-
-def _optax_optimizer(name: str, lr: float):
+def optimizers(name: str, lr: float):
+    """(meshax's optimizer, optax's) called `name`: the same update (Adam: bias-corrected, with
+    optax's defaults, which are meshax's; its moments in the weights' dtype on the twin's side,
+    float32 on meshax's)."""
     import optax
 
-    return {"adam": functools.partial(optax.adam, b1=0.9, b2=0.999, eps=1e-8), "sgd": optax.sgd}[name](lr)
+    from meshax.optimize import AdamWeightDecayOptimizer, SgdOptimizer
+
+    pairs = {"adam": (AdamWeightDecayOptimizer, optax.adam), "sgd": (SgdOptimizer, optax.sgd)}
+    if name not in pairs:
+        raise ValueError(f"optimizer {name!r}: one of {', '.join(pairs)}")
+    return tuple(make(lr) for make in pairs[name])
 
 
 def _program(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam"):
@@ -148,7 +150,7 @@ def _program(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str =
     from meshax.train.loop import build
 
     task = _task(size)
-    program = build(task, "all:1", "", "simd", _meshax_optimizer(optimizer, lr), compiler_options=compiler_options)
+    program = build(task, "all:1", "", "simd", optimizers(optimizer, lr)[0], compiler_options=compiler_options)
     program.lowering.initialize()
     weights = {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
     return program, weights, task
@@ -161,6 +163,7 @@ class Stepper:
 
     dispatch: Callable[[], object]
     fetch: Callable[[object], float]
+    weights: Callable[[], dict]  # the weights now, by variable name, on the host
 
     def __call__(self) -> float:
         """One step, waited for: its loss."""
@@ -177,7 +180,10 @@ def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: st
         calls[0] += 1
         return program.train_fn.dispatch(batch, seed=calls[0])
 
-    return Stepper(dispatch, lambda outputs: float(program.train_fn.fetch(outputs)[0])), weights, task
+    def now():
+        return {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
+
+    return Stepper(dispatch, lambda outputs: float(program.train_fn.fetch(outputs)[0]), now), weights, task
 
 
 # ---- the plain-JAX twin ----------------------------------------------------------------------
@@ -258,7 +264,7 @@ def _twin_update(size: Lm, lr: float, implementation, compiler_options=None, opt
     import jax
     import optax
 
-    transform = _optax_optimizer(optimizer, lr)
+    transform = optimizers(optimizer, lr)[1]
 
     @functools.partial(jit_for_platform, compiler_options=compiler_options)
     def update(params, opt_state, ids, targets, w):
@@ -282,7 +288,10 @@ def twin_step(
         state[0], state[1], loss = update(state[0], state[1], batch["ids"], batch["targets"], batch["weights"])
         return loss
 
-    return Stepper(dispatch, lambda loss: float(np.asarray(loss)))
+    def now():
+        return {k: np.asarray(v) for k, v in state[0].items()}
+
+    return Stepper(dispatch, lambda loss: float(np.asarray(loss)), now)
 
 
 def timed(stepper: Stepper, steps: int, warmup: int) -> dict:
@@ -304,7 +313,8 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None, optimizer: s
     """meshax's step and the twin's, from the same weights, each timed alone: meshax's arrays are
     freed before the twin's are made, and a twin that does not fit leaves meshax's numbers (its
     fields None, `twin_error` saying why). A GPU step's time varies little from one call to the
-    next, so the two need not be interleaved. Throughput is of queued steps (`timed`)."""
+    next, so the two need not be interleaved. Throughput is of queued steps (`timed`). Both
+    sides train with `optimizer` (`OPTIMIZERS`; section 6's rows: Adam)."""
     m_step, weights, task = meshax_step(size, optimizer=optimizer)
     weights = {k: np.asarray(v) for k, v in weights.items()}  # on the host, to outlive meshax's arrays
     m = timed(m_step, steps, warmup)
@@ -360,8 +370,8 @@ def compiled_costs(size: Lm) -> dict:
     program_cost = program.train_fn.cost_analysis()
     params = {k: jax.numpy.asarray(v) for k, v in weights.items()}
     attention = TWIN_ATTENTION if jax.default_backend() == "gpu" else None
-    update, optimizer = _twin_update(size, 1e-4, attention, compiler_options=counted)
-    twin = update.lower(params, optimizer.init(params), batch["ids"], batch["targets"], batch["weights"]).compile()
+    update, transform = _twin_update(size, 1e-4, attention, compiler_options=counted)
+    twin = update.lower(params, transform.init(params), batch["ids"], batch["targets"], batch["weights"]).compile()
     twin_cost = twin.cost_analysis()
     twin_cost = twin_cost[0] if isinstance(twin_cost, list) else twin_cost
     return {

@@ -142,7 +142,7 @@ def parts(size: gpu.Lm, reps: int = 10, only: str | None = None) -> list[dict]:
 
     layer = "transformer/decoder/0/"
     layer_ws = [params[layer + k] for k in ("self_attention/q", "self_attention/o", "ffn/wi/kernel", "ffn/wo/kernel")]
-    optimizer = optax.adam(1e-4)
+    optimizer = gpu.optimizers("adam", 1e-4)[1]  # the twin's
     state = optimizer.init(params)
 
     def adam(g, s, p):

@@ -22,10 +22,39 @@ def test_section6_measures_the_same_model_on_both_sides():
     assert gpu.peak_tflops("NVIDIA H100 80GB HBM3") == 989.0 and gpu.peak_tflops("cpu") is None
 
 
+@pytest.mark.parametrize("name", gpu.OPTIMIZERS)
+def test_each_sides_optimizer_makes_the_same_update(name):
+    """meshax's optimizer and optax's of one name, from the same weights and gradients (those of
+    sum(w * t) + |w|^2 / 2), give the same weights after each of three steps."""
+    import jax.numpy as jnp
+    import optax
+
+    import meshax as mx
+
+    mine, theirs = gpu.optimizers(name, 0.05)
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    a = mx.Dimension("a", 16)
+    w = mx.get_variable(mesh, "w", [a], initializer=mx.initializers.normal(1.0))
+    t = mx.placeholder(mesh, "t", [a])
+    (g,) = mx.gradients(mx.reduce_sum(w * t) + 0.5 * mx.reduce_sum(mx.square(w)), [w])
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")})
+    step = lowering.function([], updates=mine.apply_grads([g], [w]))
+    target = np.geomspace(1e-4, 10.0, 16, dtype=np.float32) * np.resize([1, -1], 16)  # gradients of every scale
+    params = jnp.asarray(lowering.variable_value(w))
+    state = theirs.init(params)
+    for _ in range(3):
+        step({"t": target})
+        updates, state = theirs.update(target + params, state, params)
+        params = optax.apply_updates(params, updates)
+        np.testing.assert_allclose(lowering.variable_value(w), params, rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("optimizer", gpu.OPTIMIZERS)
-def test_both_sides_take_the_same_steps_with_each_optimizer(optimizer):
-    """From the same weights and batch, meshax's step and the twin's lose the same after each
-    update: the optimizers are the same update on both sides, not only the same first loss."""
+def test_both_sides_train_alike_with_each_optimizer(optimizer):
+    """From the same weights and batch, meshax's step and the twin's lose the same before each of
+    four steps (after 0 to 3 updates), to the rounding of bfloat16 computation; each side's
+    `weights()` are its weights now."""
     m_step, weights, task = gpu.meshax_step(TINY, lr=1e-2, optimizer=optimizer)
     weights = {k: np.asarray(v) for k, v in weights.items()}
     twin = gpu.twin_step(TINY, weights, task.train_batch(0), lr=1e-2, optimizer=optimizer)
@@ -33,11 +62,16 @@ def test_both_sides_take_the_same_steps_with_each_optimizer(optimizer):
     twin_losses = [twin() for _ in range(4)]
     assert meshax_losses[-1] < meshax_losses[0] - 0.05  # each update changes the loss
     np.testing.assert_allclose(meshax_losses, twin_losses, rtol=1e-3)
+    now = m_step.weights(), twin.weights()
+    for name, start in weights.items():  # moved by the updates, and by about as much on both sides
+        moved = [np.linalg.norm(side[name] - start) for side in now]
+        assert min(moved) > 0 and moved[0] == pytest.approx(moved[1], rel=0.05), name
 
 
 def test_the_twin_trains_on_weights_stored_in_bfloat16():
     """The twin given bfloat16 weights (no float32 master copy, as the GPU guide measured it):
-    its first loss is the float32 weights' to bfloat16 tolerance, and SGD's steps lower it."""
+    its first loss is the float32 weights' (it computes in bfloat16 either way), SGD's steps
+    lower it, and its weights stay bfloat16."""
     import ml_dtypes
 
     _, weights, task = gpu.meshax_step(TINY, optimizer="sgd")
@@ -48,6 +82,7 @@ def test_the_twin_trains_on_weights_stored_in_bfloat16():
     losses = [twin() for _ in range(3)]
     assert abs(losses[0] - full()) < 1e-2 * losses[0]
     assert losses[-1] < losses[0] - 0.05
+    assert {str(v.dtype) for v in twin.weights().values()} == {"bfloat16"}  # updated in bfloat16
 
 
 def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(monkeypatch):
@@ -117,15 +152,24 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
     assert mfu_alone["value"] > 0 and mfu_alone["twin_mfu"] is None and mfu_alone["met"] is False  # target 45%
 
 
-def test_without_a_gpu_the_two_compiled_steps_are_costed_and_the_timings_skipped(monkeypatch):
+def test_without_a_gpu_the_two_compiled_steps_are_costed_and_the_timings_skipped(tmp_path):
     """On the CPU, section 6 compares the two compiled steps by XLA's cost analysis: meshax's
-    accesses no more bytes than the twin's, at the same FLOPs (to 1%)."""
+    accesses no more bytes than the twin's, at the same FLOPs (to 1%); its records are written
+    to the benchmarks' JSON as they are."""
+    import json
+
+    from benchmarks import report
+
     costed, skipped = gpu.run(quick=True)  # (a tiny model)
     assert skipped["status"] == "skipped: no GPU"
     assert costed["met"] is True and 0 < costed["value"] <= 1.0
     assert costed["value"] == pytest.approx(costed["numerator"]["value"] / costed["denominator"]["value"])
     meshax_flops, twin_flops = costed["flops"]
     assert meshax_flops == pytest.approx(twin_flops, rel=0.01)
+    report.write_json(str(tmp_path / "results.json"), {}, [costed, skipped], 0.0)
+    written = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert written == json.loads(json.dumps([costed, skipped]))  # nothing stringified on the way
+    assert all({"section", "name", "config", "value", "unit"} <= set(r) and r["section"] == 6 for r in written)
 
 
 def test_the_parts_of_a_step_are_each_timed_or_say_why_not(monkeypatch):
