@@ -164,6 +164,7 @@ class Stepper:
     dispatch: Callable[[], object]
     fetch: Callable[[object], float]
     weights: Callable[[], dict]  # the weights now, by variable name, on the host
+    compiled_text: Callable[[], str]  # the step's compiled HLO module, as text
 
     def __call__(self) -> float:
         """One step, waited for: its loss."""
@@ -183,7 +184,8 @@ def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: st
     def now():
         return {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
 
-    return Stepper(dispatch, lambda outputs: float(program.train_fn.fetch(outputs)[0]), now), weights, task
+    fetch = lambda outputs: float(program.train_fn.fetch(outputs)[0])  # noqa: E731
+    return Stepper(dispatch, fetch, now, program.train_fn.compiled_text), weights, task
 
 
 # ---- the plain-JAX twin ----------------------------------------------------------------------
@@ -291,7 +293,11 @@ def twin_step(
     def now():
         return {k: np.asarray(v) for k, v in state[0].items()}
 
-    return Stepper(dispatch, lambda loss: float(np.asarray(loss)), now)
+    def compiled_text():
+        args = (state[0], state[1], batch["ids"], batch["targets"], batch["weights"])
+        return update.lower(*args).compile().as_text()
+
+    return Stepper(dispatch, lambda loss: float(np.asarray(loss)), now, compiled_text)
 
 
 def timed(stepper: Stepper, steps: int, warmup: int) -> dict:

@@ -4,7 +4,10 @@ Section 6 times meshax's step beside its plain-JAX twin; gpu_parts times the twi
 This traces a few steps of each side under `jax.profiler` and reads the trace back
 (`jax.profiler.ProfileData`): per step, the wall time, each device line's busy time, and the
 kernels (or ops) that take the most of it, grouped by kind (matmul, attention, copy, other
-fusions). Where the two sides differ, that is where meshax's step loses to the twin's.
+fusions), and the HLO instructions those kernels run for, each described from the compiled
+module (`instructions`: shapes, fusion kind, custom-call target), so a kernel can be tied to a
+matmul or fusion of the model. Where the two sides differ, that is where meshax's step loses
+to the twin's.
 Each side runs alone on the device, meshax's arrays freed first, as in section 6. Prints a
 table, writes JSON.
 """
@@ -35,9 +38,52 @@ def kind_of(name: str) -> str:
     return next((k for k, pattern in KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
-def summarize(xspace_path: str, steps: int, top: int = 25) -> dict:
+def _balanced(text: str, start: int) -> int:
+    """The index just past the bracket that closes the one at `start`."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"(": 1, "{": 1, ")": -1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return i + 1
+    return len(text)
+
+
+def _shape(text: str) -> str:
+    return re.sub(r"\{[^{}]*\}", "", text)  # without its layout: bf16[8,1024]{1,0} -> bf16[8,1024]
+
+
+def instructions(hlo_text: str) -> dict[str, str]:
+    """Each instruction of a compiled HLO module, by name: its result's shape, what it is (the
+    opcode, a fusion's kind, a custom call's target) and its operands' shapes. The profiler
+    names the instruction each kernel runs for (its `hlo_op`), so this says which matmul or
+    fusion of the model a kernel is."""
+    defined = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
+    shapes, parts = {}, {}
+    for line in hlo_text.splitlines():
+        m = defined.match(line)
+        if not m:
+            continue
+        at = m.end()
+        end = _balanced(line, at) if line[at] == "(" else line.index(" ", at)
+        opcode = re.match(r"\s*([\w\-]+)\(", line[end:])
+        if opcode is None:
+            continue
+        args_at = end + opcode.end() - 1
+        operands = re.findall(r"%([\w.\-]+)", line[args_at : _balanced(line, args_at)])
+        how = re.search(r'kind=(k\w+)|custom_call_target="([^"]+)"', line)
+        shapes[m.group(1)] = _shape(line[at:end])
+        parts[m.group(1)] = (opcode.group(1), how and (how.group(1) or how.group(2)), operands)
+    return {
+        name: f"{shapes[name]} = {op}{f' {how}' if how else ''}({', '.join(shapes.get(o, o) for o in operands)})"
+        for name, (op, how, operands) in parts.items()
+    }
+
+
+def summarize(xspace_path: str, steps: int, top: int = 25, described: dict[str, str] | None = None) -> dict:
     """Per step: each device line's busy ms and event count, its busy ms by kind, and its `top`
-    events by total time (a host plane stands in where there is no device plane)."""
+    events by total time (a host plane stands in where there is no device plane); and its `top`
+    HLO instructions by the time of their kernels, each `described` (`instructions`) where the
+    trace names it."""
     from jax.profiler import ProfileData
 
     data = ProfileData.from_file(xspace_path)
@@ -48,10 +94,16 @@ def summarize(xspace_path: str, steps: int, top: int = 25) -> dict:
     for plane in planes:
         for line in plane.lines:
             total, count, by_kind = collections.Counter(), collections.Counter(), collections.Counter()
+            by_op, op_calls, op_kernels = collections.Counter(), collections.Counter(), {}
             for e in line.events:
                 total[e.name] += e.duration_ns
                 count[e.name] += 1
                 by_kind[kind_of(e.name)] += e.duration_ns
+                op = dict(e.stats).get("hlo_op")
+                if op is not None:
+                    by_op[op] += e.duration_ns
+                    op_calls[op] += 1
+                    op_kernels.setdefault(op, collections.Counter())[e.name] += e.duration_ns
             if not total:
                 continue
             lines.append(
@@ -64,6 +116,16 @@ def summarize(xspace_path: str, steps: int, top: int = 25) -> dict:
                     "top": [
                         {"name": n[:160], "ms": t / 1e6 / steps, "calls": count[n] / steps}
                         for n, t in total.most_common(top)
+                    ],
+                    "top_ops": [
+                        {
+                            "hlo_op": op,
+                            "ms": t / 1e6 / steps,
+                            "calls": op_calls[op] / steps,
+                            "kernel": op_kernels[op].most_common(1)[0][0][:160],
+                            "instruction": (described or {}).get(op),
+                        }
+                        for op, t in by_op.most_common(top)
                     ],
                 }
             )
@@ -81,7 +143,7 @@ def profile(stepper: gpu.Stepper, steps: int = 3, warmup: int = 2) -> dict:
     with jax.profiler.trace(where):
         wall = queued(stepper.dispatch, stepper.fetch, steps, rounds=1)
     (xspace,) = glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True)
-    return {"wall_ms": 1e3 * wall, **summarize(xspace, steps)}
+    return {"wall_ms": 1e3 * wall, **summarize(xspace, steps, described=instructions(stepper.compiled_text()))}
 
 
 def both(size: gpu.Lm, steps: int = 3, optimizer: str = "adam") -> dict:
@@ -100,15 +162,18 @@ def both(size: gpu.Lm, steps: int = 3, optimizer: str = "adam") -> dict:
 
 
 def show(result: dict, lines: int = 4, top: int = 12) -> None:
-    """The busiest lines of each side, their time by kind and their top events."""
+    """The busiest lines of each side, their time by kind and their top events; the busiest
+    line's top HLO instructions."""
     for side, r in result.items():
         print(f"== {side}: wall {r['wall_ms']:.2f} ms/step")
-        for line in sorted(r["lines"], key=lambda x: -x["busy_ms"])[:lines]:
+        for i, line in enumerate(sorted(r["lines"], key=lambda x: -x["busy_ms"])[:lines]):
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in line["by_kind_ms"].items())
             where = f"{line['plane']} | {line['line']}"
             print(f"  {where}: busy {line['busy_ms']:.2f} ms, {line['events']:.0f} events ({kinds})")
             for e in line["top"][:top]:
                 print(f"    {e['ms']:8.3f} ms {e['calls']:6.1f}x  {e['name'][:110]}")
+            for op in line["top_ops"][:top] if i == 0 else []:
+                print(f"    {op['ms']:8.3f} ms {op['calls']:6.1f}x  {op['hlo_op']}: {(op['instruction'] or '?')[:160]}")
 
 
 def main(argv=None) -> dict:

@@ -232,8 +232,34 @@ def test_the_profile_of_each_sides_step_names_where_its_time_goes(tmp_path):
         busiest = max(r["lines"], key=lambda line: line["busy_ms"])
         assert busiest["busy_ms"] > 0 and busiest["top"][0]["ms"] > 0
         assert sum(busiest["by_kind_ms"].values()) == pytest.approx(busiest["busy_ms"])
+        # kernels tied to their HLO instructions (on the CPU, on the XLA threads' lines)
+        described = [op for line in r["lines"] for op in line["top_ops"] if op["instruction"]]
+        assert described and all(" = " in op["instruction"] and op["ms"] > 0 for op in described)
     assert gpu_profile.kind_of("nvjet_sm90_tst_176x128_64x5_1x2_h_bz_TNN") == "matmul"
     assert gpu_profile.kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
+
+
+def test_each_hlo_instruction_is_described_by_its_shapes_and_what_it_is():
+    """A GPU module's matmul is a custom call with a tuple result and its operands' shapes come
+    from their own lines; a fusion says its kind; ROOT and layouts are read past."""
+    from benchmarks import gpu_profile
+
+    text = """
+ENTRY %main (p.1: bf16[8192,2048], p.2: bf16[2048,2048]) -> bf16[8192,2048] {
+  %p.1 = bf16[8192,2048]{1,0} parameter(0), metadata={op_name="x"}
+  %p.2 = bf16[2048,2048]{1,0} parameter(1)
+  %custom-call.3 = (bf16[8192,2048]{1,0}, s8[4194304]{0}) custom-call(bf16[8192,2048]{1,0} %p.1, %p.2), \
+custom_call_target="__cublas$gemm", backend_config={"alpha_real":1}
+  %get-tuple-element.4 = bf16[8192,2048]{1,0} get-tuple-element(%custom-call.3), index=0
+  ROOT %loop_add_fusion.5 = bf16[8192,2048]{1,0} fusion(%get-tuple-element.4, %p.1), kind=kLoop, calls=%fused.1
+}
+""".replace("\\\n", "")
+    described = gpu_profile.instructions(text)
+    assert described["custom-call.3"] == (
+        "(bf16[8192,2048], s8[4194304]) = custom-call __cublas$gemm(bf16[8192,2048], bf16[2048,2048])"
+    )
+    assert described["loop_add_fusion.5"] == "bf16[8192,2048] = fusion kLoop(bf16[8192,2048], bf16[8192,2048])"
+    assert described["p.2"] == "bf16[2048,2048] = parameter()"
 
 
 def test_the_one_pass_logsumexp_candidate_equals_jaxs_with_its_gradient():
