@@ -184,7 +184,9 @@ def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: st
     def now():
         return {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
 
-    fetch = lambda outputs: float(program.train_fn.fetch(outputs)[0])  # noqa: E731
+    def fetch(outputs):
+        return float(program.train_fn.fetch(outputs)[0])
+
     return Stepper(dispatch, fetch, now, program.train_fn.compiled_text), weights, task
 
 
