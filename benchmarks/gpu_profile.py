@@ -64,9 +64,9 @@ def instructions(hlo_text: str) -> dict[str, str]:
         if not m:
             continue
         at = m.end()
-        end = _balanced(line, at) if line[at] == "(" else line.index(" ", at)
-        opcode = re.match(r"\s*([\w\-]+)\(", line[end:])
-        if opcode is None:
+        end = _balanced(line, at) if line[at : at + 1] == "(" else line.find(" ", at)
+        opcode = re.match(r"\s*([\w\-]+)\(", line[end:]) if end > at else None
+        if opcode is None:  # not an instruction as this reads them: left undescribed, not fatal
             continue
         args_at = end + opcode.end() - 1
         operands = re.findall(r"%([\w.\-]+)", line[args_at : _balanced(line, args_at)])
