@@ -152,8 +152,12 @@ def _program(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str =
     task = _task(size)
     program = build(task, "all:1", "", "simd", optimizers(optimizer, lr)[0], compiler_options=compiler_options)
     program.lowering.initialize()
-    weights = {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
-    return program, weights, task
+    return program, _weights(program), task
+
+
+def _weights(program) -> dict:
+    """meshax's trainable weights now, by variable name, on the host."""
+    return {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
 
 
 @dataclasses.dataclass
@@ -181,13 +185,10 @@ def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: st
         calls[0] += 1
         return program.train_fn.dispatch(batch, seed=calls[0])
 
-    def now():
-        return {v.name: program.lowering.variable_value(v) for v in program.lowering.graph.trainable_variables}
-
     def fetch(outputs):
         return float(program.train_fn.fetch(outputs)[0])
 
-    return Stepper(dispatch, fetch, now, program.train_fn.compiled_text), weights, task
+    return Stepper(dispatch, fetch, functools.partial(_weights, program), program.train_fn.compiled_text), weights, task
 
 
 # ---- the plain-JAX twin ----------------------------------------------------------------------
@@ -288,16 +289,18 @@ def twin_step(
     update, transform = _twin_update(size, lr, implementation, optimizer=optimizer)
     state = [params, transform.init(params)]
 
+    def args():
+        return state[0], state[1], batch["ids"], batch["targets"], batch["weights"]
+
     def dispatch():
-        state[0], state[1], loss = update(state[0], state[1], batch["ids"], batch["targets"], batch["weights"])
+        state[0], state[1], loss = update(*args())
         return loss
 
     def now():
         return {k: np.asarray(v) for k, v in state[0].items()}
 
-    def compiled_text():
-        args = (state[0], state[1], batch["ids"], batch["targets"], batch["weights"])
-        return update.lower(*args).compile().as_text()
+    def compiled_text():  # (jit's own compiled step, from its cache: not compiled again)
+        return update.lower(*args()).compile().as_text()
 
     return Stepper(dispatch, lambda loss: float(np.asarray(loss)), now, compiled_text)
 
