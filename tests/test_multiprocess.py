@@ -210,17 +210,17 @@ def _launch(args, timeout=600):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     """One 2-process job running tests/multiprocess_worker.py; it restores a checkpoint this
-    (single) process wrote first."""
+    (single) process wrote first, in the run of the checkpoint case kept for comparison."""
     out = tmp_path_factory.mktemp("job")
-    worker.run_case(worker.CHECKPOINT_CASE, checkpoint_dir=str(out / "single"))
+    single = {worker.CHECKPOINT_CASE: worker.run_case(worker.CHECKPOINT_CASE, checkpoint_dir=str(out / "single"))}
     result = _launch([sys.executable, str(ROOT / "tests" / "multiprocess_worker.py"), str(out), str(out / "single")])
     assert result.returncode == 0, result.stderr[-4000:]
-    return out, json.loads((out / "result.json").read_text())
+    return out, json.loads((out / "result.json").read_text()), single
 
 
 @pytest.mark.slow
 def test_job_spans_two_processes(job):
-    _, result = job
+    _, result, _ = job
     assert result["processes"] == 2 and result["local_devices"] == 4
 
 
@@ -238,7 +238,7 @@ def test_two_processes_train_as_one(job, case):
     """2 processes x 4 devices give one process x 8 devices' losses, step for step (to float32
     rounding: gloo adds in another order), and the same evaluation."""
     got = job[1]["cases"][case]
-    want = worker.run_case(case)
+    want = job[2][case] if case in job[2] else worker.run_case(case)  # (the checkpoint case: run once)
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=2e-6)
     assert got["eval"] == pytest.approx(want["eval"], rel=1e-5)
 
@@ -246,7 +246,7 @@ def test_two_processes_train_as_one(job, case):
 @pytest.mark.slow
 def test_checkpoints_move_between_process_counts(job):
     """Written by one process, restored by two; written by two, restored by one."""
-    out, result = job
+    out, result, _ = job
     task = worker.make_task(worker.CHECKPOINT_CASE)
     _, _, mesh, layout = worker.CASES[worker.CHECKPOINT_CASE]
     single = loop.build(task, mesh, layout)
