@@ -101,6 +101,18 @@ def test_split_variable_is_a_sharded_global_array_never_whole_on_a_device(impl_c
     np.testing.assert_allclose(lo.variable_value(w), 2 * np.asarray(state))
 
 
+def test_the_placement_backend_keeps_cpu_slices_on_the_first_device_and_hands_them_out_on_their_own():
+    """On CPU every slice stays on the first device while programs run (no copy per op); the
+    variable handed out is laid out on the mesh's devices, one slice on each."""
+    graph, mesh, w = one_var(mx.initializers.normal())
+    impl = mx.PlacementMeshImpl("rows:2;cols:4", "io:rows;hidden:cols")
+    lo = mx.Lowering(graph, {mesh: impl})
+    lo.function(updates=[mx.assign(w, w * 2.0)])()
+    assert {x.device for x in lo._variable_state(w.operation)} == {impl.devices[0]}
+    state = lo.variable_state(w)
+    assert {s.device for s in state.addressable_shards} == set(impl.devices) and len(impl.devices) == 8
+
+
 @pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
 def test_set_and_get_variable_value_reshards(impl_cls):
     graph, mesh, w = one_var()

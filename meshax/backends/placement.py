@@ -1,8 +1,9 @@
 """`PlacementMeshImpl`: one array per device, every collective an explicit transfer.
 
-Slow and transparent: each op runs on each device's slice in turn (on virtual CPU devices, which
-share one host, computed on the first device and put back on its own), and allreduce, allgather,
-alltoall, reduce-scatter and permutes are written out as device-to-device copies in Python.
+Slow and transparent: each op runs on each device's slice in turn, and allreduce, allgather,
+alltoall, reduce-scatter and permutes are written out as device-to-device copies in Python (on
+virtual CPU devices, which share one host, every slice is kept on the first device while a
+program runs, so those copies are the slices themselves: `_homes`).
 It shares no collective code with the SIMD backend, so it is an independent check of it.
 """
 
@@ -41,26 +42,30 @@ class PlacementMeshImpl(MeshImpl):
             )
         return MeshImpl.devices.fget(self)  # type: ignore[attr-defined]
 
+    def _homes(self) -> list:
+        """Where each device's slice is kept while a program runs: on its own device, but on CPU,
+        whose virtual devices share one host, every slice on the first device (each op compiles
+        once, for that device, and runs with no copy in or out). A value goes onto the devices
+        themselves where it leaves the backend (`to_padded`)."""
+        devices = self.devices
+        return [devices[0]] * len(devices) if devices[0].platform == "cpu" else devices
+
     def _put(self, x, pnum: int):
-        if isinstance(x, jax.core.Tracer):
-            return x
-        return jax.device_put(x, self.devices[pnum])
+        return self._put_each([x], [self._homes()[pnum]])[0]
 
     def _put_each(self, xs: list, devices: list | None = None) -> list:
-        """`xs[p]` onto `devices[p]` (device p by default), in one transfer call: JAX batches a
-        list's transfers, about twice as fast as one call per slice."""
-        devices = devices or self.devices
-        if any(isinstance(x, jax.core.Tracer) for x in xs):  # (tracing: values are abstract)
-            return [x if isinstance(x, jax.core.Tracer) else jax.device_put(x, d) for x, d in zip(xs, devices)]
-        return jax.device_put(xs, devices)
-
-    def _home(self, xs: list) -> list:
-        """Where the slices are computed on: CPU devices share one host, so every slice runs on
-        the first one (one compilation per op instead of one per device; the copies are cheap)
-        and its result is put back on its own device."""
-        if self.devices[0].platform != "cpu":
-            return xs
-        return self._put_each(xs, [self.devices[0]] * len(xs))
+        """`xs[p]` onto `devices[p]` (slice p's home by default), in one transfer call (JAX
+        batches a list's transfers, about twice as fast as one call per slice); an array already
+        there, or abstract (tracing), is passed as it is."""
+        devices = devices or self._homes()
+        move = [
+            not isinstance(x, jax.core.Tracer) and getattr(x, "devices", lambda: ())() != {d}
+            for x, d in zip(xs, devices)
+        ]
+        if not any(move):
+            return list(xs)
+        moved = iter(jax.device_put([x for x, m in zip(xs, move) if m], [d for d, m in zip(devices, move) if m]))
+        return [next(moved) if m else x for x, m in zip(xs, move)]
 
     def _groups(self, axes) -> list[list[int]]:
         """Processors that differ only in `axes`, each group ordered by its coordinates there."""
@@ -78,7 +83,7 @@ class PlacementMeshImpl(MeshImpl):
                 self._jitted.append(jax.jit(fn, compiler_options=self.program_compiler_options))
             fn = self._jitted[self._call]
             self._call += 1
-        args = tuple(self._home(a) if isinstance(a, list) else a for a in args)
+        args = tuple(self._put_each(a) if isinstance(a, list) else a for a in args)
         outs = [fn(*[a[p] if isinstance(a, list) else a for a in args]) for p in range(self.size)]
         if isinstance(outs[0], tuple):
             return tuple(self._put_each([o[k] for o in outs]) for k in range(len(outs[0])))
@@ -169,12 +174,12 @@ class PlacementMeshImpl(MeshImpl):
     # ---- values: a list of per-device arrays, in pnum order ------------------------------------
     def from_padded(self, array, spec):
         by_device = {s.device: s.data for s in array.addressable_shards}
-        return [by_device[d] for d in self.devices]
+        return self._put_each([by_device[d] for d in self.devices])
 
     def to_padded(self, value, spec):
         # each device's array is exactly its shard of the layout's NamedSharding over these devices
         return jax.make_array_from_single_device_arrays(
-            self.padded_shape(spec), self.named_sharding(spec[2]), list(value)
+            self.padded_shape(spec), self.named_sharding(spec[2]), self._put_each(list(value), self.devices)
         )
 
     def put(self, array, spec):
