@@ -58,10 +58,7 @@ class PlacementMeshImpl(MeshImpl):
         batches a list's transfers, about twice as fast as one call per slice); an array already
         there, or abstract (tracing), is passed as it is."""
         devices = devices or self._homes()
-        move = [
-            not isinstance(x, jax.core.Tracer) and getattr(x, "devices", lambda: ())() != {d}
-            for x, d in zip(xs, devices)
-        ]
+        move = [not _there(x, d) for x, d in zip(xs, devices)]
         if not any(move):
             return list(xs)
         moved = iter(jax.device_put([x for x, m in zip(xs, move) if m], [d for d, m in zip(devices, move) if m]))
@@ -235,6 +232,11 @@ class PlacementMeshImpl(MeshImpl):
                 self._jitted = None
 
         return _PlacementRunner(run)
+
+
+def _there(x, device) -> bool:
+    """Whether x needs no transfer to `device`: it is there already, or abstract (being traced)."""
+    return isinstance(x, jax.core.Tracer) or (isinstance(x, jax.Array) and x.devices() == {device})
 
 
 class _PlacementRunner:
