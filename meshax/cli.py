@@ -14,6 +14,7 @@ import argparse
 import collections
 import dataclasses
 import functools
+import gc
 import json
 import math
 import os
@@ -580,10 +581,23 @@ def _layout_table(lowering):
     return table
 
 
+def _tune_gc() -> None:
+    """Python's garbage collector, for a process that traces JAX programs: what is imported by now
+    is set aside for good (gc.freeze), and collections come less often. Tracing makes many
+    short-lived objects, and each full collection walks every live one: the README's paper-scale
+    search spent 2.3 s of its 12.6 s collecting before, 0.4 s of 9.1-9.8 s after."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
+
+
 def main(argv=None) -> int:
-    """Run the command line; returns the exit status (2: bad input, said in one line on stderr)."""
+    """Run the command line; returns the exit status (2: bad input, said in one line on stderr).
+    Run as the command (no `argv`: `sys.argv`), the process's garbage collector is tuned first
+    (`_tune_gc`); called with `argv` from Python, the caller's process is left as it is."""
     from meshax.core.errors import LayoutWarning
 
+    if argv is None:
+        _tune_gc()
     parser = _parser()
     args = parser.parse_args(_join_dash_values(parser, sys.argv[1:] if argv is None else list(argv)))
     try:

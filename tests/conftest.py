@@ -4,7 +4,6 @@ The CPU backend is split into 8 virtual devices *before* anything touches a
 JAX backend, so that every test can use the 2x4 mesh "rows:2;cols:4".
 """
 
-import gc
 import os
 import subprocess
 import sys
@@ -41,13 +40,13 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import meshax as mx  # noqa: E402
+from meshax.cli import _tune_gc  # noqa: E402
 
-# Python's garbage collector, tuned for a long-lived test worker: JAX's caches make its heap large,
-# and each full collection walks all of it (about 0.8 s late in the run). Everything imported so far
-# is set aside for good (gc.freeze), and collections come less often. Measured on the whole suite
-# with 2 workers: 135 s of collection across the processes before, 47 s after.
-gc.freeze()
-gc.set_threshold(50_000, 20, 20)
+# Python's garbage collector, tuned for a long-lived test worker as the `meshax` command tunes it:
+# JAX's caches make a worker's heap large, and each full collection walks all of it (about 0.8 s
+# late in the run). Measured on the whole suite with 2 workers: 135 s of collection across the
+# processes before, 47 s after.
+_tune_gc()
 
 
 def pytest_addoption(parser):

@@ -1,6 +1,7 @@
 """The command line: plan and train (issue 3)."""
 
 import json
+import sys
 
 import pytest
 
@@ -225,3 +226,14 @@ def test_plan_json_with_explain_carries_the_explanation(capsys):
     assert "batch" in plan["explain"]
     assert main(argv) == 0
     assert "explain" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_command_tunes_its_garbage_collector_and_a_python_caller_keeps_its_own(monkeypatch, capsys):
+    import meshax.cli
+
+    tuned = []
+    monkeypatch.setattr(meshax.cli, "_tune_gc", lambda: tuned.append(True))
+    monkeypatch.setattr(sys, "argv", ["meshax", "plan", "mlp", "--mesh", "all:3", "--layout", "nothing:all"])
+    assert meshax.cli.main() == 2 and tuned == [True]  # as the command: tuned, then the bad input said
+    assert meshax.cli.main(sys.argv[1:]) == 2 and tuned == [True]  # from Python with argv: left alone
+    assert "nothing" in capsys.readouterr().err
