@@ -47,31 +47,36 @@ def _describe(code: int) -> str:
 
 
 # What gloo (the CPU collectives) prints to stdout each time a group of devices connects: one
-# message per device and collective group, nothing a user can act on. Threads print them at once
-# and piece by piece, so a line may hold several, or a piece of one, or only the newline of one:
-# the launcher drops what it can tell is theirs (a lone count split from its message stays).
-_HEAD = r"\[Gloo\] Rank \d*"
-_TAIL = r"peer ranks\. Expected number of connected peer ranks is : (\d+)?"
-_NOISE = re.compile(
-    rf"{_HEAD}|^\s*\d+ is connected to \d+ {_TAIL}|\s*is connected to \d+ {_TAIL}"
-    # (split after "Rank ": the rank number starting the next line with the rest of the message)
-    # pieces split at the count: "... is connected to " ending a line, "peer ranks. ..." starting one
-    rf"|\s*is connected to \d*\s*$|^\s*(\d+ )?{_TAIL}"
+# message per device and collective group, nothing a user can act on. It is written piece by piece
+# ("[Gloo] Rank ", the rank, " is connected to ", the count, " peer ranks. Expected number of
+# connected peer ranks is : ", the count, a newline) by threads printing at once, so a line may hold
+# several messages, pieces of several interleaved, or only the newline of one. The launcher drops
+# each piece with the number written after it, from a line that holds gloo's own words (its head or
+# its "Expected number ...") or that holds nothing else: a line with only numbers left is dropped
+# whole (a number split from its message is all that is left of it there), and so is an empty line
+# owed to a message whose pieces came earlier. A line of the user's own that merely has " is
+# connected to " in it is kept as it is.
+_HEAD = r"\[Gloo\] Rank "
+_OWN = re.compile(rf"{_HEAD}|Expected number of connected peer ranks is :")
+_PIECES = re.compile(
+    rf"(?:{_HEAD}| *is connected to | *peer ranks\. *| *Expected number of connected peer ranks is : *)\d*"
 )
 
 
 def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
     owed = 0  # newlines still to come of gloo messages whose heads shared a line
     for line in iter(stream.readline, ""):
-        heads = len(re.findall(_HEAD, line))
-        text = _NOISE.sub("", line)
-        if text != line:
-            owed += max(heads - 1, 0)  # this line's own newline ends one of them
-            if not text.strip():
+        text = _PIECES.sub("", line)
+        rest = text.strip(" \n0123456789")
+        if text != line and (not rest or _OWN.search(line)):
+            owed += max(len(re.findall(_HEAD, line)) - 1, 0)  # this line's own newline ends one of them
+            if not rest:
                 continue
         elif line == "\n" and owed:
             owed -= 1
             continue
+        else:
+            text = line
         with lock:
             out.write(prefix + text)
             out.flush()

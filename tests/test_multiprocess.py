@@ -34,18 +34,24 @@ def _python(code: str) -> list[str]:
 
 def test_launch_sets_each_process_environment_and_prefixes_its_lines():
     """...and drops gloo's line per connected group, whole or in pieces (split at its count, or
-    after "Rank ", too)."""
+    after "Rank ", or interleaved with another's), keeping a line of the user's that only looks like
+    a piece of it."""
     out, err = io.StringIO(), io.StringIO()
     code = _python(
         "import os, sys; e = os.environ; print(e['MESHAX_PROCESS_ID'], e['MESHAX_NUM_PROCESSES'], "
         "e['JAX_NUM_CPU_DEVICES'], e['JAX_COORDINATOR_ADDRESS']); print('to stderr', file=sys.stderr); "
         "g = '[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1'; "
         "print(g); print(g + g); print(); print('kept:' + g); print(g[:13]); print(g[13:]); "
-        "print(g[13:30]); print(g[32:]); print(g[:12]); print(g[12:])"
+        "print(g[13:30]); print(g[32:]); print(g[:12]); print(g[12:]); print(g[:30] + g); print(g[30:]); "
+        "print('node a is connected to 3 peers')"
     )
     assert launch(code, 3, devices_per_process=4, port=23456, stdout=out, stderr=err) == 0
     lines = sorted(out.getvalue().splitlines())
-    assert lines == sorted([f"[{i}] {i} 3 4 localhost:23456" for i in range(3)] + [f"[{i}] kept:" for i in range(3)])
+    assert lines == sorted(
+        [f"[{i}] {i} 3 4 localhost:23456" for i in range(3)]
+        + [f"[{i}] kept:" for i in range(3)]
+        + [f"[{i}] node a is connected to 3 peers" for i in range(3)]
+    )
     assert sorted(line for line in err.getvalue().splitlines() if "to stderr" in line) == [
         f"[{i}] to stderr" for i in range(3)
     ]
