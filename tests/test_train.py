@@ -35,6 +35,41 @@ def test_mlp_learns_the_identity_on_the_placement_backend():
     assert result.evals[-1][1]["loss"] < 0.5 * result.losses[0]
 
 
+def test_the_digits_are_scikit_learns_read_without_importing_it(monkeypatch, tmp_path):
+    """The digits come from the file scikit-learn ships, read without importing scikit-learn (a
+    second of a short run's start); where that file is not, through scikit-learn's loader; without
+    scikit-learn, an error saying what to install."""
+    import importlib.util
+    import sys
+
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    from meshax.train.data import load_digits
+
+    reference = sk_load_digits()
+    want = load_digits(seed=3)
+    x, y = np.concatenate([want[0], want[2]]), np.concatenate([want[1], want[3]])
+    assert x.shape == (1797, 8, 8) and x.dtype == np.float32 and y.dtype == np.int32
+    order = np.random.default_rng(3).permutation(1797)
+    order = np.concatenate([order[len(want[2]) :], order[: len(want[2])]])  # train, then test
+    np.testing.assert_array_equal(x, (reference.images[order] / 16.0).astype(np.float32))
+    np.testing.assert_array_equal(y, reference.target[order])
+
+    monkeypatch.setitem(sys.modules, "sklearn.datasets", None)  # importing it now fails
+    for got, expected in zip(load_digits(seed=3), want):
+        np.testing.assert_array_equal(got, expected)
+    monkeypatch.delitem(sys.modules, "sklearn.datasets")
+
+    moved = importlib.util.spec_from_file_location("sklearn", tmp_path / "__init__.py")
+    moved.submodule_search_locations = [str(tmp_path)]  # a scikit-learn that keeps the file elsewhere
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: moved)
+    for got, expected in zip(load_digits(seed=3), want):
+        np.testing.assert_array_equal(got, expected)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DataError, match=r"pip install 'meshax\[digits\]'"):
+        load_digits()
+
+
 def _write_idx(path, array, compress):
     header = struct.pack(">BBBB", 0, 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
     data = header + array.astype(np.uint8).tobytes()

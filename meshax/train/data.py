@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import os
 import struct
 
@@ -18,20 +19,34 @@ class DataError(MeshaxError):
 def load_digits(seed: int = 0, test_fraction: float = 0.2):
     """scikit-learn's 8x8 handwritten digits (1797 images, shipped with the package), scaled to
     [0, 1] and split into train and test. Returns (x_train, y_train, x_test, y_test)."""
-    try:
-        from sklearn.datasets import load_digits as sk_load_digits
-    except ImportError:
-        raise DataError(
-            "the default MNIST data set is scikit-learn's handwritten digits: install it with "
-            "`pip install 'meshax[digits]'` (or scikit-learn), or pass --data DIR with the MNIST files"
-        ) from None
-    d = sk_load_digits()
-    x = (d.images / 16.0).astype(np.float32)
-    y = d.target.astype(np.int32)
+    data = _digits_csv()
+    x = (data[:, :64].reshape(-1, 8, 8) / 16.0).astype(np.float32)
+    y = data[:, 64].astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(x))
     n_test = round(len(x) * test_fraction)
     test, train = order[:n_test], order[n_test:]
     return x[train], y[train], x[test], y[test]
+
+
+def _digits_csv() -> np.ndarray:
+    """The digits' rows (64 pixels, then the label), read from the file scikit-learn ships, without
+    importing scikit-learn where that file is where it has always been (its import takes a second,
+    through SciPy: most of the start of a short MNIST run); through scikit-learn's own loader if not."""
+    spec = importlib.util.find_spec("sklearn")  # (finds the package without importing it)
+    if spec is None:
+        raise DataError(
+            "the default MNIST data set is scikit-learn's handwritten digits: install it with "
+            "`pip install 'meshax[digits]'` (or scikit-learn), or pass --data DIR with the MNIST files"
+        )
+    for root in spec.submodule_search_locations or ():
+        path = os.path.join(root, "datasets", "data", "digits.csv.gz")
+        if os.path.exists(path):
+            with gzip.open(path, "rt") as f:
+                return np.loadtxt(f, delimiter=",")
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    d = sk_load_digits()
+    return np.concatenate([d.data, d.target[:, None]], axis=1)
 
 
 _MNIST_FILES = {
