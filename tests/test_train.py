@@ -285,3 +285,20 @@ def test_unknown_compiler_options_are_refused_when_the_backend_is_made():
         build(MlpTask(), "all:8", "", compiler_options={"xla_backend_optimization_level": "high"})
     with pytest.raises(mx.ConfigError, match=r"unhashable type: 'list'.*a bool, int or string"):
         mx.PlacementMeshImpl("all:8", "", compiler_options={"xla_backend_optimization_level": [3]})
+
+
+@pytest.mark.parametrize(("vocab", "order"), [(5, 1), (4, 2), (3, 3)])
+def test_the_markov_sources_stationary_distribution_is_the_chains_fixed_point(vocab, order):
+    """Checked against the chain written out: context c goes with token t to (c * vocab + t) mod
+    vocab^order with probability P[c, t]."""
+    from meshax.train.synthetic import MarkovSource
+
+    source = MarkovSource(vocab, order, alpha=0.5, seed=1)
+    pi, n = source.stationary, vocab**order
+    step = np.zeros(n)
+    for c in range(n):
+        for t in range(vocab):
+            step[(c * vocab + t) % n] += pi[c] * source.probs[c, t]
+    np.testing.assert_allclose(step, pi, atol=1e-12)
+    assert pi.min() >= 0 and abs(pi.sum() - 1) < 1e-12
+    assert 0 < source.entropy_rate < np.log(vocab)

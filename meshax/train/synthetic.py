@@ -28,12 +28,12 @@ class MarkovSource:
         return (ctx * self.vocab + token) % self.n_contexts
 
     def _stationary(self) -> np.ndarray:
-        """The chain's stationary distribution over contexts, by power iteration."""
+        """The chain's stationary distribution over contexts, by power iteration. Context c = a *
+        vocab^(k-1) + b goes with token t to b * vocab + t: the mass arriving at each context is a
+        sum over the leading token a."""
         pi = np.full(self.n_contexts, 1.0 / self.n_contexts)
-        nxt = self._next_context(np.arange(self.n_contexts)[:, None], np.arange(self.vocab)[None, :])
         for _ in range(2000):
-            new = np.zeros_like(pi)
-            np.add.at(new, nxt.ravel(), (pi[:, None] * self.probs).ravel())
+            new = (pi[:, None] * self.probs).reshape(self.vocab, -1).sum(axis=0)
             if np.abs(new - pi).sum() < 1e-12:
                 return new
             pi = new
