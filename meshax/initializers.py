@@ -5,8 +5,9 @@ initializer program per (initializer, shape, dtype, sharding) and reuses it for 
 meshax runs them under `jax.jit` with the variable's `NamedSharding` as output sharding; with
 JAX's partitionable threefry the numbers do not depend on the layout, and each device makes
 only its own slice (a split parameter is never materialised whole). A small variable (at most
-2**20 values) is made whole on one device and then split: one program for every layout. Any
-function with the same signature (e.g. from `jax.nn.initializers`) works too.
+2**20 values) is made whole on one device and then split: one program for every layout (a
+`Constant` one by numpy, compiling nothing). Any function with the same signature (e.g. from
+`jax.nn.initializers`) works too.
 """
 
 from __future__ import annotations

@@ -85,6 +85,18 @@ def test_a_small_variable_is_made_by_one_program_for_every_layout(monkeypatch):
         np.testing.assert_array_equal(v, values[0])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32"])
+def test_a_small_constant_variable_is_made_by_numpy_compiling_nothing(dtype):
+    """Biases and the optimizer's slots: as many programs as shapes, each for a jnp.full, before."""
+    info = mesh_impl._whole_initializer_program.cache_info()
+    graph, mesh, w = one_var(mx.initializers.Constant(3.0), dtype=dtype)
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "io:rows;hidden:cols")})
+    state = lo.variable_state(w)
+    assert mesh_impl._whole_initializer_program.cache_info() == info
+    assert str(state.dtype) == dtype and len(state.addressable_shards) == 8
+    np.testing.assert_array_equal(lo.variable_value(w), np.full((8, 16), 3, dtype=state.dtype))
+
+
 @pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
 def test_split_variable_is_a_sharded_global_array_never_whole_on_a_device(impl_cls, monkeypatch):
     monkeypatch.setattr(mesh_impl, "_MADE_WHOLE", 0)  # (as a variable too large to be made whole is)

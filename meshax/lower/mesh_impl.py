@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from meshax.core.errors import ConfigError, LayoutError, did_you_mean
 from meshax.core.shape import Shape, convert_to_shape
+from meshax.initializers import Constant
 from meshax.layout import (
     LayoutRules,
     TensorLayout,
@@ -403,8 +404,12 @@ class MeshImpl:
         shape, dtype, layout = spec
         if shape.size <= _MADE_WHOLE and jax.process_count() == 1:
             # small: made whole on one device and then laid out, by one program whatever the layout
-            # and mesh (the same numbers: they do not depend on the layout)
-            whole = _whole_initializer_program(init, shape, np.dtype(dtype))(key)
+            # and mesh (the same numbers: they do not depend on the layout); a constant (biases, the
+            # optimizer's slots) by numpy, compiling nothing
+            if isinstance(init, Constant):
+                whole = np.full(shape.to_integer_list, init.value, np.dtype(dtype))
+            else:
+                whole = _whole_initializer_program(init, shape, np.dtype(dtype))(key)
             return self.from_global(jax.device_put(whole, self.global_sharding(shape, layout)), spec)
         make = _initializer_program(init, shape, np.dtype(dtype), layout, self.shape, self.named_sharding(layout))
         return self.from_padded(make(key), spec)
