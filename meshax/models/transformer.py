@@ -222,6 +222,19 @@ PAPER_PARAMETERS = {
 }
 
 
+@functools.lru_cache(maxsize=8)
+def _sinusoids(length: int, d_model: int) -> np.ndarray:
+    """The sinusoidal position table [length, d_model], read-only: a model is built many times over
+    (a layout search builds it once per candidate depth), and at the papers' sizes (1024 x 8192)
+    the table takes a third of a second to compute."""
+    pos = np.arange(length)[:, None]
+    i = np.arange(d_model // 2)[None, :]
+    angles = pos / np.power(10000.0, 2 * i / d_model)
+    table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1).astype(np.float32)
+    table.setflags(write=False)
+    return table
+
+
 class Transformer:
     """Builds the model's graph. Variables are created on first use, under `name/`."""
 
@@ -486,16 +499,3 @@ class Transformer:
 
 
 __all__ = ["GSPMD_SHARDINGS", "PAPER_PARAMETERS", "PRESETS", "Transformer", "TransformerConfig"]
-
-
-@functools.lru_cache(maxsize=8)
-def _sinusoids(length: int, d_model: int) -> np.ndarray:
-    """The sinusoidal position table [length, d_model], read-only: a model is built many times over
-    (a layout search builds it once per candidate depth), and at the papers' sizes (1024 x 8192)
-    the table takes a third of a second to compute."""
-    pos = np.arange(length)[:, None]
-    i = np.arange(d_model // 2)[None, :]
-    angles = pos / np.power(10000.0, 2 * i / d_model)
-    table = np.concatenate([np.sin(angles), np.cos(angles)], axis=1).astype(np.float32)
-    table.setflags(write=False)
-    return table
