@@ -105,6 +105,21 @@ def test_estimate_equals_the_exact_trace_for_the_mlp(mesh):
         assert moved(est) == moved(exact), rules_string(rules)
 
 
+@pytest.mark.parametrize(
+    "layout", ["d_ff:rows;heads:rows;length:cols;vocab:rows", "batch:rows;length:cols", "length:rows;length:cols"]
+)
+def test_the_estimate_splits_a_renamed_dim_as_propagation_does(layout):
+    """The keys' and values' length (`memory_length`, `length` renamed) is split by propagation
+    where no rule names it; the estimate splits it too: its einsums' FLOPs are the trace's, and
+    its memory within a few hundred bytes (before: 1.4x the FLOPs, so length-split layouts
+    ranked far down and a search under a memory budget missed the fastest that fit)."""
+    program = costed(TINY_LM).on(convert_to_mesh_shape("rows:2;cols:4"))
+    est = program.estimator(mx.convert_to_layout_rules(layout))
+    exact = program.exact(tuple(sorted(_pairs(layout))))
+    assert est.flops["Einsum"] == pytest.approx(exact.flops["Einsum"])
+    assert sum(est.memory.values()) == pytest.approx(sum(exact.memory.values()), rel=1e-4)
+
+
 @pytest.mark.parametrize(("task", "mesh"), [(MLP, "all:8"), (MLP, "rows:2;cols:4"), (TINY_LM, "all:8")])
 def test_the_search_choice_is_the_best_of_every_legal_rule_set(task, mesh):
     every = _exhaustive(task, mesh)
@@ -386,10 +401,10 @@ def test_searching_weight_rules_too_finds_at_least_as_fast_a_layout(capsys):
     assert "| weights" in both.format()
     graph, mesh = costed(TINY_LM).base.graph, convert_to_mesh_shape("rows:2;cols:4")
     per_base = len(list(Space(graph, mesh, part="weights")))
-    # each base (5 to 10: the best rule sets, the best for the activations alone) with every set of
-    # weight rules, and a few that leave weight shapes to the rules
+    # each base (5 to 15: the 5 best rule sets, the 10 best for the activations alone) with every
+    # set of weight rules, and a few that leave weight shapes to the rules
     extra = len(both.compared) - both.legal
-    assert 5 * (per_base - 1) <= extra <= 10 * per_base + 20
+    assert 5 * (per_base - 1) <= extra <= 15 * per_base + 20
     argv = ["plan", "mlp", "--mesh", "rows:2;cols:4", "--search", "--search-weights", "--top", "2"]
     assert main(argv) == 0 and "with weight rules of their own" in capsys.readouterr().out
 
@@ -408,7 +423,8 @@ def test_with_weight_rules_the_search_is_as_fast_as_gspmd_2d_finalized():
     assert result.best.weight_layout is not None and "except" in result.best.weight_layout
     assert result.best.step_s <= hand.step_s * (1 + 1e-12) and result.best.memory_bytes <= 32 << 30
     assert "extrapolated to num_layers 32" in result.method
-    assert "yours: 1.00x the best's time; best changes gspmd-2d-finalized ->" in result.format()
+    ratio = hand.step_s / result.best.step_s
+    assert f"yours: {ratio:.2f}x the best's time; best changes gspmd-2d-finalized ->" in result.format()
 
 
 # ---- deep models: costed at two small depths, extrapolated ------------------------------------

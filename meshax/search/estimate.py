@@ -6,8 +6,11 @@ op, without JAX: `sharding_rule.choose` says how each op runs under the rules' l
 `lower.reshard.reshard`, run on shapes instead of arrays (`_Meter`), says which collectives
 bring each operand from its producer's layout (and owed sums) to the one the op runs in. FLOPs
 are the op's exact FLOPs on one device (one replicated trace) divided by the splits it runs
-with. What it leaves out: linear ops that pass a partial sum on instead of settling it (the
-exact trace counts those), so the search re-scores its best candidates exactly.
+with. Tensors are laid out by the rules; a dim no rule names that renames one a rule splits
+(`memory_length`, the keys' `length`) is split as that one where the tensor leaves its mesh dims
+free, as propagation splits it. What it leaves out: other splits propagation adds, and linear
+ops that pass a partial sum on instead of settling it (the exact trace counts those), so the
+search re-scores its best candidates exactly.
 
 Ops with the same signature (type, rule, operand and result shapes: a layer repeated) and
 tensors with the same producer and consumers are costed once and counted as often as they occur,
@@ -155,6 +158,7 @@ class Estimator:
         self._moves: dict[tuple, list] = {}
         self._runs: dict[tuple, tuple] = {}
         self._weight_shapes = weight_shapes(graph.operations)
+        self._aliases = _renamed(ops)
 
     @staticmethod
     def affine(base: Estimator, terms: list[tuple[float, Estimator]]) -> Estimator:
@@ -173,6 +177,7 @@ class Estimator:
         out._memory = {part: combine(lambda e, part=part: e._memory[part]) for part in base._memory}
         out._moves, out._runs = {}, {}
         out._weight_shapes = frozenset().union(*(e._weight_shapes for e in everyone))
+        out._aliases = {k: frozenset().union(*(e._aliases.get(k, ()) for e in everyone)) for k in base._aliases}
         return out
 
     def __call__(self, rules: LayoutRules, weight_rules: LayoutRules | None = None) -> StepCost:
@@ -190,9 +195,23 @@ class Estimator:
 
         def layout(key) -> TensorLayout:
             if key not in layouts:
-                names = frozenset(n for n, _ in key[0])
-                use = by_weight_dim if names in weight_shaped else by_dim
-                layouts[key] = TensorLayout(use.get(n, ()) for n, _ in key[0])
+                names = [n for n, _ in key[0]]
+                use = by_weight_dim if frozenset(names) in weight_shaped else by_dim
+                axes = [use.get(n, ()) for n in names]
+                # a dim no rule names, renamed from or to one a rule splits: split as that one where
+                # the tensor leaves its mesh dims free, as propagation splits it (memory_length, the
+                # keys' length, from length: the keys' projections run split as the queries' do)
+                taken = {m for a in axes for m in a}
+                for i, n in enumerate(names):
+                    if n in use:
+                        continue
+                    for other in sorted(self._aliases.get(n, ())):
+                        follow = use.get(other, ())
+                        if follow and taken.isdisjoint(follow):
+                            axes[i] = follow
+                            taken.update(follow)
+                            break
+                layouts[key] = TensorLayout(axes)
             return layouts[key]
 
         runs = {}
@@ -242,3 +261,20 @@ class Estimator:
             reshard(meter, LaidOutTensor(local, have, pending), want, shape)
             self._moves[memo] = meter.moves
         return self._moves[memo]
+
+
+def _renamed(ops) -> dict[str, frozenset[str]]:
+    """Dim name -> the names it is renamed to or from somewhere in the ops (a reshape that keeps
+    every size in place: `rename_dimension`)."""
+    aliases: dict[str, set[str]] = defaultdict(set)
+    for op in ops:
+        if type(op).__name__ != "ReshapeOperation":
+            continue
+        old, new = op.inputs[0].shape, op.outputs[0].shape
+        if old.to_integer_list != new.to_integer_list:
+            continue
+        for a, b in zip(old, new):
+            if a.name != b.name:
+                aliases[a.name].add(b.name)
+                aliases[b.name].add(a.name)
+    return {k: frozenset(v) for k, v in aliases.items()}

@@ -6,8 +6,8 @@ traced exactly (`Lowering.trace_step`: the counters of the program that would ru
 not, every candidate is costed by the fast estimate (`estimate.Estimator`) and the best ones that
 fit are re-scored exactly, so what is reported is always exact. Whether a layout fits is decided
 by its plan's memory (exact, and cheap: no trace). A graph with annotations is costed exactly,
-candidate by candidate (the estimate lays tensors out by the rules alone). Deterministic:
-candidates come in a fixed order, and ties go to the earlier one.
+candidate by candidate (the estimate lays tensors out by the rules, not by annotations).
+Deterministic: candidates come in a fixed order, and ties go to the earlier one.
 """
 
 from __future__ import annotations
@@ -177,19 +177,30 @@ class SearchResult:
 
 
 def _with_weight_rules(graph, space: Space, layout: str, time_of, compared, rule_sets, top: int):
-    """(rules, weight rules) to compare beside the rule sets: the bases (the `top` best rule sets,
-    and the `top` best sets of rules legal for the activations alone, ranked with the weights
-    replicated), each with every legal set of weight rules."""
-    activation_sets = list(Space(graph, space.mesh_shape, convert_to_layout_rules(layout), part="activations"))
-    ranked_activations = sorted(activation_sets, key=lambda a: time_of(a, LayoutRules())[0])
-    best = sorted(range(len(rule_sets)), key=lambda i: compared[i].step_s)[:top]
-    bases = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked_activations[:top]]))
+    """(rules, weight rules) to compare beside the rule sets: the bases, each with every legal set
+    of weight rules. The bases are the `top` best rule sets, and the 2 x `top` best sets of rules
+    legal for the activations alone: the 10 x `top` best with the weights replicated, ranked
+    again each with its best of the weight rules that suit the 3 best rule sets (or replicated).
+    (Which activations' rules are best depends on the weights' rules: ranked with
+    the weights replicated, GSPMD's 2D sharding, activations split on d_model as the weights
+    are, ranks behind near-duplicates that split `length` or `memory_length`.)"""
     weight_space = Space(graph, space.mesh_shape, part="weights")
+    weight_sets = {w: WeightRules(space.rules_of(w).pairs) for w in weight_space}
+    best = sorted(range(len(rule_sets)), key=lambda i: compared[i].step_s)[:top]
+    suiting: list[LayoutRules] = [LayoutRules()]
+    for i in best[:3]:
+        w = min(weight_sets.values(), key=lambda w: time_of(rule_sets[i], w)[0])
+        if w not in suiting:
+            suiting.append(w)
+    activation_sets = Space(graph, space.mesh_shape, convert_to_layout_rules(layout), part="activations")
+    ranked_activations = sorted(activation_sets, key=lambda a: time_of(a, LayoutRules())[0])[: 10 * top]
+    ranked_activations.sort(key=lambda a: min(time_of(a, w)[0] for w in suiting))
+    bases = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked_activations[: 2 * top]]))
     for a in bases:
         same = tuple((d, ms) for d, ms in a if d in weight_space.sizes)  # (a's own, already costed)
-        for w in weight_space:
-            if w != same or a not in rule_sets:
-                yield a, WeightRules(space.rules_of(w).pairs)
+        for pairs, w in weight_sets.items():
+            if pairs != same or a not in rule_sets:
+                yield a, w
 
 
 def _leave_to_rules(starts: list[Candidate], graph, mesh_shape, time_of) -> list[tuple[Rules, WeightRules]]:
@@ -317,10 +328,11 @@ def search_layout(
             for a, w in _with_weight_rules(graph, space, layout, time_of, compared, rule_sets, breadth):
                 compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
                 choices.append((a, str(w)))
-        # Re-score in the estimate's order. The estimate lays tensors out by the rules alone;
-        # propagation may split more (dims no rule names), so a layout's true memory (its plan's,
-        # cheap: no trace) can be less than estimated, never more: check it before tracing (for
-        # the layouts estimated to need at most twice the budget; the rest are taken not to fit).
+        # Re-score in the estimate's order. The estimate lays tensors out by the rules (and renamed
+        # dims); propagation may split more (other dims no rule names), so a layout's true memory
+        # (its plan's, cheap: no trace) can be less than estimated, never more: check it before
+        # tracing (for the layouts estimated to need at most twice the budget; the rest are taken
+        # not to fit).
         # Enough: `breadth` of them, and then on while the estimate is within `rescore_margin` of
         # the estimate of the best found (the estimate is not exact near the top), up to 2 x breadth.
         exact_ones = []
