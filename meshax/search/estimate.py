@@ -155,10 +155,17 @@ class Estimator:
             for t in op.outputs:
                 self._memory[part][_shape_key(t)] += 1
                 self._shapes[_shape_key(t)] = t.shape
-        self._moves: dict[tuple, list] = {}
-        self._runs: dict[tuple, tuple] = {}
         self._weight_shapes = weight_shapes(graph.operations)
         self._aliases = _renamed(ops)
+        self._memos()
+
+    def _memos(self) -> None:
+        """Empty memos, and the tables by index built on first use (`_Tables`)."""
+        self._indexed: _Tables | None = None
+        self._runs: dict[int, dict] = defaultdict(dict)  # signature number -> {layouts: (Run, splits)}
+        self._moves: dict[tuple, list] = {}
+        self._sizes: dict[tuple, int] = {}
+        self._interned: dict[tuple, TensorLayout] = {}
 
     @staticmethod
     def affine(base: Estimator, terms: list[tuple[float, Estimator]]) -> Estimator:
@@ -175,14 +182,14 @@ class Estimator:
         out._flops = affine_counts(base._flops, [(w, e._flops) for w, e in terms])
         out._uses = combine(lambda e: e._uses)
         out._memory = {part: combine(lambda e, part=part: e._memory[part]) for part in base._memory}
-        out._moves, out._runs = {}, {}
+        out._memos()
         out._weight_shapes = frozenset().union(*(e._weight_shapes for e in everyone))
         out._aliases = {k: frozenset().union(*(e._aliases.get(k, ()) for e in everyone)) for k in base._aliases}
         return out
 
     def __call__(self, rules: LayoutRules, weight_rules: LayoutRules | None = None) -> StepCost:
         """The estimated StepCost of `rules` (and `weight_rules` for weight-shaped tensors)."""
-        mesh = self.mesh_shape
+        mesh, tables = self.mesh_shape, self._tables()
         index = {d.name: i for i, d in enumerate(mesh)}
 
         def axes_of(rules: LayoutRules) -> dict[str, tuple[int, ...]]:
@@ -191,76 +198,109 @@ class Estimator:
         by_dim = axes_of(rules)
         by_weight_dim = by_dim if weight_rules is None else axes_of(weight_rules)
         weight_shaped = self._weight_shapes - getattr(weight_rules, "exempt", frozenset())
-        layouts: dict[tuple, TensorLayout] = {}
-
-        def layout(key) -> TensorLayout:
-            if key not in layouts:
-                names = [n for n, _ in key[0]]
-                use = by_weight_dim if frozenset(names) in weight_shaped else by_dim
-                axes = [use.get(n, ()) for n in names]
-                # a dim no rule names, renamed from or to one a rule splits: split as that one where
-                # the tensor leaves its mesh dims free, as propagation splits it (memory_length, the
-                # keys' length, from length: the keys' projections run split as the queries' do)
-                taken = {m for a in axes for m in a}
-                for i, n in enumerate(names):
-                    if n in use:
-                        continue
-                    for other in sorted(self._aliases.get(n, ())):
-                        follow = use.get(other, ())
-                        if follow and taken.isdisjoint(follow):
-                            axes[i] = follow
-                            taken.update(follow)
-                            break
-                layouts[key] = TensorLayout(axes)
-            return layouts[key]
-
-        runs = {}
+        lay = [self._layout(by_weight_dim if s in weight_shaped else by_dim, names) for names, s in tables.names]
+        runs = []
         flops: dict[str, float] = defaultdict(float)
-        for sig, f in self._flops.items():
-            run, splits = self._choose(sig, tuple(map(layout, sig[2])), tuple(map(layout, sig[3])))
-            runs[sig] = run
-            flops[family(sig[0])] += f / splits
+        for i, (fam, f, operands, results) in enumerate(tables.ops):
+            run, splits = self._choose(i, tuple(lay[k] for k in operands), tuple(lay[k] for k in results))
+            runs.append(run)
+            flops[fam] += f / splits
         moves: dict[tuple, int] = defaultdict(int)
-        for (source, key, cs), count in self._uses.items():
-            if source[0] == "input":
-                have, pending = layout(key), frozenset[int]()
+        nothing = frozenset[int]()
+        for source, out, k, consumers, count in tables.uses:
+            if source < 0:
+                have, pending = lay[k], nothing
             else:
-                run = runs[source[0]]
-                have, pending = run.results[source[1]], run.pending
-            wants = {layout(key) if c[0] == "output" else runs[c[0]].operands[c[1]] for c in cs}
-            for want in wants:
-                for kind, axes, nbytes in self._reshard(key, have, pending, want):
-                    moves[(kind, axes, nbytes)] += count
+                have, pending = runs[source].results[out], runs[source].pending
+            for want in {lay[k] if c < 0 else runs[c].operands[i] for c, i in consumers}:
+                for move in self._reshard(k, have, pending, want):
+                    moves[move] += count
         collectives = [
             Collective(kind, tuple(mesh[m].name for m in axes), nbytes, n) for (kind, axes, nbytes), n in moves.items()
         ]
-        memory = {
-            part: sum(
-                n * math.prod(slice_shape(self._shapes[k], layout(k), mesh)) * np.dtype(k[1]).itemsize
-                for k, n in groups.items()
-            )
-            for part, groups in self._memory.items()
-        }
+        memory = {part: sum(n * self._bytes(k, lay[k]) for k, n in groups) for part, groups in tables.memory.items()}
         return StepCost(dict(flops), collectives, memory, exact=False)
 
-    def _choose(self, sig: tuple, operands: tuple, results: tuple) -> tuple:
-        """How the op of `sig` runs with these operand and result layouts, and how many ways its
-        work is split (rule sets share most layouts: each is chosen once)."""
-        memo = (sig, operands, results)
-        if memo not in self._runs:
-            run = choose(self._reps[sig], list(operands), list(results), self.mesh_shape)
-            self._runs[memo] = run, math.prod(split_factor(a, self.mesh_shape) for a in run.assign.values())
-        return self._runs[memo]
+    def _tables(self) -> _Tables:
+        if self._indexed is None:
+            self._indexed = _Tables(self)
+        return self._indexed
 
-    def _reshard(self, key, have: TensorLayout, pending, want: TensorLayout) -> list:
-        memo = (key, have, pending, want)
+    def _layout(self, use: dict[str, tuple[int, ...]], names: tuple[str, ...]) -> TensorLayout:
+        """A tensor's layout by the rules `use`; a dim no rule names, renamed from or to one a rule
+        splits, is split as that one where the tensor leaves its mesh dims free, as propagation
+        splits it (memory_length, the keys' length: their projections run split as the queries')."""
+        axes = [use.get(n, ()) for n in names]
+        taken = {m for a in axes for m in a}
+        for i, n in enumerate(names):
+            if n in use or n not in self._aliases:
+                continue
+            for other in sorted(self._aliases[n]):
+                follow = use.get(other, ())
+                if follow and taken.isdisjoint(follow):
+                    axes[i] = follow
+                    taken.update(follow)
+                    break
+        key = tuple(axes)
+        if key not in self._interned:  # (one object per layout: the memos below hash and compare them)
+            self._interned[key] = TensorLayout(key)
+        return self._interned[key]
+
+    def _choose(self, i: int, operands: tuple, results: tuple) -> tuple:
+        """How the i-th op signature runs with these operand and result layouts, and how many ways
+        its work is split (rule sets share most layouts: each is chosen once)."""
+        memo = self._runs[i]
+        if (operands, results) not in memo:
+            op = self._tables().reps[i]
+            run = choose(op, list(operands), list(results), self.mesh_shape)
+            memo[operands, results] = run, math.prod(split_factor(a, self.mesh_shape) for a in run.assign.values())
+        return memo[operands, results]
+
+    def _reshard(self, k: int, have: TensorLayout, pending, want: TensorLayout) -> list:
+        memo = (k, have, pending, want)
         if memo not in self._moves:
+            key = self._tables().keys[k]
             shape = self._shapes[key]
             meter = _Meter(self.mesh_shape, np.dtype(key[1]).itemsize)
             local = [block_sizes(d.size, a, self.mesh_shape)[-1] for d, a in zip(shape, have.axes)]
             reshard(meter, LaidOutTensor(local, have, pending), want, shape)
             self._moves[memo] = meter.moves
         return self._moves[memo]
+
+    def _bytes(self, k: int, layout: TensorLayout) -> int:
+        """Bytes per device of the k-th tensor shape laid out so."""
+        if (k, layout) not in self._sizes:
+            key = self._tables().keys[k]
+            local = slice_shape(self._shapes[key], layout, self.mesh_shape)
+            self._sizes[k, layout] = math.prod(local) * np.dtype(key[1]).itemsize
+        return self._sizes[k, layout]
+
+
+class _Tables:
+    """An Estimator's signatures, tensor uses and memory by index, for its inner loop: tensor
+    shapes (dim names and sizes, dtype) are numbered, and op signatures too."""
+
+    def __init__(self, e: Estimator):
+        self.keys = list(dict.fromkeys([*e._shapes, *(k for sig in e._flops for k in (*sig[2], *sig[3]))]))
+        number = {key: k for k, key in enumerate(self.keys)}
+        self.names = [(names, frozenset(names)) for names in (tuple(n for n, _ in key[0]) for key in self.keys)]
+        sigs = list(e._flops)
+        self.reps = [e._reps[sig] for sig in sigs]
+        ordinal = {sig: i for i, sig in enumerate(sigs)}
+        self.ops = [
+            (family(sig[0]), f, [number[k] for k in sig[2]], [number[k] for k in sig[3]]) for sig, f in e._flops.items()
+        ]
+        self.uses = [
+            (
+                -1 if source[0] == "input" else ordinal[source[0]],
+                -1 if source[0] == "input" else source[1],
+                number[key],
+                [(-1, -1) if c[0] == "output" else (ordinal[c[0]], c[1]) for c in consumers],
+                count,
+            )
+            for (source, key, consumers), count in e._uses.items()
+        ]
+        self.memory = {part: [(number[k], n) for k, n in groups.items()] for part, groups in e._memory.items()}
 
 
 def _renamed(ops) -> dict[str, frozenset[str]]:
