@@ -7,8 +7,8 @@ op, without JAX: `sharding_rule.choose` says how each op runs under the rules' l
 bring each operand from its producer's layout (and owed sums) to the one the op runs in. FLOPs
 are the op's exact FLOPs on one device (one replicated trace) divided by the splits it runs
 with. Tensors are laid out by the rules; a dim no rule names that renames one a rule splits
-(`memory_length`, the keys' `length`) is split as that one where the tensor leaves its mesh dims
-free, as propagation splits it. What it leaves out: other splits propagation adds, and linear
+(`memory_length`, the keys' `length`) is split as that one as far as the tensor leaves its mesh
+dims free, as propagation splits it. What it leaves out: other splits propagation adds, and linear
 ops that pass a partial sum on instead of settling it (the exact trace counts those), so the
 search re-scores its best candidates exactly.
 
@@ -228,7 +228,7 @@ class Estimator:
 
     def _layout(self, use: dict[str, tuple[int, ...]], names: tuple[str, ...]) -> TensorLayout:
         """A tensor's layout by the rules `use`; a dim no rule names, renamed from or to one a rule
-        splits, is split as that one where the tensor leaves its mesh dims free, as propagation
+        splits, is split as that one as far as the tensor leaves its mesh dims free, as propagation
         splits it (memory_length, the keys' length: their projections run split as the queries')."""
         axes = [use.get(n, ()) for n in names]
         taken = {m for a in axes for m in a}
@@ -237,9 +237,10 @@ class Estimator:
                 continue
             for other in sorted(self._aliases[n]):
                 follow = use.get(other, ())
-                if follow and taken.isdisjoint(follow):
-                    axes[i] = follow
-                    taken.update(follow)
+                free = next((j for j, m in enumerate(follow) if m in taken), len(follow))
+                if free:  # (the longest part of its split that the tensor leaves free)
+                    axes[i] = follow[:free]
+                    taken.update(axes[i])
                     break
         key = tuple(axes)
         if key not in self._interned:  # (one object per layout: the memos below hash and compare them)

@@ -328,11 +328,11 @@ def search_layout(
             for a, w in _with_weight_rules(graph, space, layout, time_of, compared, rule_sets, breadth):
                 compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
                 choices.append((a, str(w)))
-        # Re-score in the estimate's order. The estimate lays tensors out by the rules (and renamed
-        # dims); propagation may split more (other dims no rule names), so a layout's true memory
-        # (its plan's, cheap: no trace) can be less than estimated, never more: check it before
-        # tracing (for the layouts estimated to need at most twice the budget; the rest are taken
-        # not to fit).
+        # Re-score in the estimate's order. The estimate lays tensors out by the rules, and splits
+        # renamed dims as the dims they rename; propagation completes the layouts its own way, so
+        # a layout's true memory (its plan's, cheap: no trace) differs, mostly down (it splits
+        # other dims no rule names): check it before tracing (for the layouts estimated to need
+        # at most twice the budget; the rest are taken not to fit).
         # Enough: `breadth` of them, and then on while the estimate is within `rescore_margin` of
         # the estimate of the best found (the estimate is not exact near the top), up to 2 x breadth.
         exact_ones = []
