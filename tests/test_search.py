@@ -127,6 +127,38 @@ def test_the_estimate_splits_a_renamed_dim_as_propagation_does(layout, memory_re
     assert sum(est.memory.values()) == pytest.approx(sum(exact.memory.values()), rel=memory_rel)
 
 
+@pytest.mark.parametrize(
+    "changes, layout",
+    [
+        (dict(remat=True), "batch:cols;d_ff:rows;heads:rows;vocab:rows"),
+        (dict(remat=True, attention="fused"), "batch:rows;vocab:cols;d_ff:cols;heads:cols"),
+        (dict(pipeline_stages=2, microbatches=2), "batch:cols;stage:rows;vocab:rows"),
+    ],
+)
+def test_the_estimate_counts_the_work_of_recomputed_layers_and_loop_bodies(changes, layout):
+    """A rematerialized layer's ops run inside a RecomputeOperation (twice: forward, and again
+    in its gradient), a pipeline's inside a scan (once per iteration); the estimate counts them
+    as the exact trace does (before: it saw only the ops outside, 7% to 12% of the FLOPs)."""
+    task = LmTask(model=dataclasses.replace(PRESETS["tiny"], **changes))
+    program = model_of(task).on(convert_to_mesh_shape("rows:2;cols:4"))
+    est = program.estimator(mx.convert_to_layout_rules(layout))
+    exact = program.exact(tuple(sorted(_pairs(layout))))
+    for family in ("Einsum", "Attention", "AttentionGrad", "Elementwise", "Reduce"):
+        assert est.flops.get(family) == pytest.approx(exact.flops.get(family)), family
+    assert sum(est.memory.values()) == pytest.approx(sum(exact.memory.values()), rel=1e-4)
+    assert predict(est, load_device(None), program.mesh_shape).step_s == pytest.approx(
+        predict(exact, load_device(None), program.mesh_shape).step_s, rel=0.15
+    )
+
+
+def test_the_search_of_a_rematerialized_model_finds_at_least_the_papers_layout():
+    """With recomputed layers and fused attention, the search chose batch:cols;d_ff:rows;vocab:rows
+    at 29.4 ms, against 20.7 ms for the paper's layout: the estimate saw 7% of the FLOPs."""
+    task = LmTask(model=dataclasses.replace(PRESETS["tiny"], remat=True, attention="fused"))
+    result = search_layout(task, "rows:2;cols:4", baseline="batch:rows;vocab:cols;d_ff:cols;heads:cols")
+    assert "estimated" in result.method and result.best.step_s <= result.baseline.step_s
+
+
 @pytest.mark.parametrize(("task", "mesh"), [(MLP, "all:8"), (MLP, "rows:2;cols:4"), (TINY_LM, "all:8")])
 def test_the_search_choice_is_the_best_of_every_legal_rule_set(task, mesh):
     every = _exhaustive(task, mesh)

@@ -12,6 +12,8 @@ dims free, as propagation splits it. What it leaves out: other splits propagatio
 ops that pass a partial sum on instead of settling it (the exact trace counts those), so the
 search re-scores its best candidates exactly.
 
+The ops inside a loop's body (a pipeline's scan) and a rematerialized layer's (in its forward
+op, and again in its gradient's) are costed as often as they run, as the trace counts them.
 Ops with the same signature (type, rule, operand and result shapes: a layer repeated) and
 tensors with the same producer and consumers are costed once and counted as often as they occur,
 so a rule set costs a few milliseconds whatever the depth.
@@ -22,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 
 import numpy as np
@@ -35,6 +37,8 @@ from meshax.layout.sharding_rule import choose, rule_of
 from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.lowering import Lowering, _needed_ops
 from meshax.lower.reshard import reshard
+from meshax.ops.loops import ScanOperation, WhileOperation
+from meshax.ops.recompute import RecomputeOperation
 from meshax.search.cost import Collective, StepCost, affine_counts, family
 
 
@@ -121,26 +125,30 @@ class Estimator:
         flops = replicated.trace_step(list(outputs), list(updates)).flops
         self._reps: dict[tuple, Operation] = {}
         self._flops: dict[tuple, float] = defaultdict(float)  # signature -> FLOPs of its ops on one device
+        scopes = _scopes(ops, list(outputs))
         sig_of: dict[Operation, tuple] = {}
-        for op in ops:
-            shapes = (tuple(map(_shape_key, op.inputs)), tuple(map(_shape_key, op.outputs)))
-            sig = (type(op).__name__, rule_of(op), *shapes)
-            sig_of[op] = sig
-            self._reps.setdefault(sig, op)
-            self._flops[sig] += flops.get(op.name, 0)
-        # tensors: (producer signature and output index, or the input's shape) -> consumers' wants
-        consumers: dict[Tensor, list[tuple]] = defaultdict(list)
-        for op in ops:
-            for i, t in enumerate(op.inputs):
-                consumers[t].append((sig_of[op], i))
-        for t in outputs:
-            consumers[t].append(("output",))
+        for op in (op for body, _, _ in scopes for op in body):
+            if op not in sig_of:  # (an op recomputed in a gradient's body: its FLOPs are counted once, all)
+                shapes = (tuple(map(_shape_key, op.inputs)), tuple(map(_shape_key, op.outputs)))
+                sig = sig_of[op] = (type(op).__name__, rule_of(op), *shapes)
+                self._reps.setdefault(sig, op)
+                self._flops[sig] += flops.get(op.name, 0)  # (a loop body's: every iteration's)
+        # tensors, in each scope: (producer signature and output index, or the input's shape) ->
+        # consumers' wants, as often as the scope runs
         self._uses: dict[tuple, int] = defaultdict(int)
-        for t, cs in consumers.items():
-            op = t.operation
-            source = (sig_of[op], op.outputs.index(t)) if op in sig_of else ("input", _shape_key(t))
-            self._uses[(source, _shape_key(t), tuple(sorted(set(cs), key=repr)))] += 1
-        self._shapes = {_shape_key(t): t.shape for t in consumers}
+        self._shapes = {}
+        for body, results, times in scopes:
+            consumers: dict[Tensor, list[tuple]] = defaultdict(list)
+            for op in body:
+                for i, t in enumerate(op.inputs):
+                    consumers[t].append((sig_of[op], i))
+            for t in results:
+                consumers[t].append(("output",))
+            for t, cs in consumers.items():
+                op = t.operation
+                source = (sig_of[op], op.outputs.index(t)) if op in sig_of else ("input", _shape_key(t))
+                self._uses[(source, _shape_key(t), tuple(sorted(set(cs), key=repr)))] += times
+                self._shapes[_shape_key(t)] = t.shape
         forward = _needed_ops(graph, [t.operation for t in outputs])
         parts = ("parameters", "gradients", "optimizer_state", "activations")
         self._memory: dict[str, dict[tuple, int]] = {k: defaultdict(int) for k in parts}
@@ -155,8 +163,16 @@ class Estimator:
             for t in op.outputs:
                 self._memory[part][_shape_key(t)] += 1
                 self._shapes[_shape_key(t)] = t.shape
+        # and the internals of the largest rematerialized layer, once (they live again while its
+        # gradient runs): each distinct layer's tensors
+        self._recomputed: set[frozenset] = set()
+        for op in kept:
+            if isinstance(op, RecomputeOperation):
+                inside = [t for b in op.body for t in b.outputs]
+                self._shapes.update((_shape_key(t), t.shape) for t in inside)
+                self._recomputed.add(frozenset(Counter(map(_shape_key, inside)).items()))
         self._weight_shapes = weight_shapes(graph.operations)
-        self._aliases = _renamed(ops)
+        self._aliases = _renamed(sig_of)
         self._memos()
 
     def _memos(self) -> None:
@@ -182,6 +198,7 @@ class Estimator:
         out._flops = affine_counts(base._flops, [(w, e._flops) for w, e in terms])
         out._uses = combine(lambda e: e._uses)
         out._memory = {part: combine(lambda e, part=part: e._memory[part]) for part in base._memory}
+        out._recomputed = set().union(*(e._recomputed for e in everyone))
         out._memos()
         out._weight_shapes = frozenset().union(*(e._weight_shapes for e in everyone))
         out._aliases = {k: frozenset().union(*(e._aliases.get(k, ()) for e in everyone)) for k in base._aliases}
@@ -218,7 +235,12 @@ class Estimator:
         collectives = [
             Collective(kind, tuple(mesh[m].name for m in axes), nbytes, n) for (kind, axes, nbytes), n in moves.items()
         ]
-        memory = {part: sum(n * self._bytes(k, lay[k]) for k, n in groups) for part, groups in tables.memory.items()}
+
+        def nbytes(groups) -> int:
+            return sum(n * self._bytes(k, lay[k]) for k, n in groups)
+
+        memory = {part: nbytes(groups) for part, groups in tables.memory.items()}
+        memory["activations"] += max(map(nbytes, tables.recomputed), default=0)
         return StepCost(dict(flops), collectives, memory, exact=False)
 
     def _tables(self) -> _Tables:
@@ -302,6 +324,24 @@ class _Tables:
             for (source, key, consumers), count in e._uses.items()
         ]
         self.memory = {part: [(number[k], n) for k, n in groups.items()] for part, groups in e._memory.items()}
+        self.recomputed = [[(number[k], n) for k, n in group] for group in e._recomputed]
+
+
+def _scopes(ops: list[Operation], outputs: list[Tensor]) -> list[tuple[list[Operation], list[Tensor], int]]:
+    """(ops, the tensors read from them at the end, how many times they run) of the program and
+    of every body run inside it, recursively: a scan's body runs once per iteration, a
+    recomputed layer's (`recompute_grad`) once, a while loop's cond and body once (as the exact
+    trace counts them)."""
+    scopes = [(ops, outputs, 1)]
+    for body, _, times in scopes:  # (the list grows as bodies are found)
+        for op in body:
+            if isinstance(op, ScanOperation):
+                scopes.append((op.body, [*op.carry_results, *op.y_results], times * op.dim.size))
+            elif isinstance(op, WhileOperation):
+                scopes += [(op.cond_ops, [op.cond_result], times), (op.body_ops, op.carry_results, times)]
+            elif isinstance(op, RecomputeOperation):
+                scopes.append((op.body, op.results, times))
+    return scopes
 
 
 def _renamed(ops) -> dict[str, frozenset[str]]:
