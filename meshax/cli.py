@@ -233,7 +233,10 @@ def _parser() -> argparse.ArgumentParser:
                 help="search the layout rules of least predicted step time; --layout, if given, is shown beside",
             )
             g.add_argument(
-                "--memory-budget", default=None, metavar="SIZE", help="per device, e.g. 16GB (default: the device's)"
+                "--memory-budget",
+                default=None,
+                metavar="SIZE",
+                help="per device, e.g. 16GB (powers of 1000) or 16GiB (default: the device's)",
             )
             g.add_argument("--top", type=_COUNT, default=5, metavar="K", help="how many layouts to list (default 5)")
             g.add_argument(

@@ -261,9 +261,21 @@ def test_a_pinned_rule_no_legal_layout_allows_is_named(pin, message):
         search_layout(TINY_LM, mesh, layout=pin)
 
 
+def test_a_budget_reads_as_the_report_prints_it():
+    """GB as the reports print sizes (powers of 1000), GiB in powers of 1024: a budget of 16GB
+    was read as 16 GiB and printed back as 17.2GB."""
+    from meshax.search.search import parse_bytes
+
+    assert parse_bytes("16GB") == 16 * 10**9 and parse_bytes("1.5 TB") == 1.5e12 and parse_bytes("12 kb") == 12000
+    assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("100") == 100
+    result = search_layout(costed(MLP), "all:8", memory_budget="2MB", top=1)
+    assert "memory budget 2MB per device" in result.format()
+
+
 def test_bad_budget_and_device_are_clear():
-    with pytest.raises(mx.ConfigError, match="give a size like 16GB"):
-        search_layout(MLP, "all:8", memory_budget="lots")
+    for bad in ("lots", "1iB", "-5GB"):
+        with pytest.raises(mx.ConfigError, match="give a size like 16GB"):
+            search_layout(MLP, "all:8", memory_budget=bad)
     with pytest.raises(mx.ConfigError, match="neither a known device"):
         search_layout(MLP, "all:8", device="abacus")
 
@@ -323,7 +335,7 @@ def test_plan_search_prints_the_table_and_draws(capsys, tmp_path):
 def test_plan_search_without_a_fitting_layout_is_one_line(capsys):
     assert main(["plan", "mlp", "--mesh", "all:8", "--search", "--memory-budget", "1KB"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("meshax: error: no legal layout fits a memory budget of 1.02KB") and err.count("\n") == 1
+    assert err.startswith("meshax: error: no legal layout fits a memory budget of 1KB per device") and err.count("\n") == 1
 
 
 def test_calibrate_writes_a_device_the_search_reads(capsys, tmp_path):

@@ -78,13 +78,15 @@ def mesh_text(mesh_shape) -> str:
 
 
 def parse_bytes(text: str | int | float | None) -> int | None:
-    """A memory size: bytes as a number, or "16GB", "512MiB", "1.5 TB" (powers of 1024)."""
+    """A memory size: bytes as a number, or "16GB", "1.5 TB" (powers of 1000, as the reports
+    print sizes), "512MiB", "16GiB" (powers of 1024)."""
     if text is None or isinstance(text, int | float):
         return None if text is None else int(text)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?B)?\s*", text, re.IGNORECASE)
-    if not m:
-        raise ConfigError(f"memory budget {text!r}: give a size like 16GB, 512MB or a number of bytes")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)(B?)\s*", text, re.IGNORECASE)
+    if not m or (m.group(3) and not m.group(2)):
+        raise ConfigError(f"memory budget {text!r}: give a size like 16GB, 512MiB or a number of bytes")
+    base = 1024 if m.group(3) else 1000
+    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
 
 
 @dataclasses.dataclass
