@@ -265,9 +265,13 @@ class Estimator:
                     taken.update(axes[i])
                     break
         key = tuple(axes)
-        if key not in self._interned:  # (one object per layout: the memos below hash and compare them)
-            self._interned[key] = TensorLayout(key)
+        if key not in self._interned:
+            self._interned[key] = self._intern(TensorLayout(key))
         return self._interned[key]
+
+    def _intern(self, layout: TensorLayout) -> TensorLayout:
+        """One object per layout (the memos below hash and compare layouts millions of times)."""
+        return self._interned.setdefault(layout.axes, layout)
 
     def _choose(self, i: int, operands: tuple, results: tuple) -> tuple:
         """How the i-th op signature runs with these operand and result layouts, and how many ways
@@ -276,7 +280,11 @@ class Estimator:
         if (operands, results) not in memo:
             op = self._tables().reps[i]
             run = choose(op, list(operands), list(results), self.mesh_shape)
-            memo[operands, results] = run, math.prod(split_factor(a, self.mesh_shape) for a in run.assign.values())
+            splits = math.prod(split_factor(a, self.mesh_shape) for a in run.assign.values())
+            run = run._replace(
+                operands=list(map(self._intern, run.operands)), results=list(map(self._intern, run.results))
+            )
+            memo[operands, results] = run, splits
         return memo[operands, results]
 
     def _reshard(self, k: int, have: TensorLayout, pending, want: TensorLayout) -> list:
