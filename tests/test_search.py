@@ -335,7 +335,8 @@ def test_plan_search_prints_the_table_and_draws(capsys, tmp_path):
 def test_plan_search_without_a_fitting_layout_is_one_line(capsys):
     assert main(["plan", "mlp", "--mesh", "all:8", "--search", "--memory-budget", "1KB"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("meshax: error: no legal layout fits a memory budget of 1KB per device") and err.count("\n") == 1
+    assert err.startswith("meshax: error: no legal layout fits a memory budget of 1KB per device")
+    assert err.count("\n") == 1
 
 
 def test_calibrate_writes_a_device_the_search_reads(capsys, tmp_path):
@@ -436,6 +437,32 @@ def test_leaving_a_weight_shape_to_the_rules_drops_a_rule_that_would_split_it_tw
         ("batch:x;d_model:y;vocab:y", "d_model:x except [d_model]"),
         ("batch:x;vocab:y", "d_model:x except [d_model,vocab]"),  # (d_model's rule dropped)
         ("batch:x;d_model:y", "d_model:x except [d_model,vocab]"),  # (vocab's)
+    ]
+    # a weight rule of a dim that no weight shape still laid out by the weight rules has is dropped:
+    # it splits nothing (kept, it listed the same layout twice, with and without it)
+    w = convert_to_weight_rules("d_ff:x;vocab:x")
+    shapes = [frozenset({"d_model", "d_ff"}), frozenset({"vocab", "d_model"})]
+    assert [str(x) for _, x in _exemptions(a[:1], w, shapes)] == [
+        "vocab:x except [d_ff,d_model]",
+        "d_ff:x except [d_model,vocab]",
+    ]
+
+
+def test_a_wide_value_keeps_its_columns_apart():
+    """A replicated 64B model's step (456305.675 ms) ran into the next column."""
+    from meshax.search.search import Candidate, SearchResult
+
+    def candidate(ms: float) -> Candidate:
+        cost = StepCost({"Einsum": 1.0}, [], {"activations": 10**13})
+        comm = dict.fromkeys(["allreduce", "allgather", "reduce_scatter", "alltoall", "permute"], 0.0)
+        return Candidate("batch:x", cost, ms / 1e3, ms / 1e3, comm, {}, "x:2")
+
+    best, wide = candidate(1964.479), candidate(456305.675)
+    text = SearchResult([best], wide, 1, "m", 0.0, 2**35, load_device(None), [best]).format()
+    assert text.splitlines()[1:4] == [
+        "#     layout        step ms     compute    memory",
+        "1     batch:x      1964.479    1964.479      10TB",
+        "yours batch:x    456305.675  456305.675      10TB",
     ]
 
 

@@ -129,22 +129,24 @@ class SearchResult:
             return (f"{c.mesh}  " if meshes else "") + c.name
 
         width = max(len(name(c)) for _, c in rows)
-        head = (
-            f"{'#':<6}{'mesh  layout' if meshes else 'layout':<{width + 2}}{'step ms':>10}{'compute':>10}"
-            + "".join(f"{k:>15}" for k in kinds)
-            + f"{'memory':>10}"
+        columns = [  # (header, width at least, each row's cell)
+            ("step ms", 10, [f"{c.step_s * 1e3:.3f}" for _, c in rows]),
+            ("compute", 10, [f"{c.compute_s * 1e3:.3f}" for _, c in rows]),
+            *((k, 15, [f"{c.comm_s[k] * 1e3:.3f}" for _, c in rows]) for k in kinds),
+            ("memory", 10, [_human(c.memory_bytes) + "B" for _, c in rows]),
+        ]
+        widths = [max(least, 2 + max(map(len, cells))) for _, least, cells in columns]
+        head = f"{'#':<6}{'mesh  layout' if meshes else 'layout':<{width + 2}}" + "".join(
+            f"{h:>{w}}" for (h, _, _), w in zip(columns, widths)
         )
         lines = [
             f"layout search: {self.legal} legal rule sets, {self.method}, {self.seconds:.1f} s; "
             f"device {self.device.name}; memory budget {_human(self.memory_budget)}B per device",
             head,
         ]
-        for tag, c in rows:
-            lines.append(
-                f"{tag:<6}{name(c):<{width + 2}}{c.step_s * 1e3:>10.3f}{c.compute_s * 1e3:>10.3f}"
-                + "".join(f"{c.comm_s[k] * 1e3:>15.3f}" for k in kinds)
-                + f"{_human(c.memory_bytes) + 'B':>10}"
-            )
+        for i, (tag, c) in enumerate(rows):
+            cells = "".join(f"{cells[i]:>{w}}" for (_, _, cells), w in zip(columns, widths))
+            lines.append(f"{tag:<6}{name(c):<{width + 2}}{cells}")
         lines.append("")
         for tag, c in rows[1:]:
             lines.append(f"{tag}: {self.why(c)}")
@@ -231,11 +233,14 @@ def _weight_shape_names(graph, mesh_shape) -> list[frozenset]:
 
 def _exemptions(a: Rules, w: WeightRules, shapes: list[frozenset]):
     """(rules, weight rules) with one more weight shape left to the rules; where the rules split
-    two of its dims over one mesh dim, with the rule of each of those dims dropped in turn."""
+    two of its dims over one mesh dim, with the rule of each of those dims dropped in turn. The
+    weight rules keep only the rules of dims some weight shape they still lay out has (one that
+    splits nothing would list the same layout twice)."""
     for s in shapes:
         if s in w.exempt:
             continue
-        exempt = WeightRules(w.pairs, w.exempt | {s})
+        live = {d for shape in shapes if shape != s and shape not in w.exempt for d in shape}
+        exempt = WeightRules([(d, m) for d, m in w.pairs if d in live], w.exempt | {s})
         by_mesh: dict[str, list[str]] = {}
         for d, ms in a:
             for m in ms:
