@@ -112,6 +112,9 @@ def test_estimate_equals_the_exact_trace_for_the_mlp(mesh):
         ("batch:rows;length:cols", 1e-4),
         ("length:rows;length:cols", 1e-4),
         ("d_ff:cols;memory_length:rows;memory_length:cols;vocab:cols", 0.02),  # (length takes rows beside d_ff)
+        # learned positions: the table [max_length 256, d_model] is sliced to 64 rows, renamed to
+        # length: the table is no alias of length (it was split as length is)
+        ("length:rows;length:cols; positions learned", 1e-4),
     ],
 )
 def test_the_estimate_splits_a_renamed_dim_as_propagation_does(layout, memory_rel):
@@ -120,7 +123,9 @@ def test_the_estimate_splits_a_renamed_dim_as_propagation_does(layout, memory_re
     mesh dims free; the estimate splits them too: its einsums' FLOPs are the trace's, and its
     memory close (before: up to 1.4x the FLOPs, so length-split layouts ranked far down and a
     search under a memory budget missed the fastest that fit)."""
-    program = costed(TINY_LM).on(convert_to_mesh_shape("rows:2;cols:4"))
+    layout, _, positions = layout.partition("; positions ")
+    task = LmTask(model=dataclasses.replace(TINY_LM.model, positions=positions)) if positions else TINY_LM
+    program = costed(task).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
     exact = program.exact(tuple(sorted(_pairs(layout))))
     assert est.flops["Einsum"] == pytest.approx(exact.flops["Einsum"])
@@ -146,8 +151,15 @@ def test_the_estimate_counts_the_work_of_recomputed_layers_and_loop_bodies(chang
     for family in ("Einsum", "Attention", "AttentionGrad", "Elementwise", "Reduce"):
         assert est.flops.get(family) == pytest.approx(exact.flops.get(family)), family
     assert sum(est.memory.values()) == pytest.approx(sum(exact.memory.values()), rel=1e-4)
+
+    def permutes(cost: StepCost) -> list:  # (a pipeline's stage-to-stage shifts: none elsewhere)
+        return sorted((c.mesh_dims, c.bytes, c.count) for c in cost.collectives if c.kind == "permute")
+
+    assert permutes(est) == permutes(exact) and bool(permutes(exact)) == ("pipeline_stages" in changes)
+    # (the loop or recomputed layer itself moves nothing its body does not: it was costed as an op,
+    # gathering the weights its body reads, 3-4% of these steps)
     assert predict(est, load_device(None), program.mesh_shape).step_s == pytest.approx(
-        predict(exact, load_device(None), program.mesh_shape).step_s, rel=0.15
+        predict(exact, load_device(None), program.mesh_shape).step_s, rel=0.05
     )
 
 

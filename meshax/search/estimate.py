@@ -8,12 +8,15 @@ bring each operand from its producer's layout (and owed sums) to the one the op 
 are the op's exact FLOPs on one device (one replicated trace) divided by the splits it runs
 with. Tensors are laid out by the rules; a dim no rule names that renames one a rule splits
 (`memory_length`, the keys' `length`) is split as that one as far as the tensor leaves its mesh
-dims free, as propagation splits it. What it leaves out: other splits propagation adds, and linear
-ops that pass a partial sum on instead of settling it (the exact trace counts those), so the
-search re-scores its best candidates exactly.
+dims free, as propagation splits it. A shift's halo exchange (a pipeline's stage to stage) is
+counted as `lower.halo` does it. What it leaves out: other splits propagation adds, linear ops
+that pass a partial sum on instead of settling it, and the halo exchanges of windowed ops
+(convolutions, pooling) (the exact trace counts those), so the search re-scores its best
+candidates exactly.
 
 The ops inside a loop's body (a pipeline's scan) and a rematerialized layer's (in its forward
-op, and again in its gradient's) are costed as often as they run, as the trace counts them.
+op, and again in its gradient's) are costed as often as they run, as the trace counts them; the
+loop or layer itself only fetches the tensors it binds to its body.
 Ops with the same signature (type, rule, operand and result shapes: a layer repeated) and
 tensors with the same producer and consumers are costed once and counted as often as they occur,
 so a rule set costs a few milliseconds whatever the depth.
@@ -39,6 +42,7 @@ from meshax.lower.lowering import Lowering, _needed_ops
 from meshax.lower.reshard import reshard
 from meshax.ops.loops import ScanOperation, WhileOperation
 from meshax.ops.recompute import RecomputeOperation
+from meshax.ops.slicing import ShiftOperation
 from meshax.search.cost import Collective, StepCost, affine_counts, family
 
 
@@ -127,21 +131,32 @@ class Estimator:
         self._flops: dict[tuple, float] = defaultdict(float)  # signature -> FLOPs of its ops on one device
         scopes = _scopes(ops, list(outputs))
         sig_of: dict[Operation, tuple] = {}
-        for op in (op for body, _, _ in scopes for op in body):
-            if op not in sig_of:  # (an op recomputed in a gradient's body: its FLOPs are counted once, all)
-                shapes = (tuple(map(_shape_key, op.inputs)), tuple(map(_shape_key, op.outputs)))
-                sig = sig_of[op] = (type(op).__name__, rule_of(op), *shapes)
-                self._reps.setdefault(sig, op)
-                self._flops[sig] += flops.get(op.name, 0)  # (a loop body's: every iteration's)
+        self._runs_of: dict[tuple, int] = defaultdict(int)  # signature -> how many times its ops run
+        for body, _, times in scopes:
+            for op in body:
+                if _bound(op) is not None:  # (a loop or a recomputed layer: its body is a scope of its own)
+                    continue
+                if op not in sig_of:  # (an op recomputed in a gradient's body: its FLOPs are counted once, all)
+                    shapes = (tuple(map(_shape_key, op.inputs)), tuple(map(_shape_key, op.outputs)))
+                    sig = sig_of[op] = (type(op).__name__, rule_of(op), *shapes)
+                    self._reps.setdefault(sig, op)
+                    self._flops[sig] += flops.get(op.name, 0)  # (a loop body's: every iteration's)
+                self._runs_of[sig_of[op]] += times
         # tensors, in each scope: (producer signature and output index, or the input's shape) ->
-        # consumers' wants, as often as the scope runs
+        # consumers' wants, as often as the scope runs. A loop or recomputed layer fetches the
+        # tensors it binds in their own layout (its body reads what it captures, and its results
+        # come out in theirs: a source as an input is)
         self._uses: dict[tuple, int] = defaultdict(int)
         self._shapes = {}
         for body, results, times in scopes:
             consumers: dict[Tensor, list[tuple]] = defaultdict(list)
             for op in body:
+                bound = _bound(op)
                 for i, t in enumerate(op.inputs):
-                    consumers[t].append((sig_of[op], i))
+                    if bound is None:
+                        consumers[t].append((sig_of[op], i))
+                    elif i < bound:
+                        consumers[t].append(("output",))
             for t in results:
                 consumers[t].append(("output",))
             for t, cs in consumers.items():
@@ -198,6 +213,7 @@ class Estimator:
         out._flops = affine_counts(base._flops, [(w, e._flops) for w, e in terms])
         out._uses = combine(lambda e: e._uses)
         out._memory = {part: combine(lambda e, part=part: e._memory[part]) for part in base._memory}
+        out._runs_of = combine(lambda e: e._runs_of)
         out._recomputed = set().union(*(e._recomputed for e in everyone))
         out._memos()
         out._weight_shapes = frozenset().union(*(e._weight_shapes for e in everyone))
@@ -215,7 +231,7 @@ class Estimator:
         by_dim = axes_of(rules)
         by_weight_dim = by_dim if weight_rules is None else axes_of(weight_rules)
         weight_shaped = self._weight_shapes - getattr(weight_rules, "exempt", frozenset())
-        lay = [self._layout(by_weight_dim if s in weight_shaped else by_dim, names) for names, s in tables.names]
+        lay = [self._layout(by_weight_dim if s in weight_shaped else by_dim, dims) for dims, s in tables.names]
         runs = []
         flops: dict[str, float] = defaultdict(float)
         for i, (fam, f, operands, results) in enumerate(tables.ops):
@@ -232,6 +248,14 @@ class Estimator:
             for want in {lay[k] if c < 0 else runs[c].operands[i] for c, i in consumers}:
                 for move in self._reshard(k, have, pending, want):
                     moves[move] += count
+        for i, dim, far, times in tables.shifts:  # (a halo exchange: one permute per hop, as lower.halo does)
+            layout = runs[i].results[0]
+            if far and len(layout.axes[dim]) == 1 and mesh[layout.axes[dim][0]].size > 1:
+                key = tables.keys[tables.ops[i][3][0]]
+                local = slice_shape(self._shapes[key], layout, mesh)
+                for hop in range(0, far, local[dim]):
+                    values = math.prod(local) // local[dim] * min(local[dim], far - hop)
+                    moves["permute", layout.axes[dim], values * np.dtype(key[1]).itemsize] += times
         collectives = [
             Collective(kind, tuple(mesh[m].name for m in axes), nbytes, n) for (kind, axes, nbytes), n in moves.items()
         ]
@@ -248,21 +272,25 @@ class Estimator:
             self._indexed = _Tables(self)
         return self._indexed
 
-    def _layout(self, use: dict[str, tuple[int, ...]], names: tuple[str, ...]) -> TensorLayout:
+    def _layout(self, use: dict[str, tuple[int, ...]], dims: tuple[tuple[str, int], ...]) -> TensorLayout:
         """A tensor's layout by the rules `use`; a dim no rule names, renamed from or to one a rule
-        splits, is split as that one as far as the tensor leaves its mesh dims free, as propagation
-        splits it (memory_length, the keys' length: their projections run split as the queries')."""
-        axes = [use.get(n, ()) for n in names]
+        splits (of its size), is split as that one as far as the tensor leaves its mesh dims free
+        and the split divides it, as propagation splits it (memory_length, the keys' length: their
+        projections run split as the queries')."""
+        axes = [use.get(n, ()) for n, _ in dims]
         taken = {m for a in axes for m in a}
-        for i, n in enumerate(names):
-            if n in use or n not in self._aliases:
+        for i, (n, size) in enumerate(dims):
+            if n in use or (n, size) not in self._aliases:
                 continue
-            for other in sorted(self._aliases[n]):
-                follow = use.get(other, ())
-                free = next((j for j, m in enumerate(follow) if m in taken), len(follow))
-                if free:  # (the longest part of its split that the tensor leaves free)
-                    axes[i] = follow[:free]
-                    taken.update(axes[i])
+            for other in sorted(self._aliases[n, size]):
+                take: list[int] = []  # (the longest part of its split that the tensor leaves free)
+                for m in use.get(other, ()):
+                    if m in taken or size % (math.prod(self.mesh_shape[k].size for k in [*take, m])):
+                        break
+                    take.append(m)
+                if take:
+                    axes[i] = tuple(take)
+                    taken.update(take)
                     break
         key = tuple(axes)
         if key not in self._interned:
@@ -314,7 +342,7 @@ class _Tables:
     def __init__(self, e: Estimator):
         self.keys = list(dict.fromkeys([*e._shapes, *(k for sig in e._flops for k in (*sig[2], *sig[3]))]))
         number = {key: k for k, key in enumerate(self.keys)}
-        self.names = [(names, frozenset(names)) for names in (tuple(n for n, _ in key[0]) for key in self.keys)]
+        self.names = [(key[0], frozenset(n for n, _ in key[0])) for key in self.keys]  # (dims, their names)
         sigs = list(e._flops)
         self.reps = [e._reps[sig] for sig in sigs]
         ordinal = {sig: i for i, sig in enumerate(sigs)}
@@ -333,6 +361,24 @@ class _Tables:
         ]
         self.memory = {part: [(number[k], n) for k, n in groups.items()] for part, groups in e._memory.items()}
         self.recomputed = [[(number[k], n) for k, n in group] for group in e._recomputed]
+        # shifts (a pipeline's stage to stage): (signature number, the dim's index, how far, times run)
+        self.shifts = [
+            (i, op.inputs[0].shape.index(op.dim), min(abs(op.offset), op.dim.size), e._runs_of[sig])
+            for i, (sig, op) in enumerate(zip(sigs, self.reps))
+            if isinstance(op, ShiftOperation)
+        ]
+
+
+def _bound(op: Operation) -> int | None:
+    """How many of a loop's or recomputed layer's inputs it binds to its body's variables (the
+    rest its body reads as they are); None for any other op."""
+    if isinstance(op, ScanOperation):
+        return len(op.init) + len(op.xs)
+    if isinstance(op, WhileOperation):
+        return len(op.init)
+    if isinstance(op, RecomputeOperation):
+        return len(op.bound)
+    return None
 
 
 def _scopes(ops: list[Operation], outputs: list[Tensor]) -> list[tuple[list[Operation], list[Tensor], int]]:
@@ -352,10 +398,10 @@ def _scopes(ops: list[Operation], outputs: list[Tensor]) -> list[tuple[list[Oper
     return scopes
 
 
-def _renamed(ops) -> dict[str, frozenset[str]]:
-    """Dim name -> the names it is renamed to or from somewhere in the ops (a reshape that keeps
-    every size in place: `rename_dimension`)."""
-    aliases: dict[str, set[str]] = defaultdict(set)
+def _renamed(ops) -> dict[tuple[str, int], frozenset[str]]:
+    """(dim name, size) -> the names that dim is renamed to or from somewhere in the ops (a
+    reshape that keeps every size in place: `rename_dimension`)."""
+    aliases: dict[tuple[str, int], set[str]] = defaultdict(set)
     for op in ops:
         if type(op).__name__ != "ReshapeOperation":
             continue
@@ -364,6 +410,6 @@ def _renamed(ops) -> dict[str, frozenset[str]]:
             continue
         for a, b in zip(old, new):
             if a.name != b.name:
-                aliases[a.name].add(b.name)
-                aliases[b.name].add(a.name)
+                aliases[a.name, a.size].add(b.name)
+                aliases[b.name, b.size].add(a.name)
     return {k: frozenset(v) for k, v in aliases.items()}
