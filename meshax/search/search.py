@@ -82,7 +82,7 @@ def parse_bytes(text: str | int | float | None) -> int | None:
     print sizes), "512MiB", "16GiB" (powers of 1024)."""
     if text is None or isinstance(text, int | float):
         return None if text is None else int(text)
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]?)(i?)(B?)\s*", text, re.IGNORECASE)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)(B?)\s*", text, re.IGNORECASE)
     if not m or (m.group(3) and not m.group(2)):
         raise ConfigError(f"memory budget {text!r}: give a size like 16GB, 512MiB or a number of bytes")
     base = 1024 if m.group(3) else 1000
