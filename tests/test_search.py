@@ -27,6 +27,7 @@ from meshax.search.search import _exemptions, _pairs
 from meshax.search.space import Space, rules_string
 from meshax.train import LmTask, MlpTask, Seq2SeqTask
 from meshax.train.loop import build
+from meshax.train.tasks import CnnTask, UNetTask
 
 # The tiny LM at one layer: its two layers' rule sets, each traced in 0.18 s instead of 0.32 s
 TINY_LM = LmTask(model=dataclasses.replace(PRESETS["tiny"], num_layers=1))
@@ -161,6 +162,30 @@ def test_the_estimate_counts_the_work_of_recomputed_layers_and_loop_bodies(chang
     assert predict(est, load_device(None), program.mesh_shape).step_s == pytest.approx(
         predict(exact, load_device(None), program.mesh_shape).step_s, rel=0.05
     )
+
+
+@pytest.mark.parametrize(
+    "task, layout",
+    [
+        (CnnTask(), "h:rows;w:cols"),
+        (UNetTask(), "h:rows;w:cols"),
+        (UNetTask(), "bottom_c0:rows;classes:rows;down0_c0:rows;h:cols;up1_c0:rows"),
+    ],
+    ids=["cnn", "unet", "unet-mixed"],
+)
+def test_the_estimate_counts_halo_exchanges_and_the_filter_gradients_spatial_sums(task, layout):
+    """Spatial layouts: a convolution's halo exchange (permutes, one per hop and side; its filter
+    gradient reuses the forward's) and the sum its filter gradient owes over the split spatial
+    dims (an allreduce its rule does not say): the estimate counts them as the trace does (it
+    counted neither: the U-Net's h:rows;w:cols estimated at 0.73 of its exact step)."""
+    program = model_of(task).on(convert_to_mesh_shape("rows:2;cols:4"))
+    est = program.estimator(mx.convert_to_layout_rules(layout))
+    exact = program.exact(tuple(sorted(_pairs(layout))))
+
+    def moved(c: StepCost) -> list:
+        return sorted((x.kind, x.mesh_dims, x.bytes * x.count) for x in c.collectives)
+
+    assert moved(est) == moved(exact) and any(kind == "permute" for kind, _, _ in moved(exact))
 
 
 def test_the_search_of_a_rematerialized_model_finds_at_least_the_papers_layout():

@@ -26,6 +26,16 @@ def _pieces(width: int, block: int) -> list[int]:
     return out
 
 
+def halo_sends(local, dim: int, left: int, right: int) -> list[tuple[int, ...]]:
+    """The local shape of what each of `halo`'s permutes sends (one per hop and side), for slices
+    of shape `local`: what the search's estimate counts without running it."""
+    return [
+        tuple(w if i == dim else n for i, n in enumerate(local))
+        for side in (left, right)
+        for w in _pieces(side, local[dim])
+    ]
+
+
 def _take(xs, ctx, dim: int, start: int, size: int) -> list:
     return ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, start, start + size, axis=dim), xs)
 

@@ -33,6 +33,7 @@ from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import ShardingRule, slice_shape
 from meshax.layout.sharding_rule import Run
+from meshax.lower.halo import halo_sends
 from meshax.ops._dtypes import inexact, result_type
 from meshax.ops.elementwise import cast
 
@@ -121,11 +122,12 @@ class _Halo:
     length: int
 
 
-def _halos(ctx, w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout) -> list[_Halo]:
-    """The halo exchange each split spatial dim needs for output slices laid out as `y_layout`."""
+def _widths(w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout, mesh_shape: Shape) -> list[_Halo]:
+    """The halo exchange each split spatial dim needs for output slices laid out as `y_layout`
+    (without each device's window start: `_halos`)."""
     out = []
-    x_blocks = slice_shape(x_shape, x_layout, ctx.mesh_shape)
-    y_blocks = slice_shape(y_shape, y_layout, ctx.mesh_shape)
+    x_blocks = slice_shape(x_shape, x_layout, mesh_shape)
+    y_blocks = slice_shape(y_shape, y_layout, mesh_shape)
     for i, name in enumerate(w.names):
         dx = x_shape.index(x_shape.get_dim_by_name(name))
         axes = x_layout.axes[dx]
@@ -133,16 +135,25 @@ def _halos(ctx, w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout) -
             continue
         (m,) = axes
         bi, bo = x_blocks[dx], y_blocks[y_shape.index(y_shape.get_dim_by_name(name))]
-        s, lo, parts = w.strides[i], w.padding[i][0], ctx.mesh_shape[m].size
+        s, lo, parts = w.strides[i], w.padding[i][0], mesh_shape[m].size
         length = (bo - 1) * s + w.extent(i)
         # device c reads input [c*bo*s - lo, ... + length) and holds [c*bi, (c+1)*bi)
         lefts = [c * bi - (c * bo * s - lo) for c in range(parts)]
         left = max(0, *lefts)
         right = max(0, *[length - lc - bi for lc in lefts])
+        out.append(_Halo(dx, m, left, right, [(bi, bo, s, lo)], length))
+    return out
+
+
+def _halos(ctx, w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout) -> list[_Halo]:
+    """`_widths`, with each device's window start in its extended slice (traced)."""
+    out = []
+    for h in _widths(w, x_shape, x_layout, y_shape, y_layout, ctx.mesh_shape):
+        ((bi, bo, s, lo),) = h.start
         start = ctx.slicewise(
-            lambda c, bi=bi, bo=bo, s=s, lo=lo, left=left: left - (c * bi - (c * bo * s - lo)), ctx.pcoord(m)
+            lambda c, bi=bi, bo=bo, s=s, lo=lo, left=h.left: left - (c * bi - (c * bo * s - lo)), ctx.pcoord(h.axis)
         )
-        out.append(_Halo(dx, m, left, right, start, length))
+        out.append(dataclasses.replace(h, start=start))
     return out
 
 
@@ -216,6 +227,23 @@ class _Windowed(Operation):
     window dims (the first k of the filter, or of the filter gradient) are whole."""
 
     window: Window
+    # the halo exchanges its lowering runs: (the full-resolution tensor's position in inputs +
+    # outputs, the windowed one's, how many times: an exchange and its transpose are two)
+    exchanges: tuple[tuple[int, int, int], ...]
+
+    def halo_sends(self, layouts: list, mesh_shape: Shape) -> list[tuple[int, int]]:
+        """(mesh axis, bytes) of each permute its halo exchanges run, with its operands and then
+        its results laid out as `layouts` (the search's estimate counts them so)."""
+        tensors = [*self.inputs, *self.outputs]
+        out = []
+        for data, windowed, times in self.exchanges:
+            x, y = tensors[data], tensors[windowed]
+            local = list(slice_shape(x.shape, layouts[data], mesh_shape))
+            for h in _widths(self.window, x.shape, layouts[data], y.shape, layouts[windowed], mesh_shape):
+                sent = halo_sends(local, h.dim, h.left, h.right)
+                out += [(h.axis, math.prod(s) * x.dtype.itemsize) for s in sent] * times
+                local[h.dim] += h.left + h.right
+        return out
 
     def _windowed_rule(self, filter_shape: Shape | None) -> ShardingRule:
         k = len(self.window.names)
@@ -248,6 +276,8 @@ class _Prepared(NamedTuple):
 
 
 class ConvOperation(_Windowed):
+    exchanges = ((0, 2, 1),)  # (x extended)
+
     def __init__(self, x: Tensor, kernel: Tensor, window: Window, name=None):
         super().__init__([x, kernel], name=name or "conv")
         self.window = window
@@ -285,6 +315,8 @@ class ConvOperation(_Windowed):
 
 class ConvInputGradOperation(_Windowed):
     """The gradient of a convolution with respect to its input x (also conv_transpose)."""
+
+    exchanges = ((2, 1, 1),)  # (the gradient over the extended x, summed back)
 
     def __init__(self, kernel: Tensor, g: Tensor, x_shape: Shape, window: Window, name=None):
         super().__init__([kernel, g], name=name or "conv_input_grad")
@@ -327,6 +359,8 @@ class ConvInputGradOperation(_Windowed):
 class ConvFilterGradOperation(_Windowed):
     """The gradient of a convolution with respect to its filter: a sum over batch and space."""
 
+    exchanges = ()  # (x's halo is its convolution's: the lowering extends the same slices once)
+
     def __init__(self, x: Tensor, g: Tensor, f_shape: Shape, window: Window, name=None):
         super().__init__([x, g], name=name or "conv_filter_grad")
         self.window = window
@@ -351,10 +385,13 @@ class ConvFilterGradOperation(_Windowed):
             return conv(gk)[0]
 
         result = ctx.slicewise(transpose, ext, gv, *[h.start for h in halos])
-        # the sum over space (split spatial dims are windowed, not reduced, in the rule) is owed too
-        spatial = {m for n in self.window.names for m in run.assign.get(n, ())}
         ctx.add_flops(2 * ctx.local_size(g, gl) * math.prod(self.window.size) * local[-2])
-        ctx.set_output(df, result, dfl, run.pending | spatial)
+        ctx.set_output(df, result, dfl, self.owed(run))
+
+    def owed(self, run: Run) -> frozenset[int]:
+        """The mesh axes its result is a partial sum over: the rule's, and the split spatial dims'
+        (windowed, not reduced, in the rule; the search's estimate asks this too)."""
+        return run.pending | {m for n in self.window.names for m in run.assign.get(n, ())}
 
     def gradient(self, grad_outputs):
         (c,), (x, g) = grad_outputs, self.inputs
@@ -367,6 +404,8 @@ class ConvFilterGradOperation(_Windowed):
 
 
 class PoolOperation(_Windowed):
+    exchanges = ((0, 1, 1),)
+
     def __init__(self, x: Tensor, window: Window, kind: str, name=None):
         super().__init__([x], name=name or f"{kind}_pool")
         self.window, self.kind = window, kind
@@ -395,6 +434,8 @@ class PoolOperation(_Windowed):
 
 class PoolGradOperation(_Windowed):
     """The gradient of a pooling op with respect to its input."""
+
+    exchanges = ((0, 1, 1),)  # (the gradient summed back; x's halo is its pooling's, extended once)
 
     def __init__(self, x: Tensor, g: Tensor, window: Window, kind: str, name=None):
         super().__init__([x, g], name=name or f"{kind}_pool_grad")

@@ -7,6 +7,8 @@ split again afterwards. shift keeps its dim split when it can: each device sends
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -14,6 +16,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import slice_shape
+from meshax.lower.halo import halo_sends
 from meshax.ops._dtypes import result_type, sum_dtype
 from meshax.ops._util import also_accepts, dim_of
 
@@ -165,6 +168,18 @@ class ShiftOperation(Operation):
         self.windows = ((dim.name, abs(self.offset)),)  # a halo of |offset| values (see ShardingRule)
         self.cyclic = (dim.name,) if self.wrap else ()
         self._add_output(x.shape, x.dtype)
+
+    def halo_sends(self, layouts: list, mesh_shape: Shape) -> list[tuple[int, int]]:
+        """(mesh axis, bytes) of each permute its halo exchange runs, its operand and result laid
+        out as `layouts` (the search's estimate counts them so)."""
+        x = self.inputs[0]
+        axis = x.shape.index(self.dim)
+        axes, k = layouts[1].axes[axis], min(abs(self.offset), self.dim.size)
+        if not axes or not k:
+            return []
+        local = slice_shape(x.shape, layouts[0], mesh_shape)
+        left, right = (k, 0) if self.offset > 0 else (0, k)
+        return [(axes[0], math.prod(s) * x.dtype.itemsize) for s in halo_sends(local, axis, left, right)]
 
     @staticmethod
     def _local_shift(a, offset, axis, wrap):

@@ -8,11 +8,11 @@ bring each operand from its producer's layout (and owed sums) to the one the op 
 are the op's exact FLOPs on one device (one replicated trace) divided by the splits it runs
 with. Tensors are laid out by the rules; a dim no rule names that renames one a rule splits
 (`memory_length`, the keys' `length`) is split as that one as far as the tensor leaves its mesh
-dims free, as propagation splits it. A shift's halo exchange (a pipeline's stage to stage) is
-counted as `lower.halo` does it. What it leaves out: other splits propagation adds, linear ops
-that pass a partial sum on instead of settling it, and the halo exchanges of windowed ops
-(convolutions, pooling) (the exact trace counts those), so the search re-scores its best
-candidates exactly.
+dims free, as propagation splits it. Ops that exchange halos themselves (a pipeline's shifts,
+convolutions, pooling) say what their permutes send (`halo_sends`), and ops that owe more sums
+than their rule says (a filter gradient, over split space) say so (`owed`). What it leaves out:
+other splits propagation adds, and linear ops that pass a partial sum on instead of settling it
+(the exact trace counts those), so the search re-scores its best candidates exactly.
 
 The ops inside a loop's body (a pipeline's scan) and a rematerialized layer's (in its forward
 op, and again in its gradient's) are costed as often as they run, as the trace counts them; the
@@ -29,6 +29,7 @@ import copy
 import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +43,6 @@ from meshax.lower.lowering import Lowering, _needed_ops
 from meshax.lower.reshard import reshard
 from meshax.ops.loops import ScanOperation, WhileOperation
 from meshax.ops.recompute import RecomputeOperation
-from meshax.ops.slicing import ShiftOperation
 from meshax.search.cost import Collective, StepCost, affine_counts, family
 
 
@@ -248,14 +248,10 @@ class Estimator:
             for want in {lay[k] if c < 0 else runs[c].operands[i] for c, i in consumers}:
                 for move in self._reshard(k, have, pending, want):
                     moves[move] += count
-        for i, dim, far, times in tables.shifts:  # (a halo exchange: one permute per hop, as lower.halo does)
-            layout = runs[i].results[0]
-            if far and len(layout.axes[dim]) == 1 and mesh[layout.axes[dim][0]].size > 1:
-                key = tables.keys[tables.ops[i][3][0]]
-                local = slice_shape(self._shapes[key], layout, mesh)
-                for hop in range(0, far, local[dim]):
-                    values = math.prod(local) // local[dim] * min(local[dim], far - hop)
-                    moves["permute", layout.axes[dim], values * np.dtype(key[1]).itemsize] += times
+        for i, times in tables.halos:  # (the permutes of ops that exchange halos: shifts, convolutions)
+            for m, sent in self._halo_sends(i, runs[i]):
+                if mesh[m].size > 1:
+                    moves["permute", (m,), sent] += times
         collectives = [
             Collective(kind, tuple(mesh[m].name for m in axes), nbytes, n) for (kind, axes, nbytes), n in moves.items()
         ]
@@ -309,8 +305,11 @@ class Estimator:
             op = self._tables().reps[i]
             run = choose(op, list(operands), list(results), self.mesh_shape)
             splits = math.prod(split_factor(a, self.mesh_shape) for a in run.assign.values())
+            owed = getattr(op, "owed", None)  # (an op whose lowering owes more sums than its rule says)
             run = run._replace(
-                operands=list(map(self._intern, run.operands)), results=list(map(self._intern, run.results))
+                operands=list(map(self._intern, run.operands)),
+                results=list(map(self._intern, run.results)),
+                pending=frozenset(owed(run)) if owed else run.pending,
             )
             memo[operands, results] = run, splits
         return memo[operands, results]
@@ -324,6 +323,13 @@ class Estimator:
             local = [block_sizes(d.size, a, self.mesh_shape)[-1] for d, a in zip(shape, have.axes)]
             reshard(meter, LaidOutTensor(local, have, pending), want, shape)
             self._moves[memo] = meter.moves
+        return self._moves[memo]
+
+    def _halo_sends(self, i: int, run) -> list[tuple[int, int]]:
+        memo = (i, tuple(run.operands), tuple(run.results))
+        if memo not in self._moves:
+            op: Any = self._tables().reps[i]  # (an op with `halo_sends`)
+            self._moves[memo] = op.halo_sends([*run.operands, *run.results], self.mesh_shape)
         return self._moves[memo]
 
     def _bytes(self, k: int, layout: TensorLayout) -> int:
@@ -361,11 +367,9 @@ class _Tables:
         ]
         self.memory = {part: [(number[k], n) for k, n in groups.items()] for part, groups in e._memory.items()}
         self.recomputed = [[(number[k], n) for k, n in group] for group in e._recomputed]
-        # shifts (a pipeline's stage to stage): (signature number, the dim's index, how far, times run)
-        self.shifts = [
-            (i, op.inputs[0].shape.index(op.dim), min(abs(op.offset), op.dim.size), e._runs_of[sig])
-            for i, (sig, op) in enumerate(zip(sigs, self.reps))
-            if isinstance(op, ShiftOperation)
+        # ops that exchange halos themselves (`halo_sends`: a pipeline's shifts, convolutions, pooling)
+        self.halos = [
+            (i, e._runs_of[sig]) for i, (sig, op) in enumerate(zip(sigs, self.reps)) if hasattr(op, "halo_sends")
         ]
 
 
