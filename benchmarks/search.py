@@ -169,7 +169,7 @@ def _estimates(sampled: int) -> list[dict]:
             record(
                 10,
                 "estimate vs exact trace: Spearman rank correlation of predicted step times",
-                {"mesh": "rows:2;cols:4", "model": f"tiny LM, {name}", "device": device.name},
+                {"mesh": "rows:2;cols:4", "size": f"tiny LM, {name}", "device": device.name},
                 rho,
                 "",
                 target=">= 0.8",
