@@ -122,9 +122,9 @@ class _Halo:
     length: int
 
 
-def _widths(w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout, mesh_shape: Shape) -> list[_Halo]:
-    """The halo exchange each split spatial dim needs for output slices laid out as `y_layout`
-    (without each device's window start: `_halos`)."""
+def _widths(w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout, mesh_shape: Shape) -> list[tuple]:
+    """The halo exchange each split spatial dim needs for output slices laid out as `y_layout`,
+    without each device's window start (`_halos`), and what that start is computed from."""
     out = []
     x_blocks = slice_shape(x_shape, x_layout, mesh_shape)
     y_blocks = slice_shape(y_shape, y_layout, mesh_shape)
@@ -141,15 +141,14 @@ def _widths(w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout, mesh_
         lefts = [c * bi - (c * bo * s - lo) for c in range(parts)]
         left = max(0, *lefts)
         right = max(0, *[length - lc - bi for lc in lefts])
-        out.append(_Halo(dx, m, left, right, [(bi, bo, s, lo)], length))
+        out.append((_Halo(dx, m, left, right, [], length), (bi, bo, s, lo)))
     return out
 
 
 def _halos(ctx, w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout) -> list[_Halo]:
     """`_widths`, with each device's window start in its extended slice (traced)."""
     out = []
-    for h in _widths(w, x_shape, x_layout, y_shape, y_layout, ctx.mesh_shape):
-        ((bi, bo, s, lo),) = h.start
+    for h, (bi, bo, s, lo) in _widths(w, x_shape, x_layout, y_shape, y_layout, ctx.mesh_shape):
         start = ctx.slicewise(
             lambda c, bi=bi, bo=bo, s=s, lo=lo, left=h.left: left - (c * bi - (c * bo * s - lo)), ctx.pcoord(h.axis)
         )
@@ -239,7 +238,7 @@ class _Windowed(Operation):
         for data, windowed, times in self.exchanges:
             x, y = tensors[data], tensors[windowed]
             local = list(slice_shape(x.shape, layouts[data], mesh_shape))
-            for h in _widths(self.window, x.shape, layouts[data], y.shape, layouts[windowed], mesh_shape):
+            for h, _ in _widths(self.window, x.shape, layouts[data], y.shape, layouts[windowed], mesh_shape):
                 sent = halo_sends(local, h.dim, h.left, h.right)
                 out += [(h.axis, math.prod(s) * x.dtype.itemsize) for s in sent] * times
                 local[h.dim] += h.left + h.right
