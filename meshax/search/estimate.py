@@ -147,7 +147,7 @@ class Estimator:
         # tensors it binds in their own layout (its body reads what it captures, and its results
         # come out in theirs: a source as an input is)
         self._uses: dict[tuple, int] = defaultdict(int)
-        self._shapes = {}
+        self._shapes: dict[tuple, Shape] = {}
         for body, results, times in scopes:
             consumers: dict[Tensor, list[tuple]] = defaultdict(list)
             for op in body:
@@ -194,7 +194,8 @@ class Estimator:
         """Empty memos, and the tables by index built on first use (`_Tables`)."""
         self._indexed: _Tables | None = None
         self._runs: dict[int, dict] = defaultdict(dict)  # signature number -> {layouts: (Run, splits)}
-        self._moves: dict[tuple, list] = {}
+        self._moves: dict[tuple, list] = {}  # reshards: (shape number, have, owed, want) -> moves
+        self._sends: dict[tuple, list] = {}  # halo exchanges: (signature number, layouts) -> permutes
         self._sizes: dict[tuple, int] = {}
         self._interned: dict[tuple, TensorLayout] = {}
 
@@ -327,10 +328,10 @@ class Estimator:
 
     def _halo_sends(self, i: int, run) -> list[tuple[int, int]]:
         memo = (i, tuple(run.operands), tuple(run.results))
-        if memo not in self._moves:
+        if memo not in self._sends:
             op: Any = self._tables().reps[i]  # (an op with `halo_sends`)
-            self._moves[memo] = op.halo_sends([*run.operands, *run.results], self.mesh_shape)
-        return self._moves[memo]
+            self._sends[memo] = op.halo_sends([*run.operands, *run.results], self.mesh_shape)
+        return self._sends[memo]
 
     def _bytes(self, k: int, layout: TensorLayout) -> int:
         """Bytes per device of the k-th tensor shape laid out so."""
