@@ -177,7 +177,7 @@ def test_the_estimate_counts_halo_exchanges_and_the_filter_gradients_spatial_sum
     """Spatial layouts: a convolution's halo exchange (permutes, one per hop and side; its filter
     gradient reuses the forward's) and the sum its filter gradient owes over the split spatial
     dims (an allreduce its rule does not say): the estimate counts them as the trace does (it
-    counted neither: the U-Net's h:rows;w:cols estimated at 0.73 of its exact step)."""
+    counted neither: the U-Net's h:rows;w:cols was estimated at 0.62 of its exact step)."""
     program = model_of(task).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
     exact = program.exact(tuple(sorted(_pairs(layout))))
