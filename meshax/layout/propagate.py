@@ -43,6 +43,17 @@ class _Open:
 OPEN = _Open()
 
 
+def longest_split(want: Sequence[int], size: int, used, mesh_shape: Shape) -> tuple[int, ...]:
+    """The longest prefix of the split `want` (mesh axes) that a dim of `size` can take beside
+    dims using the mesh axes `used`: axes they do not use, and a split that divides the dim."""
+    take: list[int] = []
+    for m in want:
+        if m in used or size % (math.prod(mesh_shape[k].size for k in take) * mesh_shape[m].size):
+            break
+        take.append(m)
+    return tuple(take)
+
+
 def annotation_layout(t, mesh_shape: Shape) -> tuple[list, list[bool]]:
     """(per-dim mesh axes, per-dim fixed?) from the annotation on t's op, validated."""
     op = t.operation
@@ -230,15 +241,9 @@ class Propagation:
         return found
 
     def _refine(self, t, i: int, want: tuple) -> tuple:
-        """The longest prefix of `want` that t's dim i can take: mesh axes its other dims do not
-        use, and a split that divides the dim."""
+        """The longest prefix of `want` that t's dim i can take (`longest_split`)."""
         used = {m for j, a in enumerate(self.axes[t]) if j != i and a for m in a}
-        size, take = t.shape[i].size, list[int]()
-        for m in want:
-            if m in used or size % (math.prod(self.mesh_shape[k].size for k in take) * self.mesh_shape[m].size):
-                break
-            take.append(m)
-        return tuple(take)
+        return longest_split(want, t.shape[i].size, used, self.mesh_shape)
 
     def _through(self, op, to_results: bool, level: int) -> bool:
         rule = self._rules[op]

@@ -36,6 +36,7 @@ import numpy as np
 from meshax.core.graph import Graph, Operation, Tensor
 from meshax.core.shape import Shape
 from meshax.layout.plan import weight_shapes
+from meshax.layout.propagate import longest_split
 from meshax.layout.rules import LayoutRules, TensorLayout, block_sizes, slice_shape, split_factor
 from meshax.layout.sharding_rule import choose, rule_of
 from meshax.lower.laid_out import LaidOutTensor
@@ -43,6 +44,7 @@ from meshax.lower.lowering import Lowering, _needed_ops
 from meshax.lower.reshard import reshard
 from meshax.ops.loops import ScanOperation, WhileOperation
 from meshax.ops.recompute import RecomputeOperation
+from meshax.ops.shape_ops import ReshapeOperation
 from meshax.search.cost import Collective, StepCost, affine_counts, family
 
 
@@ -134,7 +136,7 @@ class Estimator:
         self._runs_of: dict[tuple, int] = defaultdict(int)  # signature -> how many times its ops run
         for body, _, times in scopes:
             for op in body:
-                if _bound(op) is not None:  # (a loop or a recomputed layer: its body is a scope of its own)
+                if _bodies(op):  # (a loop or a recomputed layer: its bodies are scopes of their own)
                     continue
                 if op not in sig_of:  # (an op recomputed in a gradient's body: its FLOPs are counted once, all)
                     shapes = (tuple(map(_shape_key, op.inputs)), tuple(map(_shape_key, op.outputs)))
@@ -151,11 +153,11 @@ class Estimator:
         for body, results, times in scopes:
             consumers: dict[Tensor, list[tuple]] = defaultdict(list)
             for op in body:
-                bound = _bound(op)
+                inner = _bodies(op)
                 for i, t in enumerate(op.inputs):
-                    if bound is None:
+                    if inner is None:
                         consumers[t].append((sig_of[op], i))
-                    elif i < bound:
+                    elif i < inner[0]:
                         consumers[t].append(("output",))
             for t in results:
                 consumers[t].append(("output",))
@@ -280,11 +282,7 @@ class Estimator:
             if n in use or (n, size) not in self._aliases:
                 continue
             for other in sorted(self._aliases[n, size]):
-                take: list[int] = []  # (the longest part of its split that the tensor leaves free)
-                for m in use.get(other, ()):
-                    if m in taken or size % (math.prod(self.mesh_shape[k].size for k in [*take, m])):
-                        break
-                    take.append(m)
+                take = longest_split(use.get(other, ()), size, taken, self.mesh_shape)
                 if take:
                     axes[i] = tuple(take)
                     taken.update(take)
@@ -374,32 +372,29 @@ class _Tables:
         ]
 
 
-def _bound(op: Operation) -> int | None:
-    """How many of a loop's or recomputed layer's inputs it binds to its body's variables (the
-    rest its body reads as they are); None for any other op."""
+def _bodies(op: Operation) -> tuple[int, list[tuple[list[Operation], list[Tensor], int]]] | None:
+    """A loop's or recomputed layer's inputs bound to its body's variables (how many: the rest its
+    body reads as they are), and its bodies: (ops, the tensors read from them at the end, how many
+    times they run each time it does). A scan's body runs once per iteration, a recomputed layer's
+    (`recompute_grad`) once, a while loop's cond and body once (as the exact trace counts them).
+    None for any other op."""
     if isinstance(op, ScanOperation):
-        return len(op.init) + len(op.xs)
+        return len(op.init) + len(op.xs), [(op.body, [*op.carry_results, *op.y_results], op.dim.size)]
     if isinstance(op, WhileOperation):
-        return len(op.init)
+        return len(op.init), [(op.cond_ops, [op.cond_result], 1), (op.body_ops, op.carry_results, 1)]
     if isinstance(op, RecomputeOperation):
-        return len(op.bound)
+        return len(op.bound), [(op.body, op.results, 1)]
     return None
 
 
 def _scopes(ops: list[Operation], outputs: list[Tensor]) -> list[tuple[list[Operation], list[Tensor], int]]:
     """(ops, the tensors read from them at the end, how many times they run) of the program and
-    of every body run inside it, recursively: a scan's body runs once per iteration, a
-    recomputed layer's (`recompute_grad`) once, a while loop's cond and body once (as the exact
-    trace counts them)."""
+    of every body run inside it (`_bodies`), recursively."""
     scopes = [(ops, outputs, 1)]
     for body, _, times in scopes:  # (the list grows as bodies are found)
         for op in body:
-            if isinstance(op, ScanOperation):
-                scopes.append((op.body, [*op.carry_results, *op.y_results], times * op.dim.size))
-            elif isinstance(op, WhileOperation):
-                scopes += [(op.cond_ops, [op.cond_result], times), (op.body_ops, op.carry_results, times)]
-            elif isinstance(op, RecomputeOperation):
-                scopes.append((op.body, op.results, times))
+            inner = _bodies(op)
+            scopes += [(b, results, times * n) for b, results, n in (inner[1] if inner else [])]
     return scopes
 
 
@@ -408,7 +403,7 @@ def _renamed(ops) -> dict[tuple[str, int], frozenset[str]]:
     reshape that keeps every size in place: `rename_dimension`)."""
     aliases: dict[tuple[str, int], set[str]] = defaultdict(set)
     for op in ops:
-        if type(op).__name__ != "ReshapeOperation":
+        if not isinstance(op, ReshapeOperation):
             continue
         old, new = op.inputs[0].shape, op.outputs[0].shape
         if old.to_integer_list != new.to_integer_list:
