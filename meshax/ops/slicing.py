@@ -174,12 +174,16 @@ class ShiftOperation(Operation):
         out as `layouts` (the search's estimate counts them so)."""
         x = self.inputs[0]
         axis = x.shape.index(self.dim)
-        axes, k = layouts[1].axes[axis], min(abs(self.offset), self.dim.size)
-        if not axes or not k:
+        axes, (left, right) = layouts[1].axes[axis], self._halo()
+        if not axes or not left + right:
             return []
         local = slice_shape(x.shape, layouts[0], mesh_shape)
-        left, right = (k, 0) if self.offset > 0 else (0, k)
         return [(axes[0], math.prod(s) * x.dtype.itemsize) for s in halo_sends(local, axis, left, right)]
+
+    def _halo(self) -> tuple[int, int]:
+        """The halo a split dim needs: (left, right) widths, |offset| values on the side shifted from."""
+        k = min(abs(self.offset), self.dim.size)
+        return (k, 0) if self.offset > 0 else (0, k)
 
     @staticmethod
     def _local_shift(a, offset, axis, wrap):
@@ -200,9 +204,9 @@ class ShiftOperation(Operation):
         (layout,) = run.results
         axis = x.shape.index(self.dim)
         axes = layout.axes[axis]
-        k = min(abs(self.offset), self.dim.size)
+        left, right = self._halo()
         v = ctx.get(x, run.operands[0], allow_partial=True)
-        if not axes or k == 0:
+        if not axes or not left + right:
             ctx.set_output(
                 out, ctx.slicewise(lambda a: self._local_shift(a, self.offset, axis, self.wrap), v), layout, v.pending
             )
@@ -210,7 +214,6 @@ class ShiftOperation(Operation):
         (m,) = axes
         n = slice_shape(out.shape, layout, ctx.mesh_shape)[axis]
         v = ctx.masked(v, x.shape, [self.dim], 0)  # values beyond the dim are the zeros shifted in
-        left, right = (k, 0) if self.offset > 0 else (0, k)
         ext = ctx.halo(v.slices, m, axis, left, right, self.wrap)
         result = ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, right, right + n, axis=axis), ext)
         ctx.set_output(out, result, layout, v.pending)
