@@ -440,6 +440,21 @@ def test_while_loop_with_a_data_dependent_trip_count():
         )
 
 
+def test_a_function_jax_shares_between_calls_gives_each_call_its_own_result():
+    """jnp.where, jnp.remainder and the like are jitted functions: two calls of one with the same
+    shapes share one jaxpr, inlined at each call. Each call's result is its own, also where the
+    first is read after the second call (it read the second's value before)."""
+
+    def f(a, b):
+        o = jnp.where(a < 3, a + 1, 7)
+        s = jnp.where(b < 3, b + 5, 9)
+        u = jnp.where(a > 0, a, b)
+        return o, s, o % 2, u + jnp.where(b > 0, b, a)
+
+    for a, b in [(jnp.int32(0), jnp.int32(1)), (jnp.arange(8.0) - 4, jnp.ones(8) * 2)]:
+        assert_trees_close(mx.partition(f, MESH)(a, b), jax.jit(f)(a, b))
+
+
 # ---- bad input ----------------------------------------------------------------------------------
 def test_unsupported_primitive_names_it_its_line_and_the_way_around():
     def f(a):

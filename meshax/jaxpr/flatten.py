@@ -7,6 +7,7 @@ flattened program has one variable per value however deeply the user's code nest
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from typing import Any
@@ -85,19 +86,17 @@ class Flat:
     def __init__(self, closed: jcore.ClosedJaxpr, replicated: bool = False, source: str = "<unknown>"):
         self.eqns: list[Eqn] = []
         self.consts: dict = dict(zip(closed.jaxpr.constvars, closed.consts))
-        self._alias: dict = {}
+        self._defined: set = set()
         self.invars = list(closed.jaxpr.invars)
-        self._walk(closed.jaxpr, replicated, source)
-        self.outvars = [self.resolve(v) for v in closed.jaxpr.outvars]
+        env: dict = {}
+        self._walk(closed.jaxpr, env, replicated, source)
+        self.outvars = [_read(env, v) for v in closed.jaxpr.outvars]
 
-    def resolve(self, atom):
-        while is_var(atom) and atom in self._alias:
-            atom = self._alias[atom]
-        return atom
-
-    def _walk(self, jaxpr, replicated: bool, outer: str) -> None:
-        """Append jaxpr's equations; `outer` is the calling equation's source line, for inner
-        equations whose own trace (a cached jit's) has no frame of the user's."""
+    def _walk(self, jaxpr, env: dict, replicated: bool, outer: str) -> None:
+        """Append jaxpr's equations; `env` maps its variables to the atoms that stand for them
+        (an inlined call's to its caller's operands and to its own equations' results); `outer`
+        is the calling equation's source line, for inner equations whose own trace (a cached
+        jit's) has no frame of the user's."""
         for e in jaxpr.eqns:
             scope = REPLICATED_SCOPE in str(e.source_info.name_stack)
             source = source_of(e.source_info)
@@ -107,21 +106,31 @@ class Flat:
                 body, consts = inner
                 for v, c in zip(body.constvars, consts):
                     self.consts[v] = c
-                for v, a in zip(body.invars, e.invars):
-                    self._alias[v] = self.resolve(a)
-                self._walk(body, replicated or scope, source)
+                inner_env = {v: _read(env, a) for v, a in zip(body.invars, e.invars)}
+                self._walk(body, inner_env, replicated or scope, source)
                 for v, a in zip(e.outvars, body.outvars):
                     if is_var(v):
-                        self._alias[v] = self.resolve(a)
+                        env[v] = _read(inner_env, a)
                 continue
-            ins = [self.resolve(a) for a in e.invars]
-            eqn = Eqn(e.primitive, ins, list(e.outvars), dict(e.params), source, replicated or scope)
+            ins = [_read(env, a) for a in e.invars]
+            outs = [self._define(v, env) for v in e.outvars]
+            eqn = Eqn(e.primitive, ins, outs, dict(e.params), source, replicated or scope)
             if e.primitive.name == "scan":  # a loop stays a loop (mx.scan), its body flattened too
                 eqn.body = Flat(e.params["jaxpr"], replicated or scope, source)
             elif e.primitive.name == "while":  # likewise (mx.while_loop), its condition too
                 eqn.body = Flat(e.params["body_jaxpr"], replicated or scope, source)
                 eqn.cond = Flat(e.params["cond_jaxpr"], replicated or scope, source)
             self.eqns.append(eqn)
+
+    def _define(self, v, env: dict):
+        """v as the result of the equation being added: a copy where v is defined already (a
+        jaxpr that two calls share, as `jnp.where`'s, is inlined twice; each call's results
+        are values of their own)."""
+        if is_var(v):
+            if v in self._defined:
+                env[v] = v = copy.copy(v)
+            self._defined.add(v)
+        return v
 
     @staticmethod
     def _body(e):
@@ -133,3 +142,8 @@ class Flat:
         if isinstance(body, jcore.Jaxpr):
             return body, []
         return None
+
+
+def _read(env: dict, atom):
+    """The atom that stands for `atom` in `env` (itself where none does)."""
+    return env.get(atom, atom) if is_var(atom) else atom
