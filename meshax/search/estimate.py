@@ -303,7 +303,8 @@ class Estimator:
         if (operands, results) not in memo:
             op = self._tables().reps[i]
             run = choose(op, list(operands), list(results), self.mesh_shape)
-            splits = math.prod(split_factor(a, self.mesh_shape) for a in run.assign.values())
+            sizes = {d.name: d.size for t in [*op.inputs, *op.outputs] for d in t.shape}
+            splits = math.prod(self._split(sizes.get(f), a) for f, a in run.assign.items())
             owed = getattr(op, "owed", None)  # (an op whose lowering owes more sums than its rule says)
             run = run._replace(
                 operands=list(map(self._intern, run.operands)),
@@ -312,6 +313,13 @@ class Estimator:
             )
             memo[operands, results] = run, splits
         return memo[operands, results]
+
+    def _split(self, size: int | None, axes: tuple[int, ...]) -> float:
+        """How many ways a dim of `size` split over `axes` divides the work: fewer than the
+        devices where the split does not divide (each device's slice is padded)."""
+        if size is None:
+            return split_factor(axes, self.mesh_shape)
+        return size / block_sizes(size, axes, self.mesh_shape)[-1]
 
     def _reshard(self, k: int, have: TensorLayout, pending, want: TensorLayout) -> list:
         memo = (k, have, pending, want)
