@@ -581,6 +581,48 @@ class Program:
                 mapping.append(mx.OPEN if self.r.coin() else None)
         self._emit(mx.mesh_split(x, mapping), lambda a: a, [x])
 
+    def _op_cond(self):
+        """mx.cond or mx.switch on an integer sum (exact whatever the layout, so the branch taken
+        is the reference's), over a float operand; a branch may read a tensor from outside."""
+        x = self._take(("float32",))
+        p = self._take(("int32", "bool"))
+        if x is None or p is None:
+            return False
+        nx = names(x)
+        y = self._take(("float32",), lambda t: t is not x and set(names(t)) <= set(nx) and compatible(x.shape, t.shape))
+        ny = names(y) if y is not None else []
+        fns = [self.r.pick(["tanh", "sin", "square", "identity", "sigmoid"]) for _ in range(self.r.int(2, 3))]
+        scale = [2.0, -1.0, 0.5]
+        summed = mx.reduce_sum(mx.cast(p, "int32") if str(p.dtype) == "bool" else p)
+        k = self.r.pick([0, 3, 10])
+
+        def branch(j):
+            def fn(h):
+                out = getattr(mx, fns[j])(h) * scale[j]
+                return out + y if j == 0 and y is not None else out
+
+            def ref(h, b):
+                out = REF_UNARY[fns[j]](h) * scale[j]
+                return out + to_names(b, ny, nx) if j == 0 and y is not None else out
+
+            return fn, ref
+
+        made = [branch(j) for j in range(len(fns))]
+        ins = [x, p] + ([y] if y is not None else [])
+        if len(fns) == 2:
+            out = mx.cond(mx.greater(summed, k), made[0][0], made[1][0], [x])
+
+            def ref(a, q, b=None):
+                return jax.lax.cond(jnp.sum(q.astype(jnp.int32)) > k, made[0][1], made[1][1], a, b)
+
+            return self._emit(out, ref, ins)
+        out = mx.switch(summed - k, [f for f, _ in made], [x])
+
+        def ref_switch(a, q, b=None):
+            return jax.lax.switch(jnp.sum(q.astype(jnp.int32)) - k, [r for _, r in made], a, b)
+
+        self._emit(out, ref_switch, ins)
+
     # ---- the end: updates, a loss, its gradients ----------------------------------------------
     def _finish(self):
         for v in self.variables:
@@ -698,6 +740,7 @@ FAMILIES = [
     "shard",
     "mesh_split",
     "mesh_split",
+    "cond",
 ]
 
 

@@ -105,6 +105,10 @@ BUILDERS = {
             [x, mx.zeros(m, [], dtype=np.int32)],
         )
     ),
+    "cond": lambda x, i, m: mx.cond(
+        mx.greater(mx.reduce_sum(i), 3), mx.identity, lambda h: mx.cast(h * 2, x.dtype), [x]
+    ),
+    "switch": lambda x, i, m: mx.switch(mx.reduce_sum(i), [mx.identity, mx.stop_gradient], [x]),
     "scan": lambda x, i, m: tuple(
         t
         for ts in mx.scan(lambda c, s: ([s[0]], [c[0]]), [mx.cast(mx.zeros(m, [B]), x.dtype)], [x], dim="d")

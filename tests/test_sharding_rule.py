@@ -27,6 +27,7 @@ SOURCES_AND_SINKS = {
     "ScanOperation",  # a container: its body's ops run by their rules, its carries in their planned layouts
     "WhileOperation",  # a container too
     "RecomputeOperation",  # a container too (a loop of one iteration)
+    "CondOperation",  # a container too (its branches)
     "CustomGradientOperation",  # a container too, whose gradient is the user's
 }
 

@@ -168,6 +168,22 @@ class PlacementMeshImpl(MeshImpl):
             carry = run(body, lists[1], carry)
         return carry
 
+    def switch(self, index, branches):
+        if self._tracing:  # traced for the counters: every branch (they return alike)
+            outs = [branch() for branch in branches]
+            return outs[0]
+        outer, at = self._jitted, self._call
+        if outer is not None:  # each branch gets a list of calls of its own, kept at this place
+            if at == len(outer):
+                outer.append(tuple([] for _ in branches))
+            self._call = at + 1
+        b = int(np.asarray(index[0]))  # in Python: the same on every device, read from the first
+        self._jitted, self._call = (outer[at][b] if outer is not None else None), 0
+        try:
+            return branches[b]()
+        finally:
+            self._jitted, self._call = outer, at + 1
+
     # ---- values: a list of per-device arrays, in pnum order ------------------------------------
     def from_padded(self, array, spec):
         by_device = {s.device: s.data for s in array.addressable_shards}

@@ -75,6 +75,10 @@ class SimdMeshImpl(MeshImpl):
         )
         return [[a] for a in out]
 
+    def switch(self, index, branches):
+        out = jax.lax.switch(index[0], [lambda b=b: [s[0] for s in b()] for b in branches])
+        return [[a] for a in out]
+
     # ---- values ----------------------------------------------------------------------------
     # A value is the padded global array (the logical one, where the layout's splits divide).
     def from_padded(self, array, spec):

@@ -314,7 +314,28 @@ def _while(em, e, ins, outs, in_roles, out_roles):
     return mops.while_loop(cond_fn, body_fn, init, name="while")
 
 
+def _cond(em, e, ins, outs, in_roles, out_roles):
+    """jax.lax.cond and jax.lax.switch as mx.switch: one conditional in the SPMD program, each
+    branch emitted from its jaxpr (JAX has already clamped the index; it is a scalar every device
+    holds whole, so all take the same branch)."""
+    assert e.branches is not None
+
+    def branch(flat: Flat) -> Callable:
+        def fn(*operands):
+            sub = _sub(em, flat, list(operands))
+            return [conform(sub.value(a), want) for a, want in zip(flat.outvars, outs)]
+
+        return fn
+
+    return mops.switch(ins[0], [branch(b) for b in e.branches], ins[1:], name="cond")
+
+
 # ---- primitives that map onto meshax ops ---------------------------------------------------------
+def _empty(em, e, ins, outs, in_roles, out_roles):
+    """empty (JAX's stand-in for a value never read, as in a cond's gradient): zeros."""
+    return [mops.zeros(em.mesh, outs[0], e.outs[0].aval.dtype)]
+
+
 def _dot_general(em, e, ins, outs, in_roles, out_roles):
     want = np.dtype(e.outs[0].aval.dtype)
     ins = [mops.cast(t, want) if t.dtype != want else t for t in ins]
@@ -499,6 +520,9 @@ _HANDLERS: dict[str, Callable] = {
     "reshard": _annotation,
     "scan": _scan,
     "while": _while,
+    "cond": _cond,
+    "empty": _empty,
+    "empty2": _empty,
     **dict.fromkeys(RANDOM, _random),
     "meshax_mesh_split": _annotation,
 }

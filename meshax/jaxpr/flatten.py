@@ -47,6 +47,7 @@ class Eqn:
     replicated: bool  # inside mx.replicated_region: run whole on each device
     body: Flat | None = None  # a loop's body (scan, while), flattened
     cond: Flat | None = None  # a while loop's condition, flattened
+    branches: list[Flat] | None = None  # a cond's branches, flattened
 
     @property
     def name(self) -> str:
@@ -120,6 +121,8 @@ class Flat:
             elif e.primitive.name == "while":  # likewise (mx.while_loop), its condition too
                 eqn.body = Flat(e.params["body_jaxpr"], replicated or scope, source)
                 eqn.cond = Flat(e.params["cond_jaxpr"], replicated or scope, source)
+            elif e.primitive.name == "cond":  # a branch stays a branch (mx.switch), each flattened
+                eqn.branches = [Flat(b, replicated or scope, source) for b in e.params["branches"]]
             self.eqns.append(eqn)
 
     def _define(self, v, env: dict):

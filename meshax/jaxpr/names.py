@@ -58,8 +58,8 @@ class Names:
                 info.axes.append(text if source in ("argument", "constant") else f"{text} ({source})")
 
     def _visit(self, flat: Flat, where: dict) -> None:
-        """Unite the axes each equation ties (a loop's body and condition included, and the axes it ties across
-        the loop's boundary)."""
+        """Unite the axes each equation ties (a loop's body and condition and a cond's branches included,
+        and the axes they tie across their boundary)."""
         for e in flat.eqns:
             for v in e.outs:
                 if is_var(v):
@@ -80,7 +80,7 @@ class Names:
                     self._add(n)
                 for n in nodes[1:]:
                     self._union(nodes[0], n)
-            if e.body is not None and not e.replicated:
+            if (e.body is not None or e.branches) and not e.replicated:
                 for sub, ties in loop_ties(e):
                     for v in sub.invars:
                         for i in range(rank(v)):

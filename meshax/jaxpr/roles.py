@@ -284,8 +284,11 @@ def _while(e) -> Roles:
 
 
 def loop_ties(e) -> list[tuple]:
-    """Per sub-program of a loop (a scan's body; a while's body and condition): (the sub-program,
-    the (outer atom, outer axis, inner atom, inner axis) pairs the loop ties across its boundary)."""
+    """Per sub-program of a loop (a scan's body; a while's body and condition) or of a cond (each
+    branch): (the sub-program, the (outer atom, outer axis, inner atom, inner axis) pairs the
+    equation ties across its boundary)."""
+    if e.name == "cond":
+        return [(b, _same_axes(e.ins[1:], b.invars) + _same_axes(e.outs, b.outvars)) for b in e.branches]
     if e.name == "while":
         cn, bn = e.params["cond_nconsts"], e.params["body_nconsts"]
         carries = e.ins[cn + bn :]
@@ -329,7 +332,7 @@ RULES: dict[str, Callable] = {
     **dict.fromkeys(ELEMENTWISE, _elementwise),
     **dict.fromkeys(REDUCTIONS | {"argmax", "argmin"}, _reduction),
     **dict.fromkeys(CUMULATIVE | {"sort"}, _all_tied),
-    **dict.fromkeys(RANDOM | {"iota"}, _nothing),
+    **dict.fromkeys(RANDOM | {"iota", "empty", "empty2"}, _nothing),  # (empty: zeros of the shape)
     "dot_general": _dot_general,
     "broadcast_in_dim": _broadcast_in_dim,
     "reshape": _reshape,
@@ -356,6 +359,7 @@ RULES: dict[str, Callable] = {
     "select_and_scatter_add": _window,
     "scan": _scan,
     "while": _while,
+    "cond": _nothing,  # (its operands and results are tied to its branches': `loop_ties`)
     "select_and_gather_add": _window,
 }
 
@@ -366,11 +370,10 @@ def roles(e) -> Roles:
     if e.replicated:
         return _nothing(e)
     if e.name not in RULES:
-        branch = " (a branch: compute both sides and pick one with jnp.where)"
         raise GraphError(
             f"mx.partition does not support the JAX primitive {e.name!r} (at {e.source}): wrap the code "
             "that uses it in mx.replicated_region(fn) to run it whole on each device, or write it with "
-            "supported primitives" + (branch if e.name == "cond" else "")
+            "supported primitives"
         )
     return RULES[e.name](e)
 

@@ -80,11 +80,12 @@ def annotation_layout(t, mesh_shape: Shape) -> tuple[list, list[bool]]:
 
 
 class _Link:
-    """A pseudo-op for propagation only: b stands for a inside a loop body (or a for b outside);
-    dims of one name are one factor, `whole` ones (the loop's own dim) never split."""
+    """A pseudo-op for propagation only: b stands for a inside a loop body or a branch (or a for
+    b outside); dims of one name are one factor, `whole` ones (the loop's own dim) never split."""
 
-    def __init__(self, a, b, whole: str | None):
-        self.inputs, self.outputs, self.name = [a], [b], f"the loop boundary of {b.operation.name}"
+    def __init__(self, a, b, whole: str | None, owner):
+        what = getattr(owner, "boundary", "loop")  # (what the explanation calls it)
+        self.inputs, self.outputs, self.name = [a], [b], f"the {what} boundary of {b.operation.name}"
         self._rule = ShardingRule.by_name([a.shape], [b.shape], whole=(whole,) if whole else ())
 
     def sharding_rule(self) -> ShardingRule:
@@ -105,7 +106,7 @@ class _Structure:
     def __init__(self, operations: tuple):
         # A loop's boundary (`propagation_links`): its carries and scanned slices inside and the
         # tensors outside they stand for are tied by name, as an identity op ties them.
-        self.ops = list(operations) + [_Link(a, b, whole) for op in operations for a, b, whole in _links(op)]
+        self.ops = list(operations) + [_Link(a, b, whole, op) for op in operations for a, b, whole in _links(op)]
         self.rules = {op: rule_of(op) for op in self.ops}
         self.tensors = {t for op in operations for t in op.outputs}  # (those propagation lays out)
         self.sources: dict[tuple, list] = {}  # (op, target factors, direction, level) -> `_factor_splits`' tensors

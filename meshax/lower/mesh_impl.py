@@ -394,6 +394,11 @@ class MeshImpl:
         on every instance) holds; returns the final carry (a list of slice lists)."""
         raise NotImplementedError
 
+    def switch(self, index: list, branches: list[Callable[[], list[list]]]) -> list[list]:
+        """`branches[index]()`: `index` is a slice list of one int32 scalar in range, the same on
+        every instance; each branch returns its results (a list of slice lists) in one layout."""
+        raise NotImplementedError
+
     # ---- values: a "value" is the backend's form of a whole tensor ---------------------------
     def initialize(self, init: Callable, key, spec: tuple):
         """A variable's first value: `init(key, shape, dtype)` under jit with the layout's sharding

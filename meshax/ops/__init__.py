@@ -1,6 +1,7 @@
 """Operations, one module per family: shape inference, lowering and gradient side by side."""
 
 from meshax.ops.attention import fused_attention
+from meshax.ops.cond import cond, switch
 from meshax.ops.conv import (
     avg_pool1d,
     avg_pool2d,
@@ -150,6 +151,7 @@ __all__ = [
     "broadcast",
     "cast",
     "concat",
+    "cond",
     "constant",
     "conv1d",
     "conv2d",
@@ -256,6 +258,7 @@ __all__ = [
     "sub",
     "subtract",
     "swish",
+    "switch",
     "tanh",
     "to_bfloat16",
     "to_float",

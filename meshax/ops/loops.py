@@ -81,15 +81,21 @@ def _captured(body: list[Operation], inside: set, results: list[Tensor]) -> list
     return list(captured)
 
 
-def _run_body(ctx, counters, seed, bound: dict, ops: list[Operation], results: list[Tensor]):
+def _run_body(ctx, counters, seed, bound: dict, ops: list[Operation], results: list[Tensor], moved=None, owner=None):
     """A child of `ctx` with `bound` (loop variable -> slices) set and `ops` lowered in it: one
-    iteration's values (`results` are read from it), its collectives recorded in `counters`."""
+    iteration's values (`results` are read from it), its collectives recorded in `counters`.
+    `moved` (variable -> outside tensor) binds variables to outside tensors moved to the
+    variables' layouts in the child, so inside the body; `owner` (the op that binds them) is
+    blamed for the moves."""
     from meshax.lower.context import LoweringContext, count_reads
 
     child = LoweringContext(ctx.impl, ctx.plan, counters, seed, count_reads(ops, results))
     child.values = dict(ctx.values)
     for v, slices in bound.items():
         child.set_output(v, slices, ctx.plan[v])
+    child.op = owner
+    for v, t in (moved or {}).items():
+        child.set_output(v, child.get(t, ctx.plan[v]).slices, ctx.plan[v])
     for op in ops:
         child.op = op
         op.lower(child)

@@ -42,6 +42,7 @@ from meshax.layout.sharding_rule import choose, rule_of
 from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.lowering import Lowering, _needed_ops
 from meshax.lower.reshard import reshard
+from meshax.ops.cond import CondOperation
 from meshax.ops.loops import ScanOperation, WhileOperation
 from meshax.ops.recompute import RecomputeOperation
 from meshax.ops.shape_ops import ReshapeOperation
@@ -384,7 +385,8 @@ def _bodies(op: Operation) -> tuple[int, list[tuple[list[Operation], list[Tensor
     """A loop's or recomputed layer's inputs bound to its body's variables (how many: the rest its
     body reads as they are), and its bodies: (ops, the tensors read from them at the end, how many
     times they run each time it does). A scan's body runs once per iteration, a recomputed layer's
-    (`recompute_grad`) once, a while loop's cond and body once (as the exact trace counts them).
+    (`recompute_grad`) once, a while loop's cond and body once and each branch of a cond once
+    (as the exact trace counts them).
     None for any other op."""
     if isinstance(op, ScanOperation):
         return len(op.init) + len(op.xs), [(op.body, [*op.carry_results, *op.y_results], op.dim.size)]
@@ -392,6 +394,8 @@ def _bodies(op: Operation) -> tuple[int, list[tuple[list[Operation], list[Tensor
         return len(op.init), [(op.cond_ops, [op.cond_result], 1), (op.body_ops, op.carry_results, 1)]
     if isinstance(op, RecomputeOperation):
         return len(op.bound), [(op.body, op.results, 1)]
+    if isinstance(op, CondOperation):
+        return 1 + len(op.operands), [(ops, results, 1) for _, results, ops in op.branches]
     return None
 
 
