@@ -580,12 +580,25 @@ def _apply(step: int, x, y):
         return x.reshape(96).reshape(8, 12) + jnp.pad(y[1:, :], ((0, 1), (0, 0)))  # merge, pad
     if step == 13:
         return jax.lax.dynamic_update_slice(x, y[:2] * 3.0, (2, 0)) + jnp.argmax(y, axis=1)[:, None]
-    return x[jnp.arange(8) % 3] * 0.5 + jnp.sign(y)  # a row lookup (gather)
+    if step == 14:
+        return x[jnp.arange(8) % 3] * 0.5 + jnp.sign(y)  # a row lookup (gather)
+    if step == 15:  # one jitted function called twice, the first call's results read after the second's
+        (u, v), (p, q) = _helper(x, y), _helper(y, x)
+        return u + q * 0.5 - p * v
+    if step == 16:  # a branch on a sum over split dims
+        return jax.lax.cond(jnp.sum(x) > jnp.sum(y), lambda a, b: a * 2 - b, lambda a, b: jnp.sin(a) + b.sum(0), x, y)
+    c, ys = jax.lax.scan(lambda c, r: (c * 0.9 + r, jnp.tanh(c)), jnp.zeros(12), x)  # a loop over the rows
+    return ys + c
 
 
-@settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@jax.jit
+def _helper(a, b):
+    return jnp.tanh(a) * b, a - b
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    steps=st.lists(st.tuples(st.integers(0, 14), st.sampled_from([None, *SPECS])), min_size=2, max_size=6),
+    steps=st.lists(st.tuples(st.integers(0, 17), st.sampled_from([None, *SPECS])), min_size=2, max_size=6),
     layout=st.sampled_from([P("x", None), P(None, "y"), None, P("y", "x")]),
 )
 def test_random_programs_equal_jax_jit(steps, layout):
