@@ -169,3 +169,36 @@ def test_the_layout_search_estimate_counts_every_branch_as_the_trace_does(layout
         return sorted((x.kind, x.mesh_dims, x.bytes * x.count) for x in c.collectives)
 
     assert moved(est) == moved(exact)
+
+
+def test_a_sum_an_operand_owes_is_settled_once_outside_the_branches():
+    """h = x @ w contracts the split d: a sum owed over cols. The cond's operand h is settled
+    once, before the conditional, for the reader outside and the branch that reads it (it was
+    settled again in each branch that moved it; the false branch does not read it). The tensor
+    g the true branch reads from outside is settled there, as a loop body settles what it
+    reads. XLA's compiled text holds what the counters count; the estimate counts the same."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x, w = mx.placeholder(mesh, "x", [B, D]), mx.placeholder(mesh, "w", [D, E])
+    h = mx.einsum(x, w, output_shape=[B, E])
+    g = mx.einsum(x, w * 2.0, output_shape=[B, E])
+    out = mx.cond(mx.greater(mx.reduce_sum(x), 0.0), lambda a: mx.tanh(a) + g, lambda a: mx.ones_like(a), [h])
+    outs = [mx.reduce_sum(out) + mx.reduce_sum(h)]
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "d:cols")}).function(outs)
+    sums = sorted((s.values, s.op_name) for s in fn.counters.sites() if s.kind == "allreduce")
+    assert sums == [(1, "reduce_sum"), (24, "einsum"), (24, "einsum_1")]  # (the predicate's, h's, g's)
+    found = hlo_collectives(fn.compiled_text())
+    assert {k: (v["count"], v["values"]) for k, v in found.items()} == {
+        k: (fn.counters[k].count, fn.counters[k].values) for k in found
+    }
+    rng = np.random.RandomState(4)
+    xv, wv = rng.randn(4, 6).astype(np.float32), rng.randn(6, 6).astype(np.float32)
+    for v in (np.abs(xv), -np.abs(xv)):
+        h2 = v @ wv
+        want = (np.tanh(h2) + 2 * h2).sum() if v.sum() > 0 else 24.0
+        np.testing.assert_allclose(fn({"x": v, "w": wv}), want + h2.sum(), rtol=1e-4)
+    program = model_of(graph, outs).on(convert_to_mesh_shape("rows:2;cols:4"))
+    est, exact = program.estimator(mx.convert_to_layout_rules("d:cols")), program.exact((("d", ("cols",)),))
+    assert sorted((c.kind, c.mesh_dims, c.bytes * c.count) for c in est.collectives) == sorted(
+        (c.kind, c.mesh_dims, c.bytes * c.count) for c in exact.collectives
+    )

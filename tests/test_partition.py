@@ -470,6 +470,23 @@ def test_cond_and_switch_become_one_conditional():
     assert_counters_equal_hlo(program, w, x, 0)
 
 
+@pytest.mark.parametrize("shardings", [(P("y", None), P("x", "y")), (P("y", "x"), P(None, "y"))])
+def test_a_branch_returning_a_partial_sum_counts_what_xla_runs(shardings):
+    """b @ w sums over y; the branch's result is renamed to the cond's names. The rename moves
+    nothing of its own (it had settled the sum once more, counted, though XLA dropped it)."""
+
+    def f(w, x):
+        return jax.lax.cond(jnp.sum(x) > 0, lambda b: b @ w, jnp.sin, x)
+
+    w = jax.random.normal(jax.random.key(0), (16, 16)) * 0.3
+    x = jax.random.normal(jax.random.key(1), (8, 16))
+    g = mx.partition(f, MESH, in_shardings=shardings)
+    assert_trees_close(g(w, x), jax.jit(f)(w, x), rtol=1e-5, atol=1e-5)
+    program = g.lower(w, x)
+    assert program.counters["reduce_scatter"].count == 1
+    assert_counters_equal_hlo(program, w, x)
+
+
 @pytest.mark.parametrize("wrap", ["MultiSteps", "apply_if_finite"])
 def test_optax_wrappers_that_branch_train_like_jax_jit(wrap):
     """optax's gradient accumulation (MultiSteps) and its skipping of non-finite updates

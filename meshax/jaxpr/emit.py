@@ -27,6 +27,7 @@ from meshax.jaxpr.names import Names
 from meshax.jaxpr.roles import CUMULATIVE, LINEAR, RANDOM, is_key, roles
 from meshax.layout import OPEN, ShardingRule
 from meshax.ops.inputs import ConstantOperation
+from meshax.ops.shape_ops import ReshapeOperation
 from meshax.ops.slicewise import SlicewiseOperation
 
 
@@ -123,16 +124,27 @@ class Emitter:
         return renamed
 
 
+class _Rename(ReshapeOperation):
+    """A relabel of dims (same sizes, same order): it computes nothing. `LoweringContext.get`
+    reads its input instead, resharded as the reader wants, so that a tensor used under several
+    names is gathered once, as XLA does, and settling a sum it passes is blamed on the op that
+    summed. Its own lowering would move its input for a value no one reads (counted, though
+    XLA drops it), so there is none."""
+
+    is_rename = passes_sums = True
+
+    def lower(self, ctx) -> None:
+        pass
+
+
 def rename(t: Tensor, names: list[str]) -> Tensor:
     """t with its dims called `names` (a free relabel: splits follow the dims)."""
     if list(t.shape.dimension_names) == names:
         return t
     key = ("rename", t, tuple(names))  # one op per distinct rename: its reshards are then done once
     if key not in t.graph.memo:
-        out = mops.reshape(t, Shape([Dimension(n, d.size) for n, d in zip(names, t.shape)]), name="rename")
-        out.operation.passes_sums = out.operation.is_rename = True  # type: ignore[attr-defined]
-        # (LoweringContext.get reshards its input instead, and blames sums on the op that summed)
-        t.graph.memo[key] = out
+        shape = Shape([Dimension(n, d.size) for n, d in zip(names, t.shape)])
+        t.graph.memo[key] = _Rename(t, shape, name="rename").outputs[0]
     return t.graph.memo[key]
 
 

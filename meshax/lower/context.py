@@ -25,16 +25,18 @@ from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.mesh_impl import MeshImpl
 
 
+def source(t: Tensor) -> Tensor:
+    """The tensor t relabels (itself if it relabels none): what `LoweringContext.get` reads."""
+    while getattr(t.operation, "is_rename", False):
+        t = t.operation.inputs[0]
+    return t
+
+
 def count_reads(ops: Sequence[Operation], outputs: Sequence[Tensor] = ()) -> dict[Tensor, int]:
     """How many readers each tensor has among `ops` and the program's outputs (as one reader): an
     op reading it twice reads it once; a relabelled tensor's readers are its input's
     (`LoweringContext.get` reads through relabelling); a loop's or recompute's captured tensors
     are not its reads (its body reads them, in a context of its own)."""
-
-    def source(t: Tensor) -> Tensor:
-        while getattr(t.operation, "is_rename", False):
-            t = t.operation.inputs[0]
-        return t
 
     readers = [
         op.inputs[: len(op.inputs) - len(getattr(op, "captured", ()))]

@@ -8,8 +8,9 @@ runs; the compiled program holds every branch, so the cost report counts each br
 collectives and FLOPs once, as it does a while loop's (an upper bound on one run's).
 
 A branch's operands are moved to the layouts its own variables have inside the branch, so a
-branch that reads an operand in another layout pays for the move only when it runs. The results
-leave every branch in one layout, the output's.
+branch that reads an operand in another layout pays for the move only when it runs (an operand
+it does not read is not moved). A sum an operand still owes is settled once, before the branch
+is chosen, not in each branch. The results leave every branch in one layout, the output's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,15 @@ import numpy as np
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, is_floating
-from meshax.ops.loops import LoopVariableOperation, _as_list, _captured, _needed, _recording, _run_body
+from meshax.ops.loops import (
+    LoopVariableOperation,
+    _add_counters,
+    _as_list,
+    _captured,
+    _needed,
+    _recording,
+    _run_body,
+)
 
 
 class CondOperation(Operation):
@@ -63,6 +72,7 @@ class CondOperation(Operation):
         return links
 
     def lower(self, ctx):
+        from meshax.lower.context import count_reads, source
         from meshax.lower.counters import Counters
 
         plan, n = ctx.plan, len(self.branches)
@@ -72,28 +82,32 @@ class CondOperation(Operation):
             return jnp.where(i != 0, 0, 1) if truth else jnp.clip(i.astype(jnp.int32), 0, n - 1)
 
         index = ctx.slicewise(pick, ctx.get(self.index).slices)
-        recorded, calls = [Counters() for _ in self.branches], [0] * n
+        # what each branch reads of its operands (an operand it does not read is not moved: XLA
+        # would drop the move); an operand's sum still owed is settled here, once, not in each
+        # branch that moves it (a tensor a branch captures, its ops read, as a loop body's do)
+        read = [
+            {t for t, v in zip(self.operands, vars) if v in count_reads(ops, results)}
+            for vars, results, ops in self.branches
+        ]
+        values = dict(ctx.values)
+        values.update((t, ctx.get(t)) for t in {source(t) for r in read for t in r} if ctx.values[t].pending)
+        recorded = [Counters() for _ in self.branches]
         key = np.uint32(self.rng_key * 2654435761 % 2**32)
 
         def branch(b: int) -> Callable[[], list[list]]:
             vars, results, ops = self.branches[b]
 
             def run() -> list[list]:
-                counters = recorded[b] if calls[b] == 0 else Counters()  # (the placement backend runs it often)
-                calls[b] += 1
                 seed = ctx.slicewise(lambda s: (s ^ key) * np.uint32(0x9E3779B1) + np.uint32(b), ctx.rng_seed)
-                moved = dict(zip(vars, self.operands))
-                child = _run_body(ctx, counters, seed, {}, ops, results, moved, self)
+                moved = {v: t for t, v in zip(self.operands, vars) if t in read[b]}
+                child = _run_body(ctx, recorded[b], seed, {}, ops, results, moved, self, values)
                 return [child.get(r, plan[out]).slices for r, out in zip(results, self.outputs)]
 
             return run
 
         outs = ctx.impl.switch(index, [branch(b) for b in range(n)])
         for counters in recorded:
-            for site in counters.sites():
-                ctx.counters.add(site)
-            for op_name, flops in counters.flops.items():
-                ctx.counters.add_flops(op_name, flops, counters.op_types[op_name])
+            _add_counters(ctx, counters)
         for t, slices in zip(self.outputs, outs):
             ctx.set_output(t, slices, plan[t])
 

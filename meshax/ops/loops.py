@@ -81,16 +81,18 @@ def _captured(body: list[Operation], inside: set, results: list[Tensor]) -> list
     return list(captured)
 
 
-def _run_body(ctx, counters, seed, bound: dict, ops: list[Operation], results: list[Tensor], moved=None, owner=None):
+def _run_body(
+    ctx, counters, seed, bound: dict, ops: list[Operation], results: list[Tensor], moved=None, owner=None, values=None
+):
     """A child of `ctx` with `bound` (loop variable -> slices) set and `ops` lowered in it: one
     iteration's values (`results` are read from it), its collectives recorded in `counters`.
     `moved` (variable -> outside tensor) binds variables to outside tensors moved to the
     variables' layouts in the child, so inside the body; `owner` (the op that binds them) is
-    blamed for the moves."""
+    blamed for the moves. `values`: the outside values the body sees (default: ctx's)."""
     from meshax.lower.context import LoweringContext, count_reads
 
     child = LoweringContext(ctx.impl, ctx.plan, counters, seed, count_reads(ops, results))
-    child.values = dict(ctx.values)
+    child.values = dict(ctx.values if values is None else values)
     for v, slices in bound.items():
         child.set_output(v, slices, ctx.plan[v])
     child.op = owner
@@ -101,6 +103,15 @@ def _run_body(ctx, counters, seed, bound: dict, ops: list[Operation], results: l
         op.lower(child)
     child.op = None
     return child
+
+
+def _add_counters(ctx, recorded, times: int = 1) -> None:
+    """A body's recorded collectives and FLOPs into ctx's counters, `times` times (its iterations)."""
+    for site in recorded.sites():
+        for _ in range(times):
+            ctx.counters.add(site)
+    for op_name, flops in recorded.flops.items():
+        ctx.counters.add_flops(op_name, flops * times, recorded.op_types[op_name])
 
 
 def _as_list(xs, what: str, loop: str = "scan") -> list[Tensor]:
@@ -197,11 +208,7 @@ class ScanOperation(Operation):
             return new, [child.get(r).slices for r in self.y_results] + [list(c) for c in carry]
 
         carry, ys = ctx.impl.scan(step, carry0, [steps, *xs], n, self.reverse)
-        for site in recorded.sites():
-            for _ in range(n):
-                ctx.counters.add(site)
-        for op_name, flops in recorded.flops.items():
-            ctx.counters.add_flops(op_name, flops * n, recorded.op_types[op_name])
+        _add_counters(ctx, recorded, n)
         stacked = [plan[r] for r in self.y_results] + [plan[v] for v in self.carry_vars]
         for t, v, slices in zip(self.final, self.carry_vars, carry):
             ctx.set_output(t, slices, plan[v])
@@ -370,26 +377,21 @@ class WhileOperation(Operation):
         def cond(carry: list[list]) -> list:
             i, *carry = carry
             seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
-            child = _run_body(
-                ctx, counters("cond"), seed, dict(zip(self.carry_vars, carry)), self.cond_ops, [self.cond_result]
-            )
+            bound = dict(zip(self.carry_vars, carry))
+            child = _run_body(ctx, counters("cond"), seed, bound, self.cond_ops, [self.cond_result])
             return ctx.slicewise(lambda c: c.astype(bool), child.get(self.cond_result).slices)
 
         def body(carry: list[list]) -> list[list]:
             i, *carry = carry
             seed = ctx.slicewise(lambda s, i: (s ^ ~key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
-            child = _run_body(
-                ctx, counters("body"), seed, dict(zip(self.carry_vars, carry)), self.body_ops, self.carry_results
-            )
+            bound = dict(zip(self.carry_vars, carry))
+            child = _run_body(ctx, counters("body"), seed, bound, self.body_ops, self.carry_results)
             new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
             return [ctx.slicewise(lambda i: i + np.uint32(1), i), *new]
 
         start = ctx.slicewise(lambda: jnp.zeros((), jnp.uint32))  # the iteration: random ops' stream
         _, *final = ctx.impl.while_loop(cond, body, [start, *carry0])
-        for site in recorded.sites():
-            ctx.counters.add(site)
-        for op_name, flops in recorded.flops.items():
-            ctx.counters.add_flops(op_name, flops, recorded.op_types[op_name])
+        _add_counters(ctx, recorded)
         for t, v, slices in zip(self.final, self.carry_vars, final):
             ctx.set_output(t, slices, plan[v])
 
