@@ -11,6 +11,7 @@ kind's ring factor over the participating devices.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 
@@ -59,6 +60,7 @@ class Prediction:
     compute_s: float
     comm_s: dict[str, float]  # collective kind -> seconds
     memory: dict[str, int]
+    by_link: dict[tuple[str, tuple[str, ...]], float] = dataclasses.field(default_factory=dict)  # (kind, mesh dims)
 
     @property
     def step_s(self) -> float:
@@ -70,23 +72,33 @@ class Prediction:
 
 
 def collective_seconds(c: Collective, device: Device, mesh_shape: Shape) -> float:
-    n = math.prod(mesh_shape.get_dim_by_name(m).size for m in c.mesh_dims)
-    if n <= 1:
-        return 0.0
-    link = device.link_of(c.mesh_dims)
-    messages, factor = ring_factors(c.kind, n)
-    return c.count * (messages * link.latency_s + factor * c.bytes / link.bandwidth)
+    messages, factor, link = _ring(c.kind, c.mesh_dims, device, mesh_shape)
+    return 0.0 if link is None else c.count * (messages * link.latency_s + factor * c.bytes / link.bandwidth)
+
+
+@functools.lru_cache(maxsize=4096)
+def _ring(kind: str, mesh_dims: tuple[str, ...], device: Device, mesh_shape: Shape) -> tuple:
+    """(messages, bytes factor, link) of a collective over mesh_dims (link None: one device), for
+    `collective_seconds`, which a search asks about every collective of tens of thousands of
+    rule sets."""
+    n = math.prod(mesh_shape.get_dim_by_name(m).size for m in mesh_dims)
+    return (0, 0.0, None) if n <= 1 else (*ring_factors(kind, n), device.link_of(mesh_dims))
 
 
 def predict(cost: StepCost, device: Device, mesh_shape: Shape) -> Prediction:
+    """The step's time on `device`: compute at its peaks, and each collective's ring time; also
+    by (kind, mesh dims)."""
     compute = sum(
         f / (device.matmul_flops if family in MATMUL_FAMILIES else device.vector_flops)
         for family, f in cost.flops.items()
     )
     comm = dict.fromkeys(KINDS, 0.0)
+    by_link: dict[tuple, float] = defaultdict(float)
     for c in cost.collectives:
-        comm[c.kind] += collective_seconds(c, device, mesh_shape)
-    return Prediction(compute, comm, dict(cost.memory))
+        seconds = collective_seconds(c, device, mesh_shape)
+        comm[c.kind] += seconds
+        by_link[(c.kind, c.mesh_dims)] += seconds
+    return Prediction(compute, comm, dict(cost.memory), dict(by_link))
 
 
 def family(op_type: str) -> str:

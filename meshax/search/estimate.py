@@ -146,9 +146,9 @@ class Estimator:
                     self._flops[sig] += flops.get(op.name, 0)  # (a loop body's: every iteration's)
                 self._runs_of[sig_of[op]] += times
         # tensors, in each scope: (producer signature and output index, or the input's shape) ->
-        # consumers' wants, as often as the scope runs. A loop or recomputed layer fetches the
-        # tensors it binds in their own layout (its body reads what it captures, and its results
-        # come out in theirs: a source as an input is)
+        # consumers' wants, as often as the scope runs. A loop, branch or recomputed layer fetches
+        # the tensors it binds in their own layout (its body reads what it captures, and its
+        # results come out in theirs: a source as an input is)
         self._uses: dict[tuple, int] = defaultdict(int)
         self._shapes: dict[tuple, Shape] = {}
         for body, results, times in scopes:
@@ -201,6 +201,7 @@ class Estimator:
         self._sends: dict[tuple, list] = {}  # halo exchanges: (signature number, layouts) -> permutes
         self._sizes: dict[tuple, int] = {}
         self._interned: dict[tuple, TensorLayout] = {}
+        self._last: _State | None = None  # the previous rule set's (`_state`)
 
     @staticmethod
     def affine(base: Estimator, terms: list[tuple[float, Estimator]]) -> Estimator:
@@ -235,25 +236,17 @@ class Estimator:
         by_dim = axes_of(rules)
         by_weight_dim = by_dim if weight_rules is None else axes_of(weight_rules)
         weight_shaped = self._weight_shapes - getattr(weight_rules, "exempt", frozenset())
-        lay = [self._layout(by_weight_dim if s in weight_shaped else by_dim, dims) for dims, s in tables.names]
-        runs = []
+        state = self._state(by_dim, by_weight_dim, weight_shaped)
+        lay = state.lay
         flops: dict[str, float] = defaultdict(float)
-        for i, (fam, f, operands, results) in enumerate(tables.ops):
-            run, splits = self._choose(i, tuple(lay[k] for k in operands), tuple(lay[k] for k in results))
-            runs.append(run)
-            flops[fam] += f / splits
+        for (fam, _, _, _), f in zip(tables.ops, state.flops):
+            flops[fam] += f
         moves: dict[tuple, int] = defaultdict(int)
-        nothing = frozenset[int]()
-        for source, out, k, consumers, count in tables.uses:
-            if source < 0:
-                have, pending = lay[k], nothing
-            else:
-                have, pending = runs[source].results[out], runs[source].pending
-            for want in {lay[k] if c < 0 else runs[c].operands[i] for c, i in consumers}:
-                for move in self._reshard(k, have, pending, want):
-                    moves[move] += count
-        for i, times in tables.halos:  # (the permutes of ops that exchange halos: shifts, convolutions)
-            for m, sent in self._halo_sends(i, runs[i]):
+        for (_, _, _, _, count), found in zip(tables.uses, state.moves):
+            for move in found:
+                moves[move] += count
+        for (_, times), sends in zip(tables.halos, state.sends):  # (ops that exchange halos: shifts, convolutions)
+            for m, sent in sends:
                 if mesh[m].size > 1:
                     moves["permute", (m,), sent] += times
         collectives = [
@@ -266,6 +259,56 @@ class Estimator:
         memory = {part: nbytes(groups) for part, groups in tables.memory.items()}
         memory["activations"] += max(map(nbytes, tables.recomputed), default=0)
         return StepCost(dict(flops), collectives, memory, exact=False)
+
+    def _state(self, by_dim: dict, by_weight_dim: dict, weight_shaped: frozenset) -> _State:
+        """The layouts, runs, FLOPs and moves of a rule set, worked out again only where they
+        differ from the previous rule set's (a search's next rule set changes a rule or two: an
+        eighth of the tensors' layouts, on average, and the ops and uses that touch them)."""
+        tables, previous = self._tables(), self._last
+        changed_dims: set | None = None
+        changed_weight_dims: set | None = None
+        full = previous is None or previous.weight_shaped != weight_shaped  # (everything is new)
+        if previous is None or full:
+            last = _State(weight_shaped, len(tables.names), len(tables.ops), len(tables.uses), len(tables.halos))
+        else:
+            last = previous
+            changed_dims = _changed(last.by_dim, by_dim)
+            changed_weight_dims = _changed(last.by_weight_dim, by_weight_dim)
+        last.by_dim, last.by_weight_dim = by_dim, by_weight_dim
+        lay = last.lay
+        changed: set[int] = set()
+        for k, ((dims, s), deps) in enumerate(zip(tables.names, tables.deps)):
+            weight = s in weight_shaped
+            moved = changed_weight_dims if weight else changed_dims
+            if moved is None or not moved.isdisjoint(deps):
+                new = self._layout(by_weight_dim if weight else by_dim, dims)
+                if new is not lay[k]:
+                    lay[k] = new
+                    changed.add(k)
+        ops = range(len(tables.ops)) if full else sorted({i for k in changed for i in tables.ops_of[k]})
+        rerun: set[int] = set()
+        for i in ops:
+            _, f, operands, results = tables.ops[i]
+            run, splits = self._choose(i, tuple(lay[k] for k in operands), tuple(lay[k] for k in results))
+            if run is not last.runs[i]:
+                last.runs[i] = run
+                last.flops[i] = f / splits
+                rerun.add(i)
+        runs, nothing = last.runs, frozenset[int]()
+        uses = {u for k in changed for u in tables.uses_of_shape[k]} | {u for i in rerun for u in tables.uses_of_op[i]}
+        for u in range(len(tables.uses)) if full else sorted(uses):
+            source, out, k, consumers, _ = tables.uses[u]
+            if source < 0:
+                have, pending = lay[k], nothing
+            else:
+                have, pending = runs[source].results[out], runs[source].pending
+            wants = {lay[k] if c < 0 else runs[c].operands[i] for c, i in consumers}
+            last.moves[u] = [move for want in wants for move in self._reshard(k, have, pending, want)]
+        for h, (i, _) in enumerate(tables.halos):
+            if full or i in rerun:
+                last.sends[h] = self._halo_sends(i, runs[i])
+        self._last = last
+        return last
 
     def _tables(self) -> _Tables:
         if self._indexed is None:
@@ -349,6 +392,26 @@ class Estimator:
         return self._sizes[k, layout]
 
 
+class _State:
+    """What `Estimator._state` keeps of the last rule set: by tensor shape its layout, by op
+    signature its run and FLOPs, by tensor use the moves it needs, by halo op its permutes."""
+
+    def __init__(self, weight_shaped: frozenset, shapes: int, ops: int, uses: int, halos: int):
+        self.weight_shaped = weight_shaped
+        self.by_dim: dict = {}
+        self.by_weight_dim: dict = {}
+        self.lay: list = [None] * shapes
+        self.runs: list = [None] * ops
+        self.flops: list[float] = [0.0] * ops
+        self.moves: list[list] = [[] for _ in range(uses)]
+        self.sends: list[list] = [[] for _ in range(halos)]
+
+
+def _changed(before: dict, after: dict) -> set:
+    """The keys whose values differ (a key missing from one side counts as differing)."""
+    return {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+
+
 class _Tables:
     """An Estimator's signatures, tensor uses and memory by index, for its inner loop: tensor
     shapes (dim names and sizes, dtype) are numbered, and op signatures too."""
@@ -379,6 +442,21 @@ class _Tables:
         self.halos = [
             (i, e._runs_of[sig]) for i, (sig, op) in enumerate(zip(sigs, self.reps)) if hasattr(op, "halo_sends")
         ]
+        # what depends on what, for `Estimator._state`: a shape's layout on its dims' rules (and
+        # on those of the dims they are renamed from or to); an op's run on its tensors' layouts;
+        # a use's moves on its tensor's layout and on the runs of its producer and consumers
+        self.deps = [names | {a for d in dims for a in e._aliases.get(d, ())} for dims, names in self.names]
+        self.ops_of: list[list[int]] = [[] for _ in self.keys]
+        for i, (_, _, operands, results) in enumerate(self.ops):
+            for k in dict.fromkeys([*operands, *results]):
+                self.ops_of[k].append(i)
+        self.uses_of_shape: list[list[int]] = [[] for _ in self.keys]
+        self.uses_of_op: list[list[int]] = [[] for _ in self.ops]
+        for u, (source, _, k, consumers, _) in enumerate(self.uses):
+            self.uses_of_shape[k].append(u)
+            for i in dict.fromkeys([source, *(c for c, _ in consumers)]):
+                if i >= 0:
+                    self.uses_of_op[i].append(u)
 
 
 def _bodies(op: Operation) -> tuple[int, list[tuple[list[Operation], list[Tensor], int]]] | None:

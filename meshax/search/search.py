@@ -17,7 +17,6 @@ import dataclasses
 import math
 import re
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 
 from meshax.core.errors import ConfigError, LayoutError
@@ -30,7 +29,7 @@ from meshax.layout import (
     convert_to_weight_rules,
 )
 from meshax.lower.lowering import Lowering
-from meshax.search.cost import StepCost, collective_seconds, predict
+from meshax.search.cost import StepCost, predict
 from meshax.search.devices import Device, load_device
 from meshax.search.program import exact_cost, model_of
 from meshax.search.space import Rules, Space, rules_string
@@ -65,11 +64,7 @@ class Candidate:
 
 def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape, weight_layout=None) -> Candidate:
     p = predict(cost, device, mesh_shape)
-    by_link: dict[tuple, float] = defaultdict(float)
-    for c in cost.collectives:
-        by_link[(c.kind, c.mesh_dims)] += collective_seconds(c, device, mesh_shape)
-    mesh = mesh_text(mesh_shape)
-    return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, dict(by_link), mesh, weight_layout)
+    return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, p.by_link, mesh_text(mesh_shape), weight_layout)
 
 
 def mesh_text(mesh_shape) -> str:
