@@ -202,3 +202,17 @@ def test_a_sum_an_operand_owes_is_settled_once_outside_the_branches():
     assert sorted((c.kind, c.mesh_dims, c.bytes * c.count) for c in est.collectives) == sorted(
         (c.kind, c.mesh_dims, c.bytes * c.count) for c in exact.collectives
     )
+
+
+def test_an_operand_no_branch_reads_is_not_moved():
+    """h owes a sum over cols, and no branch reads it: nothing settles it (a move the branch
+    does not read was counted, and XLA drops it)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x, w = mx.placeholder(mesh, "x", [B, D]), mx.placeholder(mesh, "w", [D, E])
+    h = mx.einsum(x, w, output_shape=[B, E])
+    out = mx.cond(mx.greater(mx.reduce_sum(x), 0.0), lambda a, b: a * 2.0, lambda a, b: a - 1.0, [x, h])
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "d:cols")}).function(out)
+    assert [s.op_name for s in fn.counters.sites()] == ["reduce_sum"]
+    found = hlo_collectives(fn.compiled_text())
+    assert {k: v["count"] for k, v in found.items()} == {k: fn.counters[k].count for k in found}
