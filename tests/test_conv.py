@@ -153,6 +153,26 @@ def test_pooling_matches_reduce_window(kind, case):
     _check(lambda a: op(a, ksize), ref, [x], [x_shape], mesh, _random_rules(rng, mesh, [*SPATIAL[:k], "b", "i"]))
 
 
+@pytest.mark.parametrize("k", [0, 1, 3], ids=["max_pool", "conv1x1", "conv3x3"])
+def test_a_spatial_dim_split_over_two_mesh_dims_is_gathered_for_the_window(k):
+    """h over rows and cols: a window's halo exchange runs over one mesh dim, so the op gathers
+    h (a 2x2 pool and a 1x1 convolution, whose windows need no halo, crashed the lowering)."""
+    rng = np.random.default_rng(7)
+    x_shape = _dims([("b", 2), ("h", 8), ("w", 6), ("i", 3)])
+    f_shape = _dims([("fh", max(k, 1)), ("fw", max(k, 1)), ("i", 3), ("o", 4)])
+    feeds = [rng.normal(size=[d.size for d in s]).astype(np.float32) for s in (x_shape, f_shape)]
+
+    def build(a, w):
+        return mx.max_pool2d(a, [2, 2]) + mx.reduce_sum(w) if k == 0 else mx.conv2d(a, w)
+
+    def ref(a, w):
+        if k == 0:
+            return jax.lax.reduce_window(a, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") + w.sum()
+        return jax.lax.conv_general_dilated(a, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    _check(build, ref, feeds, [x_shape, f_shape], "rows:2;cols:4", "h:rows;h:cols")
+
+
 @pytest.mark.parametrize("padding", ["SAME", "VALID"])
 def test_conv2d_transpose_matches_lax(padding):
     x_shape, f_shape = (

@@ -116,11 +116,10 @@ def iteration(
             if (
                 f in windows
                 and axes
-                and windows[f]
                 and (
                     len(axes) > 1
-                    or windows[f] >= sizes[f]
-                    or (f in rule.cyclic and sizes[f] % split_factor(axes, mesh_shape))
+                    or (windows[f] and windows[f] >= sizes[f])
+                    or (windows[f] and f in rule.cyclic and sizes[f] % split_factor(axes, mesh_shape))
                 )
             ):
                 axes = ()
