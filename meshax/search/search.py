@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import re
 import time
@@ -98,6 +99,7 @@ class SearchResult:
     device: Device
     compared: list[Candidate]  # every candidate costed (estimates where not exact), in order
     meshes: int = 1  # how many meshes were searched (`search_mesh_and_layout`)
+    every: bool = True  # whether every legal rule set was costed (else `legal` is a lower bound)
 
     @property
     def best(self) -> Candidate:
@@ -135,7 +137,8 @@ class SearchResult:
             f"{h:>{w}}" for (h, _, _), w in zip(columns, widths)
         )
         lines = [
-            f"layout search: {self.legal} legal rule sets, {self.method}, {self.seconds:.1f} s; "
+            f"layout search: {'' if self.every else 'more than '}{self.legal} legal rule sets, {self.method}, "
+            f"{self.seconds:.1f} s; "
             f"device {self.device.name}; memory budget {_human(self.memory_budget)}B per device",
             head,
         ]
@@ -274,6 +277,7 @@ def search_layout(
     device: str | Device | None = None,
     top: int = 5,
     exact_limit: int = 64,
+    enumerate_limit: int = 200_000,
     rescore_margin: float = 0.1,
     baseline: Candidate | str | None = None,
     search_weights: bool = False,
@@ -287,7 +291,9 @@ def search_layout(
     entry, or $MESHAX_DEVICE). Spaces of at most `exact_limit` rule sets are costed exactly;
     larger ones by the estimate, and the best that fit re-costed exactly: `top` of them (at least
     5, however few are listed), and on while their estimate is within `rescore_margin` of the best
-    one's (at most twice as many).
+    one's (at most twice as many). Spaces of more than `enumerate_limit` rule sets (a U-Net on
+    a 2 x 2 x 2 mesh has 7.5 million: hours to estimate) are searched locally (`_local_search`),
+    which finds a good layout, not always the best.
     `baseline`: the user's own layout (rules, or a Candidate from `evaluate`), shown beside.
     `search_weights`: also give the weight-shaped tensors rules of their own (weights, their
     gradients and optimizer state split one way, activations another: GSPMD's 2D sharding,
@@ -307,7 +313,10 @@ def search_layout(
     program = model.on(mesh_shape)
     graph = program.graph
     space = Space(graph, mesh_shape, convert_to_layout_rules(layout))
-    rule_sets: list[Rules] = list(space)
+    rule_sets: list[Rules] = list(itertools.islice(space, enumerate_limit + 1))
+    every = len(rule_sets) <= enumerate_limit
+    if not every:  # (too many to estimate each: a local search from the replicated layout)
+        rule_sets = _local_search(space, program.estimator, dev, mesh_shape, budget)
 
     def exact(rules: Rules, weights: str | None = None) -> Candidate:
         return _candidate(rules_string(rules), program.exact(rules, weights), dev, mesh_shape, weights)
@@ -376,7 +385,8 @@ def search_layout(
                         exact_ones.append(exact(b, str(x)))
                         compared.append(exact_ones[-1])
         with_weights = f" ({len(compared) - len(rule_sets)} with weight rules of their own)" if search_weights else ""
-        method = f"all estimated{with_weights}, the best {len(exact_ones)} that fit traced exactly"
+        how = "all estimated" if every else f"a local search estimated {len(rule_sets)} of them"
+        method = f"{how}{with_weights}, the best {len(exact_ones)} that fit traced exactly"
     method += model.note
     fits = [c for c in exact_ones if c.memory_bytes <= budget]
     if not fits:
@@ -384,7 +394,68 @@ def search_layout(
     ranked = sorted(fits, key=lambda c: c.step_s)[:top]  # (a stable sort: ties keep the fixed order)
     if isinstance(baseline, str):
         baseline = evaluate(model, mesh=mesh_shape, layout=baseline, device=dev)
-    return SearchResult(ranked, baseline, len(rule_sets), method, time.perf_counter() - start, budget, dev, compared)
+    legal = len(rule_sets) if every else enumerate_limit
+    seconds = time.perf_counter() - start
+    return SearchResult(ranked, baseline, legal, method, seconds, budget, dev, compared, every=every)
+
+
+def _legal(space: Space, chosen: dict[str, tuple[str, ...]], d: str) -> bool:
+    """Whether d's rule is one of its options and shares no mesh dim with the rules of the dims
+    it shares a tensor with."""
+    opt = chosen.get(d, ())
+    return opt in space.options[d] and not any(set(opt) & set(chosen.get(n, ())) for n in space.neighbours[d])
+
+
+def _local_search(
+    space: Space, estimator, dev: Device, mesh_shape, budget: int, beam: int = 8, patience: int = 3
+) -> list[Rules]:
+    """The rule sets a beam search estimates, for spaces too large to estimate each. From the
+    replicated layout (pinned rules kept), each step makes every move from each rule set of the
+    beam: one dim's rule changed (to any legal option, none included), two split dims' rules
+    swapped, the mesh dims renamed in every rule. The next beam is the `beam` best rule sets not
+    yet moved from (those that fit the memory budget first, then by predicted step time), so it
+    walks on through worse ones; it stops after `patience` steps without a better one. Returns
+    every rule set it estimated."""
+    names, mesh_dims = sorted(space.options), list(mesh_shape.dimension_names)
+    cost: dict[Rules, tuple[bool, float]] = {}
+
+    def costed(chosen: dict[str, tuple[str, ...]]) -> Rules:
+        rules = tuple(sorted((d, ms) for d, ms in chosen.items() if ms))
+        if rules not in cost:
+            c = estimator(space.rules_of(rules))
+            cost[rules] = (c.memory_bytes > budget, predict(c, dev, mesh_shape).step_s)
+        return rules
+
+    frontier = [costed({d: space.options[d][0] for d in names})]  # (a pinned dim's one option, else none)
+    expanded: set[Rules] = set()
+    best, stale = cost[frontier[0]], 0
+    while stale < patience:
+        found: set[Rules] = set()
+        for rules in frontier:
+            expanded.add(rules)
+            chosen = dict(rules)
+            for d in names:
+                for opt in space.options[d]:
+                    clash = any(set(opt) & set(chosen.get(n, ())) for n in space.neighbours[d])
+                    if opt != chosen.get(d, ()) and not clash:
+                        found.add(costed({**chosen, d: opt}))
+            for d, e in itertools.combinations(sorted(chosen), 2):  # (and two split dims' rules swapped)
+                swapped = {**chosen, d: chosen[e], e: chosen[d]}
+                if all(_legal(space, swapped, x) for x in (d, e)):
+                    found.add(costed(swapped))
+            for order in itertools.permutations(mesh_dims):  # (and the mesh dims renamed in every rule)
+                renamed = {
+                    d: tuple(sorted((order[mesh_dims.index(m)] for m in ms), key=mesh_dims.index))
+                    for d, ms in chosen.items()
+                }
+                if renamed != chosen and all(_legal(space, renamed, x) for x in renamed):
+                    found.add(costed(renamed))
+        frontier = sorted(found - expanded, key=lambda r: (*cost[r], r))[:beam]
+        if not frontier:
+            break
+        stale = 0 if cost[frontier[0]] < best else stale + 1
+        best = min(best, cost[frontier[0]])
+    return list(cost)
 
 
 MESH_NAMES = {1: ("all",), 2: ("rows", "cols"), 3: ("planes", "rows", "cols")}
@@ -430,16 +501,21 @@ def search_mesh_and_layout(
     top = kw.get("top", 5)
     ranked = sorted((c for r in results for c in r.ranked), key=lambda c: c.step_s)[:top]
     first = results[0]
+    if len({r.method for r in results}) == 1:
+        method = f"{len(results)} meshes searched, each {first.method}"
+    else:  # (say how each was searched: some spaces are searched locally, others in full)
+        method = f"{len(results)} meshes searched: " + "; ".join(f"{r.ranked[0].mesh}: {r.method}" for r in results)
     return SearchResult(
         ranked,
         first.baseline,
         sum(r.legal for r in results),
-        f"{len(results)} meshes searched, each {first.method}",
+        method,
         time.perf_counter() - start,
         first.memory_budget,
         first.device,
         [c for r in results for c in r.compared],
         len(results),
+        every=all(r.every for r in results),
     )
 
 
