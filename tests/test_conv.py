@@ -173,6 +173,20 @@ def test_a_spatial_dim_split_over_two_mesh_dims_is_gathered_for_the_window(k):
     _check(build, ref, feeds, [x_shape, f_shape], "rows:2;cols:4", "h:rows;h:cols")
 
 
+def test_a_shift_by_zero_passes_its_dim_split_over_two_mesh_dims():
+    """A shift by 0 is the identity: its dim passes, split over rows and cols, and nothing moves
+    (the windowed dims' one-mesh-dim limit is for windows; it gathered the dim)."""
+    g = mx.Graph()
+    m = mx.Mesh(g, "m")
+    x = mx.placeholder(m, "x", _dims([("b", 2), ("length", 8)]))
+    ys = [mx.shift(x, 0, "length", wrap=w) for w in (False, True)]
+    fn = mx.Lowering(g, {m: mx.SimdMeshImpl("rows:2;cols:4", "length:rows;length:cols")}).function(ys)
+    v = np.arange(16, dtype=np.float32).reshape(2, 8)
+    for y in fn({"x": v}):
+        np.testing.assert_array_equal(y, v)
+    assert not list(fn.counters.sites())
+
+
 @pytest.mark.parametrize("padding", ["SAME", "VALID"])
 def test_conv2d_transpose_matches_lax(padding):
     x_shape, f_shape = (

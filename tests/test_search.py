@@ -242,6 +242,50 @@ def test_a_local_search_finds_the_best_of_the_full_search(task, mesh):
     assert "more than 10 legal rule sets, a local search estimated" in local.format()
 
 
+def test_a_weight_rules_search_over_too_many_sets_says_so_and_searches_the_rules():
+    """search_weights enumerates every set of weight rules: beyond the limit it is skipped, and
+    the summary says so (the U-Net on 2 x 2 x 2, 7 million of them, ran out of memory)."""
+    result = search_layout(costed(TINY_LM), "rows:2;cols:4", search_weights=True, enumerate_limit=10)
+    assert "weight rules not searched: more than 10 legal sets of weight rules" in result.method
+    assert all(c.weight_layout is None for c in result.ranked)
+
+
+def test_the_estimate_after_an_interrupted_call_is_the_fresh_one(monkeypatch):
+    """The estimate keeps the last rule set's state; a call interrupted half-way (Ctrl-C) leaves
+    none, so the next call is whole (it was worked out against half-updated tables)."""
+    program = costed(TINY_LM).on(convert_to_mesh_shape("rows:2;cols:4"))
+    est, rules = program.estimator, mx.convert_to_layout_rules("batch:rows;heads:cols")
+    est(mx.convert_to_layout_rules("d_ff:cols"))
+    calls, reshard = [0], Estimator._reshard
+
+    def interrupted(self, *args):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return reshard(self, *args)
+
+    monkeypatch.setattr(Estimator, "_reshard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        est(rules)
+    monkeypatch.setattr(Estimator, "_reshard", reshard)
+    assert (
+        est(rules)
+        == program.estimator(rules)
+        == Estimator(program.graph, program.mesh_shape, program.step.outputs, program.step.updates)(rules)
+    )
+
+
+def test_a_device_given_links_as_a_list_or_dict_predicts():
+    """Device.links is a tuple of pairs; a list or dict given is made one (predict memoizes by
+    device: a list was unhashable)."""
+    mesh = convert_to_mesh_shape("rows:2;cols:4")
+    cost = StepCost({"Einsum": 1e6}, [Collective("allreduce", ("rows",), 1000)], {})
+    for links in ([("rows", Link(1e-6, 1e9))], {"rows": Link(1e-6, 1e9)}, (("rows", Link(1e-6, 1e9)),)):
+        dev = Device("d", 1e12, 1e11, 1 << 30, Link(1e-5, 1e8), links=links)
+        assert dev.links == (("rows", Link(1e-6, 1e9)),)
+        assert predict(cost, dev, mesh).comm_s["allreduce"] == pytest.approx(2 * 1e-6 + 1000 / 1e9)
+
+
 def test_a_space_of_millions_of_rule_sets_is_searched_in_seconds():
     """The U-Net on 2 x 2 x 2 has 7.5 million legal rule sets (hours to estimate each; the search
     ran on, silent): searched locally, from fewer than 2,000 estimates, it finds a layout at

@@ -165,8 +165,9 @@ class ShiftOperation(Operation):
     def __init__(self, x: Tensor, offset: int, dim: Dimension, wrap: bool, name=None):
         super().__init__([x], name=name or "shift")
         self.offset, self.dim, self.wrap = int(offset), dim, bool(wrap)
-        self.windows = ((dim.name, abs(self.offset)),)  # a halo of |offset| values (see ShardingRule)
-        self.cyclic = (dim.name,) if self.wrap else ()
+        # a halo of |offset| values (see ShardingRule); a shift by 0 is the identity: its dim passes
+        self.windows = ((dim.name, abs(self.offset)),) if self.offset else ()
+        self.cyclic = (dim.name,) if self.wrap and self.offset else ()
         self._add_output(x.shape, x.dtype)
 
     def halo_sends(self, layouts: list, mesh_shape: Shape) -> list[tuple[int, int]]:

@@ -41,6 +41,11 @@ class Device:
     link: Link
     links: tuple[tuple[str, Link], ...] = ()
 
+    def __post_init__(self) -> None:
+        # (links as a tuple of pairs, however given: a Device is hashed when predictions are memoized)
+        links = self.links.items() if isinstance(self.links, dict) else self.links
+        object.__setattr__(self, "links", tuple((m, link) for m, link in links))
+
     def link_of(self, mesh_dims: tuple[str, ...]) -> Link:
         """The link a collective over `mesh_dims` runs at: measured for that group of mesh dims
         (`links` keyed "rows,cols"), else the slowest of theirs."""

@@ -265,6 +265,7 @@ class Estimator:
         differ from the previous rule set's (a search's next rule set changes a rule or two: an
         eighth of the tensors' layouts, on average, and the ops and uses that touch them)."""
         tables, previous = self._tables(), self._last
+        self._last = None  # (until this rule set's state is whole: an interrupted call leaves none)
         changed_dims: set | None = None
         changed_weight_dims: set | None = None
         full = previous is None or previous.weight_shaped != weight_shaped  # (everything is new)

@@ -178,23 +178,36 @@ class SearchResult:
         return f"{other.step_s / self.best.step_s:.2f}x the best's time; best changes {changes}; {said or 'same costs'}"
 
 
-def _with_weight_rules(graph, space: Space, layout: str, time_of, compared, rule_sets, top: int):
+class _TooMany(Exception):
+    """A space the weight-rules search would have to estimate in full is larger than the limit."""
+
+
+def _at_most(rule_sets, limit: int, what: str) -> list[Rules]:
+    out = list(itertools.islice(rule_sets, limit + 1))
+    if len(out) > limit:
+        raise _TooMany(what)
+    return out
+
+
+def _with_weight_rules(graph, space: Space, layout: str, time_of, compared, rule_sets, top: int, limit: int):
     """(rules, weight rules) to compare beside the rule sets: the bases, each with every legal set
     of weight rules. The bases are the `top` best rule sets, and the 2 x `top` best sets of rules
     legal for the activations alone: the 10 x `top` best with the weights replicated, ranked
     again each with its best of the weight rules that suit the 3 best rule sets (or replicated).
+    `_TooMany` where the weight rules or the activations' rules number more than `limit`.
     (Which activations' rules are best depends on the weights' rules: ranked with
     the weights replicated, GSPMD's 2D sharding, activations split on d_model as the weights
     are, ranks behind near-duplicates that split `length` or `memory_length`.)"""
     weight_space = Space(graph, space.mesh_shape, part="weights")
-    weight_sets = {w: WeightRules(space.rules_of(w).pairs) for w in weight_space}
+    weight_sets = {w: WeightRules(space.rules_of(w).pairs) for w in _at_most(weight_space, limit, "weight rules")}
     best = sorted(range(len(rule_sets)), key=lambda i: compared[i].step_s)[:top]
     suiting: list[LayoutRules] = [LayoutRules()]
     for i in best[:3]:
         w = min(weight_sets.values(), key=lambda w: time_of(rule_sets[i], w)[0])
         if w not in suiting:
             suiting.append(w)
-    activation_sets = Space(graph, space.mesh_shape, convert_to_layout_rules(layout), part="activations")
+    activations = Space(graph, space.mesh_shape, convert_to_layout_rules(layout), part="activations")
+    activation_sets = _at_most(activations, limit, "rules for the activations alone")
     ranked_activations = sorted(activation_sets, key=lambda a: time_of(a, LayoutRules())[0])[: 10 * top]
     ranked_activations.sort(key=lambda a: min(time_of(a, w)[0] for w in suiting))
     bases = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked_activations[: 2 * top]]))
@@ -335,10 +348,16 @@ def search_layout(
             cost = estimator(space.rules_of(a), w)
             return predict(cost, dev, mesh_shape).step_s, cost
 
+        skipped = ""
         if search_weights:
-            for a, w in _with_weight_rules(graph, space, layout, time_of, compared, rule_sets, breadth):
-                compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
-                choices.append((a, str(w)))
+            try:
+                for a, w in _with_weight_rules(
+                    graph, space, layout, time_of, compared, rule_sets, breadth, enumerate_limit
+                ):
+                    compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
+                    choices.append((a, str(w)))
+            except _TooMany as e:
+                skipped = f"; weight rules not searched: more than {enumerate_limit} legal sets of {e} (pin rules)"
         # Re-score in the estimate's order. The estimate lays tensors out by the rules, and splits
         # renamed dims as the dims they rename; propagation completes the layouts its own way, so
         # a layout's true memory (its plan's, cheap: no trace) differs, mostly down (it splits
@@ -386,7 +405,7 @@ def search_layout(
                         compared.append(exact_ones[-1])
         with_weights = f" ({len(compared) - len(rule_sets)} with weight rules of their own)" if search_weights else ""
         how = "all estimated" if every else f"a local search estimated {len(rule_sets)} of them"
-        method = f"{how}{with_weights}, the best {len(exact_ones)} that fit traced exactly"
+        method = f"{how}{with_weights}, the best {len(exact_ones)} that fit traced exactly{skipped}"
     method += model.note
     fits = [c for c in exact_ones if c.memory_bytes <= budget]
     if not fits:
