@@ -12,6 +12,7 @@ from meshax.lower.hlo import hlo_collectives
 from meshax.ops.cond import CondOperation
 from meshax.search.program import model_of
 from meshax.search.search import _pairs
+from tests.test_loops import CASES
 
 B, D, E = mx.Dimension("batch", 4), mx.Dimension("d", 6), mx.Dimension("e", 6)
 
@@ -44,15 +45,7 @@ def _reference(x, s, w):
     return [loss(w, x), *jax.grad(loss, argnums=(0, 1))(w, x)]
 
 
-@pytest.mark.parametrize(
-    "backend,mesh_shape,layout",
-    [
-        (mx.SimdMeshImpl, "rows:2;cols:4", ""),
-        (mx.SimdMeshImpl, "rows:2;cols:4", "batch:rows;e:cols"),
-        (mx.SimdMeshImpl, "rows:2;cols:4", "d:cols"),
-        (mx.PlacementMeshImpl, "rows:2;cols:2", "batch:rows;e:cols"),
-    ],
-)
+@pytest.mark.parametrize("backend,mesh_shape,layout", CASES)  # (the loops' cases: dims of the same names)
 def test_cond_equals_jax_forward_and_gradient_on_both_branches(backend, mesh_shape, layout):
     graph, mesh, outs = _model()
     fn = mx.Lowering(graph, {mesh: backend(mesh_shape, layout)}).function(outs)
