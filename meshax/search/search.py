@@ -418,13 +418,6 @@ def search_layout(
     return SearchResult(ranked, baseline, legal, method, seconds, budget, dev, compared, every=every)
 
 
-def _legal(space: Space, chosen: dict[str, tuple[str, ...]], d: str) -> bool:
-    """Whether d's rule is one of its options and shares no mesh dim with the rules of the dims
-    it shares a tensor with."""
-    opt = chosen.get(d, ())
-    return opt in space.options[d] and not any(set(opt) & set(chosen.get(n, ())) for n in space.neighbours[d])
-
-
 def _local_search(
     space: Space, estimator, dev: Device, mesh_shape, budget: int, beam: int = 8, patience: int = 3
 ) -> list[Rules]:
@@ -455,19 +448,18 @@ def _local_search(
             chosen = dict(rules)
             for d in names:
                 for opt in space.options[d]:
-                    clash = any(set(opt) & set(chosen.get(n, ())) for n in space.neighbours[d])
-                    if opt != chosen.get(d, ()) and not clash:
+                    if opt != chosen.get(d, ()) and not space.clashes(chosen, d, opt):
                         found.add(costed({**chosen, d: opt}))
             for d, e in itertools.combinations(sorted(chosen), 2):  # (and two split dims' rules swapped)
                 swapped = {**chosen, d: chosen[e], e: chosen[d]}
-                if all(_legal(space, swapped, x) for x in (d, e)):
+                if all(space.legal(swapped, x) for x in (d, e)):
                     found.add(costed(swapped))
             for order in itertools.permutations(mesh_dims):  # (and the mesh dims renamed in every rule)
                 renamed = {
                     d: tuple(sorted((order[mesh_dims.index(m)] for m in ms), key=mesh_dims.index))
                     for d, ms in chosen.items()
                 }
-                if renamed != chosen and all(_legal(space, renamed, x) for x in renamed):
+                if renamed != chosen and all(space.legal(renamed, x) for x in renamed):
                     found.add(costed(renamed))
         frontier = sorted(found - expanded, key=lambda r: (*cost[r], r))[:beam]
         if not frontier:

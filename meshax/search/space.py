@@ -103,13 +103,23 @@ class Space:
                 return
             d = names[i]
             for opt in self.options[d]:
-                if any(set(opt) & set(chosen.get(n, ())) for n in self.neighbours[d]):
+                if any(set(opt) & set(chosen.get(n, ())) for n in self.neighbours[d]):  # (`clashes`, inline: hot)
                     continue
                 chosen[d] = opt
                 yield from extend(i + 1)
                 del chosen[d]
 
         yield from extend(0)
+
+    def clashes(self, chosen: Mapping[str, tuple[str, ...]], d: str, opt: tuple[str, ...]) -> bool:
+        """Whether rule `opt` for d shares a mesh dim with the `chosen` rule of a dim d shares a
+        tensor with."""
+        return any(set(opt) & set(chosen.get(n, ())) for n in self.neighbours[d])
+
+    def legal(self, chosen: Mapping[str, tuple[str, ...]], d: str) -> bool:
+        """Whether d's `chosen` rule is one of its options and clashes with no other chosen rule."""
+        opt = chosen.get(d, ())
+        return opt in self.options[d] and not self.clashes(chosen, d, opt)
 
     def rules_of(self, rules: Mapping[str, tuple[str, ...]] | Rules) -> LayoutRules:
         items = rules.items() if isinstance(rules, Mapping) else rules
