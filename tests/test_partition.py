@@ -364,6 +364,24 @@ def test_convolution_and_pooling_with_batch_and_features_split():
     assert ("allreduce", ("x",), 3 * 3 * 4 * 8 // Y) in sites
 
 
+@pytest.mark.parametrize("specs", [(None, None), (None, P("x", "y")), (P(None, None, None, "y"), P(None, "x"))])
+def test_a_reshape_that_transposes_first_and_a_grouped_convolution(specs):
+    """lax.reshape's `dimensions` transposes its operand before the reshape; JAX writes a grouped
+    (depthwise) convolution's input gradient with one. It was read as a plain reshape: wrong
+    values, silently, even on one device."""
+
+    def loss(w, x):
+        y = jax.lax.conv_general_dilated(
+            x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2
+        )
+        z = jax.lax.reshape(x, (8, 8 * 2 * 4), dimensions=(1, 0, 2, 3))
+        return jnp.sum(y**2) + jnp.sum(jnp.sin(z) * jnp.arange(64.0))
+
+    w, x = jax.random.normal(jax.random.key(0), (3, 3, 2, 4)), jax.random.normal(jax.random.key(1), (2, 8, 8, 4))
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    assert_trees_close(mx.partition(step, MESH, in_shardings=specs)(w, x), jax.jit(step)(w, x), rtol=1e-5, atol=1e-4)
+
+
 def test_scan_and_fori_loop_become_one_meshax_loop():
     """jax.lax.scan over stacked layer weights (and its gradient, a reverse scan) and a
     fori_loop with a static trip count become mx.scan loops: values equal jax.jit's. The

@@ -24,7 +24,7 @@ from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.jaxpr.flatten import Eqn, Flat, is_var
 from meshax.jaxpr.names import Names
-from meshax.jaxpr.roles import CUMULATIVE, LINEAR, RANDOM, is_key, roles
+from meshax.jaxpr.roles import CUMULATIVE, LINEAR, RANDOM, is_key, reshape_order, roles
 from meshax.layout import OPEN, ShardingRule
 from meshax.ops.inputs import ConstantOperation
 from meshax.ops.shape_ops import ReshapeOperation
@@ -364,7 +364,11 @@ def _reduce(kind: str) -> Callable:
 
 
 def _reshape(em, e, ins, outs, in_roles, out_roles):
-    return [mops.reshape(ins[0], outs[0], name=e.name)]
+    x = ins[0]
+    order = reshape_order(e)
+    if order != sorted(order):  # (lax.reshape's `dimensions`: the operand transposed first)
+        x = mops.transpose(x, Shape([x.shape.dims[i] for i in order]), name=e.name)
+    return [mops.reshape(x, outs[0], name=e.name)]
 
 
 def _transpose(em, e, ins, outs, in_roles, out_roles):

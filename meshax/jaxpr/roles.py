@@ -107,11 +107,21 @@ def aligned(a: tuple[int, ...], b: tuple[int, ...]) -> dict[int, int]:
     return out
 
 
+def reshape_order(e) -> list[int]:
+    """The operand's axes in the order a reshape reads them (its `dimensions`: a transpose first)."""
+    dims = e.params.get("dimensions") if e.name == "reshape" else None
+    return list(dims) if dims is not None else list(range(rank(e.ins[0])))
+
+
 def _reshape(e) -> Roles:
     x, out = e.ins[0], e.outs[0]
-    pairs = aligned(shape(x), shape(out))
-    back = {j: i for i, j in pairs.items()}
-    return [[i if i in pairs else None for i in range(rank(x))]], [[back.get(j) for j in range(rank(out))]]
+    order = reshape_order(e)
+    pairs = aligned(tuple(shape(x)[i] for i in order), shape(out))  # (position in order -> out axis)
+    back = {j: p for p, j in pairs.items()}
+    xr: list[Role] = [None] * rank(x)
+    for p in pairs:
+        xr[order[p]] = p
+    return [xr], [[back.get(j) for j in range(rank(out))]]
 
 
 def _squeeze(e) -> Roles:
