@@ -382,6 +382,26 @@ def test_a_reshape_that_transposes_first_and_a_grouped_convolution(specs):
     assert_trees_close(mx.partition(step, MESH, in_shardings=specs)(w, x), jax.jit(step)(w, x), rtol=1e-5, atol=1e-4)
 
 
+def test_values_no_one_reads_are_not_built():
+    """JAX leaves values no one reads in a gradient's jaxpr (relu's zeros); they were built on
+    every device whole and warned about as "replicated", though XLA drops them."""
+
+    def loss(x):
+        return jnp.sum(jax.nn.relu(x) * x)
+
+    x = jnp.arange(64.0).reshape(8, 8) - 30
+    step = jax.grad(loss)
+    jaxpr = jax.make_jaxpr(step)(x).jaxpr
+    read = {a for e in jaxpr.eqns for a in e.invars if isinstance(a, jax.extend.core.Var)} | set(jaxpr.outvars)
+    assert any(not set(e.outvars) & read for e in jaxpr.eqns)  # (JAX's relu zeros)
+    g = mx.partition(step, MESH, in_shardings=(P("x", "y"),))
+    np.testing.assert_allclose(np.asarray(g(x)), np.asarray(jax.jit(step)(x)))
+    program = g.lower(x)
+    read = {t for op in program.graph.operations for t in op.inputs}
+    built = [t for op in program.graph.operations if type(op).__name__ == "ConstantOperation" for t in op.outputs]
+    assert len([t for t in built if t.shape.rank]) == 2 and all(t in read for t in built if t.shape.rank)
+
+
 def test_scan_and_fori_loop_become_one_meshax_loop():
     """jax.lax.scan over stacked layer weights (and its gradient, a reverse scan) and a
     fori_loop with a static trip count become mx.scan loops: values equal jax.jit's. The

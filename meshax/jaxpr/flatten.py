@@ -48,6 +48,7 @@ class Eqn:
     body: Flat | None = None  # a loop's body (scan, while), flattened
     cond: Flat | None = None  # a while loop's condition, flattened
     branches: list[Flat] | None = None  # a cond's branches, flattened
+    effects: bool = False  # (kept where its results are not read)
 
     @property
     def name(self) -> str:
@@ -92,6 +93,7 @@ class Flat:
         env: dict = {}
         self._walk(closed.jaxpr, env, replicated, source)
         self.outvars = [_read(env, v) for v in closed.jaxpr.outvars]
+        self.eqns = _live(self.eqns, self.outvars)
 
     def _walk(self, jaxpr, env: dict, replicated: bool, outer: str) -> None:
         """Append jaxpr's equations; `env` maps its variables to the atoms that stand for them
@@ -115,7 +117,7 @@ class Flat:
                 continue
             ins = [_read(env, a) for a in e.invars]
             outs = [self._define(v, env) for v in e.outvars]
-            eqn = Eqn(e.primitive, ins, outs, dict(e.params), source, replicated or scope)
+            eqn = Eqn(e.primitive, ins, outs, dict(e.params), source, replicated or scope, effects=bool(e.effects))
             if e.primitive.name == "scan":  # a loop stays a loop (mx.scan), its body flattened too
                 eqn.body = Flat(e.params["jaxpr"], replicated or scope, source)
             elif e.primitive.name == "while":  # likewise (mx.while_loop), its condition too
@@ -145,6 +147,23 @@ class Flat:
         if isinstance(body, jcore.Jaxpr):
             return body, []
         return None
+
+
+#: Annotations: kept where their value is not read, for the splits they propagate to others.
+_ANNOTATIONS = {"sharding_constraint", "reshard", "meshax_mesh_split"}
+
+
+def _live(eqns: list[Eqn], outvars: list) -> list[Eqn]:
+    """The equations a result depends on, annotations, and those with effects: JAX leaves values
+    no one reads (the zeros of a relu's gradient), which would be built, counted and warned
+    about here, though XLA drops them."""
+    live = {v for v in outvars if is_var(v)}
+    kept = []
+    for e in reversed(eqns):
+        if e.effects or e.name in _ANNOTATIONS or any(v in live for v in e.outs):
+            kept.append(e)
+            live.update(a for a in e.ins if is_var(a))
+    return kept[::-1]
 
 
 def _read(env: dict, atom):
