@@ -2,8 +2,10 @@
 the same mesh.
 
 The functions are `benchmarks.plain_jax`'s training steps (jax.numpy, jax.grad, optax Adam)
-under GSPMD Table 1's 2D finalized sharding on "x:2;y:4": the Table 1 weights given as
-`in_shardings` by argument path, the activations as `with_sharding_constraint` inside. meshax
+on "x:2;y:4": the MLP and the Transformer under GSPMD Table 1's 2D finalized sharding (the
+Table 1 weights given as `in_shardings` by argument path, the activations as
+`with_sharding_constraint` inside), and a CNN whose images alone are annotated, split in space
+(height over x, width over y: halo exchanges, GSPMD section 4.3). meshax
 traces, propagates and lowers them itself; `jax.jit` hands the same function and annotations to
 XLA's partitioner (the weights placed with those shardings, everything else as the arrays come,
 replicated). Both sides run the same step from the same inputs; the first outputs must agree
@@ -32,10 +34,11 @@ from meshax.lower.mesh_impl import jit_for_platform
 
 MESH = "x:2;y:4"
 SHARDING = "finalized"
-QUICK = {"lm": pj.Config(), "mlp": (32, 16, 32, 64), "steps": 6, "warmup": 2}
+QUICK = {"lm": pj.Config(), "mlp": (32, 16, 32, 64), "cnn": (4, 32, 8), "steps": 6, "warmup": 2}
 FULL = {
     "lm": pj.Config(vocab=512, d_model=128, d_ff=512, heads=8, d_kv=16, layers=2, batch=16, length=64),
     "mlp": (64, 32, 256, 1024),
+    "cnn": (8, 128, 16),  # batch, image height = width, channels
     "steps": 30,
     "warmup": 3,
 }
@@ -52,8 +55,19 @@ def _cases(p: dict) -> list[tuple]:
     mlp_params = pj.mlp_params(jax.random.key(2), m, h)
     x = jax.random.normal(jax.random.key(3), (b, s, m))
     mlp = pj.train_step(pj.mlp_loss, opt, sharding=SHARDING)
+    n, side, ch = p["cnn"]
+    cnn_params = pj.cnn_params(jax.random.key(4), ch)
+    images = jax.random.normal(jax.random.key(5), (n, side, side, 3))
+    targets = jax.random.normal(jax.random.key(6), (n, side // 4, side // 4, 2 * ch))
+    cnn = pj.train_step(pj.cnn_loss, opt, sharding="spatial")
     return [
         (f"MLP B={b} S={s} M={m} H={h}", mlp, (mlp_params, opt.init(mlp_params), x, x), pj.MLP_WEIGHTS),
+        (
+            f"CNN {n}x{side}x{side}x3, C={ch}, images split in space (h:x, w:y)",
+            cnn,
+            (cnn_params, opt.init(cnn_params), images, targets),
+            {},
+        ),
         (
             f"Transformer M={c.d_model} H={c.d_ff} N={c.heads} L={c.layers} B={c.batch} S={c.length}",
             lm,
@@ -105,7 +119,7 @@ def run(quick: bool) -> list[dict]:
             timings.append((native, None))
         cfg = {
             "mesh": MESH,
-            "layout": f"(annotations) Table 1 {SHARDING}",
+            "layout": f"(annotations) Table 1 {SHARDING}" if by_path else "(annotations) images P(None, 'x', 'y')",
             "program": f"{name}, Adam",
             "reduce_scatter_as": how,
         }

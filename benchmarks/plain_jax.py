@@ -115,6 +115,34 @@ def transformer_loss(params, ids, targets, sharding: str | None = None):
 
 
 #: in_shardings by argument path: Table 1's weights (every layer's), everything else propagated.
+# ---- a CNN split in space (GSPMD section 4.3): images [B, h, w, C], h over x and w over y -------
+SPATIAL = P(None, "x", "y")
+
+
+def cnn_params(key, channels: int = 8, in_channels: int = 3):
+    """Three 3x3 filters: in -> C, C -> 2C (stride 2), 2C -> 2C."""
+    c = channels
+    shapes = [(3, 3, in_channels, c), (3, 3, c, 2 * c), (3, 3, 2 * c, 2 * c)]
+    keys = jax.random.split(key, len(shapes))
+    return {
+        f"conv{i}": jax.random.normal(k, s, jnp.float32) / (3 * s[2] ** 0.5)
+        for i, (k, s) in enumerate(zip(keys, shapes))
+    }
+
+
+def cnn_loss(params, x, y, sharding: str | None = None):
+    """conv, relu, strided conv, relu, 2x2 max pooling, conv; squared error against y
+    [B, h/4, w/4, 2C]. With a sharding, the images are annotated `SPATIAL` (nothing else is)."""
+
+    def conv(h, w, stride):
+        return jax.lax.conv_general_dilated(h, w, (stride, stride), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    h = jax.nn.relu(conv(_constrain(x, SPATIAL if sharding else None), params["conv0"], 1))
+    h = jax.nn.relu(conv(h, params["conv1"], 2))
+    h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    return jnp.mean((conv(h, params["conv2"], 1) - y) ** 2)
+
+
 TRANSFORMER_WEIGHTS = {f"params/layers/*/{w}": spec for w, spec in _WEIGHTS.items()}
 MLP_WEIGHTS = {"params/win": _WEIGHTS["win"], "params/wout": _WEIGHTS["wout"]}
 

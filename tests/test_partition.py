@@ -349,7 +349,7 @@ def test_random_keys_dropout_and_noise_equal_jax_jit():
 def test_convolution_and_pooling_with_batch_and_features_split():
     """conv_general_dilated keeps batch and output features split and sums input features (its
     filter gradient: a partial sum over the batch split over x, allreduced); max pooling and its
-    gradient run with their window axes whole."""
+    gradient keep the batch split (space split: tests/test_partition_windows.py)."""
 
     def loss(w, x):
         y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
@@ -642,6 +642,16 @@ def _apply(step: int, x, y):
         return u + q * 0.5 - p * v
     if step == 16:  # a branch on a sum over split dims
         return jax.lax.cond(jnp.sum(x) > jnp.sum(y), lambda a, b: a * 2 - b, lambda a, b: jnp.sin(a) + b.sum(0), x, y)
+    if step == 17:  # a dilated convolution along the rows (split: halos), then padded sum pooling
+        w = y[:3, :, None] * y[3:6, None, :] / 12.0  # [3, 12, 12]
+        h = jax.lax.conv_general_dilated(
+            x[None], w, (1,), "SAME", rhs_dilation=(2,), dimension_numbers=("NWC", "WIO", "NWC")
+        )
+        return jax.lax.reduce_window(h[0], 0.0, jax.lax.add, (2, 1), (1, 1), ((1, 0), (0, 0)))
+    if step == 18:  # a strided convolution, max pooling, and back to 8 rows
+        w = y[5:8, :, None] * y[:3, None, :] / 12.0
+        h = jax.lax.conv_general_dilated(x[None], w, (2,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))[0]
+        return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (2, 1), (2, 1), "VALID").repeat(4, axis=0) + x
     c, ys = jax.lax.scan(lambda c, r: (c * 0.9 + r, jnp.tanh(c)), jnp.zeros(12), x)  # a loop over the rows
     return ys + c
 
@@ -653,7 +663,7 @@ def _helper(a, b):
 
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    steps=st.lists(st.tuples(st.integers(0, 17), st.sampled_from([None, *SPECS])), min_size=2, max_size=6),
+    steps=st.lists(st.tuples(st.integers(0, 19), st.sampled_from([None, *SPECS])), min_size=2, max_size=6),
     layout=st.sampled_from([P("x", None), P(None, "y"), None, P("y", "x")]),
 )
 def test_random_programs_equal_jax_jit(steps, layout):

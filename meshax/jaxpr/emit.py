@@ -22,6 +22,7 @@ import meshax.ops as mops
 from meshax.core.errors import GraphError, LayoutError, did_you_mean
 from meshax.core.graph import Mesh, Tensor
 from meshax.core.shape import Dimension, Shape
+from meshax.jaxpr import windows
 from meshax.jaxpr.flatten import Eqn, Flat, is_var
 from meshax.jaxpr.names import Names
 from meshax.jaxpr.roles import CUMULATIVE, LINEAR, RANDOM, is_key, reshape_order, roles
@@ -397,6 +398,20 @@ def _concatenate(em, e, ins, outs, in_roles, out_roles):
     return [mops.concat(xs, name, name="concatenate")]
 
 
+def _windowed(make: Callable) -> Callable:
+    """A convolution or pooling as a meshax windowed op (`windows`), or where it has no such
+    form, bound on each device's slices with its spatial axes whole."""
+
+    def handler(em, e, ins, outs, in_roles, out_roles):
+        made = make(e, ins, outs)
+        if made is not None:
+            return made
+        spatial = {d.name for t, rs in zip(ins, in_roles) for d, r in zip(t.shape, rs) if windows.is_spatial(r)}
+        return _bind(em, e, ins, outs, in_roles, out_roles, whole=spatial)
+
+    return handler
+
+
 def _is_lookup(e: Eqn) -> bool:
     """gather as `table[ids]` / `jnp.take(table, ids, axis=k)`: whole rows of one axis."""
     operand, indices = e.ins
@@ -537,6 +552,8 @@ _HANDLERS: dict[str, Callable] = {
     "scan": _scan,
     "while": _while,
     "cond": _cond,
+    "conv_general_dilated": _windowed(windows.conv),
+    **dict.fromkeys(windows.POOLS, _windowed(windows.pool)),
     "empty": _empty,
     "empty2": _empty,
     **dict.fromkeys(RANDOM, _random),

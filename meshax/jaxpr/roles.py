@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from meshax.core.errors import GraphError
+from meshax.jaxpr.windows import conv_window, pool_window, spatial_role
 
 Role = Any  # a hashable tag (an int, a tuple, a string); None ties nothing
 Roles = tuple[list[list[Role]], list[list[Role]]]
@@ -250,7 +251,8 @@ def scatter_roles(e) -> Roles:
 
 def conv_roles(e) -> Roles:
     """conv_general_dilated (no feature or batch groups): batch and output features pass through,
-    input features are contracted; spatial axes belong to no factor (computed whole)."""
+    input features are contracted; spatial axes are windowed as its form says (`windows`:
+    input and result, or input and cotangent for a filter gradient), else whole."""
     dn = e.params["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     lhs, rhs = e.ins
@@ -261,6 +263,11 @@ def conv_roles(e) -> Roles:
         lr[lhs_spec[0]] = out[out_spec[0]] = "n"
         rr[rhs_spec[0]] = out[out_spec[1]] = "o"
         lr[lhs_spec[1]] = rr[rhs_spec[1]] = "i"
+    form = conv_window(e)
+    if form is not None:
+        other = rr if form.kind == "filter" else out
+        for j, (i, o) in enumerate(zip(lhs_spec[2:], (rhs_spec if form.kind == "filter" else out_spec)[2:])):
+            lr[i] = other[o] = spatial_role(j)
     return [lr, rr], [out]
 
 
@@ -324,7 +331,8 @@ def _same_axes(outer: list, inner: list) -> list[tuple]:
 
 
 def _window(e) -> Roles:
-    """reduce_window: axes the window does not span (size 1, stride 1, no padding) pass through."""
+    """reduce_window: axes the window does not span (size 1, stride 1, no padding) pass through;
+    those it spans are windowed where `windows` maps the pooling onto a meshax op, else whole."""
     p = e.params
     dims, strides, pads = p["window_dimensions"], p["window_strides"], p["padding"]
     base, wdil = p.get("base_dilation"), p.get("window_dilation")
@@ -334,7 +342,9 @@ def _window(e) -> Roles:
         return plain and (base is None or base[i] == 1) and (wdil is None or wdil[i] == 1)
 
     n = rank(e.ins[0])
-    tied = [i if keep(i) else None for i in range(n)]
+    windowed = pool_window(e)
+    spanned = windowed.axes if windowed is not None else ()
+    tied: list[Role] = [spatial_role(i) if i in spanned else i if keep(i) else None for i in range(n)]
     return [tied if rank(a) == n else [None] * rank(a) for a in e.ins], [list(tied) for _ in e.outs]
 
 

@@ -459,18 +459,23 @@ class PoolGradOperation(_Windowed):
 
 
 def _pool(x, w: Window, pads, kind: str, rank: int):
-    """The local pooling of x [..., spatial..., channel] (VALID windows of w)."""
+    """The local pooling of x [..., spatial..., channel] (`kind`: max, min, avg or sum) over
+    windows of w, `pads` zero padding per spatial dim."""
     k = len(w.names)
     dims = (1,) * (rank - k - 1) + w.size + (1,)
     strides = (1,) * (rank - k - 1) + w.strides + (1,)
     dil = (1,) * (rank - k - 1) + w.dilations + (1,)
     padding = [(0, 0)] * (rank - k - 1) + list(pads) + [(0, 0)]
-    if kind == "max":
+    if kind in ("max", "min"):
         # (a concrete init value, so that JAX knows the monoid and can differentiate it)
-        init = np.array(-np.inf if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.iinfo(x.dtype).min, x.dtype)
-        return jax.lax.reduce_window(x, init, jax.lax.max, dims, strides, padding, None, dil)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            init = np.array(-np.inf if kind == "max" else np.inf, x.dtype)
+        else:
+            init = np.array(getattr(jnp.iinfo(x.dtype), "min" if kind == "max" else "max"), x.dtype)
+        fn = jax.lax.max if kind == "max" else jax.lax.min
+        return jax.lax.reduce_window(x, init, fn, dims, strides, padding, None, dil)
     total = jax.lax.reduce_window(x, np.zeros((), x.dtype), jax.lax.add, dims, strides, padding, None, dil)
-    return total / math.prod(w.size)
+    return total if kind == "sum" else total / math.prod(w.size)
 
 
 # ---- the public functions: Mesh-TensorFlow's names and argument order ------------------------

@@ -1,0 +1,230 @@
+"""Convolutions and pooling of a jaxpr, and their gradients, as meshax's windowed ops: a spatial
+axis split over a mesh dim stays split, and each device takes a halo from its neighbours.
+
+JAX writes a convolution's gradients as convolutions too, so one `conv_general_dilated` is one
+of three things, read from its params (`conv_window`):
+
+- **forward**: no input dilation. The input's spatial axes are windowed onto the result's, the
+  filter's are whole (`ConvOperation`).
+- **input gradient**: input dilation (the forward strides) over the cotangent, with the filter
+  reversed and its features swapped. It is the transpose of a forward convolution that the
+  params give back (padding `extent - 1 - lo`), so the cotangent's spatial axes are windowed
+  onto the result's (`ConvInputGradOperation`, which sums each halo back to its owner).
+- **filter gradient**: the input convolved with the cotangent, whose spatial axes are larger
+  than the result's: the "filter" is the cotangent, the result is the filter's size. The input's
+  and the cotangent's spatial axes are split together and summed (`ConvFilterGradOperation`).
+
+Max, min and sum pooling (`reduce_window_*`) and max pooling's gradient (`select_and_scatter_add`)
+become `PoolOperation` and `PoolGradOperation` (`pool_window`). Anything else (grouped
+convolutions, strides with input dilation, max pooling with padding, average pooling's gradient,
+which JAX writes as an interior `pad`) runs with its spatial axes whole.
+
+`roles` reads the same forms, so that the axes a form windows share one dim name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+import meshax.ops as mops
+from meshax.core.graph import Tensor
+from meshax.core.shape import Shape
+from meshax.layout import ShardingRule
+from meshax.ops.conv import (
+    ConvFilterGradOperation,
+    ConvInputGradOperation,
+    ConvOperation,
+    PoolGradOperation,
+    PoolOperation,
+    Window,
+)
+from meshax.ops.slicewise import SlicewiseOperation
+
+
+@dataclasses.dataclass(frozen=True)
+class Form:
+    """What a windowed equation computes: its kind, the windowed axes (of the full-resolution
+    operand), and the forward window per axis (size, strides, dilations, padding, the input and
+    output sizes), as meshax's `Window` holds it."""
+
+    kind: str  # "forward", "input" or "filter" (a convolution); "max", "min" or "sum" (pooling)
+    axes: tuple[int, ...]
+    size: tuple[int, ...]
+    strides: tuple[int, ...]
+    dilations: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    inputs: tuple[int, ...]
+    outputs: tuple[int, ...]
+    grad: bool = False  # (pooling's gradient)
+
+    def window(self, names) -> Window:
+        return Window(tuple(names), self.size, self.strides, self.dilations, self.padding, self.inputs, self.outputs)
+
+
+def _extent(size: int, dilation: int) -> int:
+    return dilation * (size - 1) + 1
+
+
+def _count(n: int, pad: tuple[int, int], extent: int, stride: int) -> int:
+    """Outputs of a window `extent` wide at `stride` over n values padded by `pad`."""
+    total = n + pad[0] + pad[1]
+    return (total - extent) // stride + 1 if total >= extent else 0
+
+
+def conv_window(e) -> Form | None:
+    """The form of a conv_general_dilated (see the module), or None where it runs whole."""
+    p = e.params
+    lhs, rhs = e.ins
+    out = e.outs[0]
+    if p["feature_group_count"] != 1 or p["batch_group_count"] != 1:
+        return None
+    if not (lhs.aval.dtype == rhs.aval.dtype == out.aval.dtype):
+        return None
+    lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
+    k = len(lhs_spec) - 2
+    if not 1 <= k <= 3:
+        return None
+    lsz = tuple(int(lhs.aval.shape[i]) for i in lhs_spec[2:])
+    rsz = tuple(int(rhs.aval.shape[i]) for i in rhs_spec[2:])
+    osz = tuple(int(out.aval.shape[i]) for i in out_spec[2:])
+    ws, ld, rd = tuple(p["window_strides"]), tuple(p["lhs_dilation"]), tuple(p["rhs_dilation"])
+    pads = tuple((int(lo), int(hi)) for lo, hi in p["padding"])
+    axes = tuple(lhs_spec[2:])
+    if any(d != 1 for d in ld):  # the transpose of a convolution strided by ld
+        if any(s != 1 for s in ws):
+            return None
+        ext = [_extent(r, d) for r, d in zip(rsz, rd)]
+        # (a negative hi crops inputs that no window reaches when the stride leaves a remainder:
+        # no padding reaches none of them either)
+        fwd = tuple((x - 1 - lo, max(0, x - 1 - hi)) for x, (lo, hi) in zip(ext, pads))
+        if any(lo < 0 for lo, _ in fwd) or any(
+            _count(n, pad, x, s) != m for n, pad, x, s, m in zip(osz, fwd, ext, ld, lsz)
+        ):
+            return None
+        return Form("input", axes, rsz, ld, rd, fwd, osz, lsz)
+    if any(lo < 0 for lo, _ in pads):
+        return None
+    if math.prod(rsz) > math.prod(osz):  # the cotangent as the filter: a filter gradient
+        ext = [_extent(o, s) for o, s in zip(osz, ws)]
+        # (the forward's hi: the padding its last window reaches, if any; the given one differs)
+        his = [max(0, (r - 1) * d + x - n - lo) for r, d, x, n, (lo, _) in zip(rsz, rd, ext, lsz, pads)]
+        fwd = tuple((lo, hi) for (lo, _), hi in zip(pads, his))
+        if all(_count(n, pad, x, d) == r for n, pad, x, d, r in zip(lsz, fwd, ext, rd, rsz)):
+            return Form("filter", axes, osz, rd, ws, fwd, lsz, rsz)
+    if any(hi < 0 for _, hi in pads):
+        return None
+    return Form("forward", axes, rsz, ws, rd, pads, lsz, osz)
+
+
+_POOLS = {"reduce_window_max": "max", "reduce_window_min": "min", "reduce_window_sum": "sum"}
+POOLS = (*_POOLS, "select_and_scatter_add")  # (the primitives `pool` maps)
+
+
+def pool_window(e) -> Form | None:
+    """The form of a pooling equation (see the module), or None where it runs whole."""
+    p = e.params
+    if e.name == "select_and_scatter_add":
+        kind = {"ge": "max", "le": "min"}.get(getattr(p["select_prim"], "name", ""))
+        out, x = e.ins  # (the cotangent, at the pooling's output size, and the pooled operand)
+    elif e.name in _POOLS:
+        kind, x, out = _POOLS[e.name], e.ins[0], e.outs[0]
+    else:
+        return None
+    if kind is None or x.aval.dtype == bool or any(d != 1 for d in p.get("base_dilation") or ()):
+        return None
+    n = len(x.aval.shape)
+    dims, strides, pads = p["window_dimensions"], p["window_strides"], p["padding"]
+    dil = p.get("window_dilation") or (1,) * n
+    axes = tuple(i for i in range(n) if (dims[i], strides[i], tuple(pads[i]), dil[i]) != (1, 1, (0, 0), 1))
+    if not axes or len(axes) == n or len(axes) > 3:  # (the ops need a channel axis)
+        return None
+    if kind != "sum" and any(tuple(pads[i]) != (0, 0) for i in axes):  # padding there is -inf, not 0
+        return None
+    return Form(
+        kind,
+        axes,
+        tuple(int(dims[i]) for i in axes),
+        tuple(int(strides[i]) for i in axes),
+        tuple(int(dil[i]) for i in axes),
+        tuple((int(pads[i][0]), int(pads[i][1])) for i in axes),
+        tuple(int(x.aval.shape[i]) for i in axes),
+        tuple(int(out.aval.shape[i]) for i in axes),
+        grad=e.name == "select_and_scatter_add",
+    )
+
+
+def spatial_role(axis: int) -> tuple[str, int]:
+    """The role (`roles`) tying a windowed axis of the operand to its windowed counterpart."""
+    return ("spatial", axis)
+
+
+def is_spatial(role) -> bool:
+    return isinstance(role, tuple) and role[:1] == ("spatial",)
+
+
+# ---- emission ------------------------------------------------------------------------------------
+def _ordered(t: Tensor, axes) -> Tensor:
+    """t transposed to its axes in the order `axes`: one op per tensor and order, so that a
+    convolution and its filter gradient extend the same slices by one halo exchange."""
+    key = ("ordered", t, tuple(axes))
+    if key not in t.graph.memo:
+        t.graph.memo[key] = mops.transpose(t, _shape(t.shape, axes))
+    return t.graph.memo[key]
+
+
+def _shape(s: Shape, axes) -> Shape:
+    return Shape([s.dims[i] for i in axes])
+
+
+def _flip(f: Tensor, k: int) -> Tensor:
+    """f reversed along its first k dims (a filter's window, whole on every device)."""
+    rule = ShardingRule.by_name([f.shape], [f.shape], whole=f.shape.dimension_names[:k])
+    op = SlicewiseOperation(
+        [f], lambda local, a: jnp.flip(a, tuple(range(k))), [f.shape], [f.dtype], rule=rule, name="rev"
+    )
+    return op.outputs[0]
+
+
+def conv(e, ins: list[Tensor], outs: list[Shape]) -> list[Tensor] | None:
+    """conv_general_dilated as a meshax windowed op, in meshax's order ([batch, spatial...,
+    features], filter [spatial..., in, out]); None where it runs whole."""
+    form = conv_window(e)
+    if form is None:
+        return None
+    lhs_spec, rhs_spec, out_spec = e.params["dimension_numbers"]
+    sp, k = lhs_spec[2:], len(lhs_spec) - 2
+    a, b = ins
+    names = [a.shape.dims[i].name for i in sp]
+    window = form.window(names)
+    if form.kind == "forward":
+        x, f = _ordered(a, (lhs_spec[0], *sp, lhs_spec[1])), _ordered(b, (*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))
+        return ConvOperation(x, f, window, name="conv_general_dilated").outputs
+    if form.kind == "input":
+        g = _ordered(a, (lhs_spec[0], *sp, lhs_spec[1]))
+        f = _flip(_ordered(b, (*rhs_spec[2:], rhs_spec[0], rhs_spec[1])), k)
+        x_shape = _shape(outs[0], (out_spec[0], *out_spec[2:], out_spec[1]))
+        return ConvInputGradOperation(f, g, x_shape, window, name="conv_general_dilated").outputs
+    x, g = _ordered(a, (lhs_spec[1], *sp, lhs_spec[0])), _ordered(b, (rhs_spec[1], *rhs_spec[2:], rhs_spec[0]))
+    f_shape = _shape(outs[0], (*out_spec[2:], out_spec[0], out_spec[1]))
+    if set(f_shape.dimension_names[:k]) & set(x.shape.dimension_names):
+        return None  # (the filter's window shares a name with the input: keep it whole)
+    return ConvFilterGradOperation(x, g, f_shape, window, name="conv_general_dilated").outputs
+
+
+def pool(e, ins: list[Tensor], outs: list[Shape]) -> list[Tensor] | None:
+    """A pooling equation as a meshax windowed op, its windowed axes moved before one channel
+    axis; None where it runs whole."""
+    form = pool_window(e)
+    if form is None:
+        return None
+    x = ins[-1]  # (select_and_scatter_add's operand follows the cotangent)
+    rest = [i for i in range(x.shape.rank) if i not in form.axes]
+    order = (*rest[:-1], *form.axes, rest[-1])
+    xo = _ordered(x, order)
+    window = form.window([x.shape.dims[i].name for i in form.axes])
+    if form.grad:
+        return PoolGradOperation(xo, _ordered(ins[0], order), window, form.kind, name=e.name).outputs
+    return PoolOperation(xo, window, form.kind, name=e.name).outputs

@@ -1,0 +1,186 @@
+"""mx.partition of convolutions and pooling split in space (GSPMD section 4.3): a jaxpr's
+`conv_general_dilated` (forward, and the two forms JAX writes its gradients in) and its pooling
+become meshax's windowed ops, so a spatial axis split over a mesh dim stays split and devices
+exchange halos. Checked against jax.jit (values and gradients), against the compiled HLO
+(counters), and by what is not communicated (no allgather of the split spatial axes).
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import meshax as mx
+from meshax.jaxpr.flatten import Flat
+from meshax.jaxpr.windows import conv_window, pool_window
+from tests.test_partition import MESH, assert_counters_equal_hlo, assert_trees_close
+
+WINDOWED = {"ConvOperation", "ConvInputGradOperation", "ConvFilterGradOperation", "PoolOperation", "PoolGradOperation"}
+
+
+def normal(*shape, seed=0):
+    return jax.random.normal(jax.random.key(seed), shape)
+
+
+def conv(x, w, strides, padding="SAME", spec=("NHWC", "HWIO", "NHWC"), **kw):
+    return lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=spec, **kw)
+
+
+def net(w1, w2, w3, x):
+    """SAME, strided and dilated convolutions, max pooling, padded sum pooling, a 1x1 VALID one."""
+    y = jax.nn.relu(conv(x, w1, (1, 1)))
+    y = conv(y, w2, (2, 2), rhs_dilation=(2, 1))
+    y = lax.reduce_window(jnp.tanh(y), -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    y = lax.reduce_window(y, 0.0, lax.add, (1, 1, 2, 1), (1, 1, 1, 1), ((0, 0), (0, 0), (0, 1), (0, 0)))
+    return jnp.mean(conv(y, w3, (1, 1), "VALID") ** 2)
+
+
+def nchw(w, x):
+    y = conv(x, w, (2, 2), spec=("NCHW", "OIHW", "NCHW"))
+    return jnp.sum(jnp.sin(lax.reduce_window(y, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")))
+
+
+def one_d(w, x):
+    y = conv(x, w, (1,), spec=("NWC", "WIO", "NWC"), rhs_dilation=(2,))
+    return jnp.sum(conv(jnp.tanh(y), w, (3,), ((2, 1),), spec=("NWC", "WIO", "NWC")) ** 2)
+
+
+def three_d(w, x):
+    y = conv(x, w, (1, 2, 1), spec=("NDHWC", "DHWIO", "NDHWC"))
+    return jnp.sum(lax.reduce_window(y, jnp.inf, lax.min, (1, 2, 2, 2, 1), (1, 2, 2, 2, 1), "VALID") ** 2)
+
+
+def transposed(w, x):
+    y = lax.conv_transpose(x, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jnp.sum(jnp.tanh(y))
+
+
+def big_filter(w, x):
+    return jnp.sum(conv(x, w, (1, 1), "VALID") ** 2)
+
+
+NET = (normal(3, 3, 3, 4), normal(3, 3, 4, 8, seed=1) * 0.3, normal(1, 1, 8, 2, seed=2), normal(2, 32, 32, 3, seed=3))
+# (function, arguments, in_shardings, the mesh dims that split space and are never allgathered)
+CASES = {
+    "h over y": (net, NET, (None, None, None, P(None, "y")), {"y"}),
+    # (the sum pooling's gradient, an interior `pad`, gathers w)
+    "batch over x, w over y": (net, NET, (None, None, None, P("x", None, "y")), set()),
+    "h over x, w over y": (net, NET, (None, None, None, P(None, "x", "y")), {"x"}),
+    "NCHW": (nchw, (normal(8, 3, 3, 3), normal(2, 3, 16, 16, seed=1)), (None, P(None, None, "y")), {"y"}),
+    "1-D, uneven": (one_d, (normal(3, 4, 4), normal(2, 30, 4, seed=1)), (None, P(None, "y")), set()),
+    "3-D": (three_d, (normal(3, 3, 3, 2, 4), normal(2, 8, 16, 8, 2, seed=1)), (None, P(None, "x", "y")), {"x", "y"}),
+    "conv_transpose": (transposed, (normal(3, 3, 4, 2), normal(2, 8, 8, 4, seed=1)), (None, P(None, "y")), set()),
+    "filter larger than the output": (
+        big_filter,
+        (normal(7, 7, 2, 3), normal(2, 12, 12, 2, seed=1)),
+        (None, P(None, "y")),
+        set(),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_spatially_split_values_gradients_and_counters(case):
+    fn, args, specs, never_gathered = CASES[case]
+    step = jax.value_and_grad(fn, argnums=tuple(range(len(args))))
+    g = mx.partition(step, MESH, in_shardings=specs)
+    assert_trees_close(g(*args), jax.jit(step)(*args), rtol=3e-4, atol=3e-5)
+    program = g.lower(*args)
+    assert_counters_equal_hlo(program, *args)
+    assert "ConvOperation" in {type(op).__name__ for op in program.graph.operations}
+    sites = g.counters.sites()
+    assert any(s.kind == "permute" for s in sites)  # halos
+    assert not [s for s in sites if s.kind == "allgather" and set(s.mesh_axes) & never_gathered]
+
+
+def test_the_h_split_stays_split_through_every_convolution_and_pooling():
+    """Every windowed op of the network and of its gradient runs with h split (none gathers it),
+    and no allgather runs at all: the activations' halos are all that moves, with the filter
+    gradients' sums."""
+    step = jax.value_and_grad(net, argnums=(0, 1, 2, 3))
+    g = mx.partition(step, MESH, in_shardings=(None, None, None, P(None, "y")))
+    program = g.lower(*NET)
+    windowed = [op for op in program.graph.operations if type(op).__name__ in WINDOWED]
+    assert len(windowed) == 13
+    for op in windowed:
+        full = op.inputs[0] if type(op).__name__ != "ConvInputGradOperation" else op.outputs[0]
+        assert program.lowering.layout_of(full).startswith("x[1]:y"), op
+    assert {s.kind for s in g.counters.sites()} == {"permute", "allreduce"}
+
+
+def test_forms_recover_the_forward_window():
+    """A strided, dilated, padded convolution's two gradients (JAX writes them as convolutions
+    with other params) are read back as the input and the filter gradient of the forward's
+    very window."""
+
+    def f(w, x):
+        return jnp.sum(conv(x, w, (2, 3), ((1, 2), (0, 1)), rhs_dilation=(1, 2)) ** 2)
+
+    w, x = normal(3, 2, 4, 5), normal(2, 17, 19, 4, seed=1)
+    flat = Flat(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(w, x))
+    forms = [conv_window(e) for e in flat.eqns if e.name == "conv_general_dilated"]
+    assert [f.kind for f in forms] == ["forward", "filter", "input"]
+    fwd, fil, inp = forms
+    assert (fwd.size, fwd.strides, fwd.dilations, fwd.padding) == ((3, 2), (2, 3), (1, 2), ((1, 2), (0, 1)))
+    assert (fwd.inputs, fwd.outputs) == ((17, 19), (9, 6))
+
+    def same(form, size, strides, dilations):  # (hi may be less: the padding no window reaches)
+        assert (form.size, form.strides, form.dilations) == (size, strides, dilations)
+        assert [lo for lo, _ in form.padding] == [lo for lo, _ in fwd.padding]
+        assert all(hi <= want for (_, hi), (_, want) in zip(form.padding, fwd.padding))
+
+    for form in (inp, fil):
+        same(form, fwd.size, fwd.strides, fwd.dilations)
+        assert (form.inputs, form.outputs) == (fwd.inputs, fwd.outputs)
+
+
+def test_what_runs_whole():
+    """Grouped convolutions and max pooling with padding (its padding is -inf, which a halo
+    from beyond the edge is not) keep their spatial axes whole, and are right."""
+
+    def grouped(w, x):
+        return jnp.sum(conv(x, w, (1, 1), feature_group_count=2) ** 2)
+
+    def same_max(x):
+        return jnp.sum(lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME"))
+
+    w, x = normal(3, 3, 2, 4), normal(2, 8, 8, 4, seed=1) - 3.0  # (negative: padding must not read as 0)
+    for fn, args in ((grouped, (w, x)), (same_max, (x,))):
+        step = jax.value_and_grad(fn, argnums=tuple(range(len(args))))
+        flat = Flat(jax.make_jaxpr(step)(*args))
+        forms = [conv_window(e) if e.name == "conv_general_dilated" else pool_window(e) for e in flat.eqns]
+        assert all(f is None for f in forms) and len(flat.eqns) > 3
+        g = mx.partition(step, MESH, in_shardings=(P(None, "y"),) * len(args))
+        assert_trees_close(g(*args), jax.jit(step)(*args), rtol=3e-4, atol=3e-5)
+
+
+def test_flax_cnn_split_in_space_trains_like_jax_jit():
+    """The Flax CNN (Conv, max and average pooling, LayerNorm, Dense), images split over both mesh
+    dims in space: one SGD step gives jax.jit's parameters, and its convolutions exchange halos."""
+    nn = pytest.importorskip("flax.linen")
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.max_pool(nn.relu(nn.Conv(4, (3, 3))(x)), (2, 2), (2, 2))
+            x = nn.avg_pool(nn.relu(nn.Conv(8, (3, 3))(x)), (2, 2), (2, 2))
+            return nn.Dense(10)(nn.LayerNorm()(x.reshape(x.shape[0], -1)))
+
+    model, opt = CNN(), optax.sgd(0.1)
+    x, y = jax.random.normal(jax.random.key(0), (4, 16, 16, 3)), jnp.arange(4) % 10
+    params = model.init(jax.random.key(1), x)
+
+    def step(params, opt_state, x, y):
+        def loss_fn(p):
+            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    f = mx.partition(step, MESH, in_shardings=(None, None, P(None, "x", "y"), None))
+    args = (params, opt.init(params), x, y)
+    assert_trees_close(f(*args), jax.jit(step)(*args), rtol=1e-5, atol=1e-6)
+    assert any(s.kind == "permute" and s.op_type == "ConvOperation" for s in f.counters.sites())
