@@ -57,6 +57,13 @@ def transposed(w, x):
     return jnp.sum(jnp.tanh(y))
 
 
+def transposed_padded(w, x):
+    y = lax.conv_transpose(
+        x, w, (2, 2), ((1, 2), (0, 1)), rhs_dilation=(1, 2), dimension_numbers=("NHWC", "HWIO", "NHWC")
+    )
+    return jnp.sum(jnp.tanh(y))
+
+
 def big_filter(w, x):
     return jnp.sum(conv(x, w, (1, 1), "VALID") ** 2)
 
@@ -71,7 +78,13 @@ CASES = {
     "NCHW": (nchw, (normal(8, 3, 3, 3), normal(2, 3, 16, 16, seed=1)), (None, P(None, None, "y")), {"y"}),
     "1-D, uneven": (one_d, (normal(3, 4, 4), normal(2, 30, 4, seed=1)), (None, P(None, "y")), set()),
     "3-D": (three_d, (normal(3, 3, 3, 2, 4), normal(2, 8, 16, 8, 2, seed=1)), (None, P(None, "x", "y")), {"x", "y"}),
-    "conv_transpose": (transposed, (normal(3, 3, 4, 2), normal(2, 8, 8, 4, seed=1)), (None, P(None, "y")), set()),
+    "conv_transpose": (transposed, (normal(3, 3, 4, 2), normal(2, 8, 8, 4, seed=1)), (None, P(None, "y")), {"y"}),
+    "conv_transpose, padded and dilated": (
+        transposed_padded,
+        (normal(3, 2, 4, 2), normal(2, 8, 8, 4, seed=1)),
+        (None, P(None, "y")),
+        set(),
+    ),
     "filter larger than the output": (
         big_filter,
         (normal(7, 7, 2, 3), normal(2, 12, 12, 2, seed=1)),
@@ -134,6 +147,15 @@ def test_forms_recover_the_forward_window():
     for form in (inp, fil):
         same(form, fwd.size, fwd.strides, fwd.dilations)
         assert (form.inputs, form.outputs) == (fwd.inputs, fwd.outputs)
+
+    def g(w, x):  # a transposed convolution (input dilation): the transpose of that same window
+        return jnp.sum(lax.conv_transpose(x, w, (2, 3), ((1, 2), (0, 1)), rhs_dilation=(1, 2)) ** 2)
+
+    w, y = normal(3, 2, 4, 5), normal(2, 7, 5, 4, seed=1)
+    flat = Flat(jax.make_jaxpr(jax.grad(g, argnums=(0, 1)))(w, y))
+    forms = [conv_window(e) for e in flat.eqns if e.name == "conv_general_dilated"]
+    assert [f.kind for f in forms] == ["input", "flipped filter", "forward"]
+    assert len({(f.size, f.strides, f.dilations, f.padding, f.inputs, f.outputs) for f in forms}) == 1
 
 
 def test_what_runs_whole():

@@ -265,8 +265,9 @@ def conv_roles(e) -> Roles:
         lr[lhs_spec[1]] = rr[rhs_spec[1]] = "i"
     form = conv_window(e)
     if form is not None:
-        other = rr if form.kind == "filter" else out
-        for j, (i, o) in enumerate(zip(lhs_spec[2:], (rhs_spec if form.kind == "filter" else out_spec)[2:])):
+        filter_gradient = form.kind in ("filter", "flipped filter")  # (input and cotangent windowed alike)
+        other = rr if filter_gradient else out
+        for j, (i, o) in enumerate(zip(lhs_spec[2:], (rhs_spec if filter_gradient else out_spec)[2:])):
             lr[i] = other[o] = spatial_role(j)
     return [lr, rr], [out]
 

@@ -13,11 +13,13 @@ of three things, read from its params (`conv_window`):
 - **filter gradient**: the input convolved with the cotangent, whose spatial axes are larger
   than the result's: the "filter" is the cotangent, the result is the filter's size. The input's
   and the cotangent's spatial axes are split together and summed (`ConvFilterGradOperation`).
+  A transposed convolution's (`conv_transpose`: input dilation) filter gradient dilates its
+  input instead, the small one, and comes out flipped ("flipped filter").
 
 Max, min and sum pooling (`reduce_window_*`) and max pooling's gradient (`select_and_scatter_add`)
 become `PoolOperation` and `PoolGradOperation` (`pool_window`). Anything else (grouped
-convolutions, strides with input dilation, max pooling with padding, average pooling's gradient,
-which JAX writes as an interior `pad`) runs with its spatial axes whole.
+convolutions, strides with input dilation, negative padding, max pooling with padding, average
+pooling's gradient, which JAX writes as an interior `pad`) runs with its spatial axes whole.
 
 `roles` reads the same forms, so that the axes a form windows share one dim name.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -74,8 +77,73 @@ def _count(n: int, pad: tuple[int, int], extent: int, stride: int) -> int:
     return (total - extent) // stride + 1 if total >= extent else 0
 
 
+class _Params(NamedTuple):
+    """A convolution's spatial sizes and params per spatial dim: input, filter, result."""
+
+    lsz: tuple[int, ...]
+    rsz: tuple[int, ...]
+    osz: tuple[int, ...]
+    ws: tuple[int, ...]  # window strides
+    ld: tuple[int, ...]  # input (lhs) dilation
+    rd: tuple[int, ...]  # filter (rhs) dilation
+    pads: tuple[tuple[int, int], ...]
+    axes: tuple[int, ...]  # the input's spatial axes
+
+
+def _forward(c: _Params) -> Form | None:
+    if any(d != 1 for d in c.ld) or any(lo < 0 or hi < 0 for lo, hi in c.pads):
+        return None
+    return Form("forward", c.axes, c.rsz, c.ws, c.rd, c.pads, c.lsz, c.osz)
+
+
+def _input(c: _Params) -> Form | None:
+    """The transpose of a convolution strided by ld (padding extent - 1 - lo) over the result."""
+    if any(s != 1 for s in c.ws):
+        return None
+    ext = [_extent(r, d) for r, d in zip(c.rsz, c.rd)]
+    # (a negative hi crops inputs no window reaches where the stride leaves a remainder; so
+    # does no padding)
+    fwd = tuple((x - 1 - lo, max(0, x - 1 - hi)) for x, (lo, hi) in zip(ext, c.pads))
+    if any(lo < 0 for lo, _ in fwd) or any(
+        _count(n, pad, x, s) != m for n, pad, x, s, m in zip(c.osz, fwd, ext, c.ld, c.lsz)
+    ):
+        return None
+    return Form("input", c.axes, c.rsz, c.ld, c.rd, fwd, c.osz, c.lsz)
+
+
+def _filter(c: _Params) -> Form | None:
+    """The filter gradient of a convolution (window: the result's size) of the input, whose
+    output is the filter here (the cotangent)."""
+    if any(d != 1 for d in c.ld) or any(lo < 0 for lo, _ in c.pads):
+        return None
+    ext = [_extent(o, s) for o, s in zip(c.osz, c.ws)]
+    # (the forward's hi: the padding its last window reaches, if any; the given one differs)
+    his = [max(0, (r - 1) * d + x - n - lo) for r, d, x, n, (lo, _) in zip(c.rsz, c.rd, ext, c.lsz, c.pads)]
+    fwd = tuple((lo, hi) for (lo, _), hi in zip(c.pads, his))
+    if any(_count(n, pad, x, d) != r for n, pad, x, d, r in zip(c.lsz, fwd, ext, c.rd, c.rsz)):
+        return None
+    return Form("filter", c.axes, c.osz, c.rd, c.ws, fwd, c.lsz, c.rsz)
+
+
+def _flipped_filter(c: _Params) -> Form | None:
+    """The filter gradient, flipped, of a convolution strided by ld over the filter (here: the
+    cotangent of a transposed convolution) whose output is the input (dilated here)."""
+    if any(d != 1 for d in c.rd):
+        return None
+    ext = [_extent(o, s) for o, s in zip(c.osz, c.ws)]
+    los = [x - 1 - lo for x, (lo, _) in zip(ext, c.pads)]
+    his = [max(0, (m - 1) * s + x - n - lo) for m, s, x, n, lo in zip(c.lsz, c.ld, ext, c.rsz, los)]
+    fwd = tuple(zip(los, his))
+    if any(lo < 0 for lo in los) or any(
+        _count(n, pad, x, s) != m for n, pad, x, s, m in zip(c.rsz, fwd, ext, c.ld, c.lsz)
+    ):
+        return None
+    return Form("flipped filter", c.axes, c.osz, c.ld, c.ws, fwd, c.rsz, c.lsz)
+
+
 def conv_window(e) -> Form | None:
-    """The form of a conv_general_dilated (see the module), or None where it runs whole."""
+    """The form of a conv_general_dilated (see the module), or None where it runs whole. Where
+    the filter operand is larger than the result, it is a filter gradient's cotangent."""
     p = e.params
     lhs, rhs = e.ins
     out = e.outs[0]
@@ -84,39 +152,27 @@ def conv_window(e) -> Form | None:
     if not (lhs.aval.dtype == rhs.aval.dtype == out.aval.dtype):
         return None
     lhs_spec, rhs_spec, out_spec = p["dimension_numbers"]
-    k = len(lhs_spec) - 2
-    if not 1 <= k <= 3:
+    if not 1 <= len(lhs_spec) - 2 <= 3:
         return None
-    lsz = tuple(int(lhs.aval.shape[i]) for i in lhs_spec[2:])
-    rsz = tuple(int(rhs.aval.shape[i]) for i in rhs_spec[2:])
-    osz = tuple(int(out.aval.shape[i]) for i in out_spec[2:])
-    ws, ld, rd = tuple(p["window_strides"]), tuple(p["lhs_dilation"]), tuple(p["rhs_dilation"])
-    pads = tuple((int(lo), int(hi)) for lo, hi in p["padding"])
-    axes = tuple(lhs_spec[2:])
-    if any(d != 1 for d in ld):  # the transpose of a convolution strided by ld
-        if any(s != 1 for s in ws):
-            return None
-        ext = [_extent(r, d) for r, d in zip(rsz, rd)]
-        # (a negative hi crops inputs that no window reaches when the stride leaves a remainder:
-        # no padding reaches none of them either)
-        fwd = tuple((x - 1 - lo, max(0, x - 1 - hi)) for x, (lo, hi) in zip(ext, pads))
-        if any(lo < 0 for lo, _ in fwd) or any(
-            _count(n, pad, x, s) != m for n, pad, x, s, m in zip(osz, fwd, ext, ld, lsz)
-        ):
-            return None
-        return Form("input", axes, rsz, ld, rd, fwd, osz, lsz)
-    if any(lo < 0 for lo, _ in pads):
-        return None
-    if math.prod(rsz) > math.prod(osz):  # the cotangent as the filter: a filter gradient
-        ext = [_extent(o, s) for o, s in zip(osz, ws)]
-        # (the forward's hi: the padding its last window reaches, if any; the given one differs)
-        his = [max(0, (r - 1) * d + x - n - lo) for r, d, x, n, (lo, _) in zip(rsz, rd, ext, lsz, pads)]
-        fwd = tuple((lo, hi) for (lo, _), hi in zip(pads, his))
-        if all(_count(n, pad, x, d) == r for n, pad, x, d, r in zip(lsz, fwd, ext, rd, rsz)):
-            return Form("filter", axes, osz, rd, ws, fwd, lsz, rsz)
-    if any(hi < 0 for _, hi in pads):
-        return None
-    return Form("forward", axes, rsz, ws, rd, pads, lsz, osz)
+    c = _Params(
+        tuple(int(lhs.aval.shape[i]) for i in lhs_spec[2:]),
+        tuple(int(rhs.aval.shape[i]) for i in rhs_spec[2:]),
+        tuple(int(out.aval.shape[i]) for i in out_spec[2:]),
+        tuple(p["window_strides"]),
+        tuple(p["lhs_dilation"]),
+        tuple(p["rhs_dilation"]),
+        tuple((int(lo), int(hi)) for lo, hi in p["padding"]),
+        tuple(lhs_spec[2:]),
+    )
+    gradient = math.prod(c.rsz) > math.prod(c.osz)
+    dilated = any(d != 1 for d in c.ld)
+    forms = {
+        (False, False): [_forward],
+        (False, True): [_filter, _forward],
+        (True, False): [_input, _flipped_filter],
+        (True, True): [_flipped_filter, _input],
+    }[(dilated, gradient)]
+    return next((f for f in map(lambda form: form(c), forms) if f is not None), None)
 
 
 _POOLS = {"reduce_window_max": "max", "reduce_window_min": "min", "reduce_window_sum": "sum"}
@@ -207,11 +263,16 @@ def conv(e, ins: list[Tensor], outs: list[Shape]) -> list[Tensor] | None:
         f = _flip(_ordered(b, (*rhs_spec[2:], rhs_spec[0], rhs_spec[1])), k)
         x_shape = _shape(outs[0], (out_spec[0], *out_spec[2:], out_spec[1]))
         return ConvInputGradOperation(f, g, x_shape, window, name="conv_general_dilated").outputs
-    x, g = _ordered(a, (lhs_spec[1], *sp, lhs_spec[0])), _ordered(b, (rhs_spec[1], *rhs_spec[2:], rhs_spec[0]))
-    f_shape = _shape(outs[0], (*out_spec[2:], out_spec[0], out_spec[1]))
+    x = _ordered(a, (lhs_spec[1], *sp, lhs_spec[0]))  # (batch and features swapped: N is summed)
+    g = _ordered(b, (rhs_spec[1], *rhs_spec[2:], rhs_spec[0]))
+    f_order = (*out_spec[2:], out_spec[0], out_spec[1])
+    if form.kind == "flipped filter":  # (the full-resolution tensor is the filter operand here)
+        x, g, f_order = g, x, (*out_spec[2:], out_spec[1], out_spec[0])
+    f_shape = _shape(outs[0], f_order)
     if set(f_shape.dimension_names[:k]) & set(x.shape.dimension_names):
         return None  # (the filter's window shares a name with the input: keep it whole)
-    return ConvFilterGradOperation(x, g, f_shape, window, name="conv_general_dilated").outputs
+    df = ConvFilterGradOperation(x, g, f_shape, window, name="conv_general_dilated").outputs[0]
+    return [_flip(df, k) if form.kind == "flipped filter" else df]
 
 
 def pool(e, ins: list[Tensor], outs: list[Shape]) -> list[Tensor] | None:
