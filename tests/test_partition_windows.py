@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import meshax as mx
 from meshax.jaxpr.flatten import Flat
-from meshax.jaxpr.windows import conv_window, pool_window
+from meshax.jaxpr.windows import conv_window
 from tests.test_partition import MESH, assert_counters_equal_hlo, assert_trees_close
 
 WINDOWED = {"ConvOperation", "ConvInputGradOperation", "ConvFilterGradOperation", "PoolOperation", "PoolGradOperation"}
@@ -158,24 +158,41 @@ def test_forms_recover_the_forward_window():
     assert len({(f.size, f.strides, f.dilations, f.padding, f.inputs, f.outputs) for f in forms}) == 1
 
 
-def test_what_runs_whole():
-    """Grouped convolutions and max pooling with padding (its padding is -inf, which a halo
-    from beyond the edge is not) keep their spatial axes whole, and are right."""
+def test_grouped_convolutions_run_whole():
+    """Grouped convolutions (and their gradients, which JAX writes with batch groups) keep their
+    spatial axes whole, and are right."""
 
     def grouped(w, x):
         return jnp.sum(conv(x, w, (1, 1), feature_group_count=2) ** 2)
 
-    def same_max(x):
-        return jnp.sum(lax.reduce_window(x, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "SAME"))
+    w, x = normal(3, 3, 2, 4), normal(2, 8, 8, 4, seed=1)
+    step = jax.value_and_grad(grouped, argnums=(0, 1))
+    flat = Flat(jax.make_jaxpr(step)(w, x))
+    assert all(conv_window(e) is None for e in flat.eqns if e.name == "conv_general_dilated")
+    g = mx.partition(step, MESH, in_shardings=(None, P(None, "y")))
+    assert_trees_close(g(w, x), jax.jit(step)(w, x), rtol=3e-4, atol=3e-5)
 
-    w, x = normal(3, 3, 2, 4), normal(2, 8, 8, 4, seed=1) - 3.0  # (negative: padding must not read as 0)
-    for fn, args in ((grouped, (w, x)), (same_max, (x,))):
-        step = jax.value_and_grad(fn, argnums=tuple(range(len(args))))
-        flat = Flat(jax.make_jaxpr(step)(*args))
-        forms = [conv_window(e) if e.name == "conv_general_dilated" else pool_window(e) for e in flat.eqns]
-        assert all(f is None for f in forms) and len(flat.eqns) > 3
-        g = mx.partition(step, MESH, in_shardings=(P(None, "y"),) * len(args))
-        assert_trees_close(g(*args), jax.jit(step)(*args), rtol=3e-4, atol=3e-5)
+
+@pytest.mark.parametrize("kind", ["max", "min"])
+@pytest.mark.parametrize("stride", [1, 2])
+def test_padded_max_and_min_pooling_read_the_padding_as_the_identity(kind, stride):
+    """SAME max pooling (3x3: stride 2 as in a ResNet's stem) on negative values split in space:
+    the padding at the image's edges reads as -inf (+inf for min), not as the zeros a halo
+    brings from beyond them."""
+    op, init = (lax.max, -jnp.inf) if kind == "max" else (lax.min, jnp.inf)
+
+    def pool(x):
+        y = lax.reduce_window(x, init, op, (1, 3, 3, 1), (1, stride, stride, 1), "SAME")
+        return jnp.sum(y * jnp.arange(y.shape[2], dtype=y.dtype)[:, None])
+
+    x = normal(2, 16, 16, 3, seed=4) + (-4.0 if kind == "max" else 4.0)  # (all one sign: a 0 would win)
+    step = jax.value_and_grad(pool)
+    g = mx.partition(step, MESH, in_shardings=(P(None, "x", "y"),))
+    assert_trees_close(g(x), jax.jit(step)(x), rtol=3e-4, atol=3e-5)
+    program = g.lower(x)
+    assert {"PoolOperation", "PoolGradOperation"} <= {type(op).__name__ for op in program.graph.operations}
+    assert not [s for s in g.counters.sites() if s.kind == "allgather"]
+    assert_counters_equal_hlo(program, x)
 
 
 def test_flax_cnn_split_in_space_trains_like_jax_jit():

@@ -17,9 +17,10 @@ of three things, read from its params (`conv_window`):
   input instead, the small one, and comes out flipped ("flipped filter").
 
 Max, min and sum pooling (`reduce_window_*`) and max pooling's gradient (`select_and_scatter_add`)
-become `PoolOperation` and `PoolGradOperation` (`pool_window`). Anything else (grouped
-convolutions, strides with input dilation, negative padding, max pooling with padding, average
-pooling's gradient, which JAX writes as an interior `pad`) runs with its spatial axes whole.
+become `PoolOperation` and `PoolGradOperation` (`pool_window`; a max's padding reads as -inf:
+those ops set what a halo brings from beyond a dim's ends so). Anything else (grouped
+convolutions, strides with input dilation, negative padding, average pooling's gradient, which
+JAX writes as an interior `pad`) runs with its spatial axes whole.
 
 `roles` reads the same forms, so that the axes a form windows share one dim name.
 """
@@ -196,8 +197,6 @@ def pool_window(e) -> Form | None:
     dil = p.get("window_dilation") or (1,) * n
     axes = tuple(i for i in range(n) if (dims[i], strides[i], tuple(pads[i]), dil[i]) != (1, 1, (0, 0), 1))
     if not axes or len(axes) == n or len(axes) > 3:  # (the ops need a channel axis)
-        return None
-    if kind != "sum" and any(tuple(pads[i]) != (0, 0) for i in axes):  # padding there is -inf, not 0
         return None
     return Form(
         kind,

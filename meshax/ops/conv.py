@@ -416,8 +416,8 @@ class PoolOperation(_Windowed):
 
     def lower(self, ctx):
         (x,), (y,) = self.inputs, self.outputs
-        _, (_, yl), (xv,), halos, pads = self._prepare(ctx, data=0, windowed=1)
-        ext = _extend(ctx, xv.slices, halos)
+        _, (xl, yl), (xv,), halos, pads = self._prepare(ctx, data=0, windowed=1)
+        ext = _pool_input(ctx, self.kind, x.shape, xl, xv.slices, halos)
         result = ctx.slicewise(
             lambda e, *starts: _pool(_window_of(e, starts, halos), self.window, pads, self.kind, x.shape.rank),
             ext,
@@ -447,15 +447,44 @@ class PoolGradOperation(_Windowed):
 
     def lower(self, ctx):
         (x, g), (dx,) = self.inputs, self.outputs
-        _, (_, gl, dxl), (xv, gv), halos, pads = self._prepare(ctx, data=0, windowed=1)
+        _, (xl, gl, dxl), (xv, gv), halos, pads = self._prepare(ctx, data=0, windowed=1)
 
         def vjp(e, gk, *starts):
             pool = lambda a: _pool(_window_of(a, starts, halos), self.window, pads, self.kind, x.shape.rank)  # noqa: E731
             return jax.vjp(pool, e)[1](gk)[0]
 
-        ext = ctx.slicewise(vjp, _extend(ctx, xv.slices, halos), gv, *[h.start for h in halos])
+        ext = ctx.slicewise(
+            vjp, _pool_input(ctx, self.kind, x.shape, xl, xv.slices, halos), gv, *[h.start for h in halos]
+        )
         ctx.add_flops(ctx.local_size(g, gl) * math.prod(self.window.size))
         ctx.set_output(dx, _unextend(ctx, ext, halos), dxl)
+
+
+def _identity(kind: str, dtype):
+    """What a max or min pooling's padding reads as: -inf (the dtype's least) for max."""
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return np.array(-np.inf if kind == "max" else np.inf, dtype)
+    return np.array(getattr(jnp.iinfo(dtype), "min" if kind == "max" else "max"), dtype)
+
+
+def _pool_input(ctx, kind: str, x_shape: Shape, x_layout, slices: list, halos: list[_Halo]) -> list:
+    """x's slices extended by their halos; for a max or min, the values beyond the ends of a
+    split dim (the zeros a halo brings from no neighbour, an uneven split's padding) set to
+    the identity, as the op's own padding reads."""
+    ext = _extend(ctx, slices, halos)
+    if kind not in ("max", "min"):
+        return ext
+    begins = ctx.slice_begins(x_shape, x_layout)
+    fill = _identity(kind, ext[0].dtype)
+    for h in halos:
+
+        def mask(e, begin, h=h, n=x_shape[h.dim].size):
+            index = begin - h.left + jnp.arange(e.shape[h.dim])
+            inside = ((index >= 0) & (index < n)).reshape([-1 if i == h.dim else 1 for i in range(e.ndim)])
+            return jnp.where(inside, e, fill)
+
+        ext = ctx.slicewise(mask, ext, begins[h.dim])
+    return ext
 
 
 def _pool(x, w: Window, pads, kind: str, rank: int):
@@ -468,12 +497,8 @@ def _pool(x, w: Window, pads, kind: str, rank: int):
     padding = [(0, 0)] * (rank - k - 1) + list(pads) + [(0, 0)]
     if kind in ("max", "min"):
         # (a concrete init value, so that JAX knows the monoid and can differentiate it)
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            init = np.array(-np.inf if kind == "max" else np.inf, x.dtype)
-        else:
-            init = np.array(getattr(jnp.iinfo(x.dtype), "min" if kind == "max" else "max"), x.dtype)
         fn = jax.lax.max if kind == "max" else jax.lax.min
-        return jax.lax.reduce_window(x, init, fn, dims, strides, padding, None, dil)
+        return jax.lax.reduce_window(x, _identity(kind, x.dtype), fn, dims, strides, padding, None, dil)
     total = jax.lax.reduce_window(x, np.zeros((), x.dtype), jax.lax.add, dims, strides, padding, None, dil)
     return total if kind == "sum" else total / math.prod(w.size)
 
