@@ -50,11 +50,11 @@ from meshax.ops.slicewise import SlicewiseOperation
 
 @dataclasses.dataclass(frozen=True)
 class Form:
-    """What a windowed equation computes: its kind, the windowed axes (of the full-resolution
-    operand), and the forward window per axis (size, strides, dilations, padding, the input and
-    output sizes), as meshax's `Window` holds it."""
+    """What a windowed equation computes: its kind, the windowed axes (of its first operand; of
+    the pooled one for a pooling's gradient), and the forward window per axis (size, strides,
+    dilations, padding, the input and output sizes), as meshax's `Window` holds it."""
 
-    kind: str  # "forward", "input" or "filter" (a convolution); "max", "min" or "sum" (pooling)
+    kind: str  # a convolution's "forward", "input", "filter", "flipped filter"; a pooling's "max", "min", "sum"
     axes: tuple[int, ...]
     size: tuple[int, ...]
     strides: tuple[int, ...]

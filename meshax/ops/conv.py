@@ -489,7 +489,7 @@ def _pool_input(ctx, kind: str, x_shape: Shape, x_layout, slices: list, halos: l
 
 def _pool(x, w: Window, pads, kind: str, rank: int):
     """The local pooling of x [..., spatial..., channel] (`kind`: max, min, avg or sum) over
-    windows of w, `pads` zero padding per spatial dim."""
+    windows of w, with `pads` padding per spatial dim (read as the kind's identity)."""
     k = len(w.names)
     dims = (1,) * (rank - k - 1) + w.size + (1,)
     strides = (1,) * (rank - k - 1) + w.strides + (1,)
