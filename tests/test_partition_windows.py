@@ -17,7 +17,14 @@ from meshax.jaxpr.flatten import Flat
 from meshax.jaxpr.windows import conv_window
 from tests.test_partition import MESH, assert_counters_equal_hlo, assert_trees_close
 
-WINDOWED = {"ConvOperation", "ConvInputGradOperation", "ConvFilterGradOperation", "PoolOperation", "PoolGradOperation"}
+WINDOWED = {
+    "ConvOperation",
+    "ConvInputGradOperation",
+    "ConvFilterGradOperation",
+    "PoolOperation",
+    "PoolGradOperation",
+    "PoolTransposeOperation",
+}
 
 
 def normal(*shape, seed=0):
@@ -72,8 +79,7 @@ NET = (normal(3, 3, 3, 4), normal(3, 3, 4, 8, seed=1) * 0.3, normal(1, 1, 8, 2, 
 # (function, arguments, in_shardings, the mesh dims that split space and are never allgathered)
 CASES = {
     "h over y": (net, NET, (None, None, None, P(None, "y")), {"y"}),
-    # (the sum pooling's gradient, an interior `pad`, gathers w)
-    "batch over x, w over y": (net, NET, (None, None, None, P("x", None, "y")), set()),
+    "batch over x, w over y": (net, NET, (None, None, None, P("x", None, "y")), {"y"}),
     "h over x, w over y": (net, NET, (None, None, None, P(None, "x", "y")), {"x"}),
     "NCHW": (nchw, (normal(8, 3, 3, 3), normal(2, 3, 16, 16, seed=1)), (None, P(None, None, "y")), {"y"}),
     "1-D, uneven": (one_d, (normal(3, 4, 4), normal(2, 30, 4, seed=1)), (None, P(None, "y")), set()),
@@ -158,6 +164,26 @@ def test_forms_recover_the_forward_window():
     assert len({(f.size, f.strides, f.dilations, f.padding, f.inputs, f.outputs) for f in forms}) == 1
 
 
+@pytest.mark.parametrize("padding", ["VALID", "SAME", ((0, 0), (1, 2), (0, 1), (0, 0))])
+def test_average_pooling_and_its_gradient_stay_split(padding):
+    """Average pooling's gradient is a pad of the cotangent (interior padding: the strides) read
+    by a stride-1 sum: one transposed sum pooling, halos summed back to their owners."""
+
+    def avg(x):
+        y = lax.reduce_window(x, 0.0, lax.add, (1, 3, 2, 1), (1, 2, 2, 1), padding) / 6
+        return jnp.sum(jnp.sin(y) * jnp.arange(y.shape[1], dtype=y.dtype)[:, None, None])
+
+    x = normal(2, 16, 16, 3, seed=5)
+    step = jax.value_and_grad(avg)
+    flat = Flat(jax.make_jaxpr(step)(x))
+    assert [e.name for e in flat.eqns].count("sum_pool_transpose") == 1
+    g = mx.partition(step, MESH, in_shardings=(P(None, "x", "y"),))
+    assert_trees_close(g(x), jax.jit(step)(x), rtol=3e-4, atol=3e-5)
+    program = g.lower(x)
+    assert_counters_equal_hlo(program, x)
+    assert "PoolTransposeOperation" in {type(op).__name__ for op in program.graph.operations}
+
+
 def test_grouped_convolutions_run_whole():
     """Grouped convolutions (and their gradients, which JAX writes with batch groups) keep their
     spatial axes whole, and are right."""
@@ -222,7 +248,12 @@ def test_flax_cnn_split_in_space_trains_like_jax_jit():
     f = mx.partition(step, MESH, in_shardings=(None, None, P(None, "x", "y"), None))
     args = (params, opt.init(params), x, y)
     assert_trees_close(f(*args), jax.jit(step)(*args), rtol=1e-5, atol=1e-6)
-    assert any(s.kind == "permute" and s.op_type == "ConvOperation" for s in f.counters.sites())
+    sites = f.counters.sites()
+    assert any(s.kind == "permute" and s.op_type == "ConvOperation" for s in sites)
+    # no windowed op gathers (average pooling's gradient included: a pad and a sum, fused); the
+    # Dense layer takes the flattened features whole
+    assert "PoolTransposeOperation" in {type(op).__name__ for op in f.lower(*args).graph.operations}
+    assert not [s for s in sites if s.kind == "allgather" and s.op_type in WINDOWED]
 
 
 def test_flax_unet_split_in_space_trains_like_jax_jit():

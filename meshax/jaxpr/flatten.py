@@ -17,6 +17,8 @@ import jaxlib
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from meshax.jaxpr.windows import pool_window
+
 # Call-like primitives whose body is inlined, and the param holding it.
 _CALLS = {
     "jit": "jaxpr",
@@ -93,7 +95,7 @@ class Flat:
         env: dict = {}
         self._walk(closed.jaxpr, env, replicated, source)
         self.outvars = [_read(env, v) for v in closed.jaxpr.outvars]
-        self.eqns = _live(self.eqns, self.outvars)
+        self.eqns = _fuse_sum_pool_transposes(_live(self.eqns, self.outvars), self.outvars)
 
     def _walk(self, jaxpr, env: dict, replicated: bool, outer: str) -> None:
         """Append jaxpr's equations; `env` maps its variables to the atoms that stand for them
@@ -164,6 +166,45 @@ def _live(eqns: list[Eqn], outvars: list) -> list[Eqn]:
             kept.append(e)
             live.update(a for a in e.ins if is_var(a))
     return kept[::-1]
+
+
+class _Fused:
+    """The stand-in primitive of equations fused here (emitted by a handler, never bound)."""
+
+    multiple_results = False
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+SUM_POOL_TRANSPOSE = _Fused("sum_pool_transpose")
+
+
+def _fuse_sum_pool_transposes(eqns: list[Eqn], outvars: list) -> list[Eqn]:
+    """JAX writes a sum (or average) pooling's gradient as a `pad` of the cotangent (its interior
+    padding the strides) read only by a stride-1 `reduce_window_sum`: the pair becomes one
+    `sum_pool_transpose` equation of the cotangent, params the pad's and the sum's, which
+    `windows` emits as one windowed op (the pad alone would gather its axes)."""
+    readers: dict = {}
+    for e in eqns:
+        for a in e.ins:
+            if is_var(a):
+                readers[a] = readers.get(a, 0) + 1
+    for v in outvars:
+        if is_var(v):
+            readers[v] = readers.get(v, 0) + 2  # (a result: never fused away)
+    pads = {e.outs[0]: e for e in eqns if e.name == "pad" and not e.replicated and is_var(e.outs[0])}
+    fused, out = set(), []
+    for e in eqns:
+        pad = pads.get(e.ins[0]) if e.name == "reduce_window_sum" and not e.replicated else None
+        if pad is not None and readers.get(pad.outs[0]) == 1 and not is_var(pad.ins[1]) and not pad.ins[1].val:
+            params = {"padding_config": pad.params["padding_config"], **e.params}
+            pair = dataclasses.replace(e, primitive=SUM_POOL_TRANSPOSE, ins=[pad.ins[0]], params=params)
+            if pool_window(pair) is not None:  # (else the two run as they are)
+                fused.add(id(pad))
+                e = pair
+        out.append(e)
+    return [e for e in out if id(e) not in fused]
 
 
 def _read(env: dict, atom):

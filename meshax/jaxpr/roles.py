@@ -382,6 +382,7 @@ RULES: dict[str, Callable] = {
     "while": _while,
     "cond": _nothing,  # (its operands and results are tied to its branches': `loop_ties`)
     "select_and_gather_add": _window,
+    "sum_pool_transpose": _window,  # (a pad and a reduce_window_sum: `flatten`)
 }
 
 

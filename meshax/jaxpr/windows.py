@@ -18,9 +18,10 @@ of three things, read from its params (`conv_window`):
 
 Max, min and sum pooling (`reduce_window_*`) and max pooling's gradient (`select_and_scatter_add`)
 become `PoolOperation` and `PoolGradOperation` (`pool_window`; a max's padding reads as -inf:
-those ops set what a halo brings from beyond a dim's ends so). Anything else (grouped
-convolutions, strides with input dilation, negative padding, average pooling's gradient, which
-JAX writes as an interior `pad`) runs with its spatial axes whole.
+those ops set what a halo brings from beyond a dim's ends so). Sum and average pooling's
+gradient, which JAX writes as an interior `pad` summed by a `reduce_window_sum` (`flatten`
+fuses the pair), becomes `PoolTransposeOperation`. Anything else (grouped convolutions, strides
+with input dilation, negative padding) runs with its spatial axes whole.
 
 `roles` reads the same forms, so that the axes a form windows share one dim name.
 """
@@ -43,6 +44,7 @@ from meshax.ops.conv import (
     ConvOperation,
     PoolGradOperation,
     PoolOperation,
+    PoolTransposeOperation,
     Window,
 )
 from meshax.ops.slicewise import SlicewiseOperation
@@ -177,12 +179,42 @@ def conv_window(e) -> Form | None:
 
 
 _POOLS = {"reduce_window_max": "max", "reduce_window_min": "min", "reduce_window_sum": "sum"}
-POOLS = (*_POOLS, "select_and_scatter_add")  # (the primitives `pool` maps)
+POOLS = (*_POOLS, "select_and_scatter_add", "sum_pool_transpose")  # (the primitives `pool` maps)
+
+
+def _sum_pool_transpose(e) -> Form | None:
+    """The window of a sum pooling whose transpose `flatten` fused (a `pad` of the cotangent, its
+    interior padding the strides, summed by a stride-1 `reduce_window_sum`): the pad's padding
+    is `extent - 1 - lo`, as for a convolution's input gradient."""
+    p = e.params
+    (g,), out = e.ins, e.outs[0]
+    n = len(g.aval.shape)
+    config, dims, dil = p["padding_config"], p["window_dimensions"], p.get("window_dilation") or (1,) * n
+    if any(s != 1 for s in p["window_strides"]) or any(tuple(q) != (0, 0) for q in p["padding"]):
+        return None
+    if any(d != 1 for d in p.get("base_dilation") or ()) or any(lo < 0 or hi < 0 for lo, hi, _ in config):
+        return None
+    axes = tuple(i for i in range(n) if (tuple(config[i]), dims[i], dil[i]) != ((0, 0, 0), 1, 1))
+    if not axes or len(axes) == n or len(axes) > 3:
+        return None
+    size = tuple(int(dims[i]) for i in axes)
+    ext = [_extent(k, int(dil[i])) for k, i in zip(size, axes)]
+    pads = tuple((x - 1 - int(config[i][0]), max(0, x - 1 - int(config[i][1]))) for x, i in zip(ext, axes))
+    strides = tuple(int(config[i][2]) + 1 for i in axes)
+    inputs = tuple(int(out.aval.shape[i]) for i in axes)
+    outputs = tuple(int(g.aval.shape[i]) for i in axes)
+    if any(lo < 0 for lo, _ in pads) or any(
+        _count(m, pad, x, s) != o for m, pad, x, s, o in zip(inputs, pads, ext, strides, outputs)
+    ):
+        return None
+    return Form("sum", axes, size, strides, tuple(int(dil[i]) for i in axes), pads, inputs, outputs, grad=True)
 
 
 def pool_window(e) -> Form | None:
     """The form of a pooling equation (see the module), or None where it runs whole."""
     p = e.params
+    if e.name == "sum_pool_transpose":
+        return _sum_pool_transpose(e)
     if e.name == "select_and_scatter_add":
         kind = {"ge": "max", "le": "min"}.get(getattr(p["select_prim"], "name", ""))
         out, x = e.ins  # (the cotangent, at the pooling's output size, and the pooled operand)
@@ -285,6 +317,8 @@ def pool(e, ins: list[Tensor], outs: list[Shape]) -> list[Tensor] | None:
     order = (*rest[:-1], *form.axes, rest[-1])
     xo = _ordered(x, order)
     window = form.window([x.shape.dims[i].name for i in form.axes])
+    if e.name == "sum_pool_transpose":  # (x is the cotangent: the result is the full resolution)
+        return PoolTransposeOperation(xo, _shape(outs[0], order), window, name=e.name).outputs
     if form.grad:
         return PoolGradOperation(xo, _ordered(ins[0], order), window, form.kind, name=e.name).outputs
     return PoolOperation(xo, window, form.kind, name=e.name).outputs

@@ -460,6 +460,39 @@ class PoolGradOperation(_Windowed):
         ctx.set_output(dx, _unextend(ctx, ext, halos), dxl)
 
 
+class PoolTransposeOperation(_Windowed):
+    """The transpose of a sum pooling (its input gradient; average pooling's, before the
+    division): each device's cotangent block spread over its extended input window, the halos
+    sent back to their owners and added there. It reads no input values, so moves none."""
+
+    exchanges = ((1, 0, 1),)  # (the result extended, summed back)
+
+    def __init__(self, g: Tensor, x_shape: Shape, window: Window, name=None):
+        super().__init__([g], name=name or "sum_pool_transpose")
+        self.window = window
+        self._add_output(x_shape, g.dtype)
+
+    def sharding_rule(self) -> ShardingRule:
+        """By name; spatial dims windowed."""
+        return self._windowed_rule(None)
+
+    def lower(self, ctx):
+        (g,), (dx,) = self.inputs, self.outputs
+        run, (gl, dxl), (gv,), halos, pads = self._prepare(ctx, data=1, windowed=0)
+        local = slice_shape(dx.shape, dxl, ctx.mesh_shape)
+        for h in halos:
+            local[h.dim] += h.left + h.right
+
+        def transpose(gk, *starts):
+            ext = jax.ShapeDtypeStruct(tuple(local), gk.dtype)
+            pool = lambda e: _pool(_window_of(e, starts, halos), self.window, pads, "sum", dx.shape.rank)  # noqa: E731
+            return jax.linear_transpose(pool, ext)(gk)[0]
+
+        ext = ctx.slicewise(transpose, gv, *[h.start for h in halos])
+        ctx.add_flops(ctx.local_size(g, gl) * math.prod(self.window.size))
+        ctx.set_output(dx, _unextend(ctx, ext, halos), dxl, run.pending)
+
+
 def _identity(kind: str, dtype):
     """What a max or min pooling's padding reads as: -inf (the dtype's least) for max."""
     if jnp.issubdtype(dtype, jnp.inexact):
