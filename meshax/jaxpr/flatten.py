@@ -3,6 +3,8 @@
 Each equation keeps its primitive, params, operands (a `Var` or a `Literal`), results and the
 user's source line. Inlining maps an inner jaxpr's variables onto the outer atoms, so the
 flattened program has one variable per value however deeply the user's code nested its calls.
+Equations no result depends on are dropped (`_live`), and a sum pooling's transpose, a `pad`
+and a `reduce_window_sum`, becomes one equation (`_fuse_sum_pool_transposes`).
 """
 
 from __future__ import annotations
