@@ -748,32 +748,3 @@ def test_flax_transformer_trains_like_one_device_step_for_step():
     assert_trees_close(drop(got), drop(want), rtol=1e-4, atol=5e-5)  # (5% of an Adam step)
     kernel = got[0]["params"]["Block_0"]["Dense_0"]["kernel"]
     assert kernel.sharding.shard_shape(kernel.shape) == (32 // X, 64 // Y)
-
-
-def test_flax_cnn_step_data_parallel_equals_jax_jit():
-    """A Flax CNN (Conv, max and average pooling, LayerNorm, Dense; their gradients flip kernels
-    with `rev`), one SGD step with the batch split over x: the same parameters as jax.jit."""
-    nn = pytest.importorskip("flax.linen")
-
-    class CNN(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.max_pool(nn.relu(nn.Conv(4, (3, 3))(x)), (2, 2), (2, 2))
-            x = nn.avg_pool(nn.relu(nn.Conv(8, (3, 3))(x)), (2, 2), (2, 2))
-            return nn.Dense(10)(nn.LayerNorm()(x.reshape(x.shape[0], -1)))
-
-    model, opt = CNN(), optax.sgd(0.1)
-    x, y = jax.random.normal(jax.random.key(0), (8, 8, 8, 3)), jnp.arange(8) % 10
-    params = model.init(jax.random.key(1), x)
-
-    def step(params, opt_state, x, y):
-        def loss_fn(p):
-            return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    f = mx.partition(step, MESH, in_shardings=(None, None, P("x"), P("x")))
-    args = (params, opt.init(params), x, y)
-    assert_trees_close(f(*args), jax.jit(step)(*args), rtol=1e-5, atol=1e-6)

@@ -53,21 +53,20 @@ from meshax.ops.slicewise import SlicewiseOperation
 @dataclasses.dataclass(frozen=True)
 class Form:
     """What a windowed equation computes: its kind, the windowed axes (of its first operand; of
-    the pooled one for a pooling's gradient), and the forward window per axis (size, strides,
-    dilations, padding, the input and output sizes), as meshax's `Window` holds it."""
+    the pooled one for a pooling's gradient), and the forward window over them (meshax's
+    `Window`, its dim names left to `named`)."""
 
     kind: str  # a convolution's "forward", "input", "filter", "flipped filter"; a pooling's "max", "min", "sum"
     axes: tuple[int, ...]
-    size: tuple[int, ...]
-    strides: tuple[int, ...]
-    dilations: tuple[int, ...]
-    padding: tuple[tuple[int, int], ...]
-    inputs: tuple[int, ...]
-    outputs: tuple[int, ...]
+    window: Window
     grad: bool = False  # (pooling's gradient)
 
-    def window(self, names) -> Window:
-        return Window(tuple(names), self.size, self.strides, self.dilations, self.padding, self.inputs, self.outputs)
+    def named(self, names) -> Window:
+        return dataclasses.replace(self.window, names=tuple(names))
+
+
+def _form(kind: str, axes, size, strides, dilations, padding, inputs, outputs, grad: bool = False) -> Form:
+    return Form(kind, tuple(axes), Window((), *map(tuple, (size, strides, dilations, padding, inputs, outputs))), grad)
 
 
 def _extent(size: int, dilation: int) -> int:
@@ -96,7 +95,7 @@ class _Params(NamedTuple):
 def _forward(c: _Params) -> Form | None:
     if any(d != 1 for d in c.ld) or any(lo < 0 or hi < 0 for lo, hi in c.pads):
         return None
-    return Form("forward", c.axes, c.rsz, c.ws, c.rd, c.pads, c.lsz, c.osz)
+    return _form("forward", c.axes, c.rsz, c.ws, c.rd, c.pads, c.lsz, c.osz)
 
 
 def _input(c: _Params) -> Form | None:
@@ -111,7 +110,7 @@ def _input(c: _Params) -> Form | None:
         _count(n, pad, x, s) != m for n, pad, x, s, m in zip(c.osz, fwd, ext, c.ld, c.lsz)
     ):
         return None
-    return Form("input", c.axes, c.rsz, c.ld, c.rd, fwd, c.osz, c.lsz)
+    return _form("input", c.axes, c.rsz, c.ld, c.rd, fwd, c.osz, c.lsz)
 
 
 def _filter(c: _Params) -> Form | None:
@@ -125,7 +124,7 @@ def _filter(c: _Params) -> Form | None:
     fwd = tuple((lo, hi) for (lo, _), hi in zip(c.pads, his))
     if any(_count(n, pad, x, d) != r for n, pad, x, d, r in zip(c.lsz, fwd, ext, c.rd, c.rsz)):
         return None
-    return Form("filter", c.axes, c.osz, c.rd, c.ws, fwd, c.lsz, c.rsz)
+    return _form("filter", c.axes, c.osz, c.rd, c.ws, fwd, c.lsz, c.rsz)
 
 
 def _flipped_filter(c: _Params) -> Form | None:
@@ -141,7 +140,7 @@ def _flipped_filter(c: _Params) -> Form | None:
         _count(n, pad, x, s) != m for n, pad, x, s, m in zip(c.rsz, fwd, ext, c.ld, c.lsz)
     ):
         return None
-    return Form("flipped filter", c.axes, c.osz, c.ld, c.ws, fwd, c.rsz, c.lsz)
+    return _form("flipped filter", c.axes, c.osz, c.ld, c.ws, fwd, c.rsz, c.lsz)
 
 
 def conv_window(e) -> Form | None:
@@ -207,7 +206,7 @@ def _sum_pool_transpose(e) -> Form | None:
         _count(m, pad, x, s) != o for m, pad, x, s, o in zip(inputs, pads, ext, strides, outputs)
     ):
         return None
-    return Form("sum", axes, size, strides, tuple(int(dil[i]) for i in axes), pads, inputs, outputs, grad=True)
+    return _form("sum", axes, size, strides, tuple(int(dil[i]) for i in axes), pads, inputs, outputs, grad=True)
 
 
 def pool_window(e) -> Form | None:
@@ -230,7 +229,7 @@ def pool_window(e) -> Form | None:
     axes = tuple(i for i in range(n) if (dims[i], strides[i], tuple(pads[i]), dil[i]) != (1, 1, (0, 0), 1))
     if not axes or len(axes) == n or len(axes) > 3:  # (the ops need a channel axis)
         return None
-    return Form(
+    return _form(
         kind,
         axes,
         tuple(int(dims[i]) for i in axes),
@@ -285,7 +284,7 @@ def conv(e, ins: list[Tensor], outs: list[Shape]) -> list[Tensor] | None:
     sp, k = lhs_spec[2:], len(lhs_spec) - 2
     a, b = ins
     names = [a.shape.dims[i].name for i in sp]
-    window = form.window(names)
+    window = form.named(names)
     if form.kind == "forward":
         x, f = _ordered(a, (lhs_spec[0], *sp, lhs_spec[1])), _ordered(b, (*rhs_spec[2:], rhs_spec[1], rhs_spec[0]))
         return ConvOperation(x, f, window, name="conv_general_dilated").outputs
@@ -316,7 +315,7 @@ def pool(e, ins: list[Tensor], outs: list[Shape]) -> list[Tensor] | None:
     rest = [i for i in range(x.shape.rank) if i not in form.axes]
     order = (*rest[:-1], *form.axes, rest[-1])
     xo = _ordered(x, order)
-    window = form.window([x.shape.dims[i].name for i in form.axes])
+    window = form.named([x.shape.dims[i].name for i in form.axes])
     if e.name == "sum_pool_transpose":  # (x is the cotangent: the result is the full resolution)
         return PoolTransposeOperation(xo, _shape(outs[0], order), window, name=e.name).outputs
     if form.grad:
