@@ -166,10 +166,14 @@ def conv_window(e) -> Form | None:
         tuple((int(lo), int(hi)) for lo, hi in p["padding"]),
         tuple(lhs_spec[2:]),
     )
-    gradient = math.prod(c.rsz) > math.prod(c.osz)
+    if not jnp.issubdtype(out.aval.dtype, jnp.inexact):  # (the gradient forms lower by linear_transpose)
+        return _forward(c)
+    # The filter is the smaller window: the filter operand's extent against the result's as one
+    # (a patchify convolution, kernel = stride, has a kernel larger than its output)
+    gradient = math.prod(map(_extent, c.rsz, c.rd)) > math.prod(map(_extent, c.osz, c.ws))
     dilated = any(d != 1 for d in c.ld)
     forms = {
-        (False, False): [_forward],
+        (False, False): [_forward, _filter],
         (False, True): [_filter, _forward],
         (True, False): [_input, _flipped_filter],
         (True, True): [_flipped_filter, _input],
@@ -187,6 +191,8 @@ def _sum_pool_transpose(e) -> Form | None:
     is `extent - 1 - lo`, as for a convolution's input gradient."""
     p = e.params
     (g,), out = e.ins, e.outs[0]
+    if not jnp.issubdtype(g.aval.dtype, jnp.inexact):  # (it lowers by linear_transpose)
+        return None
     n = len(g.aval.shape)
     config, dims, dil = p["padding_config"], p["window_dimensions"], p.get("window_dilation") or (1,) * n
     if any(s != 1 for s in p["window_strides"]) or any(tuple(q) != (0, 0) for q in p["padding"]):
@@ -216,6 +222,7 @@ def pool_window(e) -> Form | None:
         return _sum_pool_transpose(e)
     if e.name == "select_and_scatter_add":
         kind = {"ge": "max", "le": "min"}.get(getattr(p["select_prim"], "name", ""))
+        kind = kind if jnp.issubdtype(e.ins[0].aval.dtype, jnp.inexact) else None  # (lowered by jax.vjp)
         out, x = e.ins  # (the cotangent, at the pooling's output size, and the pooled operand)
     elif e.name in _POOLS:
         kind, x, out = _POOLS[e.name], e.ins[0], e.outs[0]

@@ -272,7 +272,10 @@ class LoweringContext:
         return self._run("reduce_scatter", xs, [axis], lambda: self.impl.reduce_scatter(xs, axis, dim))
 
     def shift(self, xs: list, axis: int, offset: int, wrap: bool) -> list:
-        """Receive the slice of the instance `offset` places back along `axis` (a permute)."""
+        """Receive the slice of the instance `offset` places back along `axis` (a permute; none
+        where no instance is that far back and the axis does not wrap: zeros)."""
+        if not wrap and abs(offset) >= self.mesh_shape[axis].size:
+            return self.slicewise(jnp.zeros_like, xs)
         if not self._live([axis]):
             return xs if wrap or offset == 0 else self.slicewise(jnp.zeros_like, xs)
         return self._run("permute", xs, [axis], lambda: self.impl.shift(xs, axis, offset, wrap))

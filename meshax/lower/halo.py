@@ -26,13 +26,15 @@ def _pieces(width: int, block: int) -> list[int]:
     return out
 
 
-def halo_sends(local, dim: int, left: int, right: int) -> list[tuple[int, ...]]:
+def halo_sends(local, dim: int, left: int, right: int, parts: int, wrap: bool = False) -> list[tuple[int, ...]]:
     """The local shape of what each of `halo`'s permutes sends (one per hop and side), for slices
-    of shape `local`: what the search's estimate counts without running it."""
+    of shape `local` over `parts` devices: what the search's estimate counts without running
+    it. A hop as far as `parts` or farther reaches no device unless the dim wraps: none."""
     return [
         tuple(w if i == dim else n for i, n in enumerate(local))
         for side in (left, right)
-        for w in _pieces(side, local[dim])
+        for hop, w in enumerate(_pieces(side, local[dim]), start=1)
+        if wrap or hop < parts
     ]
 
 

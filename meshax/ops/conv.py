@@ -239,7 +239,7 @@ class _Windowed(Operation):
             x, y = tensors[data], tensors[windowed]
             local = list(slice_shape(x.shape, layouts[data], mesh_shape))
             for h, _ in _widths(self.window, x.shape, layouts[data], y.shape, layouts[windowed], mesh_shape):
-                sent = halo_sends(local, h.dim, h.left, h.right)
+                sent = halo_sends(local, h.dim, h.left, h.right, mesh_shape[h.axis].size)
                 out += [(h.axis, math.prod(s) * x.dtype.itemsize) for s in sent] * times
                 local[h.dim] += h.left + h.right
         return out
@@ -250,7 +250,11 @@ class _Windowed(Operation):
             [t.shape for t in self.inputs],
             [t.shape for t in self.outputs],
             whole=filter_shape.dimension_names[:k] if filter_shape is not None else (),
-            windows=[(n, self.window.extent(i) - 1) for i, n in enumerate(self.window.names)],
+            # (the halo a device's block needs, both sides: the window's extent less its stride,
+            # as consecutive output blocks read input blocks that far apart)
+            windows=[
+                (n, max(self.window.extent(i) - self.window.strides[i], 0)) for i, n in enumerate(self.window.names)
+            ],
         )
 
     def _prepare(self, ctx, data: int, windowed: int) -> _Prepared:

@@ -179,7 +179,8 @@ class ShiftOperation(Operation):
         if not axes or not left + right:
             return []
         local = slice_shape(x.shape, layouts[0], mesh_shape)
-        return [(axes[0], math.prod(s) * x.dtype.itemsize) for s in halo_sends(local, axis, left, right)]
+        sent = halo_sends(local, axis, left, right, mesh_shape[axes[0]].size, self.wrap)
+        return [(axes[0], math.prod(s) * x.dtype.itemsize) for s in sent]
 
     def _halo(self) -> tuple[int, int]:
         """The halo a split dim needs: (left, right) widths, |offset| values on the side shifted from."""
