@@ -8,6 +8,7 @@ from meshax.core.graph import Operation
 from meshax.layout import TensorLayout, convert_to_mesh_shape, rule_of
 from meshax.layout.sharding_rule import LATENCY, choose, moved
 from meshax.lower.context import LoweringContext
+from meshax.ops.conv import PoolTransposeOperation, make_window
 from tests.conftest import assert_close, new_mesh, rand
 
 A, B, C = mx.Dimension("A", 8), mx.Dimension("B", 4), mx.Dimension("C", 8)
@@ -76,7 +77,10 @@ def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
     out = mx.reduce_sum(mx.broadcast(v, [A, K, B]), output_shape=[B])  # broadcast, reduce
     img = mx.placeholder(mesh, "img", [A, B, C])  # conv and pool, with their gradients
     f = mx.placeholder(mesh, "f", "fb:3;C:8;o:2")
-    pooled = mx.max_pool1d(mx.conv1d(img, f, 1, "SAME"), 2)
+    conved = mx.conv1d(img, f, 1, "SAME")
+    pooled = mx.max_pool1d(conved, 2)
+    window = make_window("sum pooling", [conved.shape[1]], 2, 2, 1, "VALID")
+    spread = PoolTransposeOperation(pooled, conved.shape, window).outputs[0]  # (mx.partition's avg-pool gradient)
     out += mx.reduce_sum(
         mx.conv2d_transpose(mx.broadcast(out, [A, B, mx.Dimension("o", 1)]), mx.ones(mesh, "fa:1;fb:2;C:2;o:1"), (1, 2))
     )
@@ -87,10 +91,10 @@ def test_every_op_with_operands_runs_as_its_sharding_rule_says(monkeypatch):
     looked_up = mx.reduce_sum(mx.gather(table, ids, A))
     squared = mx.reduce_sum(mx.slicewise(lambda a: a * a, [q], splittable_dims=[A, B]))  # its gradient: a vjp
     printed = mx.Print(x, [ids], "ids")  # Print (data gathered whole, x passed through)
-    total = mx.reduce_sum(pooled) + out + mx.reduce_sum(attended) + looked_up + squared
+    total = mx.reduce_sum(pooled) + out + mx.reduce_sum(attended) + looked_up + squared + mx.reduce_sum(spread)
     grads = mx.gradients([total], [img, f, q, table])
     low = mx.Lowering(out.graph, {mesh: mx.SimdMeshImpl("x:2;y:4", "C:y;B:x")})
-    low.function([out, pooled, attended, printed, *grads])
+    low.function([out, pooled, attended, printed, spread, *grads])
     expected = {c for c in _op_classes() if c.__name__ not in SOURCES_AND_SINKS}
     assert len(expected) >= 15
     assert expected - {type(op) for op in runs} == set(), "these ops derive their layout outside their sharding rule"

@@ -496,6 +496,10 @@ class PoolTransposeOperation(_Windowed):
         ctx.add_flops(ctx.local_size(g, gl) * math.prod(self.window.size))
         ctx.set_output(dx, _unextend(ctx, ext, halos), dxl, run.pending)
 
+    def gradient(self, grad_outputs):
+        (c,) = grad_outputs
+        return [None if c is None else PoolOperation(c, self.window, "sum").outputs[0]]
+
 
 def _identity(kind: str, dtype):
     """What a max or min pooling's padding reads as: -inf (the dtype's least) for max."""
