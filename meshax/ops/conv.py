@@ -36,6 +36,7 @@ from meshax.layout.sharding_rule import Run
 from meshax.lower.halo import halo_sends
 from meshax.ops._dtypes import inexact, result_type
 from meshax.ops.elementwise import cast
+from meshax.ops.reduce import identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,13 +502,6 @@ class PoolTransposeOperation(_Windowed):
         return [None if c is None else PoolOperation(c, self.window, "sum").outputs[0]]
 
 
-def _identity(kind: str, dtype):
-    """What a max or min pooling's padding reads as: -inf (the dtype's least) for max."""
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return np.array(-np.inf if kind == "max" else np.inf, dtype)
-    return np.array(getattr(jnp.iinfo(dtype), "min" if kind == "max" else "max"), dtype)
-
-
 def _pool_input(ctx, kind: str, x_shape: Shape, x_layout, slices: list, halos: list[_Halo]) -> list:
     """x's slices extended by their halos; for a max or min, the values beyond the ends of a
     split dim (the zeros a halo brings from no neighbour, an uneven split's padding) set to
@@ -516,7 +510,7 @@ def _pool_input(ctx, kind: str, x_shape: Shape, x_layout, slices: list, halos: l
     if kind not in ("max", "min"):
         return ext
     begins = ctx.slice_begins(x_shape, x_layout)
-    fill = _identity(kind, ext[0].dtype)
+    fill = np.array(identity(kind, ext[0].dtype), ext[0].dtype)
     for h in halos:
 
         def mask(e, begin, h=h, n=x_shape[h.dim].size):
@@ -539,7 +533,8 @@ def _pool(x, w: Window, pads, kind: str, rank: int):
     if kind in ("max", "min"):
         # (a concrete init value, so that JAX knows the monoid and can differentiate it)
         fn = jax.lax.max if kind == "max" else jax.lax.min
-        return jax.lax.reduce_window(x, _identity(kind, x.dtype), fn, dims, strides, padding, None, dil)
+        init = np.array(identity(kind, x.dtype), x.dtype)
+        return jax.lax.reduce_window(x, init, fn, dims, strides, padding, None, dil)
     total = jax.lax.reduce_window(x, np.zeros((), x.dtype), jax.lax.add, dims, strides, padding, None, dil)
     return total if kind == "sum" else total / math.prod(w.size)
 

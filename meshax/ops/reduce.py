@@ -21,7 +21,7 @@ from meshax.ops._util import also_accepts, dim_of, shape_of_names
 _LOCAL = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
 
 
-def _identity(kind: str, dtype):
+def identity(kind: str, dtype):
     """The value that leaves a `kind` reduction unchanged."""
     if kind == "sum":
         return 0
@@ -48,7 +48,7 @@ class ReduceOperation(Operation):
         run = ctx.layouts(self)
         (in_layout,), (out_layout,) = run.operands, run.results
         v = ctx.get(x, in_layout, allow_partial=self.kind == "sum")
-        v = ctx.masked(v, x.shape, self.reduced, _identity(self.kind, x.dtype))  # (uneven splits' padding)
+        v = ctx.masked(v, x.shape, self.reduced, identity(self.kind, x.dtype))  # (uneven splits' padding)
         axes = [i for i, d in enumerate(x.shape) if d in self.reduced]
         # cast before the local sum, so that the partial sums (and their allreduce) are counts
         local = ctx.slicewise(lambda a: _LOCAL[self.kind](a.astype(out.dtype), axis=tuple(axes)), v)
