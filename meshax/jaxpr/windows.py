@@ -98,19 +98,22 @@ def _forward(c: _Params) -> Form | None:
     return _form("forward", c.axes, c.rsz, c.ws, c.rd, c.pads, c.lsz, c.osz)
 
 
+def _transposed(pads, ext, strides, full, windowed) -> tuple | None:
+    """The forward padding of a window (extents `ext`, `strides`) over `full` values giving
+    `windowed` outputs whose transpose pads its input by `pads`: extent - 1 - the given, or None
+    where there is none (a negative hi crops inputs no window reaches where the stride leaves a
+    remainder; so does no padding)."""
+    fwd = tuple((x - 1 - lo, max(0, x - 1 - hi)) for x, (lo, hi) in zip(ext, pads))
+    counts = [_count(n, pad, x, s) for n, pad, x, s in zip(full, fwd, ext, strides)]
+    return None if any(lo < 0 for lo, _ in fwd) or counts != list(windowed) else fwd
+
+
 def _input(c: _Params) -> Form | None:
-    """The transpose of a convolution strided by ld (padding extent - 1 - lo) over the result."""
+    """The transpose of a convolution strided by ld over the result."""
     if any(s != 1 for s in c.ws):
         return None
-    ext = [_extent(r, d) for r, d in zip(c.rsz, c.rd)]
-    # (a negative hi crops inputs no window reaches where the stride leaves a remainder; so
-    # does no padding)
-    fwd = tuple((x - 1 - lo, max(0, x - 1 - hi)) for x, (lo, hi) in zip(ext, c.pads))
-    if any(lo < 0 for lo, _ in fwd) or any(
-        _count(n, pad, x, s) != m for n, pad, x, s, m in zip(c.osz, fwd, ext, c.ld, c.lsz)
-    ):
-        return None
-    return _form("input", c.axes, c.rsz, c.ld, c.rd, fwd, c.osz, c.lsz)
+    fwd = _transposed(c.pads, [_extent(r, d) for r, d in zip(c.rsz, c.rd)], c.ld, c.osz, c.lsz)
+    return None if fwd is None else _form("input", c.axes, c.rsz, c.ld, c.rd, fwd, c.osz, c.lsz)
 
 
 def _filter(c: _Params) -> Form | None:
@@ -204,13 +207,11 @@ def _sum_pool_transpose(e) -> Form | None:
         return None
     size = tuple(int(dims[i]) for i in axes)
     ext = [_extent(k, int(dil[i])) for k, i in zip(size, axes)]
-    pads = tuple((x - 1 - int(config[i][0]), max(0, x - 1 - int(config[i][1]))) for x, i in zip(ext, axes))
     strides = tuple(int(config[i][2]) + 1 for i in axes)
     inputs = tuple(int(out.aval.shape[i]) for i in axes)
     outputs = tuple(int(g.aval.shape[i]) for i in axes)
-    if any(lo < 0 for lo, _ in pads) or any(
-        _count(m, pad, x, s) != o for m, pad, x, s, o in zip(inputs, pads, ext, strides, outputs)
-    ):
+    pads = _transposed([(int(config[i][0]), int(config[i][1])) for i in axes], ext, strides, inputs, outputs)
+    if pads is None:
         return None
     return _form("sum", axes, size, strides, tuple(int(dil[i]) for i in axes), pads, inputs, outputs, grad=True)
 
