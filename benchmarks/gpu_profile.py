@@ -9,7 +9,7 @@ module (`instructions`: shapes, fusion kind, custom-call target), so a kernel ca
 matmul or fusion of the model. Where the two sides differ, that is where meshax's step loses
 to the twin's.
 Each side runs alone on the device, meshax's arrays freed first, as in section 6. Prints a
-table, writes JSON.
+table, writes JSON, and each side's compiled module beside it (gzipped text).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ import argparse
 import collections
 import gc
 import glob
+import gzip
 import json
+import math
 import os
 import re
 import tempfile
@@ -79,12 +81,39 @@ def instructions(hlo_text: str) -> dict[str, str]:
     }
 
 
+def bytes_of(description: str) -> int:
+    """The bytes of every array an instruction's description names (`instructions`): its result
+    and its operands, what a memory-bound kernel must move at least once."""
+    width = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4}
+    width |= {"f64": 8, "s64": 8, "u64": 8}
+    return sum(
+        width.get(dtype, 0) * math.prod(int(n) for n in dims.split(",") if n)
+        for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", description)
+    )
+
+
+def kernel_names(described: dict[str, str]) -> dict[str, str]:
+    """The name XLA gives the kernel of each instruction it names one after (a fusion's:
+    `loop_add_fusion.49` runs as `loop_add_fusion_49`), to the instruction's name."""
+    return {re.sub(r"[.\-]", "_", name): name for name in described}
+
+
+def tie(kernel: str, hlo_op: str | None, named: dict[str, str]) -> str | None:
+    """The HLO instruction a kernel runs for: the one it is named after (`kernel_names`), or else
+    the trace's `hlo_op` stat (inside a command buffer, a GPU kernel's is the buffer's)."""
+    return named.get(kernel) or hlo_op
+
+
 def summarize(xspace_path: str, steps: int, top: int = 25, described: dict[str, str] | None = None) -> dict:
     """Per step: each device line's busy ms and event count, its busy ms by kind, and its `top`
-    events by total time (a host plane stands in where there is no device plane); and its `top`
-    HLO instructions by the time of their kernels, each `described` (`instructions`) where the
-    trace names it."""
+    events by total time (a host plane stands in where there is no device plane); and its
+    `3 * top` HLO instructions by the time of their kernels, each `described` (`instructions`)
+    where the trace names it, with the bytes its arrays hold and the rate its kernels moved them
+    at; each kernel tied to its instruction by `tie`."""
     from jax.profiler import ProfileData
+
+    described = described or {}
+    named = kernel_names(described)
 
     data = ProfileData.from_file(xspace_path)
     planes = [p for p in data.planes if p.name.startswith("/device:")] or [
@@ -99,7 +128,7 @@ def summarize(xspace_path: str, steps: int, top: int = 25, described: dict[str, 
                 total[e.name] += e.duration_ns
                 count[e.name] += 1
                 by_kind[kind_of(e.name)] += e.duration_ns
-                op = dict(e.stats).get("hlo_op")
+                op = tie(e.name, dict(e.stats).get("hlo_op"), named)
                 if op is not None:
                     by_op[op] += e.duration_ns
                     op_calls[op] += 1
@@ -118,18 +147,25 @@ def summarize(xspace_path: str, steps: int, top: int = 25, described: dict[str, 
                         for n, t in total.most_common(top)
                     ],
                     "top_ops": [
-                        {
-                            "hlo_op": op,
-                            "ms": t / 1e6 / steps,
-                            "calls": op_calls[op] / steps,
-                            "kernel": op_kernels[op].most_common(1)[0][0][:160],
-                            "instruction": (described or {}).get(op),
-                        }
-                        for op, t in by_op.most_common(top)
+                        _op(op, t, op_calls[op], op_kernels[op], described.get(op), steps)
+                        for op, t in by_op.most_common(3 * top)
                     ],
                 }
             )
     return {"lines": lines}
+
+
+def _op(op: str, ns: int, calls: int, kernels: collections.Counter, instruction: str | None, steps: int) -> dict:
+    moved = bytes_of(instruction) if instruction else None
+    return {
+        "hlo_op": op,
+        "ms": ns / 1e6 / steps,
+        "calls": calls / steps,
+        "kernel": kernels.most_common(1)[0][0][:160],
+        "instruction": instruction,
+        "bytes": moved,
+        "gb_per_s": moved * calls / ns if moved else None,  # (bytes per ns is GB/s)
+    }
 
 
 def profile(stepper: gpu.Stepper, steps: int = 3, warmup: int = 2) -> dict:
@@ -143,7 +179,8 @@ def profile(stepper: gpu.Stepper, steps: int = 3, warmup: int = 2) -> dict:
     with jax.profiler.trace(where):
         wall = queued(stepper.dispatch, stepper.fetch, steps, rounds=1)
     (xspace,) = glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True)
-    return {"wall_ms": 1e3 * wall, **summarize(xspace, steps, described=instructions(stepper.compiled_text()))}
+    text = stepper.compiled_text()
+    return {"wall_ms": 1e3 * wall, **summarize(xspace, steps, described=instructions(text)), "hlo": text}
 
 
 def both(size: gpu.Lm, steps: int = 3, optimizer: str = "adam") -> dict:
@@ -172,8 +209,10 @@ def show(result: dict, lines: int = 4, top: int = 12) -> None:
             print(f"  {where}: busy {line['busy_ms']:.2f} ms, {line['events']:.0f} events ({kinds})")
             for e in line["top"][:top]:
                 print(f"    {e['ms']:8.3f} ms {e['calls']:6.1f}x  {e['name'][:110]}")
-            for op in line["top_ops"][:top] if i == 0 else []:
-                print(f"    {op['ms']:8.3f} ms {op['calls']:6.1f}x  {op['hlo_op']}: {(op['instruction'] or '?')[:160]}")
+            for op in line["top_ops"][: 3 * top] if i == 0 else []:
+                rate = f"{op['gb_per_s']:6.0f} GB/s" if op["gb_per_s"] else " " * 11
+                what = (op["instruction"] or "?")[:150]
+                print(f"    {op['ms']:8.3f} ms {op['calls']:6.1f}x {rate}  {op['hlo_op']}: {what}")
 
 
 def main(argv=None) -> dict:
@@ -194,6 +233,9 @@ def run(size: gpu.Lm, steps: int, out: str, optimizer: str = "adam") -> dict:
     result = both(size, steps, optimizer)
     show(result)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    for side, r in result.items():  # each side's compiled module beside the JSON, to read its kernels against
+        with gzip.open(f"{os.path.splitext(out)[0]}.{side}.hlo.txt.gz", "wt") as f:
+            f.write(r.pop("hlo"))
     with open(out, "w") as f:
         json.dump(
             {"device": jax.devices()[0].device_kind, "size": size.name, "optimizer": optimizer, **result}, f, indent=1
