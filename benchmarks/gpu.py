@@ -231,13 +231,30 @@ def narrow_gradient_logits():
     return rule
 
 
-def twin_loss(params, ids, targets, weights, size: Lm, implementation=None):
-    """meshax's Transformer LM written directly in JAX, the fast way (bf16, fused attention)."""
+def read_copy(w, copy):
+    """A float32 weight `w` read through its bfloat16 `copy`: the value is the copy, the gradient
+    goes to `w` in float32, as `w.astype(bfloat16)`'s does (the copy's is zero)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.custom_vjp
+    def read(w, copy):
+        return copy
+
+    read.defvjp(lambda w, copy: (copy, None), lambda _, g: (g.astype(jnp.float32), None))
+    return read(w, copy)
+
+
+def twin_loss(params, ids, targets, weights, size: Lm, implementation=None, copies=None, logsumexp=None):
+    """meshax's Transformer LM written directly in JAX, the fast way (bf16, fused attention).
+    `copies`: bfloat16 copies of the layers' weights (`COPIED`), read in place of casting each
+    float32 weight (`read_copy`); `logsumexp`: the loss's (default `jax.nn.logsumexp`)."""
     import jax
     import jax.numpy as jnp
 
     bf = jnp.bfloat16
     p = "transformer"
+    logsumexp = logsumexp or jax.nn.logsumexp
     table = params[f"{p}/embedding"]
     pos = np.arange(size.length)[:, None] / np.power(10000.0, 2 * np.arange(size.d_model // 2)[None, :] / size.d_model)
     signal = np.concatenate([np.sin(pos), np.cos(pos)], axis=1).astype(np.float32)
@@ -248,52 +265,78 @@ def twin_loss(params, ids, targets, weights, size: Lm, implementation=None):
     x = (table[ids].astype(bf) * math.sqrt(size.d_model) + jnp.asarray(signal).astype(bf)).astype(bf)
     for i in range(size.layers):
         w = lambda n, i=i: params[f"{p}/decoder/{i}/{n}"]  # noqa: E731
+
+        def b(n, i=i):  # a layer's weight in bfloat16
+            name = f"{p}/decoder/{i}/{n}"
+            return params[name].astype(bf) if copies is None else read_copy(params[name], copies[name])
+
         y = _norm(x, w("self_attention_norm/scale"), w("self_attention_norm/bias"))
-        q, k, v = (jnp.einsum("btm,mnh->btnh", y, w(f"self_attention/{n}").astype(bf)) for n in "qkv")
+        q, k, v = (jnp.einsum("btm,mnh->btnh", y, b(f"self_attention/{n}")) for n in "qkv")
         o = jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=implementation)
-        x = x + jnp.einsum("btnh,nhm->btm", o, w("self_attention/o").astype(bf))
+        x = x + jnp.einsum("btnh,nhm->btm", o, b("self_attention/o"))
         y = _norm(x, w("ffn_norm/scale"), w("ffn_norm/bias"))
-        h = jax.nn.relu(y @ w("ffn/wi/kernel").astype(bf) + w("ffn/wi/bias").astype(bf))
-        x = x + (h @ w("ffn/wo/kernel").astype(bf) + w("ffn/wo/bias").astype(bf))
+        h = jax.nn.relu(y @ b("ffn/wi/kernel") + b("ffn/wi/bias"))
+        x = x + (h @ b("ffn/wo/kernel") + b("ffn/wo/bias"))
     y = _norm(x, params[f"{p}/decoder/final_norm/scale"], params[f"{p}/decoder/final_norm/bias"])
     logits = narrow_gradient_logits()(y, table)
-    xent = jax.nn.logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
+    xent = logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
     return jnp.sum(xent * weights) / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def _twin_update(size: Lm, lr: float, implementation, compiler_options=None, optimizer: str = "adam"):
-    """(the twin's jitted update(params, opt_state, ids, targets, weights), its optax optimizer);
-    compiled with the XLA options meshax gives its own programs on this platform (cuBLAS for
-    every matmul on a GPU), overridden by `compiler_options`: the two sides differ in their
-    programs, not in XLA's options."""
+def copied(params: dict) -> dict:
+    """The layers' weights the twin reads in bfloat16 (all but the embedding and the norms'), as
+    bfloat16 copies: what a twin with `copies` keeps beside its float32 weights."""
+    import jax.numpy as jnp
+
+    return {k: v.astype(jnp.bfloat16) for k, v in params.items() if "/self_attention/" in k or "/ffn/" in k}
+
+
+def _twin_update(
+    size: Lm, lr: float, implementation, compiler_options=None, optimizer: str = "adam", copies=False, logsumexp=None
+):
+    """(the twin's jitted update(params, copies, opt_state, ids, targets, weights), its optax
+    optimizer); compiled with the XLA options meshax gives its own programs on this platform
+    (cuBLAS for every matmul on a GPU), overridden by `compiler_options`: the two sides differ
+    in their programs, not in XLA's options. With `copies`, the update also writes the bfloat16
+    copies (`copied`) of the weights it updates, which the next step reads (`twin_loss`), so no
+    step casts its float32 weights again; without, `copies` is None throughout."""
     import jax
     import optax
 
     transform = optimizers(optimizer, lr)[1]
 
     @functools.partial(jit_for_platform, compiler_options=compiler_options)
-    def update(params, opt_state, ids, targets, w):
-        loss, grads = jax.value_and_grad(twin_loss)(params, ids, targets, w, size, implementation)
+    def update(params, bf16, opt_state, ids, targets, w):
+        loss, grads = jax.value_and_grad(twin_loss)(params, ids, targets, w, size, implementation, bf16, logsumexp)
         updates, opt_state = transform.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        params = optax.apply_updates(params, updates)
+        return params, copied(params) if copies else None, opt_state, loss
 
     return update, transform
 
 
 def twin_step(
-    size: Lm, weights: dict, batch: dict, lr: float = 1e-4, implementation=None, optimizer: str = "adam"
+    size: Lm,
+    weights: dict,
+    batch: dict,
+    lr: float = 1e-4,
+    implementation=None,
+    optimizer: str = "adam",
+    copies: bool = False,
+    logsumexp=None,
 ) -> Stepper:
+    """The twin's Stepper from `weights` on `batch`; `copies` and `logsumexp` as `_twin_update`'s."""
     import jax
 
     params = {k: jax.device_put(v) for k, v in weights.items()}
-    update, transform = _twin_update(size, lr, implementation, optimizer=optimizer)
-    state = [params, transform.init(params)]
+    update, transform = _twin_update(size, lr, implementation, None, optimizer, copies, logsumexp)
+    state = [params, copied(params) if copies else None, transform.init(params)]
 
     def args():
-        return state[0], state[1], batch["ids"], batch["targets"], batch["weights"]
+        return *state, batch["ids"], batch["targets"], batch["weights"]
 
     def dispatch():
-        state[0], state[1], loss = update(*args())
+        *state[:], loss = update(*args())  # the new params, copies and optimizer state; the loss
         return loss
 
     def now():
@@ -382,7 +425,9 @@ def compiled_costs(size: Lm) -> dict:
     params = {k: jax.numpy.asarray(v) for k, v in weights.items()}
     attention = TWIN_ATTENTION if jax.default_backend() == "gpu" else None
     update, transform = _twin_update(size, 1e-4, attention, compiler_options=counted)
-    twin = update.lower(params, transform.init(params), batch["ids"], batch["targets"], batch["weights"]).compile()
+    twin = update.lower(
+        params, None, transform.init(params), batch["ids"], batch["targets"], batch["weights"]
+    ).compile()
     twin_cost = twin.cost_analysis()
     twin_cost = twin_cost[0] if isinstance(twin_cost, list) else twin_cost
     return {
