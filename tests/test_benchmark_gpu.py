@@ -87,6 +87,34 @@ def test_the_twin_trains_on_weights_stored_in_bfloat16():
     assert {str(v.dtype) for v in twin.weights().values()} == {"bfloat16"}  # updated in bfloat16
 
 
+def test_the_twin_reading_bf16_copies_its_update_wrote_makes_the_very_same_steps():
+    """`gpu_candidates`' "bf16 copies": the update writes the bfloat16 copy of each layer weight,
+    the next step reads it in place of a cast. Its mathematics is the twin's: with Adam, the
+    losses and the float32 weights after three steps are the same (to the bit where XLA
+    optimizes; the suite's unoptimized compiles round a few elements 1e-6 apart); `gpu_candidates.run`
+    times it beside the others, all from one first loss (to the logsumexp's rounding)."""
+    from benchmarks import gpu_candidates
+
+    _, weights, task = gpu.meshax_step(TINY)
+    weights, batch = {k: np.asarray(v) for k, v in weights.items()}, task.train_batch(0)
+    plain = gpu.twin_step(TINY, weights, batch, lr=1e-2)
+    copies = gpu.twin_step(TINY, weights, batch, lr=1e-2, copies=True)
+    assert [plain() for _ in range(3)] == pytest.approx([copies() for _ in range(3)], rel=1e-6)
+    after, copied = plain.weights(), copies.weights()
+    for k in after:  # (Adam moved each weight by about 3e-2: 1e-2 a step)
+        np.testing.assert_allclose(after[k], copied[k], rtol=0, atol=1e-5)
+    wi = "transformer/decoder/1/ffn/wi/kernel"
+    assert not np.array_equal(after[wi], weights[wi])  # (the gradient reached the float32 weight)
+    read = gpu.copied(after)  # a stale copy would change the later losses: each layer's 8 are copied
+    assert len(read) == 2 * 8 and wi in read and all(str(v.dtype) == "bfloat16" for v in read.values())
+
+    records = gpu_candidates.run(TINY, steps=2, warmup=1)
+    names = [r["name"] for r in records]
+    assert names == [gpu_candidates.AS_IT_IS, *gpu_candidates.CANDIDATES, gpu_candidates.AS_IT_IS]
+    assert [r["first"] for r in records] == pytest.approx([records[0]["first"]] * len(records), rel=1e-5)
+    assert all(r["tflops"] > 0 and r["x_as_it_is"] > 0 for r in records)
+
+
 def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(monkeypatch):
     """run() as on a GPU (the device faked): the matmul peak, then per size a throughput ratio
     and an MFU row; a size that fails is a record naming its error, and the sizes after it run."""
@@ -262,6 +290,13 @@ custom_call_target="__cublas$gemm", backend_config={"alpha_real":1}
     )
     assert described["loop_add_fusion.5"] == "bf16[8192,2048] = fusion kLoop(bf16[8192,2048], bf16[8192,2048])"
     assert described["p.2"] == "bf16[2048,2048] = parameter()"
+    # what a kernel moves at least: its instruction's arrays, here 3 of 8192 x 2048 bf16
+    assert gpu_profile.bytes_of(described["loop_add_fusion.5"]) == 3 * 8192 * 2048 * 2
+    assert gpu_profile.bytes_of(described["custom-call.3"]) == 2 * 8192 * 2048 * 2 + 2048 * 2048 * 2 + 4194304
+    # a GPU kernel inside a command buffer is tied to the fusion it is named after, not the buffer
+    named = gpu_profile.kernel_names(described)
+    assert gpu_profile.tie("loop_add_fusion_5", "command_buffer_1", named) == "loop_add_fusion.5"
+    assert gpu_profile.tie("nvjet_sm90_tst_176x128_64x5_1x2_h_bz_TNN", "custom-call.3", named) == "custom-call.3"
     assert gpu_profile.instructions("  %odd = \n  %also.odd = f32[2]\n") == {}  # skipped, not fatal
 
 
