@@ -356,10 +356,16 @@ def _dot_general(em, e, ins, outs, in_roles, out_roles):
 
 
 def _reduce(kind: str) -> Callable:
+    """A reduction as meshax's, in the jaxpr's dtype: a bool max or min is an any or an all, and
+    a narrow integer's sum (which meshax widens, as jnp.sum does) wraps back to it, as XLA's."""
     fns = {"sum": mops.reduce_sum, "max": mops.reduce_max, "min": mops.reduce_min}
+    on_bools = {"max": mops.reduce_any, "min": mops.reduce_all}
 
     def handler(em, e, ins, outs, in_roles, out_roles):
-        return [fns[kind](ins[0], output_shape=outs[0], name=e.name)]
+        fn = on_bools[kind] if ins[0].dtype == np.bool_ and kind in on_bools else fns[kind]
+        out = fn(ins[0], output_shape=outs[0], name=e.name)
+        want = np.dtype(e.outs[0].aval.dtype)
+        return [out if out.dtype == want else mops.cast(out, want)]
 
     return handler
 
@@ -431,13 +437,44 @@ def _is_lookup(e: Eqn) -> bool:
     return tuple(dn.offset_dims) == tuple(range(batch, batch + n - 1))
 
 
+def _mode(e: Eqn) -> str:
+    """A gather's or scatter's out-of-bounds mode: "CLIP", "FILL_OR_DROP" or "PROMISE_IN_BOUNDS"."""
+    mode = e.params.get("mode")
+    return getattr(mode, "name", str(mode))
+
+
+def _fill_value(e: Eqn):
+    """What a gather in "fill" mode gives for an index out of bounds: its fill_value, or JAX's
+    default for the dtype (NaN, the lowest signed or highest unsigned integer, True)."""
+    dtype = np.dtype(e.outs[0].aval.dtype)
+    if e.params.get("fill_value") is not None:
+        return e.params["fill_value"]
+    if np.issubdtype(dtype, np.inexact):
+        return np.nan
+    if dtype == np.bool_:
+        return True
+    return np.iinfo(dtype).min if np.issubdtype(dtype, np.signedinteger) else np.iinfo(dtype).max
+
+
+def _in_bounds(ids: Tensor, n: int) -> Tensor:
+    return mops.logical_and(mops.greater_equal(ids, 0), mops.less(ids, n))
+
+
 def _gather(em, e, ins, outs, in_roles, out_roles):
+    """A lookup (`_is_lookup`) as `mx.gather`, with JAX's meaning of an index out of bounds:
+    clamped, or in "fill" mode the fill value; other gathers bound on each device's slices."""
     if not _is_lookup(e):
         return _bind(em, e, ins, outs, in_roles, out_roles)
     table, indices = ins
     (k,) = e.params["dimension_numbers"].collapsed_slice_dims
+    n = table.shape[k].size
     ids = mops.reshape(indices, Shape(indices.shape.dims[:-1]), name="gather")
-    return [mops.gather(table, ids, table.shape[k], name="gather")]
+    if _mode(e) != "FILL_OR_DROP":
+        ids = mops.minimum(mops.maximum(ids, 0), n - 1)
+    rows = mops.gather(table, ids, table.shape[k], name="gather")
+    if _mode(e) == "FILL_OR_DROP":
+        rows = mops.where(_in_bounds(ids, n), rows, _fill_value(e), output_shape=rows.shape, name="gather")
+    return [rows]
 
 
 def _is_lookup_gradient(e: Eqn) -> bool:
@@ -458,11 +495,22 @@ def _is_lookup_gradient(e: Eqn) -> bool:
 
 
 def _scatter_add(em, e, ins, outs, in_roles, out_roles):
+    """An embedding's gradient (`_is_lookup_gradient`) as one-hot rows summed; another
+    scatter-add bound on each device's slices, into zeros: where its updates are split (their
+    scatter axes), each device's result is a partial sum, and the operand is added once, after.
+    An index out of bounds is clamped in "clip" mode, else its update dropped, as in JAX."""
     operand, indices, updates = ins[:3]
     if not _is_lookup_gradient(e):
-        return _bind(em, e, ins, outs, in_roles, out_roles, whole=_scattered(e, ins))
+        whole = _scattered(e, ins)
+        if _is_zeros(em, e.ins[0]):
+            return _bind(em, e, ins, outs, in_roles, out_roles, whole=whole)
+        zeros = mops.zeros(em.mesh, operand.shape, operand.dtype)
+        (summed,) = _bind(em, e, [zeros, indices, updates], outs, in_roles, out_roles, whole=whole)
+        return [mops.add(operand, summed, name="scatter-add")]
     (k,) = e.params["dimension_numbers"].inserted_window_dims
     ids = mops.reshape(indices, Shape(indices.shape.dims[:-1]), name="scatter-add")
+    if _mode(e) == "CLIP":
+        ids = mops.minimum(mops.maximum(ids, 0), operand.shape[k].size - 1)
     hot = mops.one_hot(ids, operand.shape[k], dtype=updates.dtype)
     rows = mops.einsum([hot, updates], output_shape=operand.shape, name="scatter-add")
     if _is_zeros(em, e.ins[0]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -110,10 +111,10 @@ class Flat:
             source = outer if source == "<unknown>" else source
             inner = self._body(e)
             if inner is not None:
-                body, consts = inner
+                body, consts, operands = inner
                 for v, c in zip(body.constvars, consts):
                     self.consts[v] = c
-                inner_env = {v: _read(env, a) for v, a in zip(body.invars, e.invars)}
+                inner_env = {v: _read(env, a) for v, a in zip(body.invars, operands)}
                 self._walk(body, inner_env, replicated or scope, source)
                 for v, a in zip(e.outvars, body.outvars):
                     if is_var(v):
@@ -143,14 +144,28 @@ class Flat:
 
     @staticmethod
     def _body(e):
-        """(inner jaxpr, its consts) of a call-like equation, else None."""
+        """(inner jaxpr, its consts, the operands it is called with) of a call-like equation, or
+        of a cond that chooses its branch by platform (`lax.platform_dependent`, as in
+        `jnp.diagonal`): the branch of the platform meshax runs on. Else None."""
         key = _CALLS.get(e.primitive.name)
         body = e.params.get(key) if key is not None else None
+        operands = e.invars
+        if e.primitive.name == "cond" and e.params.get("branches_platforms") is not None:
+            body, operands = e.params["branches"][_platform_branch(e.params["branches_platforms"])], e.invars[1:]
         if isinstance(body, jcore.ClosedJaxpr):
-            return body.jaxpr, body.consts
+            return body.jaxpr, body.consts, operands
         if isinstance(body, jcore.Jaxpr):
-            return body, []
+            return body, [], operands
         return None
+
+
+@functools.cache
+def _platform_branch(platforms: tuple) -> int:
+    """The branch a cond whose branches are for `platforms` (per branch, platform names, or None:
+    the default) takes on JAX's default backend: asked of `lax.platform_dependent` itself."""
+    per_platform = {p: functools.partial(int, i) for i, ps in enumerate(platforms) if ps for p in ps}
+    default = next((functools.partial(int, i) for i, ps in enumerate(platforms) if ps is None), None)
+    return int(jax.jit(lambda: jax.lax.platform_dependent(default=default, **per_platform))())
 
 
 #: Annotations: kept where their value is not read, for the splits they propagate to others.

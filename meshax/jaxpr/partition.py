@@ -18,7 +18,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from meshax.backends import SimdMeshImpl
 from meshax.core.errors import ConfigError, LayoutError
@@ -32,7 +32,13 @@ from meshax.ops.inputs import placeholder
 
 
 def _is_spec(x) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
+    return x is None or isinstance(x, PartitionSpec | NamedSharding)
+
+
+def _spec(x):
+    """A PartitionSpec (or None) as given, or a NamedSharding's, which jax.jit also takes: its mesh
+    axes are read as this mesh's dims of the same names."""
+    return x.spec if isinstance(x, NamedSharding) else x
 
 
 def _key_text(k) -> str:
@@ -260,11 +266,14 @@ class PartitionedProgram:
 
     def _in_specs(self, dynamic: tuple, dyn_kwargs: dict) -> list:
         """Per argument leaf: its PartitionSpec annotation or None (left to propagation)."""
+        return [_spec(s) for s in self._given_in_specs(dynamic)]
+
+    def _given_in_specs(self, dynamic: tuple) -> list:
         given = self.owner.in_shardings
         n = len(self.paths)
         if given is None:
             return [None] * n
-        if isinstance(given, PartitionSpec):
+        if isinstance(given, PartitionSpec | NamedSharding):
             return [given] * n
         if isinstance(given, Mapping) and all(isinstance(k, str) for k in given):
             out: list = [None] * n
@@ -306,8 +315,8 @@ class PartitionedProgram:
         n = self._n_out
         if given is None:
             return [None] * n
-        if isinstance(given, PartitionSpec):
-            return [given] * n
+        if isinstance(given, PartitionSpec | NamedSharding):
+            return [_spec(given)] * n
         try:
             specs = jax.tree_util.tree_map(
                 lambda s, sub: [s] * len(jax.tree_util.tree_leaves(sub)),
@@ -317,7 +326,9 @@ class PartitionedProgram:
             )
         except (ValueError, TypeError) as e:
             raise ConfigError(f"out_shardings does not match the function's output structure: {e}") from None
-        return [s for group in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, list)) for s in group]
+        return [
+            _spec(s) for group in jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, list)) for s in group
+        ]
 
     # ---- running ------------------------------------------------------------------------------
     def __call__(self, *args, **kwargs):
@@ -420,7 +431,8 @@ def partition(
     `in_shardings`: per positional argument a PartitionSpec (or None: left to propagation) or a
     pytree prefix of them, as `jax.jit` takes; or one PartitionSpec for every argument; or a dict
     of argument paths (glob patterns allowed) to PartitionSpecs: `{"params/w1": P(None, "y")}`.
-    `out_shardings` likewise for the results. `layout`: layout rules against the dim names
+    A NamedSharding stands for its PartitionSpec, its mesh axes read as `mesh`'s dims of the same
+    names. `out_shardings` likewise for the results. `layout`: layout rules against the dim names
     `explain()` lists ("x[0]:x"). Inside `fn`, `jax.lax.with_sharding_constraint(x, P(...))` and
     `mx.mesh_split(x, [...], priority=p)` annotate intermediate values. `static_argnums`,
     `static_argnames` and `donate_argnums` are `jax.jit`'s. `reduce_scatter_as="allreduce"` runs

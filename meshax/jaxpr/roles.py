@@ -151,6 +151,27 @@ def _split(e) -> Roles:
     return [list(same)], [list(same) for _ in e.outs]
 
 
+def _stack(e) -> Roles:
+    """stack (jnp.stack): each operand's axes are the result's but the new one, which is whole."""
+    d = e.params["axis"]
+    n = rank(e.outs[0])
+    kept = [i for i in range(n) if i != d]
+    return [list(kept) for _ in e.ins], [[i if i != d else None for i in range(n)]]
+
+
+def _unstack(e) -> Roles:
+    """unstack (stack's gradient): each result's axes are the operand's but the one unstacked."""
+    d = e.params["axis"]
+    n = rank(e.ins[0])
+    kept = [i for i in range(n) if i != d]
+    return [[i if i != d else None for i in range(n)]], [list(kept) for _ in e.outs]
+
+
+def _tile(e) -> Roles:
+    """tile (jnp.tile): an axis repeated once passes through; a repeated one is whole."""
+    return _keep_where(e, lambda i: e.params["reps"][i] == 1)
+
+
 def _keep_where(e, keep: Callable[[int], bool]) -> Roles:
     """Operand 0's axes i with keep(i) tied to result axis i; other operands (scalars) to nothing."""
     x, out = e.ins[0], e.outs[0]
@@ -362,6 +383,9 @@ RULES: dict[str, Callable] = {
     "transpose": _transpose,
     "concatenate": _concatenate,
     "split": _split,
+    "stack": _stack,
+    "unstack": _unstack,
+    "tile": _tile,
     "rev": _rev,
     "pad": _pad,
     "slice": _slice,

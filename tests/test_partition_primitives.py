@@ -1,0 +1,158 @@
+"""mx.partition of primitives that a review (helper-13) found mishandled, each against jax.jit:
+scatter-adds with their indices or updates split, lookups with indices out of bounds, narrow
+integer sums, bool max and min, `stack` / `unstack` / `tile` (primitives since jax 0.10),
+branches chosen by platform (`jnp.diagonal`), and NamedShardings given as annotations.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import meshax as mx
+from tests.test_partition import MESH, assert_counters_equal_hlo, assert_trees_close
+
+T = jax.random.normal(jax.random.key(1), (32, 16))
+ROWS = jax.random.randint(jax.random.key(2), (4, 6), 0, 32)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["point, indices split", "point, updates split", "columns, updates split", "rows, indices split"],
+)
+def test_a_scatter_add_with_its_indices_or_updates_split_adds_the_operand_once(case):
+    """Each device scatters its own updates into zeros; their sum is the updates' scatter, and the
+    operand is added once after it (it was added on every device, then summed: n copies)."""
+    u = jax.random.normal(jax.random.key(3), (4, 6))
+    cols = jnp.array([1, 5, 5, 9, 0, 15, 2, 3])
+    fn, args, specs = {
+        "point, indices split": (lambda t, i: t.at[i, i % 16].add(1.0), (T, ROWS), (None, P("x", "y"))),
+        "point, updates split": (lambda t, i, u: t.at[i, i % 16].add(u), (T, ROWS, u), (None, None, P("x", "y"))),
+        "columns, updates split": (
+            lambda t, c, v: t.at[:, c].add(v),
+            (T, cols, jnp.ones((32, 8))),
+            (None, None, P(None, "y")),
+        ),
+        "rows, indices split": (lambda t, r: t.at[r, 3].add(1.0), (T, cols * 3), (None, P("x"))),
+    }[case]
+    step = jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(fn(*a))), argnums=0)
+    g = mx.partition(step, MESH, in_shardings=specs)
+    assert_trees_close(g(*args), jax.jit(step)(*args), rtol=1e-5, atol=1e-5)
+    assert_counters_equal_hlo(g.lower(*args), *args)
+    assert_trees_close(mx.partition(fn, MESH, in_shardings=specs)(*args), jax.jit(fn)(*args))
+
+
+IDS = jnp.array([[0, 31, 32, 40], [5, 100, -1, 7]])
+
+
+@pytest.mark.parametrize(
+    "get",
+    [
+        lambda t, i: t[i],  # (JAX promises its indices in bounds, and XLA clamps)
+        lambda t, i: jnp.take(t, i, axis=0, mode="clip"),
+        lambda t, i: t.at[i].get(mode="fill", fill_value=-7.0),
+        lambda t, i: t.at[i].get(mode="fill"),  # (NaN)
+        lambda t, i: t.astype(jnp.int32).at[i].get(mode="fill"),  # (the lowest int32)
+    ],
+    ids=["default", "clip", "fill -7", "fill NaN", "fill int"],
+)
+@pytest.mark.parametrize("specs", [None, (P("y", None), P("x"))], ids=["whole", "split"])
+def test_a_lookup_out_of_bounds_clamps_or_fills_as_jax_does(get, specs):
+    """A row lookup's index out of bounds reads the clamped row, or the fill value in "fill"
+    mode (it read zeros); the gradient (a scatter-add) drops an out-of-bounds row's cotangent
+    unless the mode clamps, as jax.jit's does."""
+    g = mx.partition(get, MESH, in_shardings=specs)
+    np.testing.assert_array_equal(np.asarray(g(T, IDS)), np.asarray(jax.jit(get)(T, IDS)))
+    if jnp.issubdtype(jax.eval_shape(get, T, IDS).dtype, jnp.floating):
+        grad = jax.grad(lambda t, i: jnp.sum(jnp.nan_to_num(get(t, i)) * jnp.arange(16.0)))
+        got = mx.partition(grad, MESH, in_shardings=specs)(T, IDS)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jax.jit(grad)(T, IDS)))
+
+
+@pytest.mark.parametrize("dtype", ["uint8", "int8", "int16"])
+def test_a_narrow_integer_sum_wraps_in_its_own_dtype(dtype):
+    """jnp.sum(..., dtype=uint8) wraps at 256 in XLA; meshax sums wider, then wraps to the
+    jaxpr's dtype, so the result meets uint8 values downstream (it was a uint32 of the wide sum)."""
+    a = (jnp.arange(8 * 16).reshape(8, 16) % 7 + 100).astype(dtype)
+
+    def fn(a):
+        s = jnp.sum(a, axis=1, dtype=dtype)
+        return s + a[:, 0], jnp.sum(a, dtype=dtype)
+
+    for specs in (None, (P("x", "y"),)):
+        got = mx.partition(fn, MESH, in_shardings=specs)(a)
+        want = jax.jit(fn)(a)
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_bool_max_and_min_are_any_and_all():
+    x = jax.random.normal(jax.random.key(4), (8, 16)) > 1.5
+
+    def fn(x):
+        return jnp.max(x, axis=1), jnp.min(x, axis=0), x.max(), (~x).min()
+
+    for specs in (None, (P("x", "y"),)):
+        got = mx.partition(fn, MESH, in_shardings=specs)(x)
+        for g, w in zip(got, jax.jit(fn)(x)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a, b: jnp.sum(jnp.sin(jnp.stack([a, b], axis=1)) ** 2),
+        lambda a, b: jnp.sum(jnp.stack([a, 2 * b]) @ b.T),
+        lambda a, b: jnp.sum(jnp.tanh(jnp.stack([a, b, a], axis=2))),
+        lambda a, b: jnp.sum(jnp.sin(jnp.tile(a, (2, 1))) * jnp.tile(b, (2, 1))),
+        lambda a, b: jnp.sum(jnp.sin(jnp.tile(a, (1, 3))) ** 2) + jnp.sum(jnp.tile(b, (2, 1, 1)) * 0.5),
+    ],
+    ids=["stack axis 1", "stack axis 0", "stack axis 2", "tile rows", "tile columns and a new axis"],
+)
+@pytest.mark.parametrize("spec", [P("x", "y"), P(None, "y")])
+def test_stack_unstack_and_tile(fn, spec):
+    """jnp.stack, jnp.tile and stack's gradient (unstack) are primitives since jax 0.10: the
+    axes they keep stay split, the stacked or tiled axis is whole."""
+    a, b = jax.random.normal(jax.random.key(5), (8, 12)), jax.random.normal(jax.random.key(6), (8, 12))
+    step = jax.value_and_grad(fn, argnums=(0, 1))
+    g = mx.partition(step, MESH, in_shardings=(spec, spec))
+    assert_trees_close(g(a, b), jax.jit(step)(a, b), rtol=2e-5, atol=2e-5)
+    assert_counters_equal_hlo(g.lower(a, b), a, b)
+
+
+def test_a_branch_chosen_by_platform_is_the_one_for_this_platform():
+    """jnp.diagonal (and lax.platform_dependent) choose a branch by platform: the branch for
+    JAX's backend is inlined (the other, a Pallas one, was an unsupported `platform_index`)."""
+    a = jax.random.normal(jax.random.key(7), (8, 8))
+
+    def fn(a):
+        here = jax.lax.platform_dependent(a, cpu=jnp.sin, cuda=jnp.cos, rocm=jnp.cos, default=jnp.tanh)
+        return jnp.diag(a) * 2.0, jnp.diagonal(here @ a, offset=1), jnp.trace(a)
+
+    step = jax.value_and_grad(lambda a: sum(jnp.sum(v) for v in fn(a)))
+    g = mx.partition(step, MESH, in_shardings=(P("x", "y"),))
+    assert_trees_close(g(a), jax.jit(step)(a), rtol=1e-5, atol=1e-5)
+    assert_trees_close(mx.partition(fn, MESH)(a), jax.jit(fn)(a), rtol=1e-5, atol=1e-5)
+
+
+def test_named_shardings_stand_for_their_partition_specs():
+    """in_shardings and out_shardings take a NamedSharding, as jax.jit does (it was `TypeError:
+    'NamedSharding' object is not iterable`); its mesh axes name this mesh's dims."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    a = jax.random.normal(jax.random.key(8), (8, 8))
+
+    def fn(a):
+        return jnp.sin(a) @ a
+
+    g = mx.partition(
+        fn, MESH, in_shardings=(NamedSharding(mesh, P("x", "y")),), out_shardings=NamedSharding(mesh, P("x"))
+    )
+    assert_trees_close(g(a), jax.jit(fn)(a), rtol=1e-5, atol=1e-5)
+    program = g.lower(a)
+    assert (program.layout_of(program.placeholders[0]), program.layout_of(0)) == ("a[0]:x;a[1]:y", "a[0]:x")
+    other = jax.make_mesh((8,), ("z",))
+    with pytest.raises(mx.LayoutError, match="names mesh dim 'z', but the mesh has only"):
+        mx.partition(fn, MESH, in_shardings=NamedSharding(other, P("z")))(a)
