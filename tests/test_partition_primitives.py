@@ -1,7 +1,8 @@
 """mx.partition of primitives that a review (helper-13) found mishandled, each against jax.jit:
 scatter-adds with their indices or updates split, lookups with indices out of bounds, narrow
 integer sums, bool max and min, `stack` / `unstack` / `tile` (primitives since jax 0.10),
-branches chosen by platform (`jnp.diagonal`), and NamedShardings given as annotations.
+branches chosen by platform (`jnp.diagonal`), NamedShardings given as annotations, and a scan's
+results no one reads.
 """
 
 import jax
@@ -156,3 +157,25 @@ def test_named_shardings_stand_for_their_partition_specs():
     other = jax.make_mesh((8,), ("z",))
     with pytest.raises(mx.LayoutError, match="names mesh dim 'z', but the mesh has only"):
         mx.partition(fn, MESH, in_shardings=NamedSharding(other, P("z")))(a)
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_a_scans_stacked_result_no_one_reads_is_not_computed(length):
+    """XLA drops a loop's result no one reads, and the collective that computed it; meshax's
+    scan did not, so its counters had an allreduce per iteration that never ran."""
+
+    def fn(ws, x):
+        def body(h, w):
+            h = jnp.tanh(h @ w)
+            return h, jnp.sum(h, axis=1)  # (a sum over the split axis: an allreduce; never read)
+
+        return jax.lax.scan(body, x, ws)[0]
+
+    ws = jax.random.normal(jax.random.key(9), (length, 16, 16)) * 0.2
+    x = jax.random.normal(jax.random.key(10), (8, 16))
+    g = mx.partition(fn, MESH, in_shardings=(P(None, None, "y"), P("x", None)))
+    assert_trees_close(g(ws, x), jax.jit(fn)(ws, x), rtol=1e-5, atol=1e-5)
+    program = g.lower(ws, x)
+    assert program.counters["allreduce"].count == 0
+    if length == 1:  # (a longer loop's body is in the HLO once, its collectives counted per iteration)
+        assert_counters_equal_hlo(program, ws, x)

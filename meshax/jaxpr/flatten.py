@@ -3,8 +3,9 @@
 Each equation keeps its primitive, params, operands (a `Var` or a `Literal`), results and the
 user's source line. Inlining maps an inner jaxpr's variables onto the outer atoms, so the
 flattened program has one variable per value however deeply the user's code nested its calls.
-Equations no result depends on are dropped (`_live`), and a sum pooling's transpose, a `pad`
-and a `reduce_window_sum`, becomes one equation (`_fuse_sum_pool_transposes`).
+Equations no result depends on are dropped (`_live`; a scan's stacked results no one reads
+too), and a sum pooling's transpose, a `pad` and a `reduce_window_sum`, becomes one equation
+(`_fuse_sum_pool_transposes`).
 """
 
 from __future__ import annotations
@@ -180,9 +181,24 @@ def _live(eqns: list[Eqn], outvars: list) -> list[Eqn]:
     kept = []
     for e in reversed(eqns):
         if e.effects or e.name in _ANNOTATIONS or any(v in live for v in e.outs):
+            if e.name == "scan" and e.body is not None:
+                e = _without_unread_ys(e, live)
             kept.append(e)
             live.update(a for a in e.ins if is_var(a))
     return kept[::-1]
+
+
+def _without_unread_ys(e: Eqn, live: set) -> Eqn:
+    """A scan without the stacked results no one reads, and its body without what computed only
+    them (a collective there would run and be counted each iteration; XLA drops it)."""
+    ncar = e.params["num_carry"]
+    keep = [j for j, v in enumerate(e.outs) if j < ncar or v in live]
+    if len(keep) == len(e.outs):
+        return e
+    body = copy.copy(e.body)
+    body.outvars = [e.body.outvars[j] for j in keep]
+    body.eqns = _live(e.body.eqns, body.outvars)
+    return dataclasses.replace(e, outs=[e.outs[j] for j in keep], body=body)
 
 
 class _Fused:
