@@ -2,7 +2,7 @@
 scatter-adds with their indices or updates split, lookups with indices out of bounds, narrow
 integer sums, bool max and min, `stack` / `unstack` / `tile` (primitives since jax 0.10),
 branches chosen by platform (`jnp.diagonal`), NamedShardings given as annotations, and a scan's
-results no one reads.
+results no one reads; and collectives XLA merges.
 """
 
 import jax
@@ -179,3 +179,49 @@ def test_a_scans_stacked_result_no_one_reads_is_not_computed(length):
     assert program.counters["allreduce"].count == 0
     if length == 1:  # (a longer loop's body is in the HLO once, its collectives counted per iteration)
         assert_counters_equal_hlo(program, ws, x)
+
+
+def _wsc_transpose_matmul(a):
+    return jax.lax.with_sharding_constraint(jnp.sin(a), P("y", "x")).T @ a
+
+
+def _mlp(w, x):
+    return jnp.sum(jnp.sin(jnp.tanh(x @ w) @ w) ** 2)
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["two reshards start alike", "uneven gradient", "checkpoint recomputes", "checkpoint saves dots"],
+)
+def test_what_xla_merges_is_gathered_once(case):
+    """Two reshards of one tensor that start with the same gather gather once; a forward that
+    `jax.checkpoint` recomputes is the forward (the repeat of an equation is merged), so what
+    the forward gathered is not gathered again. XLA merges both, and the counters counted both
+    (one allgather more than the compiled program holds)."""
+    a = jax.random.normal(jax.random.key(11), (7, 13))
+    w, x = jax.random.normal(jax.random.key(12), (16, 16)) * 0.3, jax.random.normal(jax.random.key(13), (8, 16))
+    policy = jax.checkpoint_policies
+    fn, args, specs = {
+        "two reshards start alike": (_wsc_transpose_matmul, (jnp.ones((8, 16)),), (P("x", "y"),)),
+        "uneven gradient": (
+            jax.grad(lambda a, b: jnp.sum(jnp.tanh(a @ b)), argnums=1),
+            (a, a.T),
+            (P("x", "y"), P("y", "x")),
+        ),
+        "checkpoint recomputes": (
+            jax.grad(jax.checkpoint(_mlp, policy=policy.nothing_saveable), argnums=(0, 1)),
+            (w, x),
+            (P(None, "y"), P("x", None)),
+        ),
+        "checkpoint saves dots": (
+            jax.grad(jax.checkpoint(_mlp, policy=policy.dots_saveable), argnums=(0, 1)),
+            (w, x),
+            (P(None, "y"), P("x", None)),
+        ),
+    }[case]
+    g = mx.partition(fn, MESH, in_shardings=specs)
+    mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        want = jax.jit(fn)(*args)
+    assert_trees_close(g(*args), want, rtol=1e-5, atol=1e-5)
+    assert_counters_equal_hlo(g.lower(*args), *args)

@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jaxlib
+import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
@@ -98,7 +99,7 @@ class Flat:
         self.invars = list(closed.jaxpr.invars)
         env: dict = {}
         self._walk(closed.jaxpr, env, replicated, source)
-        self.outvars = [_read(env, v) for v in closed.jaxpr.outvars]
+        self.eqns, self.outvars = _merge_repeats(self.eqns, [_read(env, v) for v in closed.jaxpr.outvars])
         self.eqns = _fuse_sum_pool_transposes(_live(self.eqns, self.outvars), self.outvars)
 
     def _walk(self, jaxpr, env: dict, replicated: bool, outer: str) -> None:
@@ -167,6 +168,54 @@ def _platform_branch(platforms: tuple) -> int:
     per_platform = {p: functools.partial(int, i) for i, ps in enumerate(platforms) if ps for p in ps}
     default = next((functools.partial(int, i) for i, ps in enumerate(platforms) if ps is None), None)
     return int(jax.jit(lambda: jax.lax.platform_dependent(default=default, **per_platform))())
+
+
+def _merge_repeats(eqns: list[Eqn], outvars: list) -> tuple[list[Eqn], list]:
+    """The equations with each repeat of an earlier one (the same primitive and params on the
+    same operands) dropped and its results read from the earlier one's, as XLA's CSE does: a
+    `jax.checkpoint`'s recomputed forward is the forward, and would otherwise gather what the
+    forward gathered a second time (run and counted; XLA runs it once). Loops, branches and
+    equations with effects are never merged."""
+    seen: dict = {}
+    same: dict = {}
+    kept = []
+    for e in eqns:
+        if any(is_var(a) and a in same for a in e.ins):
+            e = dataclasses.replace(e, ins=[same.get(a, a) if is_var(a) else a for a in e.ins])
+        key = _repeat_key(e)
+        if key is not None and key in seen:
+            for v, w in zip(e.outs, seen[key].outs):
+                if is_var(v):
+                    same[v] = w
+            continue
+        if key is not None:
+            seen[key] = e
+        kept.append(e)
+    return kept, [same.get(v, v) if is_var(v) else v for v in outvars]
+
+
+def _repeat_key(e: Eqn):
+    """What makes two equations repeats of each other, or None where they are never merged (a
+    loop, a branch, effects, params that cannot be compared, or no variable operand: a constant,
+    which each device fills in whatever layout its reader wants, where one merged constant
+    would be moved to its other readers)."""
+    if e.effects or e.body is not None or e.branches is not None or not all(is_var(v) for v in e.outs):
+        return None
+    if not any(is_var(a) for a in e.ins):
+        return None
+
+    def atom(a):
+        if is_var(a):
+            return a
+        value = np.asarray(a.val)
+        return ("literal", value.dtype.str, value.shape, value.tobytes())
+
+    try:
+        key = (e.name, e.replicated, tuple(atom(a) for a in e.ins), tuple(sorted(e.params.items())))
+        hash(key)
+    except TypeError:  # (an array among the params)
+        return None
+    return key
 
 
 #: Annotations: kept where their value is not read, for the splits they propagate to others.

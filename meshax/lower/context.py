@@ -248,10 +248,17 @@ class LoweringContext:
 
     def allgather(self, xs: list, axis: int, dim: int, keep: int | None = None) -> list:
         """The slices along mesh `axis` concatenated along `dim`; the first `keep` values of it
-        kept (the coarser block, where the split padded the dim)."""
+        kept (the coarser block, where the split padded the dim). Once per program for the very
+        same slices, as XLA merges two such gathers (two reshards of one tensor to different
+        layouts may start alike)."""
         if not self._live([axis]):
             return xs
-        out = self._run("allgather", xs, [axis], lambda: self.impl.allgather(xs, axis, dim))
+        out = self._once(
+            "allgather",
+            xs,
+            (axis, dim),
+            lambda: self._run("allgather", xs, [axis], lambda: self.impl.allgather(xs, axis, dim)),
+        )
         return _trim(self, out, dim, keep)
 
     def alltoall(self, xs: list, axis: int, split_dim: int, concat_dim: int, keep: int | None = None) -> list:
