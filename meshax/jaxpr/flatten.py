@@ -230,7 +230,7 @@ def _live(eqns: list[Eqn], outvars: list) -> list[Eqn]:
     kept = []
     for e in reversed(eqns):
         if e.effects or e.name in _ANNOTATIONS or any(v in live for v in e.outs):
-            if e.name == "scan" and e.body is not None:
+            if e.name == "scan":
                 e = _without_unread_ys(e, live)
             kept.append(e)
             live.update(a for a in e.ins if is_var(a))
@@ -242,11 +242,11 @@ def _without_unread_ys(e: Eqn, live: set) -> Eqn:
     them (a collective there would run and be counted each iteration; XLA drops it)."""
     ncar = e.params["num_carry"]
     keep = [j for j, v in enumerate(e.outs) if j < ncar or v in live]
-    if len(keep) == len(e.outs):
+    if len(keep) == len(e.outs) or e.body is None:
         return e
     body = copy.copy(e.body)
     body.outvars = [e.body.outvars[j] for j in keep]
-    body.eqns = _live(e.body.eqns, body.outvars)
+    body.eqns = _live(body.eqns, body.outvars)
     return dataclasses.replace(e, outs=[e.outs[j] for j in keep], body=body)
 
 
