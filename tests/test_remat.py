@@ -60,6 +60,31 @@ def test_xla_does_not_merge_the_recomputation_away():
     assert (_tanh_count(False), _tanh_count(True)) == (2, 4)
 
 
+def test_a_gradient_no_one_asked_for_is_not_computed():
+    """The backward recompute op can give every input's gradient; the program computes only the
+    ones it reads. With `h` split, x's gradient would be an allreduce that XLA drops: the
+    counters counted it (2 allreduces where the compiled program holds 1)."""
+    counts = []
+    for remat in (False, True):
+        graph = mx.Graph()
+        mesh = mx.Mesh(graph, "mesh")
+        x = mx.placeholder(mesh, "x", [B, D])
+        w1, w2 = mx.get_variable(mesh, "w1", [D, H]), mx.get_variable(mesh, "w2", [H, D])
+        layer = lambda x, w1=w1, w2=w2: mx.einsum(mx.tanh(mx.einsum(x, w1, reduced_dims=[D])), w2, reduced_dims=[H])  # noqa: E731
+        y = mx.recompute_grad(layer, [x]) if remat else layer(x)
+        loss = mx.reduce_sum(mx.square(y))
+        fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "h:all")}).function(
+            [loss, *mx.gradients(loss, [w1, w2])]
+        )
+        fn({x: rand([8, 8], 1)})
+        hlo = mx.hlo_collectives(fn.compiled_text())
+        assert {k: (fn.counters[k].count, fn.counters[k].values) for k in hlo} == {
+            k: (v["count"], v["values"]) for k, v in hlo.items()
+        }
+        counts.append(fn.counters["allreduce"].count)
+    assert counts == [1, 1]
+
+
 SMALL = TransformerConfig(vocab_size=16, d_model=16, d_ff=32, num_heads=8, d_kv=4, num_layers=2, dropout=0.1)
 
 

@@ -55,15 +55,20 @@ class RecomputeOperation(Operation):
         values = [ctx.get(t, plan[v]).slices for t, v in zip(self.bound, self.vars)]
         if self.barrier:
             values = list(ctx.slicewise(lambda *xs: tuple(jax.lax.optimization_barrier(xs)), *values))
-        child = LoweringContext(ctx.impl, plan, ctx.counters, ctx.rng_seed, count_reads(self.body, self.results))
+        # only the results the program reads: a gradient no one asked for (an input's, say) is
+        # not computed, nor its collectives run and counted (XLA drops them)
+        read = [(t, r) for t, r in zip(self.outputs, self.results) if not ctx.reads or ctx.reads.get(t, 0)]
+        results = [r for _, r in read]
+        body = _needed(self.body, results)
+        child = LoweringContext(ctx.impl, plan, ctx.counters, ctx.rng_seed, count_reads(body, results))
         child.values = dict(ctx.values)
         for v, slices in zip(self.vars, values):
             child.set_output(v, slices, plan[v])
-        for op in self.body:
+        for op in body:
             child.op = op
             op.lower(child)
         child.op = None
-        for t, r in zip(self.outputs, self.results):
+        for t, r in read:
             ctx.set_output(t, child.get(r, plan[t]).slices, plan[t])
 
     def gradient(self, grad_outputs):
