@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import sys
 from collections.abc import Callable
@@ -175,9 +176,10 @@ def _parser() -> argparse.ArgumentParser:
         )
         s.add_argument("--seed", type=_SEED, default=0)
         s.add_argument("--debug", action="store_true", help="show the traceback of an error")
+        if name in ("train", "plan"):  # (plan costs the optimizer's collectives and memory too)
+            s.add_argument("--optimizer", choices=["adam", "adafactor"], default="adam")
         if name == "train":
             s.add_argument("--steps", type=_NATURAL, default=300)
-            s.add_argument("--optimizer", choices=["adam", "adafactor"], default="adam")
             s.add_argument("--lr", type=_RATE, default=None, help="peak learning rate (adam: 1e-3; adafactor: its own)")
             s.add_argument("--warmup", type=_NATURAL, default=0, help="linear warmup steps, then linear decay to 0")
             s.add_argument("--eval-every", type=_NATURAL, default=100, help="0: only at the end")
@@ -470,6 +472,7 @@ def _check_paths(args) -> None:
             raise ConfigError(f"{flag} {path!r} is a file, not a folder")
         if path and flag != "--resume":
             _check_can_create(flag, path)
+            _check_can_make_folder(flag, path)
     if args.metrics:
         _check_file_to_write("--metrics", args.metrics, "a file to append JSON lines to")
 
@@ -483,6 +486,25 @@ def _check_file_to_write(flag: str, path: str, what: str) -> None:
     if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
         raise ConfigError(f"{flag} {path!r}: its folder does not exist")
     _check_can_create(flag, path)
+
+
+def _check_can_make_folder(flag: str, path: str) -> None:
+    """A folder that does not exist yet can be made: made and removed again, since some folders
+    refuse what their permissions allow (/proc's), found otherwise only when the run saves."""
+    from meshax.core.errors import ConfigError
+
+    top = os.path.abspath(path)
+    if os.path.exists(top):
+        return
+    while not os.path.exists(os.path.dirname(top)):
+        top = os.path.dirname(top)
+    try:
+        os.makedirs(path)
+    except OSError as err:
+        raise ConfigError(
+            f"{flag} {path!r} cannot be created: {err.strerror}; give a folder you can write to"
+        ) from None
+    shutil.rmtree(top)
 
 
 def _check_can_create(flag: str, path: str) -> None:
@@ -605,6 +627,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(_join_dash_values(parser, sys.argv[1:] if argv is None else list(argv)))
     try:
         return _run(args)
+    except BrokenPipeError:  # the reader of the output went away (`meshax plan lm | head`): quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's recipe: no error at exit)
+        return 1
     except (ValueError, RuntimeError, OSError, LayoutWarning) as e:  # MeshaxError is a ValueError
         if args.debug:
             raise
@@ -859,6 +884,8 @@ def _plan(args, task, console) -> int:
         _check_can_create("--picture", args.picture)
         os.makedirs(args.picture)
     if args.search:
+        if args.json:
+            raise ConfigError("--json prints the cost report; --search prints its own table: give one of them")
         return _search(args, task)
     lowering, outputs, updates = build(
         task,
@@ -872,6 +899,8 @@ def _plan(args, task, console) -> int:
     )
     counters = lowering.trace_step(outputs, updates)
     summary = summarize(lowering, counters, outputs)
+    if args.picture:
+        _draw_parameters(lowering, args.picture)
     if args.json:
         explained = {"explain": lowering.explain()} if args.explain else {}
         print(json.dumps({**summary.as_dict(), **explained}, indent=1))
@@ -881,8 +910,6 @@ def _plan(args, task, console) -> int:
     print(format_summary(summary), end="", flush=True)
     if args.explain:
         print("\n" + lowering.explain(), end="", flush=True)
-    if args.picture:
-        _draw_parameters(lowering, args.picture)
     return 0
 
 

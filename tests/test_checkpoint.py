@@ -143,6 +143,31 @@ def test_keeps_only_the_newest_and_ignores_unfinished(tmp_path):
     assert values(fresh)["global_step"] == 2
 
 
+def test_a_folder_of_digits_that_is_no_whole_checkpoint_is_not_one(tmp_path):
+    """A user's `5/`, or a step that lost an item, is not the latest step (restoring it raised
+    Orbax's KeyError); a non-JSON `extra` is refused before anything is written (it left a
+    temporary folder that blocked the step for the rest of the process)."""
+    lowering, fn = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
+    train(fn, 0, 2)
+    os.makedirs(tmp_path / "1")  # (no items: not a checkpoint)
+    save_checkpoint(tmp_path, lowering, 2)
+    assert latest_step(tmp_path) == 2
+    os.rename(tmp_path / "1", tmp_path / "9")
+    assert latest_step(tmp_path) == 2
+    os.rename(tmp_path / "9", tmp_path / "1")
+    with pytest.raises(mx.ConfigError, match="extra must be JSON"):
+        save_checkpoint(tmp_path, lowering, 3, extra={"data_position": np.int64(3)})
+    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+    save_checkpoint(tmp_path, lowering, 3, extra={"data_position": 3})
+    import shutil
+
+    shutil.rmtree(tmp_path / "3" / "state")  # (an item lost)
+    assert latest_step(tmp_path) == 2
+    with pytest.raises(FileNotFoundError, match="is not a whole checkpoint"):
+        restore_checkpoint(tmp_path, lowering, step=3)
+    assert restore_checkpoint(tmp_path, lowering)["step"] == 2
+
+
 def test_no_checkpoint(tmp_path):
     lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
     missing = tmp_path / "missing"

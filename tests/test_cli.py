@@ -1,6 +1,7 @@
 """The command line: plan and train (issue 3)."""
 
 import json
+import os
 import sys
 
 import pytest
@@ -226,6 +227,19 @@ def test_plan_json_with_explain_carries_the_explanation(capsys):
     assert "batch" in plan["explain"]
     assert main(argv) == 0
     assert "explain" not in json.loads(capsys.readouterr().out)
+
+
+def test_plan_costs_the_optimizer_asked_for_and_json_still_draws_pictures(capsys, tmp_path):
+    """`plan --optimizer adafactor` costs Adafactor (plan refused the flag, so it costed Adam's
+    state and collectives while train ran Adafactor's); `--json --picture` draws the pictures too."""
+    argv = ["plan", "lm", "--mesh", "rows:2;cols:4", "--json"]
+    state = {}
+    for name in ("adam", "adafactor"):
+        assert main([*argv, "--optimizer", name]) == 0
+        state[name] = json.loads(capsys.readouterr().out)["optimizer_state_bytes_per_device"]
+    assert state["adafactor"] < state["adam"] / 4  # (factored second moments, no first)
+    assert main([*argv, "--picture", str(tmp_path / "pics")]) == 0
+    assert os.listdir(tmp_path / "pics")
 
 
 def test_the_command_tunes_its_garbage_collector_and_a_python_caller_keeps_its_own(monkeypatch, capsys):

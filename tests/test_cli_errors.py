@@ -80,6 +80,9 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mlp", *MLP, "--moe-experts", "4"], "--moe-experts applies to lm and seq2seq"),
     (["plan", "lm", "--moe-experts", "4", "--pipeline-stages", "2"], "MoE layers inside a pipeline"),
     (["plan", "lm", "--moe-experts", "512"], "512 experts are more than a group of 64 tokens"),
+    (["plan", "mlp", *MLP, "--search", "--json"], "--search prints its own table"),
+    # a folder its permissions would allow, which the system refuses: found before the run, not at its save
+    (["train", "mlp", *MLP, "--checkpoint-dir", "/proc/meshax/ck"], "--checkpoint-dir '/proc/meshax/ck'"),
 ]
 
 # Cases that need a file and a folder to exist first ("afile", "adir"): nothing else may appear.
@@ -155,6 +158,30 @@ def test_a_used_checkpoint_folder_is_refused_before_training(tmp_path, monkeypat
     assert _exit_code(resumed) == 2  # nothing left to train
     assert "give --steps beyond it" in capsys.readouterr().err
     assert not os.path.exists("second.jsonl")
+
+
+def test_a_folder_of_digits_is_no_checkpoint_to_resume(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("ck/3")
+    assert _exit_code(["train", "mlp", *MLP, "--steps", "4", "--resume", "ck"]) == 2
+    assert "--resume 'ck': no checkpoint there" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_the_command_quietly():
+    """`meshax plan lm | head -1`: the reader goes away; no error is printed."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen(
+        [sys.executable, "-m", "meshax", "plan", "mlp", *MLP],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    p.stdout.readline()
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=120) in (0, 1) and "error" not in err, err
 
 
 def test_debug_shows_the_traceback():

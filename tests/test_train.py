@@ -106,6 +106,21 @@ def test_mnist_errors_name_the_problem(tmp_path):
         (tmp_path / stem).write_bytes(b"\x00\x00\x08\x01\x00\x00\x00\x09abc")  # says 9 bytes, holds 3
     with pytest.raises(DataError, match="truncated"):
         load_mnist(str(tmp_path))
+    rng = np.random.default_rng(0)
+    imgs = rng.integers(0, 256, (20, 28, 28))
+    for labels, message in [
+        (rng.integers(0, 10, 19), r"labels \(shape \[19\]\) do not pair up"),  # (it failed at a batch)
+        (np.full(20, 12), "a train label is 12; the classes are 0 to 9"),  # (it trained on them)
+    ]:
+        for stem, arr in [
+            ("train-images-idx3-ubyte", imgs),
+            ("train-labels-idx1-ubyte", labels),
+            ("t10k-images-idx3-ubyte", imgs[:5]),
+            ("t10k-labels-idx1-ubyte", np.zeros(5)),
+        ]:
+            _write_idx(tmp_path / stem, arr, False)
+        with pytest.raises(DataError, match=message):
+            load_mnist(str(tmp_path))
 
 
 def test_a_diverging_run_stops_with_the_step_and_what_to_change(tmp_path):

@@ -9,6 +9,7 @@ complete, so a half-written checkpoint is never taken for the latest one.
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 
@@ -46,8 +47,14 @@ def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, k
         raise ValueError(f"keep must be at least 1, got {keep}")
     if extra and "step" in extra:
         raise ValueError("extra must not have a 'step' key: restore_checkpoint returns the step under it")
-    state = {var.name: lowering.variable_state(var) for var in lowering.graph.all_variables}
     meta = {"step": int(step), "extra": dict(extra or {})}
+    try:  # before anything is written: a failed write leaves a folder behind that blocks the step
+        json.dumps(meta)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(
+            f"save_checkpoint: extra must be JSON (str, int, float, bool, None, lists, dicts): {err}"
+        ) from None
+    state = {var.name: lowering.variable_state(var) for var in lowering.graph.all_variables}
     with _manager(directory, keep) as manager:
         saved = manager.save(
             int(step), args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
@@ -60,12 +67,24 @@ def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, k
         return os.fspath(manager.directory / str(int(step)))
 
 
+def _complete(directory, step: int) -> bool:
+    """Whether `directory/<step>` holds a checkpoint's two items (a folder of digits that is
+    something else, or lost an item, is not one)."""
+    return all(os.path.isdir(os.path.join(directory, str(step), item)) for item in ("state", "meta"))
+
+
+def complete_steps(directory) -> list[int]:
+    """The steps of the complete checkpoints in `directory`, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    with _manager(directory) as manager:
+        return sorted(s for s in manager.all_steps() if _complete(directory, s))
+
+
 def latest_step(directory) -> int | None:
     """The newest complete checkpoint's step in `directory`, or None if it has none."""
-    if not os.path.isdir(directory):
-        return None
-    with _manager(directory) as manager:
-        return manager.latest_step()
+    steps = complete_steps(directory)
+    return steps[-1] if steps else None
 
 
 def _check_same_model(directory, step: int, variables: dict, saved) -> None:
@@ -102,11 +121,16 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
         step = latest_step(directory)
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {directory}")
-    with _manager(directory) as manager:
-        if step not in manager.all_steps():
-            raise FileNotFoundError(
-                f"no checkpoint of step {step} in {directory} (it has steps {sorted(manager.all_steps())})"
+    if step not in complete_steps(directory):
+        raise FileNotFoundError(
+            f"no checkpoint of step {step} in {directory} (it has steps {complete_steps(directory)}"
+            + (
+                f"; {os.path.join(directory, str(step))} is not a whole checkpoint)"
+                if os.path.isdir(os.path.join(directory, str(step)))
+                else ")"
             )
+        )
+    with _manager(directory) as manager:
         saved = manager.item_metadata(step)["state"]
         variables = {var.name: var for var in lowering.graph.all_variables}
         _check_same_model(directory, step, variables, saved)

@@ -88,6 +88,15 @@ def load_mnist(folder: str):
                 f"MNIST file {stem}[.gz] not found in {folder!r}; it needs the four standard files "
                 f"{sorted(_MNIST_FILES.values())}"
             )
+    for part in ("train", "test"):
+        images, labels = arrays[f"{part}_images"], arrays[f"{part}_labels"]
+        if images.ndim != 3 or labels.ndim != 1 or len(images) != len(labels):
+            raise DataError(
+                f"MNIST in {folder!r}: the {part} images (shape {list(images.shape)}) and labels (shape "
+                f"{list(labels.shape)}) do not pair up: give [n, rows, cols] images and n labels"
+            )
+        if labels.size and labels.max() > 9:
+            raise DataError(f"MNIST in {folder!r}: a {part} label is {int(labels.max())}; the classes are 0 to 9")
     return (
         arrays["train_images"].astype(np.float32) / 255.0,
         arrays["train_labels"].astype(np.int32),
