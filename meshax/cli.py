@@ -220,7 +220,9 @@ def _parser() -> argparse.ArgumentParser:
             )
             s.add_argument("--top-k", type=_NATURAL, default=0, help="sample among the K most likely tokens (0: all)")
             s.add_argument("--beam-size", type=_NATURAL, default=0, help="beam search with this many beams (0: none)")
-            s.add_argument("--alpha", type=_RATE, default=0.6, help="beam search's length penalty exponent")
+            s.add_argument(
+                "--alpha", type=_RATE, default=None, help="beam search's length penalty exponent (default 0.6)"
+            )
         else:
             s.add_argument("--json", action="store_true", help="print the plan as JSON")
             s.add_argument(
@@ -379,6 +381,8 @@ def _check_generate(args) -> None:
         raise ConfigError("generate lm needs --prompt: the text to continue")
     if args.task == "seq2seq" and args.new is not None:
         raise ConfigError("--new applies to lm; a seq2seq output has --length tokens")
+    if args.alpha is not None and not args.beam_size:
+        raise ConfigError("--alpha is beam search's length penalty: give --beam-size too")
     if args.beam_size and args.temperature:
         raise ConfigError("--beam-size searches for the most likely output; it takes no --temperature")
     if args.beam_size and args.top_k:
@@ -438,7 +442,7 @@ def _generate(args, task, console) -> int:
     steps = args.new if args.new is not None else None
     if args.beam_size:
         tokens, scores = decoder.beam_search(
-            inputs=inputs, prompt=prompt, beam_size=beams, steps=steps, alpha=args.alpha
+            inputs=inputs, prompt=prompt, beam_size=beams, steps=steps, alpha=0.6 if args.alpha is None else args.alpha
         )
     else:
         tokens = decoder.sample(prompt, inputs, steps, args.temperature, args.top_k, args.seed)

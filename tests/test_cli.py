@@ -149,6 +149,7 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
         (["--top-k", "100000", "--temperature", "1"], "top_k 100000 must be from 0"),
         (["--beam-size", "2", "--top-k", "3"], "takes no --top-k"),
         (["--beam-size", "2", "--samples", "2"], "--samples 2 would repeat it: drop --samples"),
+        (["--alpha", "0.8"], "--alpha is beam search's length penalty: give --beam-size too"),
         (["--new", "15"], "--new 15 after a prompt of 3 tokens passes --length 16: give --new 14 or less"),
     ]:
         capsys.readouterr()

@@ -81,6 +81,7 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "lm", "--moe-experts", "4", "--pipeline-stages", "2"], "MoE layers inside a pipeline"),
     (["plan", "lm", "--moe-experts", "512"], "512 experts are more than a group of 64 tokens"),
     (["plan", "mlp", *MLP, "--search", "--json"], "--search prints its own table"),
+    (["plan", "lm", "--weight-layout", "d_model:cols except"], "after 'except', write each weight shape"),
     # a folder its permissions would allow, which the system refuses: found before the run, not at its save
     (["train", "mlp", *MLP, "--checkpoint-dir", "/proc/meshax/ck"], "--checkpoint-dir '/proc/meshax/ck'"),
 ]

@@ -114,7 +114,7 @@ def convert_to_weight_rules(x) -> WeightRules:
     m = re.search(r"\bexcept\b", x)
     rules, rest = (x[: m.start()], x[m.end() :]) if m else (x, "")
     shapes = re.findall(r"\[([^\]]*)\]", rest)
-    if rest.strip() and (not shapes or re.sub(r"\[[^\]]*\]", "", rest).strip()):
+    if (m and not shapes) or re.sub(r"\[[^\]]*\]", "", rest).strip():
         raise LayoutError(
             f"bad weight layout {x!r}: after 'except', write each weight shape left to the layout rules as its "
             "dim names in brackets, e.g. 'd_model:x;heads:y except [vocab,d_model]'"
