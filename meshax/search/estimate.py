@@ -43,7 +43,7 @@ from meshax.lower.laid_out import LaidOutTensor
 from meshax.lower.lowering import Lowering, _needed_ops
 from meshax.lower.reshard import reshard
 from meshax.ops.cond import CondOperation
-from meshax.ops.loops import ScanOperation, WhileOperation
+from meshax.ops.loops import ScanOperation, WhileOperation, _needed
 from meshax.ops.recompute import RecomputeOperation
 from meshax.ops.shape_ops import ReshapeOperation
 from meshax.search.cost import Collective, StepCost, affine_counts, family
@@ -480,11 +480,16 @@ def _bodies(op: Operation) -> tuple[int, list[tuple[list[Operation], list[Tensor
 
 def _scopes(ops: list[Operation], outputs: list[Tensor]) -> list[tuple[list[Operation], list[Tensor], int]]:
     """(ops, the tensors read from them at the end, how many times they run) of the program and
-    of every body run inside it (`_bodies`), recursively."""
+    of every body run inside it (`_bodies`), recursively. A recomputed layer's body is only what
+    computes the results its scope reads, as `RecomputeOperation.lower` runs it."""
     scopes = [(ops, outputs, 1)]
-    for body, _, times in scopes:  # (the list grows as bodies are found)
+    for body, wanted, times in scopes:  # (the list grows as bodies are found)
+        read = {t for op in body for t in op.inputs} | set(wanted)
         for op in body:
             inner = _bodies(op)
+            if isinstance(op, RecomputeOperation):
+                results = [r for r, t in zip(op.results, op.outputs) if t in read]
+                inner = (inner[0], [(_needed(op.body, results), results, 1)]) if inner else None
             scopes += [(b, results, times * n) for b, results, n in (inner[1] if inner else [])]
     return scopes
 
