@@ -488,8 +488,8 @@ def _scopes(ops: list[Operation], outputs: list[Tensor]) -> list[tuple[list[Oper
         for op in body:
             inner = _bodies(op)
             if isinstance(op, RecomputeOperation):
-                results = [r for r, t in zip(op.results, op.outputs) if t in read]
-                inner = (inner[0], [(_needed(op.body, results), results, 1)]) if inner else None
+                needed = [r for r, t in zip(op.results, op.outputs) if t in read]
+                inner = (len(op.bound), [(_needed(op.body, needed), needed, 1)])
             scopes += [(b, results, times * n) for b, results, n in (inner[1] if inner else [])]
     return scopes
 

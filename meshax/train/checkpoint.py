@@ -73,7 +73,7 @@ def _complete(directory, step: int) -> bool:
     return all(os.path.isdir(os.path.join(directory, str(step), item)) for item in ("state", "meta"))
 
 
-def complete_steps(directory) -> list[int]:
+def _complete_steps(directory) -> list[int]:
     """The steps of the complete checkpoints in `directory`, oldest first."""
     if not os.path.isdir(directory):
         return []
@@ -83,7 +83,7 @@ def complete_steps(directory) -> list[int]:
 
 def latest_step(directory) -> int | None:
     """The newest complete checkpoint's step in `directory`, or None if it has none."""
-    steps = complete_steps(directory)
+    steps = _complete_steps(directory)
     return steps[-1] if steps else None
 
 
@@ -121,14 +121,12 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
         step = latest_step(directory)
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {directory}")
-    if step not in complete_steps(directory):
+    steps = _complete_steps(directory)
+    if step not in steps:
+        partial = os.path.isdir(os.path.join(directory, str(step)))
         raise FileNotFoundError(
-            f"no checkpoint of step {step} in {directory} (it has steps {complete_steps(directory)}"
-            + (
-                f"; {os.path.join(directory, str(step))} is not a whole checkpoint)"
-                if os.path.isdir(os.path.join(directory, str(step)))
-                else ")"
-            )
+            f"no checkpoint of step {step} in {directory} (it has steps {steps}"
+            + (f"; {os.path.join(directory, str(step))} is not a whole checkpoint)" if partial else ")")
         )
     with _manager(directory) as manager:
         saved = manager.item_metadata(step)["state"]
