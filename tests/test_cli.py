@@ -155,6 +155,8 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
         capsys.readouterr()
         assert main(["generate", "lm", *model, *one, *flags]) == 2, flags
         assert message in capsys.readouterr().err, flags
+    # the training layout decodes: its rule for `length` (the step has one position) is dropped there
+    assert main(["generate", "lm", *model, "--mesh", "rows:2;cols:4", "--layout", "batch:rows;length:cols"]) == 0
     out_of_vocab = [*model[:-1], "3,5,300"]
     assert main(["generate", "lm", *out_of_vocab, *one]) == 2
     assert "prompt token 300 is not in the vocabulary 0.." in capsys.readouterr().err

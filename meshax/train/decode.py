@@ -26,6 +26,7 @@ import numpy as np
 from meshax.core.errors import ConfigError
 from meshax.core.graph import Graph, Mesh, Tensor
 from meshax.core.shape import Dimension, Shape
+from meshax.layout.rules import LayoutRules, convert_to_layout_rules
 from meshax.models.transformer import Transformer, TransformerConfig
 from meshax.ops import elementwise as ew
 from meshax.ops.einsum import einsum
@@ -74,7 +75,7 @@ class Decoder:
         step_outputs = self._step()
         from meshax.lower.lowering import Lowering
 
-        self.lowering = Lowering(graph, {self.mesh: BACKENDS[backend](mesh_shape, layout)})
+        self.lowering = Lowering(graph, {self.mesh: BACKENDS[backend](mesh_shape, _decoding_rules(layout, graph))})
         self.step_fn = self.lowering.function(step_outputs)
         self.encode_fn = self.lowering.function(enc_outputs) if self.encoder_decoder else None
 
@@ -310,3 +311,14 @@ def sequence_log_probability(decoder: Decoder, inputs, tokens) -> np.ndarray:
         if t + 1 < tokens.shape[1]:
             logits, caches = decoder._advance(tokens[:, t], t + 1, caches, encoded)
     return total
+
+
+def _decoding_rules(layout, graph: Graph) -> LayoutRules:
+    """The training layout's rules for the decoding step: a rule for `length` splits the training
+    sequence, which the step has not (it takes one position; its caches' dim is `memory_length`),
+    so it is dropped there; every other rule stays (and a
+    rule that splits nothing is still said to be a likely typo)."""
+    rules = convert_to_layout_rules(layout)
+    if any(d.name == "length" for op in graph.operations for t in op.outputs for d in t.shape):
+        return rules
+    return LayoutRules([(t, m) for t, m in rules.pairs if t != "length"])
