@@ -225,3 +225,10 @@ def test_what_xla_merges_is_gathered_once(case):
         want = jax.jit(fn)(*args)
     assert_trees_close(g(*args), want, rtol=1e-5, atol=1e-5)
     assert_counters_equal_hlo(g.lower(*args), *args)
+
+
+def test_static_argnums_beyond_the_call_are_named():
+    """(It was accepted silently: the argument it names does not exist.)"""
+    g = mx.partition(lambda a, b: a * b, MESH, static_argnums=(5,))
+    with pytest.raises(mx.ConfigError, match=r"static_argnums \[5\] name argument 5, but the call gives 2"):
+        g(jnp.ones(8), 2.0)

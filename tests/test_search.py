@@ -406,6 +406,13 @@ def test_bad_budget_and_device_are_clear():
         search_layout(MLP, "all:8", device="abacus")
 
 
+def test_a_bad_device_from_the_environment_says_so(monkeypatch):
+    """The user gave no device: the error says the bad name came from $MESHAX_DEVICE."""
+    monkeypatch.setenv("MESHAX_DEVICE", "nosuch")
+    with pytest.raises(mx.ConfigError, match=r"device 'nosuch' \(from \$MESHAX_DEVICE\) is neither"):
+        load_device(None)
+
+
 # ---- pictures ---------------------------------------------------------------------------------
 
 

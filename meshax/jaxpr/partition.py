@@ -103,6 +103,12 @@ class Partitioned:
         self._last: PartitionedProgram | None = None
 
     def _split(self, args: tuple, kwargs: dict):
+        beyond = sorted(i for i in self.static_argnums if not -len(args) <= i < len(args))
+        if beyond:
+            raise ConfigError(
+                f"static_argnums {sorted(self.static_argnums)} name argument {beyond[0]}, but the call gives "
+                f"{len(args)} positional arguments"
+            )
         dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         static = (

@@ -89,13 +89,15 @@ def load_device(spec: str | Device | None) -> Device:
     None: the calibration file in $MESHAX_DEVICE if set, else the local CPU's table entry."""
     if isinstance(spec, Device):
         return spec
+    where = ""
     if spec is None:
         spec = os.environ.get("MESHAX_DEVICE") or "cpu"
+        where = " (from $MESHAX_DEVICE)" if os.environ.get("MESHAX_DEVICE") else ""
     if spec.lower() in KNOWN_DEVICES:
         return KNOWN_DEVICES[spec.lower()]
     if not os.path.isfile(spec):
         raise ConfigError(
-            f"device {spec!r} is neither a known device ({', '.join(KNOWN_DEVICES)}) nor a file: "
+            f"device {spec!r}{where} is neither a known device ({', '.join(KNOWN_DEVICES)}) nor a file: "
             "name one, or measure the devices at hand with `meshax calibrate --out FILE`"
         )
     try:
