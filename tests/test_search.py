@@ -493,7 +493,9 @@ def test_searching_the_mesh_too_takes_the_best_of_every_factorisation():
     per_mesh = [search_layout(MLP, mesh, top=1) for mesh in mesh_shapes(8)]
     assert result.best.step_s == min(r.best.step_s for r in per_mesh)
     assert result.legal == sum(r.legal for r in per_mesh)
-    assert "mesh  layout" in result.format()  # which mesh each row is for
+    table = result.format().splitlines()[1:5]  # which mesh each row is for, the layouts in one column
+    at = table[0].index("layout")
+    assert table[0].startswith("#     mesh ") and all(row[at - 2 : at] == "  " and row[at] != " " for row in table)
     with pytest.raises(mx.LayoutError, match="no mesh of 8 devices"):
         search_mesh_and_layout(MLP, 8, memory_budget="1KB")
 

@@ -122,8 +122,10 @@ class SearchResult:
             rows.append(("yours", self.baseline))
         meshes = self.meshes > 1 or len({c.mesh for _, c in rows}) > 1  # (say which mesh each row is for)
 
-        def name(c: Candidate) -> str:
-            return (f"{c.mesh}  " if meshes else "") + c.name
+        mesh_width = max(len(str(c.mesh)) for _, c in rows) if meshes else 0
+
+        def name(c: Candidate) -> str:  # (the mesh in a column of its own, the layout after it)
+            return (f"{c.mesh!s:<{mesh_width}}  " if meshes else "") + c.name
 
         width = max(len(name(c)) for _, c in rows)
         columns = [  # (header, width at least, each row's cell)
@@ -133,9 +135,8 @@ class SearchResult:
             ("memory", 10, [_human(c.memory_bytes) + "B" for _, c in rows]),
         ]
         widths = [max(least, 2 + max(map(len, cells))) for _, least, cells in columns]
-        head = f"{'#':<6}{'mesh  layout' if meshes else 'layout':<{width + 2}}" + "".join(
-            f"{h:>{w}}" for (h, _, _), w in zip(columns, widths)
-        )
+        title = f"{'mesh':<{mesh_width}}  layout" if meshes else "layout"
+        head = f"{'#':<6}{title:<{width + 2}}" + "".join(f"{h:>{w}}" for (h, _, _), w in zip(columns, widths))
         lines = [
             f"layout search: {'' if self.every else 'more than '}{self.legal} legal rule sets, {self.method}, "
             f"{self.seconds:.1f} s; "
