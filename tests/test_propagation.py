@@ -199,7 +199,7 @@ def test_mesh_split_errors_name_the_tensor_and_the_line():
 def test_unknown_mesh_dim_is_refused_at_lowering_with_the_line():
     _, mesh = new_mesh()
     y = mx.mesh_split(mx.placeholder(mesh, "x", [A, C]), ["z", None])
-    with pytest.raises(mx.LayoutError, match=r"annotation on 'shard'.*test_propagation.py:\d+.*mesh dim 'z'"):
+    with pytest.raises(mx.LayoutError, match=r"annotation on 'x'.*test_propagation.py:\d+.*mesh dim 'z'"):
         _lowering(y)
 
 

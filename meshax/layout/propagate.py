@@ -57,6 +57,7 @@ def longest_split(want: Sequence[int], size: int, used, mesh_shape: Shape) -> tu
 def annotation_layout(t, mesh_shape: Shape) -> tuple[list, list[bool]]:
     """(per-dim mesh axes, per-dim fixed?) from the annotation on t's op, validated."""
     op = t.operation
+    what = op.inputs[0].name if op.inputs else t.name  # (the tensor annotated, not the annotation's output)
     axes: list[tuple[int, ...] | None] = []
     fixed: list[bool] = []
     for d, entry in zip(t.shape, op.annotation):
@@ -67,7 +68,7 @@ def annotation_layout(t, mesh_shape: Shape) -> tuple[list, list[bool]]:
         for m in entry:
             if m not in mesh_shape:
                 raise LayoutError(
-                    f"annotation on {t.name!r} {t.shape} at {op.source}: dim {d.name!r} names mesh dim "
+                    f"annotation on {what!r} {t.shape} at {op.source}: dim {d.name!r} names mesh dim "
                     f"{m!r}, but the mesh has only {mesh_shape.dimension_names}"
                 )
         axes.append(tuple(mesh_shape.index(m) for m in entry))
