@@ -204,6 +204,13 @@ LIBRARY = [  # (a call that builds something from a bad value, a piece of the me
     (lambda mx: mx.use_cpu_devices("8"), r"use_cpu_devices\('8'\)"),
     (lambda mx: mx.dropout(mx.placeholder(mx.Mesh(mx.Graph(), "m"), "x", "b:4"), keep_prob=1.5), "keep_prob 1.5"),
     (lambda mx: mx.search.load_device(__file__), "is not one `meshax calibrate` wrote"),
+    (
+        lambda mx: mx.Lowering(
+            mx.placeholder(mx.Mesh(mx.Graph(), "m"), "x", "b:4").graph,
+            {mx.Mesh(mx.Graph(), "m"): mx.SimdMeshImpl("all:1")},
+        ),
+        "is for mesh 'm' of another graph",
+    ),
 ]
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshax.core.errors import LayoutWarning, MeshaxError, did_you_mean
+from meshax.core.errors import GraphError, LayoutWarning, MeshaxError, did_you_mean
 from meshax.core.graph import Graph, Mesh, Operation, Tensor
 from meshax.layout.plan import make_plan, weight_shapes
 from meshax.lower.context import LoweringContext, count_reads
@@ -114,7 +114,11 @@ class Lowering:
         self.graph = graph
         for op in graph.operations:
             if op.mesh is not self.mesh:
-                raise ValueError(f"op {op.name} is on mesh {op.mesh.name!r}, which has no implementation")
+                other = " of another graph" if self.mesh.graph is not graph else ""
+                raise GraphError(
+                    f"op {op.name} is on mesh {op.mesh.name!r}, but the implementation given is for mesh "
+                    f"{self.mesh.name!r}{other}: give the mesh this graph's ops are on (mx.Mesh(graph, ...))"
+                )
         _warn_unused_rules(graph, self.impl)
         self.plan = make_plan(graph.operations, self.impl.layout_rules, self.impl.shape, self.impl.weight_rules)
         self.seed = seed
