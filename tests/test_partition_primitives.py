@@ -181,6 +181,10 @@ def test_a_scans_stacked_result_no_one_reads_is_not_computed(length):
         assert_counters_equal_hlo(program, ws, x)
 
 
+def _constant_block(w, w2, x):
+    return jnp.tanh((jnp.full((16, 24), 0.01) * (x @ w)) @ w2)
+
+
 def _wsc_transpose_matmul(a):
     return jax.lax.with_sharding_constraint(jnp.sin(a), P("y", "x")).T @ a
 
@@ -191,7 +195,7 @@ def _mlp(w, x):
 
 @pytest.mark.parametrize(
     "case",
-    ["two reshards start alike", "uneven gradient", "checkpoint recomputes", "checkpoint saves dots"],
+    ["two reshards start alike", "uneven gradient", "checkpoint recomputes", "checkpoint saves dots", "constants"],
 )
 def test_what_xla_merges_is_gathered_once(case):
     """Two reshards of one tensor that start with the same gather gather once; a forward that
@@ -218,6 +222,11 @@ def test_what_xla_merges_is_gathered_once(case):
             (w, x),
             (P(None, "y"), P("x", None)),
         ),
+        "constants": (  # (equal constants are equal operands: what follows them merges)
+            jax.value_and_grad(lambda *a: jnp.sum(jax.checkpoint(_constant_block)(*a) ** 2), argnums=(0, 1)),
+            tuple(jax.random.normal(jax.random.key(14 + i), s) for i, s in enumerate([(32, 24), (24, 8), (16, 32)])),
+            (P("x", "y"), P("y", None), P("x", "y")),
+        ),
     }[case]
     g = mx.partition(fn, MESH, in_shardings=specs)
     mesh = jax.make_mesh((1, 1), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2, devices=jax.devices()[:1])
@@ -232,3 +241,21 @@ def test_static_argnums_beyond_the_call_are_named():
     g = mx.partition(lambda a, b: a * b, MESH, static_argnums=(5,))
     with pytest.raises(mx.ConfigError, match=r"static_argnums \[5\] name argument 5, but the call gives 2"):
         g(jnp.ones(8), 2.0)
+
+
+def test_one_computation_written_twice_and_laid_out_two_ways_stays_two():
+    """Two equal computations, each under its own annotation, are not merged (merged, they were
+    one tensor with two conflicting annotations: a LayoutError)."""
+    x, w = jax.random.normal(jax.random.key(15), (16, 32)), jax.random.normal(jax.random.key(16), (32, 24))
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def fn(x, w):
+        a = jax.lax.with_sharding_constraint(x @ w, P("x", "y"))
+        return a, jax.lax.with_sharding_constraint(x @ w, P(None, None))
+
+    g = mx.partition(fn, MESH)
+    with jax.set_mesh(mesh):
+        want = jax.jit(fn)(x, w)
+    assert_trees_close(g(x, w), want, rtol=1e-5, atol=1e-5)
+    program = g.lower(x, w)
+    assert (program.layout_of(0), program.layout_of(1)) != ("", "")

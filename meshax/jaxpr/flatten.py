@@ -174,39 +174,44 @@ def _merge_repeats(eqns: list[Eqn], outvars: list) -> tuple[list[Eqn], list]:
     """The equations with each repeat of an earlier one (the same primitive and params on the
     same operands) dropped and its results read from the earlier one's, as XLA's CSE does: a
     `jax.checkpoint`'s recomputed forward is the forward, and would otherwise gather what the
-    forward gathered a second time (run and counted; XLA runs it once). Loops, branches and
-    equations with effects are never merged."""
+    forward gathered a second time (run and counted; XLA runs it once). Never merged: loops,
+    branches, equations with effects, a repeat whose result is annotated (two computations the
+    user lays out two ways stay two), and constants (each device fills one in whatever layout
+    its reader wants, where a merged one would be moved to its other readers; but two
+    equations of equal constants are repeats)."""
+    annotated = {a for e in eqns if e.name in _ANNOTATIONS for a in e.ins if is_var(a)}
+    constant: dict = {}  # a constant's variable -> its key: equal constants are equal operands
     seen: dict = {}
     same: dict = {}
     kept = []
     for e in eqns:
         if any(is_var(a) and a in same for a in e.ins):
             e = dataclasses.replace(e, ins=[same.get(a, a) if is_var(a) else a for a in e.ins])
-        key = _repeat_key(e)
-        if key is not None and key in seen:
+        key = _repeat_key(e, constant)
+        if key is not None and not any(is_var(a) for a in e.ins):
+            constant[e.outs[0]] = key
+            key = None
+        if key is not None and key in seen and not any(v in annotated for v in e.outs):
             for v, w in zip(e.outs, seen[key].outs):
                 if is_var(v):
                     same[v] = w
             continue
         if key is not None:
-            seen[key] = e
+            seen.setdefault(key, e)
         kept.append(e)
     return kept, [same.get(v, v) if is_var(v) else v for v in outvars]
 
 
-def _repeat_key(e: Eqn):
-    """What makes two equations repeats of each other, or None where they are never merged (a
-    loop, a branch, effects, params that cannot be compared, or no variable operand: a constant,
-    which each device fills in whatever layout its reader wants, where one merged constant
-    would be moved to its other readers)."""
+def _repeat_key(e: Eqn, constant: dict):
+    """What makes two equations repeats of each other (operands that are equal constants are
+    equal), or None where they never are (a loop, a branch, effects, params that cannot be
+    compared)."""
     if e.effects or e.body is not None or e.branches is not None or not all(is_var(v) for v in e.outs):
-        return None
-    if not any(is_var(a) for a in e.ins):
         return None
 
     def atom(a):
         if is_var(a):
-            return a
+            return constant.get(a, a)
         value = np.asarray(a.val)
         return ("literal", value.dtype.str, value.shape, value.tobytes())
 
