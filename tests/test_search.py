@@ -359,6 +359,19 @@ def test_the_report_names_the_differences():
     assert "x the best's time; best changes" in text and "allreduce over" in text
 
 
+def test_the_same_weight_rules_in_another_order_are_no_change():
+    """(The report said "best changes weights: heads:y;d_model:x -> d_model:x;heads:y".)"""
+    import dataclasses
+
+    result = search_layout(costed(TINY_LM), "rows:2;cols:4", top=1)
+    best = dataclasses.replace(result.best, weight_layout="d_model:rows;heads:cols;d_ff:cols")
+    same = dataclasses.replace(best, weight_layout="heads:cols;d_ff:cols;d_model:rows")
+    other = dataclasses.replace(best, weight_layout="d_model:cols;heads:rows;d_ff:rows")
+    result = dataclasses.replace(result, ranked=[best])
+    assert "best changes nothing" in result.why(same)
+    assert "best changes weights: d_model:cols;heads:rows;d_ff:rows ->" in result.why(other)
+
+
 # ---- errors ---------------------------------------------------------------------------------
 
 

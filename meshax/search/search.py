@@ -171,7 +171,7 @@ class SearchResult:
         said = ", ".join(f"{name} {d * 1e3:+.3f} ms" for name, d in deltas[:3])
         if other.mesh != self.best.mesh:
             rule_diff.insert(0, f"mesh {other.mesh} -> {self.best.mesh}")
-        if other.weight_layout != self.best.weight_layout:
+        if _weight_rules(other) != _weight_rules(self.best):
             rule_diff.append(f"weights: {_weights(other)} -> {_weights(self.best)}")
         if other.label:  # (annotations, or rules beside them: the rules alone are not the layout)
             rule_diff = [f"{other.label} -> {self.best.name}"]
@@ -268,6 +268,15 @@ def _exemptions(a: Rules, w: WeightRules, shapes: list[frozenset]):
 
 def _weights(c: Candidate) -> str:
     return "as the rules" if c.weight_layout is None else c.weight_layout or "(replicated)"
+
+
+def _weight_rules(c: Candidate):
+    """A candidate's weight rules as what they split (per dim, its mesh dims in order; the exempt
+    shapes), so that the same rules written in another order are the same; None: as the rules."""
+    if c.weight_layout is None:
+        return None
+    rules = convert_to_weight_rules(c.weight_layout)
+    return {d: tuple(rules.mesh_dims_for(d)) for d in rules.tensor_dim_names}, rules.exempt
 
 
 def _pairs(layout: str) -> list[tuple[str, tuple[str, ...]]]:
