@@ -121,9 +121,35 @@ def test_a_windowed_dim_stays_split_where_its_halo_fits(offset):
 
 
 def test_a_halo_wider_than_a_slice_takes_several_hops():
-    c = _shift_counters(3, "A:y")  # 3 rows wanted, 2 held: 2 from the device before, 1 from the one before it
+    # a shift by 3 over slices of 2 rows: 1 row from the device before and 1 from the one before
+    # it (its slice lands on those two; the halo of every hop between would be sent and not read)
+    c = _shift_counters(3, "A:y")
     assert (c["permute"].count, c["allgather"].count) == (2, 0)
-    assert c["permute"].values == (2 + 1) * 4
+    assert c["permute"].values == (1 + 1) * 4
+
+
+@pytest.mark.parametrize(
+    "size, offset, wrap, mesh_shape",
+    [(16, 7, False, "all:8"), (11, -7, False, "all:8"), (16, 5, True, "all:8"), (32, 9, False, "all:8"),
+     (24, 6, False, "all:8"), (24, -7, True, "all:4"), (16, 20, False, "all:8"), (16, -20, True, "all:8")],
+)  # fmt: skip
+def test_a_shift_by_a_slice_or_more_sends_only_what_it_lands_on(size, offset, wrap, mesh_shape):
+    """Values as numpy's; the permutes counted are those XLA runs (the halo of every hop between
+    was sent and not read, which XLA drops: 4 counted where the program runs 2)."""
+    _, mesh = new_mesh()
+    t = mx.Dimension("time", size)
+    x = mx.placeholder(mesh, "x", [t, B])
+    y = mx.shift(x, offset, t, wrap=wrap)
+    fn = mx.Lowering(y.graph, {mesh: mx.SimdMeshImpl(mesh_shape, "time:all")}).function(y)
+    xv = rand([size, 4], 1)
+    want = np.roll(xv, offset, 0) if wrap else np.zeros_like(xv)
+    if not wrap and offset > 0:
+        want[offset:] = xv[: max(size - offset, 0)]
+    elif not wrap:
+        want[: max(size + offset, 0)] = xv[-offset:]
+    assert_close(fn({"x": xv}), want)
+    hlo = mx.hlo_collectives(fn.compiled_text())["permute"]
+    assert (fn.counters["permute"].count, fn.counters["permute"].values) == (hlo["count"], hlo["values"])
 
 
 def test_a_windowed_dim_is_gathered_where_its_halo_cannot_be_exchanged():

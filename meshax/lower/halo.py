@@ -38,6 +38,38 @@ def halo_sends(local, dim: int, left: int, right: int, parts: int, wrap: bool = 
     ]
 
 
+def _shift_parts(block: int, offset: int, parts: int, wrap: bool) -> list[tuple[int, int, int]]:
+    """(hop, start, width) of the two pieces a slice of a dim shifted by `offset` is made of: the
+    `width` values from `start` of the slice of device c - hop (hop 0: its own). A shift by a
+    slice or more needs only the one or two slices it lands on, not the halo of every hop
+    between: those hops would be sent and not read. A hop past the ends of a dim that does not
+    wrap (zeros) is kept, as a piece no permute makes."""
+    q, r = divmod(abs(offset), block)
+    # offset > 0: the last r values of device c - q - 1, then the first block - r of c - q;
+    # offset < 0: the values from r of device c + q, then the first r of c + q + 1
+    pieces = [(q + 1, block - r, r), (q, 0, block - r)] if offset > 0 else [(-q, r, block - r), (-q - 1, 0, r)]
+    return [(hop % parts if wrap else hop, start, w) for hop, start, w in pieces if w]
+
+
+def shifted(ctx, xs: list, axis: int, dim: int, offset: int, wrap: bool = False) -> list:
+    """Slices of `dim` (split over mesh `axis`, zeros in their padding) shifted by `offset`
+    values: out[i] = x[i - offset], zeros shifted in unless `wrap` (`_shift_parts`)."""
+    pieces = [
+        ctx.shift(_take(xs, ctx, dim, start, w), axis, hop, wrap) if hop else _take(xs, ctx, dim, start, w)
+        for hop, start, w in _shift_parts(xs[0].shape[dim], offset, ctx.mesh_shape[axis].size, wrap)
+    ]
+    return _cat(ctx, pieces, dim)
+
+
+def shift_sends(local, dim: int, offset: int, parts: int, wrap: bool = False) -> list[tuple[int, ...]]:
+    """The local shape of what each of `shifted`'s permutes sends (`halo_sends` for a shift)."""
+    return [
+        tuple(w if i == dim else n for i, n in enumerate(local))
+        for hop, _, w in _shift_parts(local[dim], offset, parts, wrap)
+        if hop and (wrap or abs(hop) < parts)
+    ]
+
+
 def _take(xs, ctx, dim: int, start: int, size: int) -> list:
     return ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, start, start + size, axis=dim), xs)
 

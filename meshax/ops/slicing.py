@@ -16,7 +16,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import slice_shape
-from meshax.lower.halo import halo_sends
+from meshax.lower.halo import shift_sends, shifted
 from meshax.ops._dtypes import result_type, sum_dtype
 from meshax.ops._util import also_accepts, dim_of
 
@@ -179,7 +179,7 @@ class ShiftOperation(Operation):
         if not axes or not left + right:
             return []
         local = slice_shape(x.shape, layouts[0], mesh_shape)
-        sent = halo_sends(local, axis, left, right, mesh_shape[axes[0]].size, self.wrap)
+        sent = shift_sends(local, axis, self.offset, mesh_shape[axes[0]].size, self.wrap)
         return [(axes[0], math.prod(s) * x.dtype.itemsize) for s in sent]
 
     def _halo(self) -> tuple[int, int]:
@@ -214,11 +214,8 @@ class ShiftOperation(Operation):
             )
             return
         (m,) = axes
-        n = slice_shape(out.shape, layout, ctx.mesh_shape)[axis]
         v = ctx.masked(v, x.shape, [self.dim], 0)  # values beyond the dim are the zeros shifted in
-        ext = ctx.halo(v.slices, m, axis, left, right, self.wrap)
-        result = ctx.slicewise(lambda a: jax.lax.slice_in_dim(a, right, right + n, axis=axis), ext)
-        ctx.set_output(out, result, layout, v.pending)
+        ctx.set_output(out, shifted(ctx, v.slices, m, axis, self.offset, self.wrap), layout, v.pending)
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
