@@ -19,9 +19,9 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import sys
+import tempfile
 from collections.abc import Callable
 
 DEFAULT_LAYOUTS = {
@@ -493,22 +493,22 @@ def _check_file_to_write(flag: str, path: str, what: str) -> None:
 
 
 def _check_can_make_folder(flag: str, path: str) -> None:
-    """A folder that does not exist yet can be made: made and removed again, since some folders
-    refuse what their permissions allow (/proc's), found otherwise only when the run saves."""
+    """A folder that does not exist yet can be made in its nearest existing folder: a folder of a
+    name of its own is made there and removed (some folders refuse what their permissions allow,
+    /proc's, found otherwise only when the run saves; the processes of one job check at once)."""
     from meshax.core.errors import ConfigError
 
-    top = os.path.abspath(path)
-    if os.path.exists(top):
+    where = os.path.abspath(path)
+    if os.path.exists(where):
         return
-    while not os.path.exists(os.path.dirname(top)):
-        top = os.path.dirname(top)
+    while not os.path.exists(where):
+        where = os.path.dirname(where)
     try:
-        os.makedirs(path)
+        os.rmdir(tempfile.mkdtemp(prefix=".meshax-check-", dir=where))
     except OSError as err:
         raise ConfigError(
             f"{flag} {path!r} cannot be created: {err.strerror}; give a folder you can write to"
         ) from None
-    shutil.rmtree(top)
 
 
 def _check_can_create(flag: str, path: str) -> None:
