@@ -247,7 +247,7 @@ def read_copy(w, copy):
 
 def twin_loss(params, ids, targets, weights, size: Lm, implementation=None, copies=None, logsumexp=None):
     """meshax's Transformer LM written directly in JAX, the fast way (bf16, fused attention).
-    `copies`: bfloat16 copies of the layers' weights (`COPIED`), read in place of casting each
+    `copies`: bfloat16 copies of the layers' weights (`copied`), read in place of casting each
     float32 weight (`read_copy`); `logsumexp`: the loss's (default `jax.nn.logsumexp`)."""
     import jax
     import jax.numpy as jnp

@@ -460,19 +460,25 @@ class _Tables:
                     self.uses_of_op[i].append(u)
 
 
-def _bodies(op: Operation) -> tuple[int, list[tuple[list[Operation], list[Tensor], int]]] | None:
+def _bodies(
+    op: Operation, read: set | None = None
+) -> tuple[int, list[tuple[list[Operation], list[Tensor], int]]] | None:
     """A loop's or recomputed layer's inputs bound to its body's variables (how many: the rest its
     body reads as they are), and its bodies: (ops, the tensors read from them at the end, how many
     times they run each time it does). A scan's body runs once per iteration, a recomputed layer's
     (`recompute_grad`) once, a while loop's cond and body once and each branch of a cond once
-    (as the exact trace counts them).
+    (as the exact trace counts them). Where `read` (what the op's scope reads) is given, a
+    recomputed layer's body is only what computes the results read, as its lowering runs it.
     None for any other op."""
     if isinstance(op, ScanOperation):
         return len(op.init) + len(op.xs), [(op.body, [*op.carry_results, *op.y_results], op.dim.size)]
     if isinstance(op, WhileOperation):
         return len(op.init), [(op.cond_ops, [op.cond_result], 1), (op.body_ops, op.carry_results, 1)]
     if isinstance(op, RecomputeOperation):
-        return len(op.bound), [(op.body, op.results, 1)]
+        if read is None:
+            return len(op.bound), [(op.body, op.results, 1)]
+        needed = [r for r, t in zip(op.results, op.outputs) if t in read]
+        return len(op.bound), [(_needed(op.body, needed), needed, 1)]
     if isinstance(op, CondOperation):
         return 1 + len(op.operands), [(ops, results, 1) for _, results, ops in op.branches]
     return None
@@ -480,16 +486,12 @@ def _bodies(op: Operation) -> tuple[int, list[tuple[list[Operation], list[Tensor
 
 def _scopes(ops: list[Operation], outputs: list[Tensor]) -> list[tuple[list[Operation], list[Tensor], int]]:
     """(ops, the tensors read from them at the end, how many times they run) of the program and
-    of every body run inside it (`_bodies`), recursively. A recomputed layer's body is only what
-    computes the results its scope reads, as `RecomputeOperation.lower` runs it."""
+    of every body run inside it (`_bodies`), recursively."""
     scopes = [(ops, outputs, 1)]
     for body, wanted, times in scopes:  # (the list grows as bodies are found)
         read = {t for op in body for t in op.inputs} | set(wanted)
         for op in body:
-            inner = _bodies(op)
-            if isinstance(op, RecomputeOperation):
-                needed = [r for r, t in zip(op.results, op.outputs) if t in read]
-                inner = (len(op.bound), [(_needed(op.body, needed), needed, 1)])
+            inner = _bodies(op, read)
             scopes += [(b, results, times * n) for b, results, n in (inner[1] if inner else [])]
     return scopes
 

@@ -276,12 +276,16 @@ def _weight_rules(c: Candidate):
     if c.weight_layout is None:
         return None
     rules = convert_to_weight_rules(c.weight_layout)
-    return {d: tuple(rules.mesh_dims_for(d)) for d in rules.tensor_dim_names}, rules.exempt
+    return dict(_by_dim(rules)), rules.exempt
+
+
+def _by_dim(rules) -> list[tuple[str, tuple[str, ...]]]:
+    """Each tensor dim the rules split and its mesh dims, in order."""
+    return [(d, tuple(rules.mesh_dims_for(d))) for d in rules.tensor_dim_names]
 
 
 def _pairs(layout: str) -> list[tuple[str, tuple[str, ...]]]:
-    rules = convert_to_layout_rules(layout)
-    return [(d, tuple(rules.mesh_dims_for(d))) for d in rules.tensor_dim_names]
+    return _by_dim(convert_to_layout_rules(layout))
 
 
 def _rules(layout: str) -> Rules:
