@@ -244,11 +244,13 @@ def test_static_argnums_beyond_the_call_are_named():
 
 
 def test_one_computation_written_twice_and_laid_out_two_ways_stays_two():
-    """Two equal computations, each under its own annotation, are not merged (merged, they were
-    one tensor with two conflicting annotations: a LayoutError)."""
+    """Two equal computations in a checkpoint (where repeats are merged), each under its own
+    annotation, are not merged (merged, they were one tensor with two conflicting annotations: a
+    LayoutError)."""
     x, w = jax.random.normal(jax.random.key(15), (16, 32)), jax.random.normal(jax.random.key(16), (32, 24))
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
+    @jax.checkpoint
     def fn(x, w):
         a = jax.lax.with_sharding_constraint(x @ w, P("x", "y"))
         return a, jax.lax.with_sharding_constraint(x @ w, P(None, None))

@@ -56,6 +56,7 @@ class Eqn:
     cond: Flat | None = None  # a while loop's condition, flattened
     branches: list[Flat] | None = None  # a cond's branches, flattened
     effects: bool = False  # (kept where its results are not read)
+    recomputed: bool = False  # inside a `jax.checkpoint`: its repeat of an earlier equation is merged
 
     @property
     def name(self) -> str:
@@ -102,7 +103,7 @@ class Flat:
         self.eqns, self.outvars = _merge_repeats(self.eqns, [_read(env, v) for v in closed.jaxpr.outvars])
         self.eqns = _fuse_sum_pool_transposes(_live(self.eqns, self.outvars), self.outvars)
 
-    def _walk(self, jaxpr, env: dict, replicated: bool, outer: str) -> None:
+    def _walk(self, jaxpr, env: dict, replicated: bool, outer: str, recomputed: bool = False) -> None:
         """Append jaxpr's equations; `env` maps its variables to the atoms that stand for them
         (an inlined call's to its caller's operands and to its own equations' results); `outer`
         is the calling equation's source line, for inner equations whose own trace (a cached
@@ -117,7 +118,8 @@ class Flat:
                 for v, c in zip(body.constvars, consts):
                     self.consts[v] = c
                 inner_env = {v: _read(env, a) for v, a in zip(body.invars, operands)}
-                self._walk(body, inner_env, replicated or scope, source)
+                inside = recomputed or e.primitive.name in _CHECKPOINTS
+                self._walk(body, inner_env, replicated or scope, source, inside)
                 for v, a in zip(e.outvars, body.outvars):
                     if is_var(v):
                         env[v] = _read(inner_env, a)
@@ -125,6 +127,7 @@ class Flat:
             ins = [_read(env, a) for a in e.invars]
             outs = [self._define(v, env) for v in e.outvars]
             eqn = Eqn(e.primitive, ins, outs, dict(e.params), source, replicated or scope, effects=bool(e.effects))
+            eqn.recomputed = recomputed
             if e.primitive.name == "scan":  # a loop stays a loop (mx.scan), its body flattened too
                 eqn.body = Flat(e.params["jaxpr"], replicated or scope, source)
             elif e.primitive.name == "while":  # likewise (mx.while_loop), its condition too
@@ -172,9 +175,11 @@ def _platform_branch(platforms: tuple) -> int:
 
 def _merge_repeats(eqns: list[Eqn], outvars: list) -> tuple[list[Eqn], list]:
     """The equations with each repeat of an earlier one (the same primitive and params on the
-    same operands) dropped and its results read from the earlier one's, as XLA's CSE does: a
-    `jax.checkpoint`'s recomputed forward is the forward, and would otherwise gather what the
-    forward gathered a second time (run and counted; XLA runs it once). Never merged: loops,
+    same operands) inside a `jax.checkpoint` dropped and its results read from the earlier
+    one's, as XLA's CSE does: a checkpoint's recomputed forward is the forward, and would
+    otherwise gather what the forward gathered a second time (run and counted; XLA runs it
+    once). Only there: merging the repeats of a whole program (JAX's gradients repeat many small
+    equations) slowed section 9's Transformer step by 10% on the CPU. Never merged: loops,
     branches, equations with effects, a repeat whose result is annotated (two computations the
     user lays out two ways stay two), and constants (each device fills one in whatever layout
     its reader wants, where a merged one would be moved to its other readers; but two
@@ -191,7 +196,7 @@ def _merge_repeats(eqns: list[Eqn], outvars: list) -> tuple[list[Eqn], list]:
         if key is not None and not any(is_var(a) for a in e.ins):
             constant[e.outs[0]] = key
             key = None
-        if key is not None and key in seen and not any(v in annotated for v in e.outs):
+        if key is not None and key in seen and e.recomputed and not any(v in annotated for v in e.outs):
             for v, w in zip(e.outs, seen[key].outs):
                 if is_var(v):
                     same[v] = w
@@ -222,6 +227,9 @@ def _repeat_key(e: Eqn, constant: dict):
         return None
     return key
 
+
+#: Calls whose bodies are recomputed in the gradient (`_merge_repeats`).
+_CHECKPOINTS = {"checkpoint", "remat", "remat2"}
 
 #: Annotations: kept where their value is not read, for the splits they propagate to others.
 _ANNOTATIONS = {"sharding_constraint", "reshard", "meshax_mesh_split"}
