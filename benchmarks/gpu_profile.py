@@ -175,12 +175,13 @@ def profile(stepper: gpu.Stepper, steps: int = 3, warmup: int = 2) -> dict:
 
     for _ in range(warmup):
         stepper()
-    where = tempfile.mkdtemp(prefix="meshax-profile-")
-    with jax.profiler.trace(where):
-        wall = queued(stepper.dispatch, stepper.fetch, steps, rounds=1)
-    (xspace,) = glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True)
     text = stepper.compiled_text()
-    return {"wall_ms": 1e3 * wall, **summarize(xspace, steps, described=instructions(text)), "hlo": text}
+    with tempfile.TemporaryDirectory(prefix="meshax-profile-") as where:  # (the trace, read and removed)
+        with jax.profiler.trace(where):
+            wall = queued(stepper.dispatch, stepper.fetch, steps, rounds=1)
+        (xspace,) = glob.glob(os.path.join(where, "**", "*.xplane.pb"), recursive=True)
+        summary = summarize(xspace, steps, described=instructions(text))
+    return {"wall_ms": 1e3 * wall, **summary, "hlo": text}
 
 
 def both(size: gpu.Lm, steps: int = 3, optimizer: str = "adam") -> dict:

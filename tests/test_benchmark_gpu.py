@@ -246,15 +246,20 @@ def test_the_twins_logits_pass_a_bfloat16_gradient_to_bfloat16_matmuls():
     assert len(dots) == 3 and all(v.aval.dtype == jnp.bfloat16 for e in dots for v in e.invars)
 
 
-def test_the_profile_of_each_sides_step_names_where_its_time_goes(tmp_path):
+def test_the_profile_of_each_sides_step_names_where_its_time_goes(tmp_path, monkeypatch):
     """`python -m benchmarks.gpu_profile` on the CPU at a tiny size: each side's trace is read
     back into busy time per line, by kind, and its costliest events (the CPU's host plane
     stands in for a GPU's device plane)."""
     import json
+    import tempfile
 
     from benchmarks import gpu_profile
 
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     gpu_profile.run(gpu.Lm("tiny", 2, 64, 4, batch=2, length=64, vocab=512), 2, str(tmp_path / "p.json"))
+    assert not list(scratch.iterdir())  # the traces are removed once read
     saved = json.loads((tmp_path / "p.json").read_text())
     for side in ("meshax", "twin"):
         r = saved[side]
