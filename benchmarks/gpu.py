@@ -202,6 +202,45 @@ def _norm(x, scale, bias):
     return y.astype(x.dtype)
 
 
+def kept_statistics_norm(barrier: bool = False):
+    """`_norm` whose gradient reads the rows' mean and reciprocal deviation the forward computed
+    (two [b, t] float32 arrays), where JAX's gradient of `_norm` reads the centred input, which
+    XLA recomputes from x with both row reductions in each of the backward's fusions; the scale's
+    gradient then needs no row reduction and can fuse into its column sum. `barrier`: the two
+    pass `jax.lax.optimization_barrier`, so XLA keeps them rather than recompute them."""
+    import jax
+    import jax.numpy as jnp
+
+    def statistics(x):
+        x32 = x.astype(jnp.float32)
+        mean = x32.mean(-1, keepdims=True)
+        c = x32 - mean
+        stats = (mean, jax.lax.rsqrt((c * c).mean(-1, keepdims=True) + 1e-6))
+        return jax.lax.optimization_barrier(stats) if barrier else stats
+
+    def norm(x, scale, bias):
+        mean, rstd = statistics(x)
+        return (((x.astype(jnp.float32) - mean) * rstd) * scale + bias).astype(x.dtype)
+
+    def forward(x, scale, bias):
+        mean, rstd = statistics(x)
+        y = ((x.astype(jnp.float32) - mean) * rstd) * scale + bias
+        return y.astype(x.dtype), (x, scale, mean, rstd)
+
+    def backward(saved, g):
+        x, scale, mean, rstd = saved
+        g = g.astype(jnp.float32)
+        xhat = (x.astype(jnp.float32) - mean) * rstd
+        dxhat = g * scale
+        dx = rstd * (dxhat - dxhat.mean(-1, keepdims=True) - xhat * (dxhat * xhat).mean(-1, keepdims=True))
+        rows = tuple(range(g.ndim - 1))
+        return dx.astype(x.dtype), (g * xhat).sum(rows).astype(scale.dtype), g.sum(rows).astype(scale.dtype)
+
+    rule = jax.custom_vjp(norm)
+    rule.defvjp(forward, backward)
+    return rule
+
+
 def wide_logits(y, table):
     """y [b, t, m] bfloat16 times the float32 table cast to bfloat16, summed into float32 logits
     (`jax.grad` of it feeds the float32 gradient to both gradient matmuls: float32 matmuls)."""
@@ -245,16 +284,18 @@ def read_copy(w, copy):
     return read(w, copy)
 
 
-def twin_loss(params, ids, targets, weights, size: Lm, implementation=None, copies=None, logsumexp=None):
+def twin_loss(params, ids, targets, weights, size: Lm, implementation=None, copies=None, logsumexp=None, norm=None):
     """meshax's Transformer LM written directly in JAX, the fast way (bf16, fused attention).
     `copies`: bfloat16 copies of the layers' weights (`copied`), read in place of casting each
-    float32 weight (`read_copy`); `logsumexp`: the loss's (default `jax.nn.logsumexp`)."""
+    float32 weight (`read_copy`); `logsumexp`: the loss's (default `jax.nn.logsumexp`); `norm`:
+    the layer norm (default `_norm`)."""
     import jax
     import jax.numpy as jnp
 
     bf = jnp.bfloat16
     p = "transformer"
     logsumexp = logsumexp or jax.nn.logsumexp
+    layer_norm = norm or _norm
     table = params[f"{p}/embedding"]
     pos = np.arange(size.length)[:, None] / np.power(10000.0, 2 * np.arange(size.d_model // 2)[None, :] / size.d_model)
     signal = np.concatenate([np.sin(pos), np.cos(pos)], axis=1).astype(np.float32)
@@ -270,14 +311,14 @@ def twin_loss(params, ids, targets, weights, size: Lm, implementation=None, copi
             name = f"{p}/decoder/{i}/{n}"
             return params[name].astype(bf) if copies is None else read_copy(params[name], copies[name])
 
-        y = _norm(x, w("self_attention_norm/scale"), w("self_attention_norm/bias"))
+        y = layer_norm(x, w("self_attention_norm/scale"), w("self_attention_norm/bias"))
         q, k, v = (jnp.einsum("btm,mnh->btnh", y, b(f"self_attention/{n}")) for n in "qkv")
         o = jax.nn.dot_product_attention(q, k, v, scale=1.0, is_causal=True, implementation=implementation)
         x = x + jnp.einsum("btnh,nhm->btm", o, b("self_attention/o"))
-        y = _norm(x, w("ffn_norm/scale"), w("ffn_norm/bias"))
+        y = layer_norm(x, w("ffn_norm/scale"), w("ffn_norm/bias"))
         h = jax.nn.relu(y @ b("ffn/wi/kernel") + b("ffn/wi/bias"))
         x = x + (h @ b("ffn/wo/kernel") + b("ffn/wo/bias"))
-    y = _norm(x, params[f"{p}/decoder/final_norm/scale"], params[f"{p}/decoder/final_norm/bias"])
+    y = layer_norm(x, params[f"{p}/decoder/final_norm/scale"], params[f"{p}/decoder/final_norm/bias"])
     logits = narrow_gradient_logits()(y, table)
     xent = logsumexp(logits, -1) - jnp.take_along_axis(logits, targets[..., None], -1)[..., 0]
     return jnp.sum(xent * weights) / jnp.maximum(jnp.sum(weights), 1.0)
@@ -292,7 +333,7 @@ def copied(params: dict) -> dict:
 
 
 def _twin_update(
-    size: Lm, lr: float, implementation, compiler_options=None, optimizer: str = "adam", copies=False, logsumexp=None
+    size: Lm, lr: float, implementation, compiler_options=None, optimizer: str = "adam", copies=False, **loss_kw
 ):
     """(the twin's jitted update(params, copies, opt_state, ids, targets, weights), its optax
     optimizer); compiled with the XLA options meshax gives its own programs on this platform
@@ -307,7 +348,7 @@ def _twin_update(
 
     @functools.partial(jit_for_platform, compiler_options=compiler_options)
     def update(params, bf16, opt_state, ids, targets, w):
-        loss, grads = jax.value_and_grad(twin_loss)(params, ids, targets, w, size, implementation, bf16, logsumexp)
+        loss, grads = jax.value_and_grad(twin_loss)(params, ids, targets, w, size, implementation, bf16, **loss_kw)
         updates, opt_state = transform.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         return params, copied(params) if copies else None, opt_state, loss
@@ -323,13 +364,14 @@ def twin_step(
     implementation=None,
     optimizer: str = "adam",
     copies: bool = False,
-    logsumexp=None,
+    **loss_kw,
 ) -> Stepper:
-    """The twin's Stepper from `weights` on `batch`; `copies` and `logsumexp` as `_twin_update`'s."""
+    """The twin's Stepper from `weights` on `batch`; `copies` as `_twin_update`'s, `loss_kw`
+    (`logsumexp`, `norm`) as `twin_loss`'s."""
     import jax
 
     params = {k: jax.device_put(v) for k, v in weights.items()}
-    update, transform = _twin_update(size, lr, implementation, None, optimizer, copies, logsumexp)
+    update, transform = _twin_update(size, lr, implementation, None, optimizer, copies, **loss_kw)
     state = [params, copied(params) if copies else None, transform.init(params)]
 
     def args():

@@ -8,7 +8,12 @@ takes it up:
   weight saved, if XLA writes the copy from the optimizer's own fusion);
 - "one-pass logsumexp": the loss's logsumexp in one pass over the float32 logits
   (`gpu_parts.one_pass_logsumexp`), where `jax.nn.logsumexp` reads them twice;
-- both together.
+- both together;
+- "norm keeps its statistics": each layer norm's gradient reads the rows' mean and reciprocal
+  deviation its forward computed (`gpu.kept_statistics_norm`), where JAX's gradient makes XLA
+  recompute both row reductions in each backward fusion and write the scale's gradient product in
+  float32 before its column sum; and the same with the statistics behind an optimization barrier
+  (so XLA keeps them, not recomputes them).
 The twin as it is runs first and again last (the two show the run's noise); each is timed alone
 (`gpu.timed`, queued steps), freed before the next, from meshax's initial weights. Prints a table,
 writes JSON. Runs anywhere (on the CPU: XLA's attention, slowly).
@@ -35,6 +40,8 @@ CANDIDATES = {
     "bf16 copies": {"copies": True},
     "one-pass logsumexp": {"logsumexp": _one_pass},
     "bf16 copies and one-pass logsumexp": {"copies": True, "logsumexp": _one_pass},
+    "norm keeps its statistics": {"norm": gpu.kept_statistics_norm()},
+    "norm keeps its statistics, barrier": {"norm": gpu.kept_statistics_norm(barrier=True)},
 }
 
 

@@ -322,6 +322,34 @@ def test_the_one_pass_logsumexp_candidate_equals_jaxs_with_its_gradient():
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("barrier", [False, True])
+def test_the_norm_that_keeps_its_statistics_has_the_norms_values_and_gradients(barrier):
+    """gpu's candidate layer norm (its gradient from the forward's row mean and reciprocal
+    deviation) equals the twin's `_norm` and JAX's gradient of it, in float32 and in bfloat16
+    (where both compute in float32 and round the result)."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(2)
+    mine = gpu.kept_statistics_norm(barrier)
+    scale, bias = (jnp.asarray(rng.standard_normal(48), jnp.float32) for _ in range(2))
+    g = rng.standard_normal((3, 5, 48))
+    for dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)):
+        x = jnp.asarray(rng.standard_normal((3, 5, 48)) * 3 + 1, dtype)
+        for f in (mine, gpu._norm):
+            assert f(x, scale, bias).dtype == dtype
+        np.testing.assert_allclose(
+            np.float32(mine(x, scale, bias)), np.float32(gpu._norm(x, scale, bias)), rtol=tol, atol=tol
+        )
+        grads = [
+            jax.grad(lambda *a, f=f: jnp.sum(f(*a).astype(jnp.float32) * g), argnums=(0, 1, 2))(x, scale, bias)
+            for f in (mine, gpu._norm)
+        ]
+        for a, b in zip(*grads):
+            assert a.dtype == b.dtype
+            np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=tol, atol=tol * np.abs(np.float32(b)).max())
+
+
 def test_xla_option_candidates_are_each_timed_and_the_faster_ones_tried_together(monkeypatch):
     """`python -m benchmarks.gpu_options`: XLA's defaults first and last, each candidate between
     (a refused one records XLA's reason, and the rest go on), then the candidates faster than the
