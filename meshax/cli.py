@@ -738,10 +738,41 @@ def _run(args) -> int:
         program = build(
             task, args.mesh, args.layout, args.backend, _optimizer(args), args.seed, weight_layout=args.weight_layout
         )
+    resumed = _check_resume(args, task, program) if args.resume else None
     console.print(_layout_table(program.lowering))
     if not console.quiet:
         print(program.lowering.report(program.train_fn.counters, width=console.width), end="", flush=True)
-    return _train(args, task, program, console)
+    return _train(args, task, program, console, resumed)
+
+
+def _check_resume(args, task, program) -> str:
+    """Before the run: the checkpoint in --resume holds this model (else a ConfigError). Returns
+    the line saying where the run resumes, with a note if the batches differ from the first
+    run's (its --batch-size, --seed, --length, data ...)."""
+    from meshax.core.errors import ConfigError
+    from meshax.train.checkpoint import check_restorable, checkpoint_info
+
+    info = checkpoint_info(args.resume)
+    if info.get("task", task.name) != task.name:
+        raise ConfigError(
+            f"--resume {args.resume!r} holds a checkpoint of the task {info['task']}, not {task.name}: "
+            f"resume it with `meshax train {info['task']} ...`"
+        )
+    check_restorable(args.resume, program.lowering, info["step"])
+    line = f"resuming from step {info['step']} of {args.resume}"
+    saved, now = info.get("data", {}), task.data_settings()
+    changed = [k for k in saved if k in now and saved[k] != now[k]]
+    if not changed:
+        return line
+    flags = {"text_path": "text", "data_dir": "data", "eval_batches_count": "eval batches"}
+
+    def settings(values: dict) -> str:
+        return ", ".join(f"{flags.get(k, k).replace('_', '-')} {values[k]}" for k in changed)
+
+    return (
+        f"{line}\nnote: it was trained with {settings(saved)}; this run has {settings(now)}: from step "
+        f"{info['step']} on it trains on other batches than the first run would have"
+    )
 
 
 def _start_devices(args, mesh_size: int) -> None:
@@ -917,17 +948,15 @@ def _plan(args, task, console) -> int:
     return 0
 
 
-def _train(args, task, program, console) -> int:
+def _train(args, task, program, console, resumed: str | None = None) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from meshax.train.loop import Preempted, train
 
     checkpoint_dir = args.resume or args.checkpoint_dir
-    if args.resume:
-        from meshax.train.checkpoint import latest_step
-
-        console.print(f"resuming from step {latest_step(args.resume)} of {args.resume}")
+    if resumed:
+        console.print(resumed, markup=False, highlight=False)
     with Progress(  # on stderr, and only on a terminal: logs get the eval lines, not a bar
         TextColumn("step {task.completed}/{task.total}"),
         BarColumn(),

@@ -161,6 +161,39 @@ def test_a_used_checkpoint_folder_is_refused_before_training(tmp_path, monkeypat
     assert not os.path.exists("second.jsonl")
 
 
+def test_a_checkpoint_of_another_model_or_task_is_refused_before_the_run_says_anything(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert (
+        main(["train", "mlp", *MLP, "--steps", "2", "--eval-every", "0", "--no-progress", "--checkpoint-dir", "ck"])
+        == 0
+    )
+    capsys.readouterr()
+    assert main(["train", "mlp", *MLP, "--steps", "4", "--hidden", "32", "--resume", "ck", "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # (no layout table or cost report of a run that cannot start)
+    assert "cannot restore step 2 from ck: it holds another model" in err and "'w' ([32, 32] here" in err
+    assert main(["train", "lm", "--mesh", "all:1", "--layout", "", "--steps", "4", "--resume", "ck"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "holds a checkpoint of the task mlp, not lm: resume it with `meshax train mlp" in err
+    assert sorted(os.listdir("ck")) == ["2"]
+
+
+def test_a_run_resumed_on_other_batches_says_so(tmp_path, monkeypatch, capsys):
+    """Another --seed or --batch-size trains on other batches than the first run would have: the
+    run goes on (a user may mean it) and says which settings differ."""
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "mlp", *MLP, "--eval-every", "0", "--no-progress"]
+    assert main([*run, "--steps", "2", "--checkpoint-dir", "ck"]) == 0
+    assert main([*run, "--steps", "3", "--resume", "ck"]) == 0
+    assert "note:" not in capsys.readouterr().out
+    assert main([*run, "--steps", "4", "--resume", "ck", "--seed", "5", "--batch-size", "16"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "resuming from step 3 of ck\nnote: it was trained with batch-size 64, seed 0; this run has batch-size 16, "
+        "seed 5: from step 3 on it trains on other batches than the first run would have"
+    ) in out
+
+
 def test_a_folder_of_digits_is_no_checkpoint_to_resume(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     os.makedirs("ck/3")

@@ -109,14 +109,8 @@ def _check_same_model(directory, step: int, variables: dict, saved) -> None:
         )
 
 
-def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
-    """Restore every variable of `lowering` from the checkpoint of `step` (default: the latest).
-
-    Returns `{"step": step, **extra}`. Each variable is laid out by this lowering's plan, whatever
-    the layout it was saved under: for SIMD each device reads only its own slice from disk. Every
-    graph variable must be in the checkpoint with the same shape; checkpoint variables the graph
-    lacks are skipped with a warning.
-    """
+def _whole_step(directory, step: int | None) -> int:
+    """`step` (default: the latest), if `directory` holds its whole checkpoint; else FileNotFoundError."""
     if step is None:
         step = latest_step(directory)
         if step is None:
@@ -128,10 +122,40 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
             f"no checkpoint of step {step} in {directory} (it has steps {steps}"
             + (f"; {os.path.join(directory, str(step))} is not a whole checkpoint)" if partial else ")")
         )
+    return step
+
+
+def checkpoint_info(directory, step: int | None = None) -> dict:
+    """`{"step": step, **extra}` of the checkpoint of `step` (default: the latest), restoring
+    no variable."""
+    step = _whole_step(directory, step)
+    with _manager(directory) as manager:
+        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    return {"step": meta["step"], **meta["extra"]}
+
+
+def check_restorable(directory, lowering, step: int | None = None) -> None:
+    """The check `restore_checkpoint` makes first, restoring nothing: every variable of
+    `lowering`'s graph is in the checkpoint with its shape (else a ConfigError naming them)."""
+    step = _whole_step(directory, step)
     with _manager(directory) as manager:
         saved = manager.item_metadata(step)["state"]
-        variables = {var.name: var for var in lowering.graph.all_variables}
-        _check_same_model(directory, step, variables, saved)
+    _check_same_model(directory, step, {var.name: var for var in lowering.graph.all_variables}, saved)
+
+
+def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
+    """Restore every variable of `lowering` from the checkpoint of `step` (default: the latest).
+
+    Returns `{"step": step, **extra}`. Each variable is laid out by this lowering's plan, whatever
+    the layout it was saved under: for SIMD each device reads only its own slice from disk. Every
+    graph variable must be in the checkpoint with the same shape; checkpoint variables the graph
+    lacks are skipped with a warning.
+    """
+    step = _whole_step(directory, step)
+    check_restorable(directory, lowering, step)
+    variables = {var.name: var for var in lowering.graph.all_variables}
+    with _manager(directory) as manager:
+        saved = manager.item_metadata(step)["state"]
         unused = sorted(set(saved) - set(variables))
         if unused:
             warnings.warn(

@@ -217,6 +217,7 @@ def train(
                 "layout": str(impl.layout_rules),
                 "weight_layout": None if impl.weight_rules is None else str(impl.weight_rules),
                 "task": task.name,
+                "data": task.data_settings(),
             },
         )
 

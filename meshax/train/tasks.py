@@ -89,6 +89,16 @@ class Task:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{type(self).__name__}: {field}={value!r} must be a whole number >= 1")
 
+    def data_settings(self) -> dict:
+        """The task's settings that decide the batches each step trains on, as JSON (its fields
+        but the model and its sharding): each checkpoint keeps them, and a run resumed with
+        others trains on other batches than the first run would have (the CLI says so)."""
+        return {
+            f.name: v
+            for f in dataclasses.fields(self)  # type: ignore[arg-type]
+            if f.name not in ("model", "sharding") and isinstance(v := getattr(self, f.name), str | int | float | None)
+        }
+
     def depths(self) -> dict[str, int]:
         """The model's stacks of identical layers, by config field, and their depths: a layout
         search costs the model at small depths and extrapolates (`meshax.search.program`).
