@@ -677,6 +677,8 @@ def _console(quiet: bool = False):
 def _run(args) -> int:
     import warnings
 
+    if args.command not in ("train", "launch") and _another_launched_process():
+        return 0  # one process of `meshax launch` does the one-process commands; the rest exit
     if args.command == "plot":
         return _plot(args)
     if args.command == "calibrate":
@@ -773,6 +775,14 @@ def _check_resume(args, task, program) -> str:
         f"{line}\nnote: it was trained with {settings(saved)}; this run has {settings(now)}: from step "
         f"{info['step']} on it trains on other batches than the first run would have"
     )
+
+
+def _another_launched_process() -> bool:
+    """Whether this process is one of a job's processes (`meshax launch` sets their environment)
+    other than process 0."""
+    from meshax.runtime import ENV_PROCESS_ID, env_int
+
+    return bool(env_int(ENV_PROCESS_ID))
 
 
 def _start_devices(args, mesh_size: int) -> None:

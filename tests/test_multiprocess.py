@@ -58,6 +58,17 @@ def test_launch_sets_each_process_environment_and_prefixes_its_lines():
     assert "3 processes, coordinator localhost:23456" in err.getvalue()
 
 
+def test_a_one_process_command_under_launch_runs_once():
+    """`meshax launch -n 2 -- meshax plan ...`: process 0 prints the plan, the other exits quietly
+    (each printed it)."""
+    out, err = io.StringIO(), io.StringIO()
+    plan = [*CLI, "plan", "mlp", "--mesh", "all:8", "--layout", "batch:all", "--json"]
+    assert launch(plan, 2, stdout=out, stderr=err) == 0, err.getvalue()
+    lines = out.getvalue().splitlines()
+    assert lines and all(line.startswith("[0] ") for line in lines)
+    assert json.loads("\n".join(line[4:] for line in lines))["parameters"] == 8320
+
+
 @pytest.mark.parametrize(
     ("failure", "code", "said"),
     [("sys.exit(3)", 3, "exited with code 3"), ("os.kill(os.getpid(), 9)", 128 + 9, "was killed by SIGKILL")],
