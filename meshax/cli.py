@@ -448,10 +448,18 @@ def _generate(args, task, console) -> int:
         tokens = decoder.sample(prompt, inputs, steps, args.temperature, args.top_k, args.seed)
         scores = None
     for i, row in enumerate(tokens):
-        shown = bytes(int(t) for t in row).decode(errors="replace") if text else ",".join(str(int(t)) for t in row)
+        shown = _printable(bytes(int(t) for t in row).decode(errors="replace")) if text else ",".join(map(str, row))
         score = f"  (score {scores[i]:.4f})" if scores is not None else ""
         console.print(f"{args.prompt if text else ''}{shown}{score}", markup=False, highlight=False)
     return 0
+
+
+def _printable(text: str) -> str:
+    """Generated text as it can be shown: control characters other than newline and tab as
+    escapes (`\\x1b`), so a model's bytes cannot drive the terminal or put NULs in a log."""
+    import unicodedata
+
+    return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
 
 
 def _token_ids(text: str) -> list[int]:

@@ -254,3 +254,12 @@ def test_the_command_tunes_its_garbage_collector_and_a_python_caller_keeps_its_o
     assert meshax.cli.main() == 2 and tuned == [True]  # as the command: tuned, then the bad input said
     assert meshax.cli.main(sys.argv[1:]) == 2 and tuned == [True]  # from Python with argv: left alone
     assert "nothing" in capsys.readouterr().err
+
+
+def test_generated_text_shows_control_bytes_as_escapes():
+    """A text model's bytes are printed as text, but a control byte (an escape sequence, a NUL)
+    is shown as `\\x..`, so it cannot drive the terminal or a log; newlines, tabs and other
+    characters stay as they are."""
+    from meshax.cli import _printable
+
+    assert _printable("a\x1b[31mb\x00c\td\ne\x7ff\u00e9\x85") == "a\\x1b[31mb\\x00c\td\ne\\x7ff\u00e9\\x85"
