@@ -375,6 +375,7 @@ def _check_generate(args) -> None:
 
     if args.task not in ("lm", "seq2seq"):
         raise ConfigError(f"generate decodes the Transformers (lm, seq2seq), not {args.task}")
+    _check_outside_step_folders("--resume", args.resume)
     if latest_step(args.resume) is None:
         raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (train one with --checkpoint-dir)")
     if args.task == "lm" and not args.prompt:
@@ -487,6 +488,30 @@ def _check_paths(args) -> None:
             _check_can_make_folder(flag, path)
     if args.metrics:
         _check_file_to_write("--metrics", args.metrics, "a file to append JSON lines to")
+    for flag, path in (
+        ("--checkpoint-dir", args.checkpoint_dir),
+        ("--resume", args.resume),
+        ("--tensorboard", args.tensorboard),
+        ("--metrics", args.metrics),
+    ):
+        _check_outside_step_folders(flag, path)
+
+
+def _check_outside_step_folders(flag: str, path: str | None) -> None:
+    """`path` is no checkpoint's step folder, nor inside one (which goes when newer steps replace it)."""
+    from meshax.core.errors import ConfigError
+    from meshax.train.checkpoint import step_folder_around
+
+    found = step_folder_around(path) if path else None
+    if found is None:
+        return
+    folder, step = found
+    where = "the" if os.path.abspath(path) == os.path.join(folder, str(step)) else "inside the"
+    folder = folder if os.path.isabs(path) else os.path.relpath(folder)  # (as the user wrote it)
+    said = f"{flag} {path!r} is {where} folder of step {step} of the checkpoints in {folder!r}"
+    if flag == "--resume":
+        raise ConfigError(f"{said}: give --resume {folder!r} (a run resumes from its latest step)")
+    raise ConfigError(f"{said}, which goes when newer steps replace it: give a path outside it")
 
 
 def _check_file_to_write(flag: str, path: str, what: str) -> None:

@@ -194,6 +194,28 @@ def test_a_run_resumed_on_other_batches_says_so(tmp_path, monkeypatch, capsys):
     ) in out
 
 
+def test_a_checkpoint_step_folder_is_no_place_to_resume_from_or_write_to(tmp_path, monkeypatch, capsys):
+    """`--resume ck/2` names the checkpoint folder to give; a path in a step folder (which goes
+    when newer steps replace it) is refused for everything a run writes; nothing is written."""
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "mlp", *MLP, "--steps", "4", "--no-progress"]
+    assert main(["train", "mlp", *MLP, "--steps", "2", "--eval-every", "0", "--checkpoint-dir", "ck"]) == 0
+    capsys.readouterr()
+    before = sorted(os.walk("ck"))
+    for flags, said in [
+        (["--resume", "ck/2"], "--resume 'ck/2' is the folder of step 2 of the checkpoints in"),
+        (["--resume", "ck/2/state"], "--resume 'ck/2/state' is inside the folder of step 2"),
+        (["--checkpoint-dir", "ck/2/more"], "--checkpoint-dir 'ck/2/more' is inside the folder of step 2"),
+        (["--checkpoint-dir", "new", "--tensorboard", "ck/2/tb"], "--tensorboard 'ck/2/tb' is inside"),
+        (["--metrics", "ck/2/m.jsonl"], "--metrics 'ck/2/m.jsonl' is inside the folder of step 2"),
+    ]:
+        assert _exit_code([*run, *flags]) == 2, flags
+        assert said in capsys.readouterr().err, flags
+    assert _exit_code(["generate", "lm", "--resume", "ck/2", "--prompt", "hi"]) == 2
+    assert "give --resume 'ck'" in capsys.readouterr().err
+    assert sorted(os.walk("ck")) == before and sorted(os.listdir()) == ["ck"]
+
+
 def test_a_folder_of_digits_is_no_checkpoint_to_resume(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     os.makedirs("ck/3")

@@ -73,6 +73,19 @@ def _complete(directory, step: int) -> bool:
     return all(os.path.isdir(os.path.join(directory, str(step), item)) for item in ("state", "meta"))
 
 
+def step_folder_around(path) -> tuple[str, int] | None:
+    """(the checkpoint folder, the step) where `path` is a checkpoint's step folder or inside one;
+    None elsewhere."""
+    here = os.path.abspath(path)
+    while True:
+        parent, name = os.path.split(here)
+        if name.isdigit() and _complete(parent, int(name)):
+            return parent, int(name)
+        if parent == here:
+            return None
+        here = parent
+
+
 def _complete_steps(directory) -> list[int]:
     """The steps of the complete checkpoints in `directory`, oldest first."""
     if not os.path.isdir(directory):
