@@ -503,7 +503,7 @@ def _check_outside_step_folders(flag: str, path: str | None) -> None:
     from meshax.train.checkpoint import step_folder_around
 
     found = step_folder_around(path) if path else None
-    if found is None:
+    if path is None or found is None:
         return
     folder, step = found
     where = "the" if os.path.abspath(path) == os.path.join(folder, str(step)) else "inside the"
