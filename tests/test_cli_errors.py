@@ -94,6 +94,7 @@ WITH_PATHS = [
     (["plot", "afile"], "not a line of meshax metrics"),
     (["plan", "lm", "--text", "afile"], "text file 'afile' has 7 bytes; sequences of 64 need at least 1320"),
     (["train", "lm", "--text", "afile", "--length", "8"], "sequences of 8 need at least 200"),
+    (["train", "lm", "--text", "adir", "--steps", "2"], "no text files (.py .txt .md .rst) under 'adir'"),
     (["plot", "afile", "--out", "nodir/x.png"], "its folder does not exist"),
     (["train", "mlp", *MLP, "--checkpoint-dir", "afile/ck"], "'afile/ck' cannot be created"),
     (["train", "mlp", *MLP, "--tensorboard", "afile/tb"], "--tensorboard 'afile/tb' cannot be created"),
@@ -135,9 +136,19 @@ def test_bad_paths_are_one_line_on_stderr(argv, expected, tmp_path, monkeypatch,
     (tmp_path / "afile").write_text("[1, 2]\n")
     (tmp_path / "adir").mkdir()
     assert _exit_code(argv) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert len(err.strip().splitlines()) == 1 and expected in err, err
+    assert out == ""  # (found before the run: no layout table or cost report first)
     assert sorted(os.listdir(tmp_path)) == ["adir", "afile"] and os.listdir(tmp_path / "adir") == []
+
+
+def test_a_text_folder_whose_files_all_fall_in_one_split_is_refused_before_the_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    os.mkdir("texts")
+    (tmp_path / "texts" / "a.txt").write_text("some text " * 500)
+    assert _exit_code(["train", "lm", "--text", "texts", "--steps", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "'texts' has too few files to split into train and validation" in err
 
 
 def test_plotting_a_file_with_no_losses_is_refused(tmp_path, monkeypatch, capsys):

@@ -330,7 +330,7 @@ class LmTask(_TransformerTask):
             if self.text_path and not os.path.exists(self.text_path):
                 raise data.DataError(f"text path {self.text_path!r} does not exist; give a text file or a folder")
             if self.text_path:
-                text.check_long_enough(self.text_path, self.length)
+                text.check_text(self.text_path, self.length)
             self._bytes = None  # read on first use: planning needs no data
         elif self.source == "markov":
             self.config = model_config(

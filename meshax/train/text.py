@@ -20,6 +20,9 @@ def default_corpus() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
+_TOO_FEW_FILES = "{path!r} has too few files to split into train and validation; point at a bigger folder"
+
+
 def _files(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
@@ -34,10 +37,22 @@ def _files(path: str) -> list[str]:
     return out
 
 
-def check_long_enough(path: str, length: int) -> None:
-    """A DataError, before anything runs, where a single file is too short for windows of
-    `length` + 1 bytes in its validation split (its last VALIDATION_FRACTION) and training split."""
-    if os.path.isfile(path):
+def _in_validation(relative: str, validation_fraction: float) -> bool:
+    """Whether the file at `relative` (to the folder given) goes to validation: by a hash of its
+    name, so the split is the same on every machine with the same files."""
+    return zlib.crc32(relative.encode()) % 1000 < validation_fraction * 1000
+
+
+def check_text(path: str, length: int) -> None:
+    """A DataError, before anything runs, where `path` holds no text to train on: a folder
+    without text files, or whose files all fall in one split; a single file too short for
+    windows of `length` + 1 bytes in its validation split (its last VALIDATION_FRACTION) and
+    training split."""
+    if os.path.isdir(path):
+        splits = {_in_validation(os.path.relpath(f, path), VALIDATION_FRACTION) for f in _files(path)}
+        if len(splits) < 2:
+            raise DataError(_TOO_FEW_FILES.format(path=path))
+    elif os.path.isfile(path):
         size, need = os.path.getsize(path), math.ceil((length + 2) / VALIDATION_FRACTION)
         if size < need:
             raise DataError(
@@ -65,13 +80,12 @@ def load_bytes(
             data = np.fromfile(f, dtype=np.uint8)
         except OSError:
             continue
-        bucket = zlib.crc32(os.path.relpath(f, path).encode()) % 1000
-        (val if bucket < validation_fraction * 1000 else train).append(data)
+        (val if _in_validation(os.path.relpath(f, path), validation_fraction) else train).append(data)
         total += len(data)
         if total >= max_bytes:
             break
     if not train or not val:
-        raise DataError(f"{path!r} has too few files to split into train and validation; point at a bigger folder")
+        raise DataError(_TOO_FEW_FILES.format(path=path))
     return np.concatenate(train), np.concatenate(val)
 
 
