@@ -671,8 +671,17 @@ def main(argv=None) -> int:
         if args.debug:
             raise
         message = " ".join(str(e).split())
+        if "RESOURCE_EXHAUSTED" in message:  # (XLA's out of memory: say what the user can change)
+            message = message.rstrip(".") + _OUT_OF_MEMORY
         print(f"meshax: error: {message} (--debug shows where)", file=sys.stderr)
         return 2
+
+
+_OUT_OF_MEMORY = (
+    ": the step does not fit in the devices' memory. `meshax plan` with the same flags shows its memory "
+    "per device; lower --batch-size or --length, split more of the model over the mesh (--layout), or "
+    "recompute activations in the backward pass (--remat, lm and seq2seq)"
+)
 
 
 def _join_dash_values(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:

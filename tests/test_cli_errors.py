@@ -299,3 +299,12 @@ def test_a_dash_value_is_joined_only_to_meshaxs_own_options():
     ]
     launch = ["launch", "-n", "2", "python", "w.py", "--offset", "-3"]
     assert _join_dash_values(p, launch) == launch
+
+
+def test_a_step_too_big_for_memory_says_what_to_change(capsys):
+    """XLA's RESOURCE_EXHAUSTED (a 200k-token sequence's attention: terabytes) ends in one line
+    that names what the user can change, not XLA's allocation alone."""
+    argv = ["train", "lm", "--source", "markov", "--length", "200000", "--batch-size", "1", "--mesh", "all:1"]
+    assert _exit_code([*argv, "--layout", "", "--steps", "1", "--eval-every", "0", "--no-progress"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "RESOURCE_EXHAUSTED" in line and "does not fit in the devices' memory. `meshax plan` with the same" in line
