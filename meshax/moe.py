@@ -157,6 +157,10 @@ def moe(
     combine, dispatch, loss, dropped = _gating(
         gates, group, experts_unsplit, capacity, gating, second_policy, second_threshold
     )
+    # The gating above is float32 (the gates of a bfloat16 x are x times a float32 weight); the
+    # routing tensors and the experts' weights are then used in x's dtype, so that a bfloat16 x's
+    # expert matmuls and all-to-alls are bfloat16 (Mesh-TensorFlow's moe casts them alike)
+    combine, dispatch = ew.cast(combine, x.dtype), ew.cast(dispatch, x.dtype)
     unsplit = [Dimension(f"{d.name}_unsplit", d.size) for d in outer]
     inputs = einsum(grouped, dispatch, output_shape=[experts_unsplit, *outer, capacity, model])
     inputs = reshape(inputs, [experts, *unsplit, capacity, model])  # the all-to-all
@@ -165,8 +169,8 @@ def moe(
     wo = get_variable(
         x.mesh, f"{name}/wo", [experts, hidden, model], initializer=initializers.normal(1.0 / math.sqrt(hidden.size))
     )
-    h = activation(einsum(inputs, wi, output_shape=[experts, *unsplit, capacity, hidden]))
-    out = einsum(h, wo, output_shape=[experts, *unsplit, capacity, model])
+    h = activation(einsum(inputs, ew.cast(wi, x.dtype), output_shape=[experts, *unsplit, capacity, hidden]))
+    out = einsum(h, ew.cast(wo, x.dtype), output_shape=[experts, *unsplit, capacity, model])
     out = reshape(out, [experts_unsplit, *outer, capacity, model])  # and back
     out.operation.info = {"moe": name}
     y = einsum(out, combine, output_shape=grouped.shape)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from meshax.autodiff import gradients
 from meshax.core.errors import ConfigError, GraphError
-from meshax.core.graph import Tensor
+from meshax.core.graph import Tensor, is_floating
 from meshax.core.shape import Dimension
 from meshax.ops import elementwise as ew
 from meshax.ops.reduce import reduce_mean, reduce_sum
@@ -75,6 +75,13 @@ def _as_schedule(lr) -> Schedule:
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"learning_rate {lr!r} must be a finite number >= 0")
     return constant_schedule(value)
+
+
+def _wide(g: Tensor) -> Tensor:
+    """g in float32 where it is a narrower float (a bfloat16 or float16 variable's gradient): the
+    optimizer's statistics (squares, moments, norms) are taken in float32, as its slots are kept,
+    not in a dtype whose squares underflow or overflow (float16: 1e-4 squared is 0, 300 squared inf)."""
+    return ew.cast(g, "float32") if is_floating(g.dtype) and g.dtype.itemsize < 4 else g
 
 
 def _fraction(name: str, value: float) -> float:
@@ -175,6 +182,7 @@ class AdamWeightDecayOptimizer(Optimizer):
 
     def apply_grad(self, grad, var, lr, step):
         m, v = self._slot(var, "adam_m"), self._slot(var, "adam_v")
+        grad = _wide(grad)
         new_m = m * self.beta_1 + grad * (1.0 - self.beta_1)
         new_v = v * self.beta_2 + ew.square(grad) * (1.0 - self.beta_2)
         t = step + 1.0
@@ -225,6 +233,7 @@ class AdafactorOptimizer(Optimizer):
     def apply_grad(self, grad, var, lr, step):
         from meshax.core.shape import Shape
 
+        grad = _wide(grad)
         t = step + 1.0
         decay = 1.0 - ew.pow(t, -self.decay_rate_exponent)
         gsq = ew.square(grad) + self.epsilon1
@@ -263,7 +272,7 @@ def global_norm(grads: Sequence[Tensor | None]) -> Tensor:
     for g in grads:
         if g is None:
             continue
-        s = reduce_sum(ew.square(g))
+        s = reduce_sum(ew.square(_wide(g)))
         total = s if total is None else total + s
     if total is None:
         raise ValueError("global_norm of no gradients")
@@ -273,7 +282,7 @@ def global_norm(grads: Sequence[Tensor | None]) -> Tensor:
 def clip_by_global_norm(grads: Sequence[Tensor | None], max_norm: float) -> list[Tensor | None]:
     """The gradients scaled down together so that their global norm is at most `max_norm`."""
     scale = ew.minimum(max_norm / ew.maximum(global_norm(grads), 1e-12), 1.0)
-    return [None if g is None else g * scale for g in grads]
+    return [None if g is None else g * ew.cast(scale, g.dtype) for g in grads]
 
 
 __all__ = [

@@ -22,9 +22,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from meshax.core.errors import GraphError
-from meshax.core.graph import Tensor
+from meshax.core.graph import Tensor, is_floating
 from meshax.core.shape import Dimension, Shape
 from meshax.ops.einsum import einsum
+from meshax.ops.elementwise import cast
 from meshax.ops.inputs import import_tensor, zeros
 from meshax.ops.loops import scan
 from meshax.ops.reduce import reduce_sum
@@ -133,8 +134,14 @@ def pipeline(
     def table(what: str, dims: list[Dimension]) -> Tensor:
         return import_tensor(mesh, plan.one_hot(what), [steps, *dims], name=f"{name}_{what}")
 
+    def like(one_hot: Tensor, dtype) -> Tensor:
+        """A float32 one-hot table in a float `dtype` (exactly), so that what it selects from or
+        multiplies keeps its dtype: a bfloat16 state stays bfloat16."""
+        return cast(one_hot, dtype) if is_floating(dtype) else one_hot
+
     def ends(index: int) -> Tensor:
-        return import_tensor(mesh, (np.arange(S) == index).astype(np.float32), [stage_dim], name=f"{name}_stage{index}")
+        at = import_tensor(mesh, (np.arange(S) == index).astype(np.float32), [stage_dim], name=f"{name}_stage{index}")
+        return like(at, x.dtype)
 
     xm = _split_batch(x, batch, micro)
     side_m = [_split_batch(t, batch, micro) for t in sides]
@@ -157,9 +164,12 @@ def pipeline(
         where = t.pop(0) if sides else None
         if R > 1:
             read, write, which = t
-            entering = einsum(queue, read, output_shape=one)
+            entering = einsum(queue, like(read, x.dtype), output_shape=one)
         state = shift(state, 1, stage_dim, wrap=False) + first * entering
-        side_now = [einsum(s, where, output_shape=[stage_dim, *[d for d in s.shape if d != micro]]) for s in side_m]
+        side_now = []
+        if where is not None:  # (the microbatches' table, where there are side inputs)
+            kept = [[d for d in s.shape if d != micro] for s in side_m]
+            side_now = [einsum(s, like(where, s.dtype), output_shape=[stage_dim, *k]) for s, k in zip(side_m, kept)]
         if R > 1:
             lead, select = [repeat, stage_dim], lambda v: einsum(v, which, output_shape=[stage_dim, *v.shape[2:]])
         else:
@@ -172,7 +182,7 @@ def pipeline(
         if R == 1:
             return [out], [out * last]
         done = einsum(out, last, output_shape=one)
-        return [out, queue + write * (done - queue)], []
+        return [out, queue + like(write, x.dtype) * (done - queue)], []
 
     finals, ys = scan(body, carry, per_step, dim=steps, name=name)
     finals[0].operation.info = {"pipeline": name, "schedule": plan}

@@ -117,3 +117,48 @@ def test_checkpoints_keep_the_master_dtype(tmp_path):
     train(_task(BF16), "all:1", "", steps=2, checkpoint_dir=str(tmp_path))
     saved = ocp.PyTreeCheckpointer().metadata(str(tmp_path / "2" / "state")).item_metadata
     assert len(saved) > 10 and {str(v.dtype) for v in dict(saved).values()} == {"float32"}
+
+
+@pytest.mark.parametrize(
+    "extra,layout",
+    [
+        (dict(pipeline_stages=2, microbatches=2, num_layers=2), "stage:rows;batch:cols"),
+        (dict(pipeline_stages=2, microbatches=2, circular_repeats=2, num_layers=4), "stage:rows;batch:cols"),
+    ],
+    ids=["gpipe", "circular"],
+)
+def test_a_bfloat16_pipeline_keeps_its_stages_bfloat16_and_follows_float32(extra, layout):
+    """The pipeline's one-hot tables (first and last stage, the circular schedule's queue) are
+    float32 constants: they must not promote the bfloat16 state the loop carries (a GraphError:
+    the scan's carry came back float32)."""
+
+    def losses(config):
+        task = _task(dataclasses.replace(config, **extra))
+        program = build(task, "rows:2;cols:4", layout, "simd", SgdOptimizer(0.5))
+        shifts = [s.bytes // s.values for s in program.train_fn.counters.sites() if s.kind == "permute"]
+        return [float(program.train_fn(task.train_batch(s), seed=s)[0]) for s in range(3)], shifts
+
+    (f32, _), (bf16, shifts) = losses(SMALL), losses(BF16)
+    assert shifts and set(shifts) == {2}  # the stage-to-stage permutes move bfloat16
+    np.testing.assert_allclose(bf16, f32, rtol=0.005)
+
+
+def test_moe_layers_compute_in_bfloat16_with_float32_gating():
+    """The MoE block of a bfloat16 model: its expert matmuls take bfloat16 operands and its
+    all-to-alls move bfloat16 (2 bytes a value), the gates are float32, its weights and their
+    gradients float32."""
+    config = dataclasses.replace(BF16, num_layers=2, moe_experts=4)
+    graph = mx.Graph()
+    built = _task(config).build(mx.Mesh(graph, "mesh"))
+    params = list(graph.trainable_variables)
+    grads = mx.gradients(built.loss, params)
+    assert all(g.dtype == np.float32 for g in grads if g is not None)
+    moe = [op for op in graph.operations if isinstance(op, EinsumOperation) and op.grad_of is None]
+    experts = [op for op in moe if "experts" in op.outputs[0].shape.dimension_names]
+    assert len(experts) == 2 and all(t.dtype == "bfloat16" for op in experts for t in op.inputs)
+    gates = [op for op in moe if op.outputs[0].shape.dimension_names[-1] == "expert_unsplit"]
+    assert len(gates) == 1 and gates[0].outputs[0].dtype == np.float32
+    layout = "batch:rows;experts:rows;d_ff:cols;expert_hidden:cols"
+    lowering, outputs, updates = build(_task(config), "rows:2;cols:4", layout, "simd", SgdOptimizer(0.1), compile=False)
+    sites = [s for s in lowering.trace_step(outputs, updates).sites() if s.kind == "alltoall"]
+    assert len(sites) == 4 and all(s.bytes == 2 * s.values for s in sites)

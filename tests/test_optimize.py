@@ -109,3 +109,47 @@ def test_step_counter_and_clipping():
     np.testing.assert_allclose(norm, 1.0, rtol=1e-5)
     np.testing.assert_allclose(lo.variable_value(w), 3.0 - 1 / np.sqrt(8), rtol=1e-5)
     assert lo.variable_value(opt.step) == 1.0
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        lambda: mx.optimize.AdamWeightDecayOptimizer(0.01),
+        lambda: mx.optimize.AdafactorOptimizer(0.01, multiply_by_parameter_scale=False),
+    ],
+    ids=["adam", "adafactor"],
+)
+@pytest.mark.parametrize("shape", ["a:8", "a:8;b:4"], ids=["vector", "matrix"])
+def test_a_float16_variable_s_statistics_are_taken_in_float32(optimizer, shape):
+    """A float16 variable's gradient of 1e-4 squares to 0 in float16 (its smallest value is 6e-8):
+    Adam's second moment, kept in a float32 slot, must not be 0 (an update of m / eps = 1e4
+    instead of ~1), nor Adafactor's (0 / 0: NaN). The step is the float32 variable's."""
+    after = {}
+    for dtype in ("float32", "float16"):
+        graph = mx.Graph()
+        mesh = mx.Mesh(graph, "mesh")
+        w = mx.get_variable(mesh, "w", shape, dtype=dtype, initializer=mx.initializers.ones())
+        loss = mx.reduce_sum(mx.cast(w, "float32") * 1e-4)
+        updates = optimizer().apply_grads(mx.gradients(loss, [w]), [w])
+        lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "a:rows")})
+        lo.function([], updates=updates)({})
+        assert {str(v.dtype) for v in graph.all_variables if v.name != "w"} == {"float32"}
+        after[dtype] = np.asarray(lo.variable_value(w))
+    assert after["float16"].dtype == np.float16
+    np.testing.assert_allclose(after["float16"].astype(np.float32), after["float32"], rtol=1e-3)
+    np.testing.assert_allclose(after["float32"], 0.99, rtol=1e-4)
+
+
+def test_global_norm_of_float16_gradients_does_not_overflow():
+    """1024 float16 gradients of 300: their norm (9600) is a float16, the sum of their squares
+    (9.2e7) is not; clipping to norm 1 scales them to 300 / 9600, not to 0."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", "a:1024", dtype="float16", initializer=mx.initializers.ones())
+    grads = mx.gradients(mx.reduce_sum(mx.cast(w, "float32") * 300.0), [w])
+    (clipped,) = mx.optimize.clip_by_global_norm(grads, 1.0)
+    assert clipped.dtype == np.float16
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "a:cols")})
+    norm, got = lo.function([mx.optimize.global_norm(grads), clipped])({})
+    np.testing.assert_allclose(float(norm), 9600.0, rtol=1e-3)
+    np.testing.assert_allclose(np.asarray(got, np.float32), 1 / 32, rtol=1e-3)
