@@ -183,3 +183,20 @@ def test_dims_may_be_named_without_their_sizes():
         mx.reduce_sum(x, reduced_dim="hiden")
     with pytest.raises(mx.GraphError, match=r"'outt' \(did you mean 'out'\?\) \(inputs: x .*, w "):
         mx.einsum(x, w, output_shape=["batch", "outt"])
+
+
+@pytest.mark.parametrize("dtype", [np.uint32, np.uint8, np.int32, np.int8])
+@pytest.mark.parametrize("n", [0, 2])
+def test_nth_smallest_element_of_integers_at_the_ends_of_their_range(dtype, n):
+    """Negating integers does not reverse their order: an unsigned 0 stays 0 and the signed
+    minimum overflows to itself, so both read as the largest."""
+    info = np.iinfo(dtype)
+    xv = np.array([[info.min, 1, 2, info.max], [5, info.max, 4, info.min + 1]], dtype)
+    graph, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", "b:2;t:4", dtype=dtype)
+    outs = [mx.nth_smallest_element(x, n, "t"), mx.nth_largest_element(x, n, "t")]
+    for shape, layout in [("all:1", ""), ("all:4", "t:all")]:
+        small, large = mx.Lowering(graph, {mesh: mx.SimdMeshImpl(shape, layout)}).function(outs)({"x": xv})
+        np.testing.assert_array_equal(small, np.sort(xv, axis=1)[:, n])
+        np.testing.assert_array_equal(large, np.sort(xv, axis=1)[:, -1 - n])
+        assert small.dtype == dtype

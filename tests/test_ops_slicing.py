@@ -241,3 +241,21 @@ def test_stack_aligns_dims_by_name_and_names_a_mismatch():
     np.testing.assert_array_equal(got, np.stack([xv, xv]))
     with pytest.raises(mx.GraphError, match=r"stack needs tensors of one shape: x is Shape\(\[a=2, b=3\]\), z is"):
         mx.stack([x, mx.placeholder(mesh, "z", "a:2;b:4")], "s")
+
+
+@pytest.mark.parametrize("offset", [8, -8, 11])
+def test_a_shift_past_the_whole_dim_moves_nothing(offset):
+    """Without wrapping, a shift by the dim's size or more is all zeros and reads no value: its
+    counters (forward and gradient) must hold no gather, as XLA's compiled program holds none."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:2;t:8;c:3")
+    y = mx.shift(x * 2.0, offset, "t", wrap=False)
+    (grad,) = mx.gradients(mx.reduce_sum(mx.square(y + 1.0)), [x])
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "t:cols;b:rows")}).function([y, grad])
+    got_y, got_grad = fn({"x": rand([2, 8, 3], seed=1)})
+    np.testing.assert_array_equal(got_y, np.zeros((2, 8, 3)))
+    np.testing.assert_array_equal(got_grad, np.zeros((2, 8, 3)))
+    found = mx.hlo_collectives(fn.compiled_text())
+    assert {k: v["count"] for k, v in found.items() if v["count"]} == {}
+    assert not list(fn.counters.sites())

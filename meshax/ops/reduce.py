@@ -212,9 +212,18 @@ def _nth_element(x: Tensor, n: int, reduced_dim, largest: bool) -> Tensor:
     from meshax.ops.slicing import entry
 
     k_dim = Dimension(d.name + "_topk", n + 1)
-    values, _ = top_k(x if largest else ew.negative(x), d, k_dim)
+    values, _ = top_k(x if largest else _reversed_order(x), d, k_dim)
     nth = entry(values, n, k_dim)
-    return nth if largest else ew.negative(nth)
+    return nth if largest else _reversed_order(nth)
+
+
+def _reversed_order(x: Tensor) -> Tensor:
+    """x mapped by an order-reversing bijection that is its own inverse: -x for floats; for
+    integers -x - 1 (~x), which wraps: -x overflows at the signed minimum and sends an
+    unsigned 0 to 0 (the smallest would read as the largest)."""
+    if np.issubdtype(x.dtype, np.integer):
+        return ew.negative(x) - 1
+    return ew.negative(x)
 
 
 def nth_largest_element(x: Tensor, n: int, reduced_dim, name=None) -> Tensor:

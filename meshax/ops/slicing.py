@@ -176,11 +176,15 @@ class ShiftOperation(Operation):
         x = self.inputs[0]
         axis = x.shape.index(self.dim)
         axes, (left, right) = layouts[1].axes[axis], self._halo()
-        if not axes or not left + right:
+        if not axes or not left + right or self._all_zeros():
             return []
         local = slice_shape(x.shape, layouts[0], mesh_shape)
         sent = shift_sends(local, axis, self.offset, mesh_shape[axes[0]].size, self.wrap)
         return [(axes[0], math.prod(s) * x.dtype.itemsize) for s in sent]
+
+    def _all_zeros(self) -> bool:
+        """A shift by the dim's size or more, without wrapping: every value shifted out."""
+        return not self.wrap and abs(self.offset) >= self.dim.size
 
     def _halo(self) -> tuple[int, int]:
         """The halo a split dim needs: (left, right) widths, |offset| values on the side shifted from."""
@@ -207,6 +211,10 @@ class ShiftOperation(Operation):
         axis = x.shape.index(self.dim)
         axes = layout.axes[axis]
         left, right = self._halo()
+        if self._all_zeros():  # (reads no value of x: fetching it would count a gather XLA drops)
+            local = slice_shape(out.shape, layout, ctx.mesh_shape)
+            ctx.set_output(out, ctx.slicewise(lambda: jnp.zeros(local, out.dtype)), layout)
+            return
         v = ctx.get(x, run.operands[0], allow_partial=True)
         if not axes or not left + right:
             ctx.set_output(
