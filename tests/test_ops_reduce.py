@@ -151,11 +151,22 @@ def _argmax_distinct(mesh):
     return [(a, np.argmax(xv, axis=0).astype(np.int32))], {x: xv}
 
 
+def _argmax_nan(mesh):
+    """A NaN is the largest value, as for np.argmax and jnp.argmax, on every layout (XLA's max
+    over devices may drop it; the index must not depend on that)."""
+    x = mx.placeholder(mesh, "x", [B, D])
+    a = mx.argmax(x, D)
+    xv = rand([8, 8], seed=26)
+    xv[1, 5] = xv[2, 0] = xv[2, 7] = xv[6, 3] = np.nan
+    return [(a, np.argmax(xv, axis=1).astype(np.int32))], {x: xv}
+
+
 SOFTMAX_CASES = {}
 for _i, _d in enumerate([B, H, D]):
     SOFTMAX_CASES[f"softmax/log_softmax[{_d.name}]"] = _softmax_case(_d, 30 + _i)
     SOFTMAX_CASES[f"argmax-ties[{_d.name}]"] = _argmax_ties_case(_d, 40 + _i)
 SOFTMAX_CASES["argmax-distinct[b]"] = _argmax_distinct
+SOFTMAX_CASES["argmax-nan[d]"] = _argmax_nan
 
 
 @layouts

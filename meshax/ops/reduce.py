@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from meshax.core.errors import GraphError
-from meshax.core.graph import Operation, Tensor
+from meshax.core.graph import Operation, Tensor, is_floating
 from meshax.core.shape import Dimension, Shape, convert_to_shape
 from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import inexact, sum_dtype
@@ -188,14 +188,21 @@ def log_softmax(x: Tensor, reduced_dim, extra_logit=None, name=None) -> Tensor:
 
 @also_accepts(dim="reduced_dim")
 def argmax(x: Tensor, reduced_dim, name=None) -> Tensor:
-    """Index of the largest value along `reduced_dim` (the first one on ties), as int32."""
+    """Index of the largest value along `reduced_dim` (the first one on ties; the first NaN
+    where there is one, as `jnp.argmax`), as int32."""
     from meshax.ops.inputs import range as mrange
 
     d = dim_of(x, reduced_dim)
     if x.dtype == np.bool_:
         x = ew.cast(x, "int32")
+    index, n = mrange(x.mesh, d, "int32"), d.size
     is_max = ew.equal(x, reduce_max(x, reduced_dim=d))
-    return reduce_min(ew.where(is_max, mrange(x.mesh, d, "int32"), d.size), reduced_dim=d)
+    if not is_floating(x.dtype):
+        return reduce_min(ew.where(is_max, index, n), reduced_dim=d)
+    # a NaN's index before any max's (the max itself may have dropped the NaN: XLA's max over
+    # devices does on the CPU, so the answer must come from x alone, the same on every layout)
+    first = reduce_min(ew.where(ew.not_equal(x, x), index, ew.where(is_max, index + n, 2 * n)), reduced_dim=d)
+    return ew.where(first >= n, first - n, first)
 
 
 def top_1(x: Tensor, reduced_dim, name=None) -> tuple[Tensor, Tensor]:
