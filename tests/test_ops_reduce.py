@@ -3,6 +3,7 @@
 Each test runs a family of cases as one program per (impl, layout), see
 `check_cases` in conftest.py."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -161,12 +162,25 @@ def _argmax_nan(mesh):
     return [(a, np.argmax(xv, axis=1).astype(np.int32))], {x: xv}
 
 
+def _logsumexp_of_infinities(mesh):
+    """A row of -inf sums to nothing: its logsumexp is -inf (not -inf - -inf = NaN), as
+    jax.nn.logsumexp's, with and without an extra logit of -inf; +inf and NaN propagate."""
+    x = mx.placeholder(mesh, "x", [B, D])
+    xv = rand([8, 8], seed=27)
+    xv[1] = -np.inf
+    xv[2, 3], xv[4, 6] = np.inf, np.nan
+    want = np.array(jax.nn.logsumexp(xv, axis=1))
+    assert np.isneginf(want[1]) and np.isposinf(want[2]) and np.isnan(want[4])
+    return [(mx.reduce_logsumexp(x, D), want), (mx.reduce_logsumexp(x, D, extra_logit=-np.inf), want)], {x: xv}
+
+
 SOFTMAX_CASES = {}
 for _i, _d in enumerate([B, H, D]):
     SOFTMAX_CASES[f"softmax/log_softmax[{_d.name}]"] = _softmax_case(_d, 30 + _i)
     SOFTMAX_CASES[f"argmax-ties[{_d.name}]"] = _argmax_ties_case(_d, 40 + _i)
 SOFTMAX_CASES["argmax-distinct[b]"] = _argmax_distinct
 SOFTMAX_CASES["argmax-nan[d]"] = _argmax_nan
+SOFTMAX_CASES["logsumexp-infinities[d]"] = _logsumexp_of_infinities
 
 
 @layouts

@@ -145,12 +145,18 @@ def reduce_logsumexp(x: Tensor, reduced_dim=None, extra_logit=None, name=None, o
     x = _floating(x)
     if not reduced and extra_logit is None:
         return _in_order(x, output_shape)
-    m = ew.stop_gradient(reduce_max(x, reduced_dim=reduced)) if reduced else x
+    m = _finite(reduce_max(x, reduced_dim=reduced)) if reduced else x
     if extra_logit is None:
         return _in_order(ew.log(reduce_sum(ew.exp(x - m), reduced_dim=reduced)) + m, output_shape)
-    m = ew.stop_gradient(ew.maximum(m, extra_logit))
+    m = _finite(ew.maximum(m, extra_logit))
     total = reduce_sum(ew.exp(x - m), reduced_dim=reduced) + ew.exp(extra_logit - m)
     return _in_order(ew.log(total) + m, output_shape)
+
+
+def _finite(m: Tensor) -> Tensor:
+    """logsumexp's shift: the max, or 0 where it is infinite (a row of -inf sums to exp(-inf) = 0,
+    whose log is -inf, as jax.nn.logsumexp's; -inf - -inf would be NaN). No gradient."""
+    return ew.stop_gradient(ew.where(ew.less(ew.abs(m), float("inf")), m, 0.0))
 
 
 def _truth(x: Tensor) -> Tensor:
