@@ -261,3 +261,47 @@ def test_one_computation_written_twice_and_laid_out_two_ways_stays_two():
     assert_trees_close(g(x, w), want, rtol=1e-5, atol=1e-5)
     program = g.lower(x, w)
     assert (program.layout_of(0), program.layout_of(1)) != ("", "")
+
+
+def test_an_optimization_barrier_is_one_per_program_and_lays_out_each_operand_as_its_result():
+    """`jax.lax.optimization_barrier` in the user's function (it was not supported): its results
+    are its operands, laid out pair by pair; values and counters as jax.jit's."""
+
+    def fn(x, w):
+        a, b = jax.lax.optimization_barrier((x, w))
+        return jnp.sum(jnp.tanh(a @ b) ** 2)
+
+    x, w = jax.random.normal(jax.random.key(17), (8, 16)), jax.random.normal(jax.random.key(18), (16, 24))
+    grad = jax.grad(fn, argnums=(0, 1))
+    g = mx.partition(grad, MESH, in_shardings=(P("x", None), P(None, "y")))
+    assert_trees_close(g(x, w), jax.jit(grad)(x, w), rtol=1e-5, atol=1e-5)
+    assert_counters_equal_hlo(g.lower(x, w), x, w)
+
+
+def test_where_xla_keeps_a_checkpoints_recomputation_so_does_partition(monkeypatch):
+    """On a GPU, XLA removes the optimization barriers `jax.jit` puts before a checkpoint's
+    recomputation only after scheduling: the recomputation stays apart from the forward (that
+    is the memory it saves). There `flatten` passes the checkpoint's operands through a barrier
+    and merges nothing; on the CPU, where XLA merges the recomputation into the forward, it
+    merges the repeats itself. Both give jax.jit's values; the recomputed forward's FLOPs and
+    its allgather are counted only where they are kept (checked here on the CPU, whose HLO holds
+    that allgather too: this program's barrier keeps it there)."""
+    from meshax.jaxpr import flatten
+
+    def fn(w, x):
+        return jnp.sum(jax.checkpoint(lambda w, x: jnp.tanh(jnp.tanh(x @ w) @ w))(w, x) ** 2)
+
+    w, x = jax.random.normal(jax.random.key(12), (16, 16)) * 0.3, jax.random.normal(jax.random.key(13), (8, 16))
+    step = jax.value_and_grad(fn, argnums=(0, 1))
+    want = jax.jit(step)(w, x)
+    counted = {}
+    for keep in (False, True):
+        monkeypatch.setattr(flatten, "_keeps_recomputation", lambda keep=keep: keep)
+        g = mx.partition(step, MESH, in_shardings=(P(None, "y"), P("x", None)))
+        assert_trees_close(g(w, x), want, rtol=1e-5, atol=1e-5)
+        program = g.lower(w, x)
+        barriers = [op for op in program.graph.operations if op.name.startswith("optimization_barrier")]
+        assert len(barriers) == keep
+        assert_counters_equal_hlo(program, w, x)
+        counted[keep] = (program.counters.total_flops, program.counters["allgather"].count)
+    assert counted[True][0] > counted[False][0] and counted[True][1] == counted[False][1] + 1

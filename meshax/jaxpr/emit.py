@@ -227,7 +227,7 @@ def _bind(em: Emitter, e: Eqn, ins, outs, in_roles, out_roles, whole=()) -> list
 
 _MOVES = {
     "broadcast_in_dim", "iota", "slice", "pad", "concatenate", "split", "copy", "copy_p", "dynamic_slice",
-    "dynamic_update_slice", "gather", "squeeze", "reshape", "transpose", "sort",
+    "dynamic_update_slice", "gather", "squeeze", "reshape", "transpose", "sort", "optimization_barrier",
 }  # fmt: skip
 
 

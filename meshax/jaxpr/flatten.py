@@ -117,8 +117,13 @@ class Flat:
                 body, consts, operands = inner
                 for v, c in zip(body.constvars, consts):
                     self.consts[v] = c
-                inner_env = {v: _read(env, a) for v, a in zip(body.invars, operands)}
-                inside = recomputed or e.primitive.name in _CHECKPOINTS
+                checkpoint = e.primitive.name in _CHECKPOINTS
+                kept = checkpoint and e.params.get("prevent_cse", True) and _keeps_recomputation()
+                operands = [_read(env, a) for a in operands]
+                if kept:  # its operands pass a barrier, as jax.jit lowers it: nothing merges across
+                    operands = self._barrier(operands, source, replicated or scope)
+                inner_env = dict(zip(body.invars, operands))
+                inside = recomputed or (checkpoint and not kept)
                 self._walk(body, inner_env, replicated or scope, source, inside)
                 for v, a in zip(e.outvars, body.outvars):
                     if is_var(v):
@@ -136,6 +141,17 @@ class Flat:
             elif e.primitive.name == "cond":  # a branch stays a branch (mx.switch), each flattened
                 eqn.branches = [Flat(b, replicated or scope, source) for b in e.params["branches"]]
             self.eqns.append(eqn)
+
+    def _barrier(self, atoms: list, source: str, replicated: bool) -> list:
+        """`atoms` with each variable passed through one `optimization_barrier` equation."""
+        held = [a for a in atoms if is_var(a)]
+        if not held:
+            return atoms
+        outs = [copy.copy(v) for v in held]
+        self._defined.update(outs)
+        self.eqns.append(Eqn(jax.lax.optimization_barrier_p, held, outs, {}, source, replicated))
+        passed = dict(zip(held, outs))
+        return [passed.get(a, a) if is_var(a) else a for a in atoms]
 
     def _define(self, v, env: dict):
         """v as the result of the equation being added: a copy where v is defined already (a
@@ -230,6 +246,18 @@ def _repeat_key(e: Eqn, constant: dict):
 
 #: Calls whose bodies are recomputed in the gradient (`_merge_repeats`).
 _CHECKPOINTS = {"checkpoint", "remat", "remat2"}
+
+
+def _keeps_recomputation() -> bool:
+    """Whether XLA on JAX's backend keeps a `jax.checkpoint`'s recomputation apart from the
+    forward. XLA's GPU compiler removes the optimization barriers `jax.jit` puts before it only
+    after scheduling: the recomputation stays, and so does the memory it saves. XLA's CPU
+    compiler removes them before its last merge of equal instructions, which merges what the
+    recomputation repeats (its collectives among them) into the forward. `flatten` does as XLA
+    will on JAX's backend: a barrier and the recomputation (not the CPU), or the repeats merged
+    (the CPU), so that the counters count what the compiled program runs."""
+    return jax.default_backend() != "cpu"
+
 
 #: Annotations: kept where their value is not read, for the splits they propagate to others.
 _ANNOTATIONS = {"sharding_constraint", "reshard", "meshax_mesh_split"}

@@ -58,6 +58,12 @@ def _elementwise(e) -> Roles:
     return [tied(a) for a in e.ins], [list(range(n)) for _ in e.outs]
 
 
+def _each_its_own(e) -> Roles:
+    """Result k is operand k (`optimization_barrier`): their axes are tied pair by pair."""
+    tied = [[(k, i) for i in range(rank(a))] for k, a in enumerate(e.ins)]
+    return tied, [list(t) for t in tied]
+
+
 def _dot_general(e) -> Roles:
     (lc, rc), (lb, rb) = e.params["dimension_numbers"]
     lhs, rhs = e.ins
@@ -376,6 +382,7 @@ RULES: dict[str, Callable] = {
     **dict.fromkeys(CUMULATIVE | {"sort"}, _all_tied),
     **dict.fromkeys(RANDOM | {"iota", "empty", "empty2"}, _nothing),  # (empty: zeros of the shape)
     "dot_general": _dot_general,
+    "optimization_barrier": _each_its_own,
     "broadcast_in_dim": _broadcast_in_dim,
     "reshape": _reshape,
     "squeeze": _squeeze,
