@@ -14,7 +14,8 @@ import numpy as np
 from meshax.core.graph import Operation
 from meshax.lower.counters import KINDS, Counters
 from meshax.lower.lowering import Lowering, _needed_ops
-from meshax.ops.loops import ScanOperation
+from meshax.ops.cond import CondOperation
+from meshax.ops.loops import ScanOperation, WhileOperation
 from meshax.ops.recompute import RecomputeOperation
 from meshax.search.cost import family
 
@@ -25,8 +26,8 @@ class PlanSummary:
     parameter_bytes_per_device: int
     replicated_parameters: int  # trainable values no mesh dim splits
     optimizer_state_bytes_per_device: int
-    activation_bytes_per_device: int  # every forward tensor's slice: an upper bound (no freeing)
-    input_bytes_per_device: int  # the placeholders' slices: the batch fed
+    activation_bytes_per_device: int  # every forward tensor's slice, none freed: an estimate
+    input_bytes_per_device: int  # the placeholders' slices (the batch fed) and imported arrays
     flops_per_device: int
     families: dict[str, dict[str, float]]  # op family -> {"flops": ..., "<kind>": values ...}
     by_mesh_dim: dict[str, int]  # mesh dim name -> values allreduced over it (per device)
@@ -49,24 +50,50 @@ def _slice_bytes(lowering: Lowering):
     return slice_bytes
 
 
+def recomputed_bodies(op: Operation) -> list[list[Operation]]:
+    """The recorded bodies of an op whose internals the step holds one body at a time: a
+    rematerialized region's (recompute_grad) and a scan's (one iteration: its backward loop
+    recomputes each iteration's body, a pipeline's stages among them), while their gradients
+    run; each branch of a cond (its gradient recomputes the branch); a while loop's condition
+    and body (one iteration, in the forward pass). [] for any other op."""
+    if isinstance(op, RecomputeOperation | ScanOperation):
+        return [op.body]
+    if isinstance(op, WhileOperation):
+        return [[*op.cond_ops, *op.body_ops]]
+    if isinstance(op, CondOperation):
+        return [ops for _, _, ops in op.branches]
+    return []
+
+
+def _fed(op: Operation) -> bool:
+    """A program argument other than a variable: a placeholder (the batch) or an imported array
+    (mx.import_tensor: a sinusoid table, a pipeline's stage tables), which the step takes as an
+    argument as it takes the batch."""
+    return getattr(op, "is_input", False) and not getattr(op, "is_variable", False)
+
+
 def memory_per_device(lowering: Lowering, forward_outputs) -> dict[str, int]:
     """Bytes per device by the plan: "parameters" (trainable variables), "optimizer_state" (the
-    other variables), "activations" (every forward tensor's slice: an upper bound, none freed;
-    of a rematerialized layer, its output, plus the largest layer's internals once)
-    and "inputs" (the placeholders' slices: the batch fed)."""
+    other variables), "activations" (every forward tensor's slice, none freed: an estimate, not a bound;
+    of a rematerialized layer, a loop or a branch, its outputs, plus the largest body's internals
+    once: `recomputed_bodies`) and "inputs" (the placeholders' slices, the batch fed, and the
+    imported arrays': the step's arguments besides the variables)."""
     slice_bytes, graph = _slice_bytes(lowering), lowering.graph
     forward: list[Operation] = [
         op for op in _needed_ops(graph, [t.operation for t in forward_outputs]) if not getattr(op, "is_input", False)
     ]
-    # a rematerialized region (recompute_grad) keeps only its outputs; its internals live again,
-    # one region at a time, while its gradient runs
-    regions = [op for op in forward if isinstance(op, RecomputeOperation)]
-    recomputed = max((sum(slice_bytes(t) for b in op.body for t in b.outputs) for op in regions), default=0)
+    # a rematerialized region (recompute_grad) keeps only its outputs, a loop its carries at the
+    # start of each iteration; their internals live again, one body at a time, while their
+    # gradients run
+    recomputed = max(
+        (sum(slice_bytes(t) for b in body for t in b.outputs) for op in forward for body in recomputed_bodies(op)),
+        default=0,
+    )
     return {
         "parameters": sum(slice_bytes(v.value) for v in graph.trainable_variables),
         "optimizer_state": sum(slice_bytes(v.value) for v in graph.all_variables if not v.trainable),
         "activations": sum(slice_bytes(t) for op in forward for t in op.outputs) + recomputed,
-        "inputs": sum(slice_bytes(op.outputs[0]) for op in graph.operations if getattr(op, "is_placeholder", False)),
+        "inputs": sum(slice_bytes(op.outputs[0]) for op in graph.operations if _fed(op)),
     }
 
 

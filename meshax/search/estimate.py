@@ -167,12 +167,14 @@ class Estimator:
                 source = (sig_of[op], op.outputs.index(t)) if op in sig_of else ("input", _shape_key(t))
                 self._uses[(source, _shape_key(t), tuple(sorted(set(cs), key=repr)))] += times
                 self._shapes[_shape_key(t)] = t.shape
+        from meshax.plan import _fed, recomputed_bodies  # (memory as the plan counts it)
+
         forward = _needed_ops(graph, [t.operation for t in outputs])
         parts = ("parameters", "gradients", "optimizer_state", "activations")
         self._memory: dict[str, dict[tuple, int]] = {k: defaultdict(int) for k in parts}
         # memory as `search.memory_of` counts it
         kept = [op for op in forward if not getattr(op, "is_input", False)]
-        kept += [op for op in graph.operations if getattr(op, "is_placeholder", False)]
+        kept += [op for op in graph.operations if _fed(op)]  # (the batch, and imported arrays)
         for part, op in [
             *(("parameters" if v.trainable else "optimizer_state", v) for v in graph.all_variables),
             *(("gradients", v) for v in (graph.trainable_variables if updates else ())),
@@ -181,12 +183,12 @@ class Estimator:
             for t in op.outputs:
                 self._memory[part][_shape_key(t)] += 1
                 self._shapes[_shape_key(t)] = t.shape
-        # and the internals of the largest rematerialized layer, once (they live again while its
-        # gradient runs): each distinct layer's tensors
+        # and the internals of the largest rematerialized layer, loop body or branch, once (they
+        # live again while its gradient runs): each distinct body's tensors
         self._recomputed: set[frozenset] = set()
         for op in kept:
-            if isinstance(op, RecomputeOperation):
-                inside = [t for b in op.body for t in b.outputs]
+            for body in recomputed_bodies(op):
+                inside = [t for b in body for t in b.outputs]
                 self._shapes.update((_shape_key(t), t.shape) for t in inside)
                 self._recomputed.add(frozenset(Counter(map(_shape_key, inside)).items()))
         self._weight_shapes = weight_shapes(graph.operations)
