@@ -380,6 +380,10 @@ def _check_generate(args) -> None:
         raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (train one with --checkpoint-dir)")
     if args.task == "lm" and not args.prompt:
         raise ConfigError("generate lm needs --prompt: the text to continue")
+    if args.batch_size is not None:
+        raise ConfigError(
+            f"--batch-size {args.batch_size} is training's; generate decodes --samples sequences (times --beam-size)"
+        )
     if args.task == "seq2seq" and args.new is not None:
         raise ConfigError("--new applies to lm; a seq2seq output has --length tokens")
     if args.alpha is not None and not args.beam_size:
@@ -416,12 +420,14 @@ def _generate(args, task, console) -> int:
     batch = args.samples * beams
     text = args.task == "lm" and task.source == "text"
     if args.task == "seq2seq":
-        ids = _token_ids(args.prompt or "")
+        ids = _token_ids(args.prompt or "", task.config.vocab_size)
         if len(ids) != task.length:
             raise ConfigError(f"--prompt has {len(ids)} tokens; the model reads --length {task.length}")
         inputs, prompt = np.tile(np.asarray(ids, np.int32), (args.samples, 1)), None
     else:
-        ids = list(args.prompt.encode()) if text else _token_ids(args.prompt)
+        # (the bytes given: os.fsencode keeps a command line's bytes that are not UTF-8, which Python
+        # holds as surrogates, and str.encode refuses)
+        ids = list(os.fsencode(args.prompt)) if text else _token_ids(args.prompt, task.config.vocab_size)
         if len(ids) >= task.length:
             raise ConfigError(f"--prompt has {len(ids)} tokens; leave room within --length {task.length}")
         room = task.length - len(ids) + 1  # (the last new token needs no place in the caches)
@@ -438,6 +444,8 @@ def _generate(args, task, console) -> int:
         batch=batch,
         length=task.length,
         input_length=task.length if args.task == "seq2seq" else None,
+        backend=args.backend,
+        weight_layout=args.weight_layout,
     )
     decoder.load(args.resume)
     steps = args.new if args.new is not None else None
@@ -449,9 +457,10 @@ def _generate(args, task, console) -> int:
         tokens = decoder.sample(prompt, inputs, steps, args.temperature, args.top_k, args.seed)
         scores = None
     for i, row in enumerate(tokens):
-        shown = _printable(bytes(int(t) for t in row).decode(errors="replace")) if text else ",".join(map(str, row))
+        # text: the prompt's bytes and the new ones decoded together (a character may span both)
+        shown = _printable(bytes([*ids, *map(int, row)]).decode(errors="replace")) if text else ",".join(map(str, row))
         score = f"  (score {scores[i]:.4f})" if scores is not None else ""
-        console.print(f"{args.prompt if text else ''}{shown}{score}", markup=False, highlight=False)
+        console.print(f"{shown}{score}", markup=False, highlight=False)
     return 0
 
 
@@ -463,13 +472,19 @@ def _printable(text: str) -> str:
     return "".join(f"\\x{ord(c):02x}" if unicodedata.category(c) == "Cc" and c not in "\n\t" else c for c in text)
 
 
-def _token_ids(text: str) -> list[int]:
+def _token_ids(text: str, vocab_size: int) -> list[int]:
+    """--prompt's token ids, each in the vocabulary (an id past int32 would otherwise end in
+    numpy's OverflowError, a traceback)."""
     from meshax.core.errors import ConfigError
 
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
     except ValueError:
         raise ConfigError(f"--prompt {text!r}: give token ids separated by commas, like 5,3,9,2") from None
+    outside = [t for t in ids if not 0 <= t < vocab_size]
+    if outside:
+        raise ConfigError(f"--prompt token {outside[0]} is not in the vocabulary 0..{vocab_size - 1}")
+    return ids
 
 
 def _check_paths(args) -> None:

@@ -105,7 +105,10 @@ def test_plan_of_a_paper_transformer_on_a_16x32_mesh(capsys):
     assert plan["by_mesh_dim"]["rows"] > 0 and plan["by_mesh_dim"]["cols"] > 0
 
 
-def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
+def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys, monkeypatch):
+    from meshax.train.decode import Decoder
+
+    load = Decoder.load
     ckpt = str(tmp_path / "ckpt")
     common = [
         "--model",
@@ -151,6 +154,7 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
         (["--beam-size", "2", "--samples", "2"], "--samples 2 would repeat it: drop --samples"),
         (["--alpha", "0.8"], "--alpha is beam search's length penalty: give --beam-size too"),
         (["--new", "15"], "--new 15 after a prompt of 3 tokens passes --length 16: give --new 14 or less"),
+        (["--batch-size", "4"], "--batch-size 4 is training's; generate decodes --samples"),  # (it was ignored)
     ]:
         capsys.readouterr()
         assert main(["generate", "lm", *model, *one, *flags]) == 2, flags
@@ -160,6 +164,21 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys):
     out_of_vocab = [*model[:-1], "3,5,300"]
     assert main(["generate", "lm", *out_of_vocab, *one]) == 2
     assert "prompt token 300 is not in the vocabulary 0.." in capsys.readouterr().err
+    # an id past int32 (it ended in numpy's OverflowError, a traceback)
+    assert main(["generate", "lm", *model[:-1], "3,99999999999", *one]) == 2
+    assert "--prompt token 99999999999 is not in the vocabulary 0..15" in capsys.readouterr().err
+    # --backend and --weight-layout decode (they were dropped: SIMD and --layout alone), the same tokens
+    import meshax.train.decode as decode
+
+    built = []
+    monkeypatch.setattr(decode.Decoder, "load", lambda self, *a, **k: (built.append(self), load(self, *a, **k))[1])
+    outputs = []
+    for flags in ([], ["--backend", "placement", "--weight-layout", "d_model:all"]):
+        assert main(["generate", "lm", *model, "--mesh", "all:2", "--layout", "heads:all", "--new", "4", *flags]) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1]
+    impl = built[-1].lowering.impl
+    assert type(impl).__name__ == "PlacementMeshImpl" and str(impl.weight_rules) == "d_model:all"
 
 
 def test_plan_with_a_gspmd_sharding_and_explain(capsys):
@@ -263,3 +282,16 @@ def test_generated_text_shows_control_bytes_as_escapes():
     from meshax.cli import _printable
 
     assert _printable("a\x1b[31mb\x00c\td\ne\x7ff\u00e9\x85") == "a\\x1b[31mb\\x00c\td\ne\\x7ff\u00e9\\x85"
+
+
+def test_generate_continues_a_prompt_of_bytes_that_are_not_utf8(tmp_path, capsys):
+    """A command line's bytes that are not UTF-8 reach Python as surrogates ('ab\\udcff'):
+    `--prompt` is those bytes (it was an error, "'utf-8' codec can't encode character '\\udcff'",
+    that named no flag); prompt and continuation print as one decoded text."""
+    ckpt = str(tmp_path / "ckpt")
+    run = ["--mesh", "all:1", "--layout", "", "--length", "8"]
+    assert main(["train", "lm", *run, "--steps", "1", "--batch-size", "2", "--eval-every", "0", "--no-progress",
+                 "--checkpoint-dir", ckpt]) == 0  # fmt: skip
+    capsys.readouterr()
+    assert main(["generate", "lm", *run, "--resume", ckpt, "--prompt", "ab\udcff", "--new", "2"]) == 0
+    assert capsys.readouterr().out.startswith("ab\ufffd")

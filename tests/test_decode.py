@@ -109,3 +109,73 @@ def test_decoder_refuses_what_it_cannot_decode():
         decoder.sample(np.ones((2, 1), np.int32), temperature=1.0, top_k=300)
     with pytest.raises(mx.ConfigError, match="give a temperature > 0"):
         decoder.sample(np.ones((2, 1), np.int32), temperature=0.0, top_k=3)
+
+
+def test_decoding_past_max_length_equals_the_forward_pass():
+    """Sinusoidal positions have no end: training takes any --length (tiny's max_length is 256),
+    and the step's position encoding at t >= max_length is the forward pass's (it was none: a
+    gather past the end of a [max_length, d_model] table). Learned positions end at max_length:
+    a longer decoder is refused."""
+    import dataclasses
+
+    config = dataclasses.replace(PRESETS["tiny"], max_length=4)
+    graph = mx.Graph()
+    m = mx.Mesh(graph, "mesh")
+    ids = mx.placeholder(m, "ids", [mx.Dimension("batch", 2), mx.Dimension("length", 8)], "int32")
+    full = mx.Lowering(graph, {m: mx.SimdMeshImpl("all:1", "")})
+    want = np.asarray(full.function(Transformer(config, m).language_model(ids))({"ids": (values := _ids(2, 8))}))
+    decoder = Decoder(config, batch=2, length=8)
+    decoder.load(full)
+    caches = decoder._zeros()
+    for t in range(8):
+        got, *caches = decoder.step_fn(decoder._feeds(values[:, t], t, caches, None))
+        assert_close(got, want[:, t], rtol=1e-4, atol=1e-4)
+    with pytest.raises(mx.ConfigError, match="length 8 passes the model's max_length 4"):
+        Decoder(dataclasses.replace(config, positions="learned"), batch=2, length=8)
+
+
+def _ids(batch, length):
+    return np.random.default_rng(0).integers(0, 256, (batch, length)).astype(np.int32)
+
+
+def test_prompts_of_other_rows_and_steps_past_the_length_are_refused():
+    """A prompt is [batch, n] (beam search: [sequences, n]); it was reshaped to [batch, -1], so 4
+    prompts of 4 tokens decoded as 8 of 2. `steps` is 1 .. the room left (it was cut short, or 0
+    ended in numpy's "need at least one array to stack")."""
+    decoder = Decoder(PRESETS["tiny"], batch=4, length=6)
+    with pytest.raises(mx.ConfigError, match=r"token ids \[4, n\], a row per sequence decoded; got shape \(2, 4\)"):
+        decoder.greedy(_ids(2, 4))
+    with pytest.raises(mx.ConfigError, match=r"\[2, n\], a row per sequence \(4 / beam_size 2\); got shape \(4, 2\)"):
+        decoder.beam_search(prompt=_ids(4, 2), beam_size=2)
+    for steps in (0, 6):
+        with pytest.raises(mx.ConfigError, match=f"steps {steps}: after 2 tokens .* room for 1 to 5"):
+            decoder.sample(_ids(4, 2), steps=steps, temperature=1.0)
+    with pytest.raises(mx.ConfigError, match="room for 1 to 5"):
+        decoder.beam_search(prompt=_ids(2, 2), beam_size=2, steps=6)
+    with pytest.raises(mx.ConfigError, match="beam_size 0"):
+        decoder.beam_search(prompt=_ids(2, 2), beam_size=0)
+    assert decoder.greedy(_ids(4, 2), steps=5).shape == (4, 5)
+    assert decoder.beam_search(prompt=_ids(2, 2), beam_size=2, steps=5)[0].shape == (2, 5)
+
+
+def test_a_tiny_temperature_is_greedy_and_top_k_keeps_k_tokens():
+    """logits / 1e-320 overflowed (inf - inf: NaN, "Probabilities contain NaN"); top_k kept every
+    token tied with the k-th, so top_k 1 over tied logits was not greedy."""
+    from meshax.train.decode import _choose
+
+    logits = np.array([[3.0, 1.0, 0.5, 0.0], [2.0, 2.0, 2.0, 0.0]])
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        assert _choose(logits, 1e-320, 0, rng)[0] == 0  # (the tied row: any of its three most likely)
+        np.testing.assert_array_equal(_choose(logits, 1.0, 1, rng), [0, 0])
+        assert _choose(logits, 1e300, 2, rng)[1] in (0, 1)
+
+
+def test_the_placement_backend_and_weight_rules_decode_the_same_tokens():
+    decoder = Decoder(PRESETS["tiny"], "all:4", "heads:all", batch=4, length=6)
+    other = Decoder(
+        PRESETS["tiny"], "all:4", "heads:all", batch=4, length=6, backend="placement", weight_layout="d_model:all"
+    )
+    assert type(other.lowering.impl).__name__ == "PlacementMeshImpl" and other.lowering.impl.weight_rules is not None
+    other.load(decoder.lowering)
+    np.testing.assert_array_equal(other.greedy(_ids(4, 2)), decoder.greedy(_ids(4, 2)))

@@ -41,7 +41,8 @@ NEG = -1e9
 class Decoder:
     """The Transformer's decoding step (and encoder), laid out on a mesh. `batch`: sequences
     decoded together (beams included); `length`: the longest output; `input_length`: the
-    encoder's input length (encoder-decoders)."""
+    encoder's input length (encoder-decoders); `backend` and `weight_layout` as training's
+    (`meshax.train.build`)."""
 
     def __init__(
         self,
@@ -52,6 +53,7 @@ class Decoder:
         length: int | None = None,
         input_length: int | None = None,
         backend: str = "simd",
+        weight_layout: str | None = None,
     ):
         from meshax.train.loop import BACKENDS
 
@@ -62,6 +64,11 @@ class Decoder:
         if self.encoder_decoder and not input_length:
             raise ConfigError("an encoder-decoder decodes from inputs: give input_length")
         self.batch_size, self.length = batch, length or config.max_length
+        if config.positions == "learned" and self.length > config.max_length:
+            raise ConfigError(
+                f"length {self.length} passes the model's max_length {config.max_length}: its learned "
+                "positions end there"
+            )
         graph = Graph()
         self.mesh = Mesh(graph, "mesh")
         self.model = Transformer(self.config, self.mesh)
@@ -75,7 +82,8 @@ class Decoder:
         step_outputs = self._step()
         from meshax.lower.lowering import Lowering
 
-        self.lowering = Lowering(graph, {self.mesh: BACKENDS[backend](mesh_shape, _decoding_rules(layout, graph))})
+        impl = BACKENDS[backend](mesh_shape, _decoding_rules(layout, graph), weight_layout=weight_layout)
+        self.lowering = Lowering(graph, {self.mesh: impl})
         self.step_fn = self.lowering.function(step_outputs)
         self.encode_fn = self.lowering.function(enc_outputs) if self.encoder_decoder else None
 
@@ -106,9 +114,11 @@ class Decoder:
         return m._compute(m._var(name, dims, None))
 
     def _position(self, step: Tensor, table: str) -> Tensor:
-        """The position encoding of `step` [d_model]: a row of the model's own encodings (learned
-        or sinusoidal) of every position up to max_length."""
-        positions = Dimension("positions", self.config.max_length)
+        """The position encoding of `step` [d_model]: a row of the model's own encodings (learned:
+        its table of max_length rows; sinusoidal: of every position the decoder reaches, which
+        may pass max_length, as training's sequence may)."""
+        c = self.config
+        positions = Dimension("positions", c.max_length if c.positions == "learned" else self.length)
         return self.model._compute(gather(self.model.positions(positions, table), step, positions))
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, bias, memory_length: Dimension, name: str) -> Tensor:
@@ -188,10 +198,10 @@ class Decoder:
         last logits): the prompt run through the decoder (an encoder-decoder starts from BOS)."""
         encoded = None
         if self.encoder_decoder:
-            inputs = self._token_ids("inputs", inputs)
+            inputs = self._rows("inputs", self._token_ids("inputs", inputs), self.batch_size)
             encoded = [np.asarray(t) for t in self.encode_fn({"inputs": inputs})]
             prompt = np.ones((self.batch_size, 1), np.int32) if prompt is None else prompt
-        prompt = self._token_ids("prompt", prompt).reshape(self.batch_size, -1)
+        prompt = self._rows("prompt", self._token_ids("prompt", prompt), self.batch_size)
         if prompt.shape[1] == 0 or prompt.shape[1] > self.length:
             raise ConfigError(f"a prompt of 1 to {self.length} tokens is needed, got {prompt.shape[1]}")
         caches = self._zeros()
@@ -211,6 +221,25 @@ class Decoder:
         if outside.size:
             raise ConfigError(f"{what} token {outside[0]} is not in the vocabulary 0..{self.vocab_size - 1}")
         return ids.astype(np.int32)
+
+    @staticmethod
+    def _rows(what: str, ids: np.ndarray, rows: int, per: str = "sequence decoded") -> np.ndarray:
+        """`ids` as [rows, n]: a row per sequence (a prompt of other rows would be read as other
+        sequences' tokens)."""
+        if ids.ndim != 2 or ids.shape[0] != rows:
+            raise ConfigError(f"the {what} must be token ids [{rows}, n], a row per {per}; got shape {ids.shape}")
+        return ids
+
+    def _steps(self, steps: int | None, first: int) -> int:
+        """The tokens to decode after `first` (the default: up to the decoder's length)."""
+        room = self.length - first + 1  # (the last new token needs no place in the caches)
+        if steps is None:
+            return room
+        if not 1 <= steps <= room:
+            raise ConfigError(
+                f"steps {steps}: after {first} tokens the decoder's length {self.length} leaves room for 1 to {room}"
+            )
+        return steps
 
     @property
     def vocab_size(self) -> int:
@@ -237,7 +266,7 @@ class Decoder:
         rng = np.random.default_rng(seed)
         tokens, caches, encoded, logits = self._start(prompt, inputs)
         first = tokens.shape[1]
-        steps = self.length - first + 1 if steps is None else steps
+        steps = self._steps(steps, first)
         out = []
         for t in range(first, first + steps):
             nxt = _choose(logits, temperature, top_k, rng)
@@ -256,13 +285,19 @@ class Decoder:
         length) / 6) ** alpha (Mesh-TensorFlow's length penalty). The decoder's batch holds
         sequences x beams (batch = sequences * beam_size). Returns (tokens [sequences, steps],
         their scores)."""
-        if self.batch_size % beam_size:
+        if beam_size < 1 or self.batch_size % beam_size:
             raise ConfigError(f"the decoder's batch {self.batch_size} must be sequences x beam_size {beam_size}")
         n = self.batch_size // beam_size
-        rep = lambda a: None if a is None else np.repeat(np.asarray(a), beam_size, axis=0)  # noqa: E731
-        tokens, caches, encoded, logits = self._start(rep(prompt), rep(inputs))
+
+        def rep(what, a):  # (each sequence's row once per beam)
+            if a is None:
+                return None
+            a = self._rows(what, np.asarray(a), n, f"sequence ({self.batch_size} / beam_size {beam_size})")
+            return np.repeat(a, beam_size, axis=0)
+
+        tokens, caches, encoded, logits = self._start(rep("prompt", prompt), rep("inputs", inputs))
         first = tokens.shape[1]
-        steps = self.length - first + 1 if steps is None else steps
+        steps = self._steps(steps, first)
         scores = np.zeros((n, beam_size))
         scores[:, 1:] = -np.inf  # (the beams start equal: keep one of them)
         history = np.zeros((n, beam_size, 0), np.int32)
@@ -292,10 +327,15 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
 def _choose(logits: np.ndarray, temperature: float, top_k: int, rng) -> np.ndarray:
     if temperature == 0.0:
         return np.argmax(logits, -1).astype(np.int32)
-    scaled = logits / temperature
-    if top_k:
-        kth = np.sort(scaled, -1)[:, -top_k][:, None]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
+    # (logits - max) / temperature: 0 for the most likely, -inf at most for the rest, where a
+    # tiny temperature overflows logits / temperature itself (inf - inf: NaN)
+    with np.errstate(over="ignore", divide="ignore", under="ignore"):
+        scaled = (logits - logits.max(-1, keepdims=True)) / temperature
+    if top_k:  # exactly the top_k most likely (by rank, ties as argmax breaks them: top_k 1 is greedy)
+        keep = np.argsort(-logits, -1, kind="stable")[:, :top_k]
+        masked = np.full_like(scaled, -np.inf)
+        np.put_along_axis(masked, keep, np.take_along_axis(scaled, keep, -1), -1)
+        scaled = masked
     p = np.exp(_log_softmax(scaled))
     return np.array([rng.choice(len(row), p=row / row.sum()) for row in p], np.int32)
 
