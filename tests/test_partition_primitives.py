@@ -305,3 +305,22 @@ def test_where_xla_keeps_a_checkpoints_recomputation_so_does_partition(monkeypat
         assert_counters_equal_hlo(program, w, x)
         counted[keep] = (program.counters.total_flops, program.counters["allgather"].count)
     assert counted[True][0] > counted[False][0] and counted[True][1] == counted[False][1] + 1
+
+
+def test_a_checkpoints_memory_under_partition_follows_jax_jit_where_the_recomputation_is_kept(monkeypatch, tmp_path):
+    """`python -m benchmarks.remat_memory`: the peak memory of a checkpointed stack's gradient by
+    XLA's memory analysis, under jax.jit and mx.partition. With the recomputation kept apart (a
+    GPU's choice, forced here) the barrier makes partition's program need what jax.jit's does,
+    to the byte on the CPU; with the CPU's choice, partition merges it and needs no more than
+    the plain stack."""
+    from benchmarks import remat_memory
+    from meshax.jaxpr import flatten
+
+    size = dict(layers=4, width=64, batch=256)
+    jit = [remat_memory.peak_bytes("jax.jit", **size, checkpoint=c) for c in (False, True)]
+    merged = [remat_memory.peak_bytes("mx.partition", **size, checkpoint=c) for c in (False, True)]
+    assert merged[1] == merged[0] and jit[1] != jit[0]  # (the CPU's jax.jit keeps what its barrier held apart)
+    monkeypatch.setattr(flatten, "_keeps_recomputation", lambda: True)
+    assert [remat_memory.peak_bytes("mx.partition", **size, checkpoint=c) for c in (False, True)] == jit
+    records = remat_memory.main(["--layers", "2", "--width", "32", "--batch", "64", "--out", str(tmp_path / "r.json")])
+    assert [r["front_end"] for r in records] == ["jax.jit", "mx.partition"] and all(r["ratio"] > 0 for r in records)

@@ -379,6 +379,10 @@ class PartitionedProgram:
         """The compiled SPMD program (HLO) for this program's argument shapes."""
         return self._function.compiled_text()
 
+    def peak_memory_bytes(self) -> int:
+        """What the compiled program needs on one device at its peak, by XLA's memory analysis."""
+        return self._function.peak_memory_bytes()
+
     # ---- what it costs and why ------------------------------------------------------------------
     def report(self, width: int = 132) -> str:
         """The cost report of one call: every collective with the equation's source line."""
