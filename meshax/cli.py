@@ -345,6 +345,11 @@ def _check(args) -> None:
     _check_paths(args)
     if args.warmup > args.steps:
         raise ConfigError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
+    if args.warmup and args.optimizer == "adafactor" and args.lr is None:
+        raise ConfigError(
+            f"--warmup {args.warmup} shapes --lr's schedule; Adafactor without --lr has its own "
+            "(min(0.01, 1/sqrt(step + 1)), scaled by each weight's size): give --lr, or drop --warmup"
+        )
     if args.checkpoint_every and not (args.checkpoint_dir or args.resume):
         raise ConfigError(f"--checkpoint-every {args.checkpoint_every} needs --checkpoint-dir DIR (or --resume DIR)")
     if args.resume and args.checkpoint_dir and os.path.abspath(args.resume) != os.path.abspath(args.checkpoint_dir):

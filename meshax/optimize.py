@@ -8,6 +8,7 @@ as their parameter, so they are laid out like it: a split parameter has split sl
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 
 from meshax.autodiff import gradients
@@ -53,13 +54,15 @@ def rsqrt_decay(learning_rate: float, warmup_steps: int) -> Schedule:
 
 
 def linear_decay(learning_rate: float, warmup_steps: int, total_steps: int) -> Schedule:
-    """Linear warmup, then linear decay to zero at total_steps."""
-    w, t = float(max(1, warmup_steps)), float(max(total_steps, warmup_steps + 1))
+    """Linear warmup to `learning_rate` at step warmup_steps - 1, then linear decay to zero at
+    step total_steps: the first step (0) runs at learning_rate / warmup_steps, the last one that
+    runs (total_steps - 1) at learning_rate / (total_steps - warmup_steps + 1), not at zero."""
+    w, t = float(max(1, warmup_steps)), float(max(total_steps, warmup_steps))
 
     def schedule(step):
         s = step + 1.0
         up = s * (1.0 / w)
-        down = (t - s) * (1.0 / (t - w))
+        down = (t + 1.0 - s) * (1.0 / (t + 1.0 - w))
         return ew.maximum(ew.minimum(up, down), 0.0) * learning_rate
 
     return schedule
@@ -164,7 +167,11 @@ class MomentumOptimizer(Optimizer):
 
 
 class AdamWeightDecayOptimizer(Optimizer):
-    """Adam with decoupled weight decay (as in BERT and Mesh-TensorFlow), bias-corrected."""
+    """Adam with decoupled weight decay, as BERT's and Mesh-TensorFlow's, but by default with
+    bias correction, epsilon 1e-8 and no decay of the variables whose names match "bias" or
+    "norm". Mesh-TensorFlow's exactly: `bias_correction=False, epsilon=1e-6,
+    exclude_from_weight_decay=()`. `exclude_from_weight_decay`: regular expressions searched
+    in each variable's name, as Mesh-TensorFlow's."""
 
     def __init__(
         self,
@@ -173,31 +180,38 @@ class AdamWeightDecayOptimizer(Optimizer):
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-8,
-        exclude_from_weight_decay: Sequence[str] = ("bias", "norm"),
+        exclude_from_weight_decay: Sequence[str] | None = ("bias", "norm"),
+        bias_correction: bool = True,
     ):
         super().__init__(learning_rate)
         self.weight_decay_rate = weight_decay_rate
         self.beta_1, self.beta_2, self.epsilon = _fraction("beta_1", beta_1), _fraction("beta_2", beta_2), epsilon
-        self.exclude = tuple(exclude_from_weight_decay)
+        self.exclude = tuple(exclude_from_weight_decay or ())
+        self.bias_correction = bias_correction
 
     def apply_grad(self, grad, var, lr, step):
         m, v = self._slot(var, "adam_m"), self._slot(var, "adam_v")
         grad = _wide(grad)
         new_m = m * self.beta_1 + grad * (1.0 - self.beta_1)
         new_v = v * self.beta_2 + ew.square(grad) * (1.0 - self.beta_2)
-        t = step + 1.0
-        m_hat = new_m / (1.0 - ew.pow(self.beta_1, t))
-        v_hat = new_v / (1.0 - ew.pow(self.beta_2, t))
+        m_hat, v_hat = new_m, new_v
+        if self.bias_correction:
+            t = step + 1.0
+            m_hat, v_hat = new_m / (1.0 - ew.pow(self.beta_1, t)), new_v / (1.0 - ew.pow(self.beta_2, t))
         update = m_hat / (ew.sqrt(v_hat) + self.epsilon)
-        if self.weight_decay_rate and not any(e in var.name for e in self.exclude):
+        if self.weight_decay_rate and not any(re.search(e, var.name) for e in self.exclude):
             update = update + var.value * self.weight_decay_rate
         return [assign(m, new_m), assign(v, new_v), assign(var, var.value - ew.cast(update * lr, var.dtype))]
 
 
 class AdafactorOptimizer(Optimizer):
-    """Adafactor (Shazeer & Stern, 2018): second moments factored over a matrix's two largest dims.
+    """Adafactor (Shazeer & Stern, 2018), as Mesh-TensorFlow's: second moments factored over a
+    variable's two largest dims where both have at least `min_dim_size_to_factor` values; with
+    `beta1`, a momentum of the scaled update.
 
-    Without a learning rate it uses min(0.01, 1/sqrt(step)), scaled by the parameter's RMS."""
+    Without a learning rate it uses min(0.01, 1/sqrt(step + 1)), times the parameter's RMS
+    (`multiply_by_parameter_scale`), else times 0.05. (Mesh-TensorFlow's arguments, by keyword:
+    its first positional one is `multiply_by_parameter_scale`, meshax's `learning_rate`.)"""
 
     def __init__(
         self,
@@ -209,6 +223,7 @@ class AdafactorOptimizer(Optimizer):
         clipping_threshold: float | None = 1.0,
         factored: bool = True,
         multiply_by_parameter_scale: bool = True,
+        min_dim_size_to_factor: int = 128,
     ):
         super().__init__(learning_rate)
         self.decay_rate_exponent = decay_rate_exponent
@@ -217,18 +232,22 @@ class AdafactorOptimizer(Optimizer):
         self.clipping_threshold = clipping_threshold
         self.factored = factored
         self.multiply_by_parameter_scale = multiply_by_parameter_scale
+        self.min_dim_size_to_factor = min_dim_size_to_factor
 
     def learning_rate(self, step):
-        """The schedule's rate if one was given, else min(1/sqrt(step + 1), 0.01) (the paper's default)."""
+        """The schedule's rate if one was given, else min(1/sqrt(step + 1), 0.01) (the paper's
+        default), times 0.05 without the parameter scale (Mesh-TensorFlow's)."""
         if self._schedule is not None:
             return self._schedule(step)
-        return ew.minimum(ew.rsqrt(step + 1.0), 0.01)
+        rate = ew.minimum(ew.rsqrt(step + 1.0), 0.01)
+        return rate if self.multiply_by_parameter_scale else rate * 0.05
 
     def _factored_dims(self, shape):
+        """The two largest dims (the first of them the largest), or None: not factored."""
         if not self.factored or shape.rank < 2:
             return None
-        d0, d1 = sorted(shape.dims, key=lambda d: d.size)[-2:][::-1]
-        return d0, d1
+        d0, d1 = sorted(shape.dims, key=lambda d: -d.size)[:2]  # (on ties, the first: Mesh-TensorFlow's)
+        return (d0, d1) if d1.size >= self.min_dim_size_to_factor else None
 
     def apply_grad(self, grad, var, lr, step):
         from meshax.core.shape import Shape
@@ -258,11 +277,12 @@ class AdafactorOptimizer(Optimizer):
             x = x / ew.maximum(rms * (1.0 / self.clipping_threshold), 1.0)
         if self.multiply_by_parameter_scale:
             lr = lr * ew.maximum(ew.sqrt(reduce_mean(ew.square(ew.cast(var.value, "float32")))), self.epsilon2)
-        if self.beta1:
+        subtrahend = x * lr
+        if self.beta1:  # the momentum of the scaled update, as Mesh-TensorFlow's (and optax's) keeps
             m = self._slot(var, "adafactor_m")
-            x = m * self.beta1 + x * (1.0 - self.beta1)
-            updates.append(assign(m, x))
-        updates.append(assign(var, var.value - ew.cast(x * lr, var.dtype)))
+            subtrahend = m * self.beta1 + subtrahend * (1.0 - self.beta1)
+            updates.append(assign(m, subtrahend))
+        updates.append(assign(var, var.value - ew.cast(subtrahend, var.dtype)))
         return updates
 
 

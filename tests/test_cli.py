@@ -242,6 +242,28 @@ def test_tensorboard_files_hold_the_losses_and_plot_draws_the_runs(tmp_path, cap
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_plot_draws_a_resumed_runs_repeated_steps_once(tmp_path, monkeypatch):
+    """A run killed after step 12 and resumed from its checkpoint at step 8 appends steps 9-20
+    to the same --metrics file: the plot's lines go forward in the step, each step once (the
+    resumed run's record), not back from step 12 to step 9."""
+    import matplotlib.pyplot as plt
+
+    from meshax.train import metrics as metrics_module
+
+    path = tmp_path / "run.jsonl"
+    records = [{"step": s, "loss": 10.0 / s, "step_seconds": 0.01} for s in [*range(1, 13), *range(9, 21)]]
+    records += [{"step": 10, "eval": {"loss": 1.0}}, {"step": 10, "eval": {"loss": 0.5}}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    metrics_module.plot_metrics([str(path)], str(tmp_path / "out.png"))
+    loss_line, eval_line = figs[0].axes[0].lines
+    assert list(loss_line.get_xdata()) == list(range(1, 21))
+    assert list(loss_line.get_ydata()) == pytest.approx([10.0 / s for s in range(1, 21)])
+    assert list(eval_line.get_xdata()) == [10] and list(eval_line.get_ydata()) == [0.5]
+    assert list(figs[0].axes[1].lines[0].get_xdata()) == list(range(1, 21))
+
+
 def test_plan_json_with_explain_carries_the_explanation(capsys):
     argv = ["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all", "--json"]
     assert main([*argv, "--explain"]) == 0
@@ -254,7 +276,7 @@ def test_plan_json_with_explain_carries_the_explanation(capsys):
 def test_plan_costs_the_optimizer_asked_for_and_json_still_draws_pictures(capsys, tmp_path):
     """`plan --optimizer adafactor` costs Adafactor (plan refused the flag, so it costed Adam's
     state and collectives while train ran Adafactor's); `--json --picture` draws the pictures too."""
-    argv = ["plan", "lm", "--mesh", "rows:2;cols:4", "--json"]
+    argv = ["plan", "lm", "--model", "small", "--mesh", "rows:2;cols:4", "--json"]  # (dims of 128 and up: factored)
     state = {}
     for name in ("adam", "adafactor"):
         assert main([*argv, "--optimizer", name]) == 0

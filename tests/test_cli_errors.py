@@ -38,6 +38,7 @@ CASES = [  # (argv, a piece of the message)
     (["train", "mlp", *MLP, "--lr", "fast"], "'fast'"),
     (["train", "mlp", *MLP, "--warmup", "-1"], "--warmup"),
     (["train", "mlp", *MLP, "--steps", "100", "--warmup", "500"], "--warmup 500"),
+    (["train", "mlp", *MLP, "--optimizer", "adafactor", "--warmup", "5"], "Adafactor without --lr has its own"),
     (["train", "mlp", *MLP, "--eval-every", "-1"], "--eval-every"),
     (["train", "mlp", *MLP, "--checkpoint-every", "-2"], "--checkpoint-every"),
     (["train", "mlp", *MLP, "--checkpoint-every", "5"], "--checkpoint-dir"),

@@ -66,7 +66,8 @@ def test_adam_with_weight_decay():
 
 @pytest.mark.parametrize("layout", ["", "a:rows;b:cols", "a:rows;a:cols"])
 def test_adafactor_factored(layout):
-    w, t, hist = run(mx.optimize.AdafactorOptimizer(), layout)
+    """Factored where both of the two largest dims reach min_dim_size_to_factor (4 here)."""
+    w, t, hist = run(mx.optimize.AdafactorOptimizer(min_dim_size_to_factor=4), layout)
     vr, vc = np.zeros(8), np.zeros(4)  # factored over a (8, the largest) and b (4): vr is [a], vc is [b]
     for step, got in enumerate(hist, start=1):
         g = grad(w, t)
@@ -81,6 +82,64 @@ def test_adafactor_factored(layout):
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("scaled", [True, False])
+def test_adafactors_defaults_are_mesh_tensorflows(scaled):
+    """Mesh-TensorFlow's defaults: an [8, 4] variable's second moment is not factored (its dims
+    are under min_dim_size_to_factor, 128: one full slot), and without the parameter scale the
+    default rate is min(0.01, 1/sqrt(step)) times 0.05."""
+    w, t, hist = run(mx.optimize.AdafactorOptimizer(multiply_by_parameter_scale=scaled))
+    v = np.zeros_like(w)
+    for step, got in enumerate(hist, start=1):
+        g = grad(w, t)
+        decay = 1 - step**-0.8
+        v = decay * v + (1 - decay) * (g * g + 1e-30)
+        x = g / np.sqrt(v)
+        x = x / max(np.sqrt((x * x).mean()), 1.0)
+        rate = min(0.01, 1 / np.sqrt(step))
+        w = w - rate * (max(np.sqrt((w * w).mean()), 1e-3) if scaled else 0.05) * x
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6)
+
+
+def test_adam_as_mesh_tensorflows():
+    """`bias_correction=False, epsilon=1e-6, exclude_from_weight_decay=()`: Mesh-TensorFlow's
+    AdamWeightDecayOptimizer, formula for formula; the exclusions are regular expressions."""
+    opt = mx.optimize.AdamWeightDecayOptimizer(
+        0.05, weight_decay_rate=0.01, epsilon=1e-6, exclude_from_weight_decay=(), bias_correction=False
+    )
+    w, t, hist = run(opt)
+    m = v = np.zeros_like(w)
+    for got in hist:
+        g = grad(w, t)
+        m, v = 0.9 * m + 0.1 * g, 0.999 * v + 0.001 * g * g
+        w = w - 0.05 * (m / (np.sqrt(v) + 1e-6) + 0.01 * w)
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
+    excluded = run(mx.optimize.AdamWeightDecayOptimizer(0.05, weight_decay_rate=0.5, exclude_from_weight_decay=["^w$"]))
+    plain = run(mx.optimize.AdamWeightDecayOptimizer(0.05))
+    np.testing.assert_allclose(excluded[2][-1], plain[2][-1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [False, True], ids=["constant", "warmup"])
+def test_adafactor_momentum_is_of_the_scaled_update(schedule):
+    """With beta1, the momentum slot keeps the update times the learning rate and the parameter
+    scale (Mesh-TensorFlow's `subtrahend`, as tensor2tensor and optax): not the unscaled update
+    multiplied by this step's rate (which differs as soon as the parameter RMS or the rate moves)."""
+    lr = mx.optimize.linear_warmup(0.1, 3) if schedule else 0.5  # (the parameter RMS moves)
+    w, t, hist = run(mx.optimize.AdafactorOptimizer(lr, beta1=0.9, min_dim_size_to_factor=4))
+    vr, vc, m = np.zeros(8), np.zeros(4), np.zeros((8, 4))
+    for step, got in enumerate(hist, start=1):
+        g = grad(w, t)
+        decay = 1 - step**-0.8
+        g2 = g * g + 1e-30
+        vr = decay * vr + (1 - decay) * g2.mean(1)
+        vc = decay * vc + (1 - decay) * g2.mean(0)
+        x = g / np.sqrt(vr[:, None] / vr.mean()) / np.sqrt(vc[None, :])
+        x = x / max(np.sqrt((x * x).mean()), 1.0)
+        rate = min(step / 3, 1.0) * 0.1 if schedule else 0.5
+        m = 0.9 * m + 0.1 * (x * rate * max(np.sqrt((w * w).mean()), 1e-3))
+        w = w - m
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6)
+
+
 def test_schedules():
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "mesh")
@@ -91,7 +150,14 @@ def test_schedules():
         mx.optimize.linear_decay(1.0, 10, 110)(step),
     ]
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function(outs)
-    expect = {0: (0.1, 0.1, 0.1), 4: (0.5, 0.5, 0.5), 9: (1, 1, 1), 39: (1, 0.5, 0.7), 109: (1, 10**0.5 / 110**0.5, 0)}
+    expect = {
+        0: (0.1, 0.1, 0.1),
+        4: (0.5, 0.5, 0.5),
+        9: (1, 1, 1),
+        39: (1, 0.5, 71 / 101),
+        109: (1, 10**0.5 / 110**0.5, 1 / 101),  # (the last step of 110 still learns)
+        110: (1, 10**0.5 / 111**0.5, 0),
+    }
     for s, want in expect.items():
         np.testing.assert_allclose(fn({"step": np.float32(s)}), want, rtol=1e-5, atol=1e-6)
 

@@ -69,6 +69,12 @@ def read_metrics(path: str) -> list[dict]:
     return records
 
 
+def _last_per_step(records: list[dict]) -> list[dict]:
+    """The last record of each step, by step: a run resumed from a checkpoint appends again the
+    steps after it that the interrupted run had written, and its records are the ones that count."""
+    return sorted({r["step"]: r for r in records}.values(), key=lambda r: r["step"])
+
+
 def plot_metrics(paths: list[str], out: str, width: float = 12.0, height: float = 4.0, dpi: int = 100) -> str:
     """Training loss (and evaluation loss, dashed) and throughput against the step, one line
     per run (labelled by file name), side by side in a PNG of width x height inches at `dpi`."""
@@ -80,9 +86,9 @@ def plot_metrics(paths: list[str], out: str, width: float = 12.0, height: float 
     runs = {os.path.splitext(os.path.basename(p))[0]: read_metrics(p) for p in paths}
     fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(width, height), dpi=dpi)
     for name, records in runs.items():
-        steps = [r for r in records if "loss" in r]
+        steps = _last_per_step([r for r in records if "loss" in r])
         line = loss_ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], label=name)[0]
-        evals = [r for r in records if "loss" in r.get("eval", {})]
+        evals = _last_per_step([r for r in records if "loss" in r.get("eval", {})])
         if evals:
             loss_ax.plot([r["step"] for r in evals], [r["eval"]["loss"] for r in evals], "--", color=line.get_color())
         key = "tokens_per_second" if any("tokens_per_second" in r for r in steps) else "step_seconds"
