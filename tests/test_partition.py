@@ -601,6 +601,30 @@ def test_bad_annotations_and_argument_trees_are_named():
         mx.partition(lambda x, y: x + y, MESH, in_shardings=(P("x"),))(a, a)
 
 
+def test_one_value_laid_out_two_ways_as_jax_jit_allows():
+    """Two constraints on one value, or one value returned twice with two out_shardings, are two
+    values in JAX (each constraint returns its own): not 'conflicting annotations' on one tensor."""
+    a = jnp.arange(64.0).reshape(8, 8)
+
+    def two(a):
+        h = a * 2
+        return jax.lax.with_sharding_constraint(h, P("x", None)) + jax.lax.with_sharding_constraint(h, P(None, "x"))
+
+    np.testing.assert_array_equal(np.asarray(mx.partition(two, MESH)(a)), np.asarray(one_device(two, a)))
+    f = mx.partition(lambda a: (a * 2, a * 2), MESH, out_shardings=(P("x", None), P(None, "x")))
+    first, second = f(a)
+    np.testing.assert_array_equal(np.asarray(first), np.asarray(a * 2))
+    np.testing.assert_array_equal(np.asarray(second), np.asarray(a * 2))
+    assert first.sharding.spec == P("x") and second.sharding.spec == P(None, "x")
+    ident = mx.partition(lambda a: (a, a), MESH, in_shardings=(P("y"),), out_shardings=(P("x"), P(None, "x")))
+    assert [o.sharding.spec for o in ident(a)] == [P("x"), P(None, "x")]
+    with pytest.raises(mx.LayoutError, match=r"test_partition.py:\d+: entry 0 is 3; give a mesh dim name"):
+        mx.partition(lambda x: mx.mesh_split(x * 2, [3, None]), MESH)(a)
+    for priority in (1.7, "1", -1):  # (once truncated by int(): 1.7 ran as priority 1)
+        with pytest.raises(mx.LayoutError, match=r"test_partition.py:\d+: priority must be an int >= 0"):
+            mx.partition(lambda x, p=priority: mx.mesh_split(x * 2, ["x", None], priority=p), MESH)(a)
+
+
 # ---- random programs ------------------------------------------------------------------------------
 SPECS = [P("x", None), P(None, "y"), P("y", "x"), P(None, None), P(P.UNCONSTRAINED, "y"), P(("x", "y"), None)]
 

@@ -150,6 +150,26 @@ def test_gradient_of_an_annotated_tensor_carries_the_annotation():
     assert grads[1].grad_of is y.operation
 
 
+@pytest.mark.parametrize("second", ["split the other way", "whole"])
+def test_a_constant_is_made_in_each_readers_layout_and_passes_no_split_on(second):
+    """One constant read by two ops that want it laid out two ways: each device fills it in the
+    layout each reader wants (nothing moves, as in XLA, which splits such a constant per user), and
+    it carries no split from one reader to the other (which would split x2, then gather it)."""
+    _, mesh = new_mesh()
+    x1, x2 = mx.placeholder(mesh, "x1", [A, C]), mx.placeholder(mesh, "x2", [A, C])
+    c = mx.ones(mesh, [A, C])
+    y1 = mx.mesh_split(c * x1, ["x", None])
+    y2 = mx.mesh_split(c * x2, [None, "x"]) if second != "whole" else mx.cumsum(c * x2, A)
+    low = _lowering(y1)
+    assert low.layout_of(x2) == ("C:x" if second != "whole" else "")
+    fn = low.function([y1, y2])
+    v1, v2 = rand([8, 8], 1), rand([8, 8], 2)
+    got = fn({"x1": v1, "x2": v2})
+    assert_close(got[0], v1)
+    assert_close(got[1], v2 if second != "whole" else np.cumsum(v2, 0))
+    assert all(fn.counters[k].count == 0 for k in ("allgather", "alltoall", "allreduce")), low.report(fn.counters)
+
+
 # ---- explain --------------------------------------------------------------------------------
 def test_explain_names_origins_and_warns_about_replication_and_forced_reshards():
     graph, mesh, _w, _loss, _updates = _issue_example()

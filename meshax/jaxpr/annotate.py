@@ -8,6 +8,7 @@ section 3.4), and it lowers to nothing under `jax.jit`: the same function runs u
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable
 
 import jax
@@ -58,6 +59,8 @@ def mesh_split_array(x, dims_mapping, priority: int = 0):
             f"mesh_split at {user_source()}: {dims_mapping!r} for an array of shape {list(np.shape(x))}; give "
             f"one entry per axis ({np.ndim(x)}): a mesh dim name, a tuple of names, None or mx.OPEN"
         )
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral) or priority < 0:
+        raise LayoutError(f"mesh_split at {user_source()}: priority must be an int >= 0, got {priority!r}")
     return mesh_split_p.bind(x, spec=tuple(_entry(e) for e in dims_mapping), priority=int(priority))
 
 

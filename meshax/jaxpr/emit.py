@@ -568,7 +568,13 @@ def annotate(x: Tensor, spec, unconstrained, priority: int, mesh_dims: list[str]
         if i in unconstrained or entry is PartitionSpec.UNCONSTRAINED or entry is OPEN:
             mapping.append(OPEN)
             continue
-        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        if not (isinstance(names, tuple | list) and all(isinstance(m, str) for m in names)):
+            raise LayoutError(
+                f"sharding annotation {spec} at {where}: entry {i} is {entry!r}; give a mesh dim name, a "
+                "tuple of names, None (replicated) or mx.OPEN"
+            )
+        names = tuple(names)
         for m in names:
             if m not in mesh_dims:
                 raise LayoutError(
@@ -576,6 +582,11 @@ def annotate(x: Tensor, spec, unconstrained, priority: int, mesh_dims: list[str]
                     f"{mesh_dims}{did_you_mean(m, mesh_dims)}"
                 )
         mapping.append(names)
+    seen = x.graph.memo.get(("annotation", x))
+    if seen is not None and (seen.annotation, seen.priority) != (tuple(mapping), priority):
+        # In JAX each constraint (or out_shardings entry) is a value of its own: one array laid out
+        # two ways, as jax.jit allows. A meshax tensor takes one annotation, so annotate a copy.
+        x = mops.identity(x)
     return mops.mesh_split(x, mapping, priority=priority)
 
 

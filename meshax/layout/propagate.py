@@ -93,6 +93,13 @@ class _Link:
         return self._rule
 
 
+def _fills(t) -> bool:
+    """Whether t is made on each device in any layout asked for (a constant, a range): it takes a
+    split from a reader but passes none on, so that two readers that want it laid out two ways
+    each get it so (XLA splits such constants per user before propagating, for the same end)."""
+    return getattr(t.operation, "fill", None) is not None and not getattr(t.operation, "annotation", None)
+
+
 def _links(op) -> list:
     links = getattr(op, "propagation_links", None)
     return links() if links is not None else []
@@ -227,7 +234,7 @@ class Propagation:
             self._sources[key] = [
                 (t, fs)
                 for t, fs in [*zip(op.inputs, rule.operands), *zip(op.outputs, rule.results)]
-                if t in self._tensors and self._level(rule, fs, target, to_results) <= level
+                if t in self._tensors and self._level(rule, fs, target, to_results) <= level and not _fills(t)
             ]
         tensors = self._sources[key]
         found: dict[str, tuple] = {}

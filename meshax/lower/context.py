@@ -99,6 +99,13 @@ class LoweringContext:
         if not value.pending and value.layout == layout:  # (nothing to settle or move)
             return value
         key = (t, layout, allow_partial)
+        fill = getattr(t.operation, "fill", None)
+        if fill is not None and not value.pending:
+            # a constant or a range: each device makes its slice in the layout asked for, as XLA
+            # does; moving it would be a collective (counted) for values every device can make
+            if key not in self._cache:
+                self._cache[key] = LaidOutTensor(fill(self, layout), layout, frozenset())
+            return self._cache[key]
         if key not in self._cache:
             from meshax.lower.reshard import reshard
 

@@ -94,8 +94,14 @@ class ConstantOperation(Operation):
 
     def lower(self, ctx):
         out = self.outputs[0]
-        local = slice_shape(out.shape, ctx.layout(out), ctx.mesh_shape)
-        ctx.set_output(out, ctx.slicewise(lambda: jax.lax.full(local, self.value, out.dtype)))
+        ctx.set_output(out, self.fill(ctx, ctx.layout(out)))
+
+    def fill(self, ctx, layout) -> list:
+        """Its slices in `layout`, each device filling its own: a reader that wants it laid out
+        otherwise than planned gets it so with nothing moved (`LoweringContext.get`)."""
+        out = self.outputs[0]
+        local = slice_shape(out.shape, layout, ctx.mesh_shape)
+        return ctx.slicewise(lambda: jax.lax.full(local, self.value, out.dtype))
 
     def gradient(self, grad_outputs):
         return []
@@ -110,10 +116,14 @@ class RangeOperation(Operation):
 
     def lower(self, ctx):
         out = self.outputs[0]
-        layout = ctx.layout(out)
+        ctx.set_output(out, self.fill(ctx, ctx.layout(out)))
+
+    def fill(self, ctx, layout) -> list:
+        """Its slices in `layout`, each device making its own stripe (as `ConstantOperation.fill`)."""
+        out = self.outputs[0]
         (n,) = slice_shape(out.shape, layout, ctx.mesh_shape)
         (begin,) = ctx.slice_begins(out.shape, layout)
-        ctx.set_output(out, ctx.slicewise(lambda b: (jnp.arange(n) + b).astype(out.dtype), begin))
+        return ctx.slicewise(lambda b: (jnp.arange(n) + b).astype(out.dtype), begin)
 
     def gradient(self, grad_outputs):
         return []
