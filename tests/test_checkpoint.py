@@ -127,6 +127,20 @@ def test_restored_simd_variable_has_the_new_sharding(saved_at_3):
     assert {s.data.shape for s in w.addressable_shards} == {(8, 2)}
 
 
+def test_reading_a_checkpoint_logs_no_read_only_notes(saved_at_3, caplog):
+    """Orbax warns that a manager opened to read is read only, several times a read (12 lines for
+    the checkpoints guide's first example, in a writable folder): meshax drops those notes."""
+    import logging
+
+    directory, _ = saved_at_3
+    lowering, _ = build(mx.SimdMeshImpl("all:8", "hidden:all"), seed=1)
+    with caplog.at_level(logging.INFO):
+        assert latest_step(directory) == 3
+        restore_checkpoint(directory, lowering)
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [m for m in said if "read only" in m or "read_only" in m], said
+
+
 def test_keeps_only_the_newest_and_ignores_unfinished(tmp_path):
     lowering, fn = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
     for step in range(1, 4):

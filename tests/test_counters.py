@@ -59,6 +59,25 @@ def _einsum_graph():
     return x, w, y, line
 
 
+def test_collectives_of_library_layers_point_at_the_users_line():
+    """A collective of an op that mx.layers (dense, the MoE layer) or mx.pipeline built is
+    blamed on the user's line that called them, not on a line inside meshax."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "batch:8;io:16")
+    dense_line = inspect.currentframe().f_lineno + 1
+    h = mx.layers.dense(x, mx.Dimension("hidden", 32), name="hidden")
+    tokens = mx.placeholder(mesh, "tokens", "batch:8;length:16;d_model:32")
+    moe_line = inspect.currentframe().f_lineno + 1
+    moe_out, _, _ = mx.layers.moe(tokens, 64, num_experts=8, group_size=16)
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows;io:cols;experts:rows")})
+    sites = lowering.trace_step([mx.reduce_sum(h), mx.reduce_sum(moe_out)]).sites()
+    blamed = {s.kind: _source_line(s.source) for s in sites}
+    assert blamed["alltoall"] == ("test_counters.py", moe_line), sites
+    assert ("test_counters.py", dense_line) in {_source_line(s.source) for s in sites}, sites
+    assert all(_source_line(s.source)[0] == "test_counters.py" for s in sites), sites
+
+
 @impls
 def test_einsum_contracting_split_dim_allreduces_once(impl_cls):
     x, w, y, line = _einsum_graph()

@@ -32,7 +32,9 @@ _INTERNAL = tuple(
         "backends",
         "jaxpr",
         "autodiff.py",
-        "layers.py",
+        "layers",  # (a package: __init__.py, attention.py, common.py)
+        "moe.py",
+        "pipeline.py",
         "optimize.py",
         "initializers.py",
     )

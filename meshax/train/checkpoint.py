@@ -10,6 +10,7 @@ complete, so a half-written checkpoint is never taken for the latest one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import warnings
 
@@ -18,6 +19,20 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshax.core.errors import ConfigError
+
+
+class _NoReadOnlyNotes(logging.Filter):
+    """Drops Orbax's warnings that a manager opened only to read is read only: meshax opens one
+    each time it reads a checkpoint, and the notes (several per read) say nothing a user can act
+    on, about a folder that may well be writable."""
+
+    NOTES = ("Given directory is read only", "CheckpointManagerOptions.read_only=True")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.NOTES)
+
+
+logging.getLogger("absl").addFilter(_NoReadOnlyNotes())
 
 
 def _manager(directory, keep: int | None = None) -> ocp.CheckpointManager:
