@@ -694,6 +694,11 @@ def main(argv=None) -> int:
         if "RESOURCE_EXHAUSTED" in message:  # (XLA's out of memory: say what the user can change)
             message = message.rstrip(".") + _OUT_OF_MEMORY
         print(f"meshax: error: {message} (--debug shows where)", file=sys.stderr)
+        if "jax" in sys.modules:
+            from meshax.runtime import exit_at_once, in_a_job
+
+            if in_a_job():  # not in JAX's shutdown barrier, waiting for processes that may wait for this one
+                exit_at_once(2)
         return 2
 
 

@@ -14,6 +14,7 @@ running and nothing waits for a dead peer.
 from __future__ import annotations
 
 import os
+import queue
 import re
 import signal
 import socket
@@ -72,7 +73,7 @@ def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
             owed += max(len(re.findall(_HEAD, line)) - 1, 0)  # this line's own newline ends one of them
             if not rest:
                 continue
-        elif line == "\n" and owed:
+        elif owed and not line.strip(" \n0123456789"):  # the rest of one: its count, or only its newline
             owed -= 1
             continue
         else:
@@ -133,9 +134,12 @@ def launch(
             if p.poll() is None:
                 p.send_signal(signum)
 
+    exits: queue.Queue = queue.Queue()  # (i, code) in the order the processes end
+    for i, p in enumerate(procs):
+        threading.Thread(target=lambda i=i, p=p: exits.put((i, p.wait())), daemon=True).start()
     previous = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _wait(procs, grace, stderr, lock)
+        code = _wait(procs, exits, grace, stderr, lock)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -144,12 +148,17 @@ def launch(
     return code
 
 
-def _wait(procs: list[subprocess.Popen], grace: float, stderr: TextIO, lock: threading.Lock) -> int:
+def _wait(procs: list[subprocess.Popen], exits: queue.Queue, grace: float, stderr: TextIO, lock: threading.Lock) -> int:
+    """0 once every process has exited with 0; else, at the first that fails (the first to end: the
+    others' collectives may fail right after it, once it is gone), name it and stop the rest."""
+    done = 0
     while True:
-        codes = [p.poll() for p in procs]
-        failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-        if failed:
-            i, c = failed[0]
+        try:
+            i, c = exits.get(timeout=0.05)  # (a timeout: signals are handled meanwhile)
+        except queue.Empty:
+            continue
+        done += 1
+        if c != 0:
             with lock:
                 stderr.write(
                     f"meshax launch: process {i} (pid {procs[i].pid}) {_describe(c)}; stopping the other "
@@ -158,9 +167,8 @@ def _wait(procs: list[subprocess.Popen], grace: float, stderr: TextIO, lock: thr
                 stderr.flush()
             _stop(procs, grace)
             return c if c > 0 else 128 - c
-        if all(c == 0 for c in codes):
+        if done == len(procs):
             return 0
-        time.sleep(0.05)
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:

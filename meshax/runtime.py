@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
+import sys
 
 from meshax.core.errors import ConfigError
 
@@ -90,8 +91,9 @@ def initialize_distributed(
         raise ValueError(f"the number of processes must be at least 1, got {num_processes}")
     if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
         raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1} (ids count from 0)")
-    if coordinator is not None and ":" not in coordinator:
-        raise ValueError(f"coordinator {coordinator!r} must be HOST:PORT, e.g. localhost:12345")
+    _check_coordinator(coordinator, "coordinator")
+    if coordinator is None:
+        _check_coordinator(os.environ.get(ENV_COORDINATOR) or None, f"environment variable {ENV_COORDINATOR}")
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator,
@@ -108,10 +110,53 @@ def initialize_distributed(
             "the processes with meshax launch, or run under a cluster JAX detects (SLURM, Open MPI, "
             "Kubernetes)"
         ) from None
+    _exit_at_once_on_uncaught_exceptions()
     # Read when the CPU backend starts (after this): processes exchange data with gloo.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if cpu_devices_per_process is not None:
         jax.config.update("jax_num_cpu_devices", int(cpu_devices_per_process))
+
+
+def _check_coordinator(address: str | None, what: str) -> None:
+    """A ValueError naming `what` unless `address` (None: not given) is HOST:PORT with a port from
+    1 to 65535 (else a process that is not the coordinator waits for one that never starts)."""
+    if address is None:
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{what} {address!r} must be HOST:PORT with a port from 1 to 65535, e.g. localhost:12345")
+
+
+def exit_at_once(code: int) -> None:
+    """End this process of a multi-process job now, with `code`, after flushing its output.
+
+    A normal exit waits in JAX's shutdown barrier (up to BARRIER_TIMEOUT seconds) for every other
+    process to exit too; where this process fails alone, the others are in a collective waiting
+    for it and never come, so it would hang there and then abort, hiding its failure from
+    `meshax launch`. Exiting at once, the launcher (or, without it, JAX's heartbeat check) stops
+    the others."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _exit_at_once_on_uncaught_exceptions() -> None:
+    """An exception no one catches ends this process at once (`exit_at_once`), after its traceback."""
+    previous = sys.excepthook
+
+    def excepthook(kind, value, traceback):
+        previous(kind, value, traceback)
+        exit_at_once(128 + 2 if issubclass(kind, KeyboardInterrupt) else 1)
+
+    sys.excepthook = excepthook
+
+
+def in_a_job() -> bool:
+    """Whether this process joined a multi-process job (`initialize_distributed`)."""
+    import jax
+
+    return jax.distributed.is_initialized()
 
 
 def is_main_process() -> bool:

@@ -58,6 +58,16 @@ def test_launch_sets_each_process_environment_and_prefixes_its_lines():
     assert "3 processes, coordinator localhost:23456" in err.getvalue()
 
 
+def test_launch_drops_a_gloo_count_left_alone_on_its_line():
+    """A message whose count was cut off by another's head ends on a line of its own: its count
+    (here "1") and newline. Seen as "[1] 7" after a 2-process lm job's layout table."""
+    out, err = io.StringIO(), io.StringIO()
+    g = "[Gloo] Rank 0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    code = _python(f"g = {g!r}; print(g[:-1] + g); print('1'); print('user line'); print(g[:-1] + g); print()")
+    assert launch(code, 1, stdout=out, stderr=err) == 0
+    assert out.getvalue().splitlines() == ["[0] user line"]
+
+
 def test_a_one_process_command_under_launch_runs_once():
     """`meshax launch -n 2 -- meshax plan ...`: process 0 prints the plan, the other exits quietly
     (each printed it)."""
@@ -94,6 +104,22 @@ def test_launch_stops_everyone_when_one_process_fails(failure, code, said, tmp_p
     survivor = int(out.getvalue().split()[-1])
     with pytest.raises(ProcessLookupError):  # reaped: nothing left running
         os.kill(survivor, 0)
+
+
+def test_launch_names_the_process_that_failed_first(tmp_path, monkeypatch):
+    """Process 1 fails; process 0 fails 10 ms later, as a process whose collective loses its peer
+    does: the launcher names process 1 (it named the lowest id of those gone at one look)."""
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setenv("GONE", str(tmp_path / "gone"))
+    script = (
+        "import os, pathlib, sys, time; gone = pathlib.Path(os.environ['GONE'])\n"
+        "if os.environ['MESHAX_PROCESS_ID'] == '1':\n"
+        "    time.sleep(0.5); gone.touch(); sys.exit(3)\n"
+        "while not gone.exists(): time.sleep(0.001)\n"
+        "time.sleep(0.01); sys.exit(4)"
+    )
+    assert launch(_python(script), 2, grace=1.0, stdout=out, stderr=err) == 3
+    assert "process 1 (pid" in err.getvalue() and "exited with code 3" in err.getvalue()
 
 
 def test_launch_forwards_sigterm_to_its_processes(tmp_path):
@@ -158,6 +184,10 @@ def test_distributed_without_a_job_says_how_to_give_one():
         ({"coordinator": "localhost"}, "must be HOST:PORT"),
         ({"num_processes": 2, "process_id": 2}, "process id 2 is not in 0..1"),
         ({"num_processes": 0}, "at least 1"),
+        # (a process other than the coordinator would wait 2 minutes for it, then abort)
+        ({"coordinator": "localhost:abc", "num_processes": 2, "process_id": 1}, "a port from 1 to 65535"),
+        ({"coordinator": "localhost:99999", "num_processes": 2, "process_id": 0}, "a port from 1 to 65535"),
+        ({"coordinator": ":1234", "num_processes": 2, "process_id": 0}, "must be HOST:PORT"),
     ],
 )
 def test_initialize_distributed_bad_input(kwargs, message, monkeypatch):
@@ -166,6 +196,15 @@ def test_initialize_distributed_bad_input(kwargs, message, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     with pytest.raises(ValueError, match=message):
         mx.initialize_distributed(**kwargs)
+
+
+def test_initialize_distributed_bad_coordinator_in_the_environment(monkeypatch):
+    """JAX_COORDINATOR_ADDRESS without a port: one line naming it (JAX raised an IndexError)."""
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "garbage")
+    monkeypatch.setenv("MESHAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("MESHAX_PROCESS_ID", "0")
+    with pytest.raises(ValueError, match="environment variable JAX_COORDINATOR_ADDRESS 'garbage' must be HOST:PORT"):
+        mx.initialize_distributed()
 
 
 # ------------------------------------------------------- feeding rows (one process: all of them)
@@ -346,6 +385,44 @@ def test_kill_one_process_then_resume(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a disk that is full)")
+def test_a_process_that_fails_alone_is_named_at_once():
+    """Process 0 alone fails (its --metrics file cannot be written) while process 1 goes on to
+    the next step's collectives: process 0 exits with its error's code at once, and the launcher
+    names it (it waited 60 s in JAX's shutdown barrier for process 1, then both aborted: SIGABRT)."""
+    start = time.monotonic()
+    result = _launch([*CLI, "train", *TRAIN, "--steps", "100000", "--metrics", "/dev/full"], timeout=300)
+    assert time.monotonic() - start < 45, result.stderr[-3000:]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "[0] meshax: error: [Errno 28] No space left on device" in result.stderr
+    assert re.search(r"meshax launch: process 0 \(pid \d+\) exited with code 2", result.stderr)
+
+
+@pytest.mark.slow
+def test_an_uncaught_exception_in_one_process_ends_it_at_once(tmp_path):
+    """The same from Python: process 1 raises mid-training, process 0 goes on; process 1 exits
+    with code 1 after its traceback, not after the shutdown barrier's 60 s."""
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import jax, meshax as mx\n"
+        "mx.initialize_distributed()\n"
+        "from meshax.train import loop\n"
+        "from tests import multiprocess_worker as worker\n"
+        "def on_step(step, loss, seconds):\n"
+        "    if jax.process_index() == 1 and step == 2:\n"
+        "        raise RuntimeError('boom in process 1')\n"
+        "task = worker.make_task('mnist-2d')\n"
+        "loop.train(task, 'rows:2;cols:4', 'batch:rows;hidden:cols', steps=100000, on_step=on_step)\n"
+    )
+    start = time.monotonic()
+    result = _launch([sys.executable, str(script)], timeout=300)
+    assert time.monotonic() - start < 45, result.stderr[-3000:]
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "[1] RuntimeError: boom in process 1" in result.stderr
+    assert re.search(r"meshax launch: process 1 \(pid \d+\) exited with code 1", result.stderr)
+
+
+@pytest.mark.slow
 def test_sigterm_stops_every_process_at_one_step_with_a_checkpoint(tmp_path):
     """A preemption notice (SIGTERM, here to the launcher, which passes it on): JAX agrees on a
     step, every process stops after it, and the checkpoint of that step is saved."""
@@ -375,7 +452,8 @@ def test_sigterm_stops_every_process_at_one_step_with_a_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_without_the_launcher_a_dead_process_stops_the_other(tmp_path):
     """Two processes joined by flags alone (as under SLURM): kill -9 of process 1 ends process 0
-    within JAX's heartbeat timeout, with an error that says a task stopped sending heartbeats."""
+    within JAX's heartbeat timeout, with an error that says a task stopped sending heartbeats (or, where
+    the dead peer's connection closes, that process 0's collective failed)."""
     from meshax.launch import free_port
     from meshax.runtime import HEARTBEAT_TIMEOUT
 
@@ -404,7 +482,9 @@ def test_without_the_launcher_a_dead_process_stops_the_other(tmp_path):
         _, err = procs[0].communicate(timeout=HEARTBEAT_TIMEOUT + 30)
         assert time.monotonic() - killed_at < HEARTBEAT_TIMEOUT + 10
         assert procs[0].returncode != 0
-        assert "stopped sending heartbeats" in err
+        # JAX's heartbeat check names the task; where the peer's connection closes first (this machine),
+        # process 0's collective fails at once and it exits then, not waiting in the shutdown barrier
+        assert "stopped sending heartbeats" in err or "Gloo all-reduce failed" in err, err[-3000:]
     finally:
         for p in procs:
             p.kill()
