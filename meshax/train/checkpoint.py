@@ -180,10 +180,10 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
     lacks are skipped with a warning.
     """
     step = _whole_step(directory, step)
-    check_restorable(directory, lowering, step)
     variables = {var.name: var for var in lowering.graph.all_variables}
     with _manager(directory) as manager:
         saved = manager.item_metadata(step)["state"]
+        _check_same_model(directory, step, variables, saved)  # (as check_restorable, on what is read here)
         unused = sorted(set(saved) - set(variables))
         if unused:
             warnings.warn(
