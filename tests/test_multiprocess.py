@@ -390,12 +390,19 @@ def test_a_process_that_fails_alone_is_named_at_once():
     """Process 0 alone fails (its --metrics file cannot be written) while process 1 goes on to
     the next step's collectives: process 0 exits with its error's code at once, and the launcher
     names it (it waited 60 s in JAX's shutdown barrier for process 1, then both aborted: SIGABRT)."""
+    command = [*CLI, "train", *TRAIN, "--steps", "100000", "--metrics", "/dev/full"]
+    _ends_at_once(command, 0, 2, "[0] meshax: error: [Errno 28] No space left on device")
+
+
+def _ends_at_once(command: list[str], process: int, code: int, said: str) -> None:
+    """The job of `command` ends within 45 s with `code`, having printed `said`, the launcher
+    naming `process` as the one that failed."""
     start = time.monotonic()
-    result = _launch([*CLI, "train", *TRAIN, "--steps", "100000", "--metrics", "/dev/full"], timeout=300)
+    result = _launch(command, timeout=300)
     assert time.monotonic() - start < 45, result.stderr[-3000:]
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert "[0] meshax: error: [Errno 28] No space left on device" in result.stderr
-    assert re.search(r"meshax launch: process 0 \(pid \d+\) exited with code 2", result.stderr)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert said in result.stderr
+    assert re.search(rf"meshax launch: process {process} \(pid \d+\) exited with code {code}", result.stderr)
 
 
 @pytest.mark.slow
@@ -414,12 +421,7 @@ def test_an_uncaught_exception_in_one_process_ends_it_at_once(tmp_path):
         "task = worker.make_task('mnist-2d')\n"
         "loop.train(task, 'rows:2;cols:4', 'batch:rows;hidden:cols', steps=100000, on_step=on_step)\n"
     )
-    start = time.monotonic()
-    result = _launch([sys.executable, str(script)], timeout=300)
-    assert time.monotonic() - start < 45, result.stderr[-3000:]
-    assert result.returncode == 1, result.stderr[-3000:]
-    assert "[1] RuntimeError: boom in process 1" in result.stderr
-    assert re.search(r"meshax launch: process 1 \(pid \d+\) exited with code 1", result.stderr)
+    _ends_at_once([sys.executable, str(script)], 1, 1, "[1] RuntimeError: boom in process 1")
 
 
 @pytest.mark.slow
