@@ -45,7 +45,8 @@ CANDIDATES = {
 }
 
 
-def run(size: gpu.Lm, steps: int = 10, warmup: int = 3, optimizer: str = "adam") -> list[dict]:
+def run(size: gpu.Lm, steps: int = 10, warmup: int = 3, optimizer: str = "adam", candidates=None) -> list[dict]:
+    """The twin as it is, each candidate (default: all of `CANDIDATES`), the twin as it is again."""
     import jax
     import numpy as np
 
@@ -55,7 +56,8 @@ def run(size: gpu.Lm, steps: int = 10, warmup: int = 3, optimizer: str = "adam")
     gc.collect()
     implementation = gpu.TWIN_ATTENTION if jax.default_backend() == "gpu" else None
     records = []
-    for name, kw in [(AS_IT_IS, {}), *CANDIDATES.items(), (AS_IT_IS, {})]:
+    chosen = CANDIDATES if candidates is None else candidates
+    for name, kw in [(AS_IT_IS, {}), *chosen.items(), (AS_IT_IS, {})]:
         stepper = gpu.twin_step(
             size, weights, task.train_batch(0), implementation=implementation, optimizer=optimizer, **kw
         )
@@ -77,12 +79,16 @@ def main(argv=None) -> list[dict]:
     sizes = {s.name: s for s in gpu.SIZES + gpu.LARGER}
     p.add_argument("--size", default="1.3B", choices=sizes, help="the model size (default: 1.3B)")
     p.add_argument("--optimizer", default="adam", choices=gpu.OPTIMIZERS, help="the twin's (default: adam)")
+    p.add_argument("--only", default=None, help="only the candidates whose names contain one of these, comma-separated")
     p.add_argument("--out", default="benchmarks/out/gpu_candidates.json", help="the JSON written")
     args = p.parse_args(argv)
+    chosen = {n: kw for n, kw in CANDIDATES.items() if args.only is None or any(w in n for w in args.only.split(","))}
+    if not chosen:
+        p.error(f"--only {args.only!r} is in no candidate's name: {', '.join(CANDIDATES)}")
     kind = jax.devices()[0].device_kind
     peak = gpu.peak_tflops(kind)
     print(f"{kind}, jax {jax.__version__}, {sizes[args.size]}, {args.optimizer}", flush=True)
-    records = run(sizes[args.size], optimizer=args.optimizer)
+    records = run(sizes[args.size], optimizer=args.optimizer, candidates=chosen)
     for r in records:
         mfu = f"{100 * r['tflops'] / peak:5.1f}% MFU" if peak else ""
         print(

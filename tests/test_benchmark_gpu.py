@@ -115,6 +115,24 @@ def test_the_twin_reading_bf16_copies_its_update_wrote_makes_the_very_same_steps
     assert all(r["tflops"] > 0 and r["x_as_it_is"] > 0 for r in records)
 
 
+def test_the_candidates_to_time_can_be_chosen_by_name(tmp_path, monkeypatch):
+    """`--only "statistics"`: the twin as it is, the two kept-statistics norms, the twin again; a
+    name in no candidate is one line naming them."""
+    import json
+
+    from benchmarks import gpu_candidates
+
+    monkeypatch.setattr(gpu, "SIZES", [TINY])
+    monkeypatch.setattr(gpu, "LARGER", [])
+    out = tmp_path / "c.json"
+    gpu_candidates.main(["--size", TINY.name, "--only", "statistics", "--out", str(out)])
+    names = [r["name"] for r in json.loads(out.read_text())["records"]]
+    kept = [n for n in gpu_candidates.CANDIDATES if "statistics" in n]
+    assert len(kept) == 2 and names == [gpu_candidates.AS_IT_IS, *kept, gpu_candidates.AS_IT_IS]
+    with pytest.raises(SystemExit):
+        gpu_candidates.main(["--size", TINY.name, "--only", "nothing like it"])
+
+
 def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(monkeypatch):
     """run() as on a GPU (the device faked): the matmul peak, then per size a throughput ratio
     and an MFU row; a size that fails is a record naming its error, and the sizes after it run."""
