@@ -19,7 +19,6 @@ import json
 import math
 import os
 import re
-import signal
 import sys
 import tempfile
 from collections.abc import Callable
@@ -1074,7 +1073,9 @@ def _train(args, task, program, console, resumed: str | None = None) -> int:
             run()
         except Preempted as e:  # every process stops at the same step, the checkpoint saved
             console.print(f"meshax: {e}")
-            return 128 + signal.SIGTERM
+            from meshax.launch import PREEMPTED
+
+            return PREEMPTED
     return 0
 
 

@@ -27,6 +27,7 @@ from typing import TextIO
 
 from meshax.runtime import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
+PREEMPTED = 128 + signal.SIGTERM  # what `meshax train` exits with after a preemption notice, its checkpoint saved
 GRACE_SECONDS = 3.0  # between SIGTERM and SIGKILL when stopping the survivors (JAX takes SIGTERM as a
 # preemption notice, so a process stuck in a collective with a dead peer goes only with SIGKILL)
 
@@ -150,15 +151,20 @@ def launch(
 
 def _wait(procs: list[subprocess.Popen], exits: queue.Queue, grace: float, stderr: TextIO, lock: threading.Lock) -> int:
     """0 once every process has exited with 0; else, at the first that fails (the first to end: the
-    others' collectives may fail right after it, once it is gone), name it and stop the rest."""
-    done = 0
+    others' collectives may fail right after it, once it is gone), name it and stop the rest. A
+    process that stopped on a preemption notice (`PREEMPTED`: its checkpoint saved) has not
+    failed: the others stop at the same step and save theirs, so they are waited for, not
+    killed, and the launcher exits with that code."""
+    done, preempted = 0, False
     while True:
         try:
             i, c = exits.get(timeout=0.05)  # (a timeout: signals are handled meanwhile)
         except queue.Empty:
             continue
         done += 1
-        if c != 0:
+        preempted = preempted or c == PREEMPTED
+        if c not in (0, PREEMPTED):
+            i, c = _cause(exits, i, c)
             with lock:
                 stderr.write(
                     f"meshax launch: process {i} (pid {procs[i].pid}) {_describe(c)}; stopping the other "
@@ -168,7 +174,23 @@ def _wait(procs: list[subprocess.Popen], exits: queue.Queue, grace: float, stder
             _stop(procs, grace)
             return c if c > 0 else 128 - c
         if done == len(procs):
-            return 0
+            if preempted:
+                with lock:
+                    stderr.write("meshax launch: the processes stopped on a preemption notice (SIGTERM)\n")
+                    stderr.flush()
+            return PREEMPTED if preempted else 0
+
+
+def _cause(exits: queue.Queue, i: int, c: int) -> tuple[int, int]:
+    """The failure to name, given the first seen (process i, code c): the others' collectives fail
+    within milliseconds once a peer is gone, and which exit is seen first is up to the threads'
+    scheduling; so of the exits seen within 50 ms, a process killed by a signal (a crash, kill -9)
+    is named before one that exited with an error, and otherwise the first seen."""
+    time.sleep(0.05)
+    seen = [(i, c)]
+    while not exits.empty():
+        seen.append(exits.get())
+    return next(((j, k) for j, k in seen if k < 0), (i, c))
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:

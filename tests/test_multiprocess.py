@@ -79,6 +79,37 @@ def test_a_one_process_command_under_launch_runs_once():
     assert json.loads("\n".join(line[4:] for line in lines))["parameters"] == 8320
 
 
+def test_of_failures_seen_at_once_a_process_killed_by_a_signal_is_named():
+    """kill -9 of process 1, and process 0's collective failing a millisecond later: the order in
+    which the launcher sees their exits is up to its threads; the killed one is the cause."""
+    import queue
+
+    from meshax.launch import _cause
+
+    exits: queue.Queue = queue.Queue()
+    exits.put((1, -9))
+    assert _cause(exits, 0, 2) == (1, -9)
+    assert _cause(exits, 1, 3) == (1, 3)  # (none killed: the first seen)
+
+
+def test_a_process_stopped_by_a_preemption_notice_has_not_failed(tmp_path):
+    """Exit code 143 is `meshax train`'s after a preemption notice, its checkpoint saved: the
+    launcher waits for the others (still saving theirs) instead of killing them after its grace
+    time, says they stopped on the notice, and exits 143."""
+    out, err = io.StringIO(), io.StringIO()
+    saved = tmp_path / "saved"
+    code = _python(
+        "import os, sys, time\n"
+        "if os.environ['MESHAX_PROCESS_ID'] == '1':\n"
+        "    time.sleep(1.5)\n"
+        f"    open({str(saved)!r}, 'w').close()\n"
+        "sys.exit(143)\n"
+    )
+    assert launch(code, 2, grace=0.2, stdout=out, stderr=err) == 143
+    assert saved.exists(), err.getvalue()  # (process 1 was not killed while it saved)
+    assert "stopped on a preemption notice" in err.getvalue() and "stopping the other" not in err.getvalue()
+
+
 @pytest.mark.parametrize(
     ("failure", "code", "said"),
     [("sys.exit(3)", 3, "exited with code 3"), ("os.kill(os.getpid(), 9)", 128 + 9, "was killed by SIGKILL")],
