@@ -500,20 +500,15 @@ def _check_paths(args) -> None:
         ("--resume", args.resume),
         ("--tensorboard", args.tensorboard),
     ):
+        _check_outside_step_folders(flag, path)  # (first: the probes below would write inside one)
         if path and os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"{flag} {path!r} is a file, not a folder")
         if path and flag != "--resume":
             _check_can_create(flag, path)
             _check_can_make_folder(flag, path)
     if args.metrics:
+        _check_outside_step_folders("--metrics", args.metrics)
         _check_file_to_write("--metrics", args.metrics, "a file to append JSON lines to")
-    for flag, path in (
-        ("--checkpoint-dir", args.checkpoint_dir),
-        ("--resume", args.resume),
-        ("--tensorboard", args.tensorboard),
-        ("--metrics", args.metrics),
-    ):
-        _check_outside_step_folders(flag, path)
 
 
 def _check_outside_step_folders(flag: str, path: str | None) -> None:
