@@ -324,3 +324,32 @@ def test_a_checkpoints_memory_under_partition_follows_jax_jit_where_the_recomput
     assert [remat_memory.peak_bytes("mx.partition", **size, checkpoint=c) for c in (False, True)] == jit
     records = remat_memory.main(["--layers", "2", "--width", "32", "--batch", "64", "--out", str(tmp_path / "r.json")])
     assert [r["front_end"] for r in records] == ["jax.jit", "mx.partition"] and all(r["ratio"] > 0 for r in records)
+
+
+POSITIVE = jnp.abs(T) + 0.5
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: jax.lax.bessel_i0e(x) + jax.lax.bessel_i1e(x),
+        lambda x: jax.lax.igamma(x, x * x) + jax.lax.igammac(x, 2.0 * x),
+        lambda x: jax.lax.igamma_grad_a(x, 2.0 * x) + jax.lax.random_gamma_grad(x, 2.0 * x),
+        lambda x: jax.lax.polygamma(jnp.ones_like(x), x) + jax.lax.zeta(x + 1.0, x),
+        lambda x: jax.lax.betainc(x, 2.0 * x, jnp.tanh(x)),
+        lambda x: jax.lax.clz((x * 1000).astype(jnp.int32)),
+        lambda x: getattr(jax.lax, "one_minus_square", jnp.square)(jnp.tanh(x)),  # (a primitive since jax 0.11)
+    ],
+    ids=["bessel", "igamma", "gamma gradients", "polygamma zeta", "betainc", "clz", "one_minus_square"],
+)
+def test_elementwise_special_functions_partition_as_jax_jit_runs_them(fn):
+    """Elementwise primitives besides arithmetic (the special functions `jax.random`'s gamma and
+    beta samplers use, bit counts, and tanh's derivative, `one_minus_square` since jax 0.11) are
+    split like any elementwise op: they were "not supported", and a tanh's gradient under
+    jax 0.11 failed to partition."""
+    g = mx.partition(fn, MESH, in_shardings=(P("x", "y"),))
+    np.testing.assert_allclose(np.asarray(g(POSITIVE)), np.asarray(jax.jit(fn)(POSITIVE)), rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(jnp.tanh(x) * x))
+    np.testing.assert_allclose(
+        np.asarray(mx.partition(grad, MESH, in_shardings=(P("x", "y"),))(T)), np.asarray(jax.jit(grad)(T)), rtol=1e-6
+    )

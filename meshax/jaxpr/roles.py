@@ -30,6 +30,9 @@ ELEMENTWISE = {
     "rem", "round", "rsqrt", "select_n", "shift_left", "shift_right_arithmetic",
     "shift_right_logical", "sign", "sin", "sinh", "sqrt", "square", "stop_gradient", "sub", "tan",
     "tanh", "threefry2x32", "xor", "sharding_constraint", "reshard", "meshax_mesh_split",
+    # tanh's derivative since jax 0.11; the special functions (jax.random.gamma's, beta's); bits
+    "one_minus_square", "bessel_i0e", "bessel_i1e", "igamma", "igammac", "igamma_grad_a", "random_gamma_grad",
+    "polygamma", "regularized_incomplete_beta", "zeta", "clz",
 }  # fmt: skip
 #: Linear in each operand: partial sums pass through them unsettled.
 LINEAR = {"add", "add_any", "sub", "neg", "copy", "copy_p", "sharding_constraint", "reshard", "meshax_mesh_split"}
