@@ -95,6 +95,12 @@ CASES += [
         lambda x: mx.cast(mx.cast(x, "bfloat16"), "float32"),
         lambda x: x.astype(jnp.bfloat16).astype(jnp.float32),
     ),
+    case(
+        "layer_norm",  # (its statistics pass optimization barriers: `layers._kept`)
+        [BD],
+        lambda x: mx.layers.layer_norm(x, d, epsilon=1e-3),
+        lambda x: (x - x.mean(1, keepdims=True)) * jax.lax.rsqrt(x.var(1, keepdims=True) + 1e-3),
+    ),
     case("top_k_values", [BD], lambda x: mx.top_k(x, d, 3)[0], lambda x: jax.lax.top_k(x, 3)[0]),
     case(
         "cross_entropy",

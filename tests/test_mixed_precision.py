@@ -36,6 +36,10 @@ def test_weights_and_optimizer_state_stay_float32_the_rest_is_bfloat16_where_it_
     AdamWeightDecayOptimizer(1e-3).apply_grads(grads, params)
     assert {str(v.value.dtype) for v in graph.all_variables} == {"float32"}  # master weights and Adam's slots
     assert built.loss.dtype == np.float32
+    # each layer norm keeps its two float32 row statistics for its gradient (an XLA barrier each)
+    kept = [op for op in graph.operations if op.name.startswith("kept")]
+    assert len(kept) == 2 * len([v for v in params if v.name.endswith("/scale")]) > 0
+    assert all(op.outputs[0].dtype == np.float32 and "d_model" not in op.outputs[0].shape for op in kept)
     for g, v in zip(grads, params):  # each gradient summed in float32, not a bfloat16 sum cast up
         assert g.dtype == np.float32, v.name
         op = g.operation

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import jax
+
 from meshax import initializers
 from meshax.core.errors import GraphError
 from meshax.core.graph import Tensor, is_floating
@@ -18,6 +20,7 @@ from meshax.ops.einsum import einsum
 from meshax.ops.indexing import gather, one_hot
 from meshax.ops.random import dropout
 from meshax.ops.reduce import reduce_logsumexp, reduce_mean, reduce_sum
+from meshax.ops.slicewise import cwise
 from meshax.ops.variables import get_variable
 
 
@@ -101,18 +104,26 @@ def get_dense_kernel_weights(
 
 def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None) -> Tensor:
     """Normalize over `dim` to zero mean and unit variance, then a learned scale and bias. A
-    bfloat16 x is normalized in float32 (its statistics, scale and bias) and the result cast back."""
+    bfloat16 x is normalized in float32 (its statistics, scale and bias) and the result cast back.
+    The statistics (the mean and the reciprocal deviation) are kept for the gradient (`_kept`)."""
     d = dim_of(x, dim)
     name = _name(x, name, "layer_norm")
     scale = get_variable(x.mesh, f"{name}/scale", [d], initializer=initializers.ones())
     bias = get_variable(x.mesh, f"{name}/bias", [d], initializer=initializers.zeros())
     narrow = is_floating(x.dtype) and x.dtype.itemsize < 4  # bfloat16: the statistics in float32
     xf = ew.cast(x, "float32") if narrow else x
-    mean = reduce_mean(xf, reduced_dim=d)
-    centered = xf - mean
-    variance = reduce_mean(ew.square(centered), reduced_dim=d)
-    out = centered * ew.rsqrt(variance + epsilon) * ew.cast(scale, xf.dtype) + ew.cast(bias, xf.dtype)
+    centered = xf - _kept(reduce_mean(xf, reduced_dim=d))
+    rstd = _kept(ew.rsqrt(reduce_mean(ew.square(centered), reduced_dim=d) + epsilon))
+    out = centered * rstd * ew.cast(scale, xf.dtype) + ew.cast(bias, xf.dtype)
     return ew.cast(out, x.dtype)
+
+
+def _kept(t: Tensor) -> Tensor:
+    """`t` through an optimization barrier, its gradient passed on unchanged: the backward reads the
+    value the forward wrote. Without it XLA recomputes a norm's row statistics inside each of the
+    backward's fusions that read them, and cannot fuse the scale gradient's product into its column
+    sum (a 1.3B LM step on an H100: 1.5% faster with the statistics kept)."""
+    return cwise(jax.lax.optimization_barrier, [t], grad_function=lambda op, g: [g], name="kept")
 
 
 def embedding_weights(
