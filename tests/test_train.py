@@ -257,20 +257,22 @@ def test_meshaxs_platform_options_reach_the_programs_under_the_backends_own(monk
     from meshax.lower import mesh_impl
     from meshax.lower.mesh_impl import compiler_options_for
 
-    assert mesh_impl.PLATFORM_COMPILER_OPTIONS == {"gpu": {"xla_gpu_enable_triton_gemm": False}}
+    own = {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+    assert mesh_impl.PLATFORM_COMPILER_OPTIONS["gpu"] == own and list(mesh_impl.PLATFORM_COMPILER_OPTIONS) == ["gpu"]
     assert compiler_options_for("gpu", {"xla_gpu_enable_triton_gemm": True, "xla_dump_to": "d"}) == {
         "xla_gpu_enable_triton_gemm": True,
+        "xla_gpu_dot_merger_threshold_mb": 0,
         "xla_dump_to": "d",
     }
     assert compiler_options_for("cpu", None) is None and compiler_options_for("tpu", {"a": 1}) == {"a": 1}
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_gpu_enable_triton_gemm=true")
-    assert compiler_options_for("gpu", None) is None  # XLA_FLAGS's value stands
+    assert compiler_options_for("gpu", None) == {"xla_gpu_dot_merger_threshold_mb": 0}  # XLA_FLAGS's value stands
     flag_file = tmp_path / "flags"
     flag_file.write_text("--xla_gpu_enable_triton_gemm=true\n")
     monkeypatch.setenv("XLA_FLAGS", str(flag_file))  # XLA_FLAGS naming a file of flags, as XLA reads it
-    assert compiler_options_for("gpu", None) is None
+    assert compiler_options_for("gpu", None) == {"xla_gpu_dot_merger_threshold_mb": 0}
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_triton_gemm_any=true")  # another option
-    assert compiler_options_for("gpu", None) == {"xla_gpu_enable_triton_gemm": False}
+    assert compiler_options_for("gpu", None) == own
 
     monkeypatch.delenv("XLA_FLAGS")
 

@@ -45,9 +45,14 @@ REDUCE_SCATTER_AS = ("reduce_scatter", "allreduce")
 # On GPUs, every matmul through cuBLAS, not through XLA's Triton gemm fusions: on one H100
 # (jax 0.11.2) benchmark section 6's 350M step took 88.2 ms with it, and 91.9 and 92.7 ms
 # without (`python -m benchmarks.gpu_options`); measured on no other GPU.
+# And no dot merging (XLA merges two matmuls that share an operand, the K and V projections, into
+# one over concatenated weights, whose concatenates and slices moved 2.6 ms of the 1.3B step): the
+# step 1.7%, 1.6% and 1.5% faster at 125M, 350M and 1.3B on the same H100.
 # `compiler_options={"xla_gpu_enable_triton_gemm": True}`, or `--xla_gpu_enable_triton_gemm=true`
-# in XLA_FLAGS, gives XLA's default back.
-PLATFORM_COMPILER_OPTIONS: dict[str, dict[str, object]] = {"gpu": {"xla_gpu_enable_triton_gemm": False}}
+# in XLA_FLAGS, gives XLA's default back (its dot merging's: `xla_gpu_dot_merger_threshold_mb: 32`).
+PLATFORM_COMPILER_OPTIONS: dict[str, dict[str, object]] = {
+    "gpu": {"xla_gpu_enable_triton_gemm": False, "xla_gpu_dot_merger_threshold_mb": 0}
+}
 
 
 def _set_by_xla_flags() -> set[str]:
