@@ -371,6 +371,23 @@ def test_a_partial_sum_read_twice_is_settled_once(impl_cls):
     _check_hlo(fn, feeds, impl_cls)
 
 
+@impls
+def test_a_partial_sum_is_settled_before_an_einsum_that_grows_it(impl_cls):
+    """x@w contracting h split over cols, read by an outer product with a [k] vector: the
+    allreduce is of x@w [b, d] (64 values), not of the [b, d, k] it grows into (4 times as
+    many, as it was: the einsum carried the sum on whatever its result's size)."""
+    x, w, y, _ = _einsum_graph()
+    k = mx.Dimension("k", 4)
+    u = mx.placeholder(x.mesh, "u", [k])
+    _, fn = lower(mx.einsum(y, u, output_shape=[B, D, k]), impl_cls, layout="h:cols")
+    uv = rand([4], seed=108)
+    feeds = {x: XV, w: WV, u: uv}
+    assert_close(fn(feeds), np.einsum("bd,k->bdk", XV.astype(np.float64) @ WV, uv))
+    assert _nonzero(fn.counters) == {"allreduce": 1}
+    assert fn.counters["allreduce"].values == 8 * 8
+    _check_hlo(fn, feeds, impl_cls)
+
+
 def _looped(y):
     t = mx.Dimension("t", 3)
     (c,), _ = mx.scan(lambda c, _: ([c[0] + mx.reduce_sum(y, reduced_dim=D)], []), [mx.zeros(y.mesh, [B])], dim=t)

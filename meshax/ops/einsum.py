@@ -100,18 +100,22 @@ class EinsumOperation(Operation):
         out = self.outputs[0]
         run = ctx.layouts(self)
         used = {m for a in run.assign.values() for m in a}
+        local = {d.name: d.size for t in self.inputs for d in t.shape}
+        for name, axes in run.assign.items():
+            local[name] = block_sizes(local[name], axes, ctx.mesh_shape)[-1]
         vals = [ctx.get(t, lay, allow_partial=True) for t, lay in zip(self.inputs, run.operands)]
         # The einsum is linear in one partial input, if the others are whole and its owed axes
-        # split nothing here; otherwise settle the sums first.
+        # split nothing here; otherwise settle the sums first. So too where its result is larger
+        # than that input (a one-hot adding a dim): settling the smaller tensor moves fewer values.
         partial = [i for i, v in enumerate(vals) if v.pending]
-        if len(partial) > 1 or (partial and vals[partial[0]].pending & used):
+        size = lambda shape: int(np.prod([local[d.name] for d in shape], dtype=np.int64))  # noqa: E731
+        if len(partial) > 1 or (
+            partial and (vals[partial[0]].pending & used or size(out.shape) > size(self.inputs[partial[0]].shape))
+        ):
             vals = [ctx.get(t, lay) for t, lay in zip(self.inputs, run.operands)]
         summed = [d for d in union_shape(*[t.shape for t in self.inputs]) if d not in out.shape]
         vals = [ctx.masked(v, t.shape, summed, 0) for t, v in zip(self.inputs, vals)]  # (uneven splits' padding)
         pending = set().union(run.pending, *[v.pending for v in vals])
-        local = {d.name: d.size for t in self.inputs for d in t.shape}
-        for name, axes in run.assign.items():
-            local[name] = block_sizes(local[name], axes, ctx.mesh_shape)[-1]
         ctx.add_flops((2 if len(self.inputs) > 1 else 1) * int(np.prod(list(local.values()), dtype=np.int64)))
         spec = self._subscripts
         result = ctx.slicewise(lambda *xs: contract(spec, xs, out.dtype), *vals)
