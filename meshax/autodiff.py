@@ -14,8 +14,8 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, is_floating
 
 
-def _between(ops: list[Operation], xs: Sequence[Tensor], ys: Sequence[Tensor]) -> set[Operation]:
-    """Ops on some path from an x to a y."""
+def _between(ops: list[Operation], xs: Sequence[Tensor], ys: Sequence[Tensor]) -> tuple[set[Operation], set[Tensor]]:
+    """Ops on some path from an x to a y, and the tensors an x reaches."""
     from_x: set[Tensor] = set(xs)
     forward: set[Operation] = set()
     for op in ops:
@@ -29,7 +29,7 @@ def _between(ops: list[Operation], xs: Sequence[Tensor], ys: Sequence[Tensor]) -
             if op in forward:
                 between.add(op)
             to_y.update(op.inputs)
-    return between
+    return between, from_x
 
 
 def _as_x(x) -> Tensor:
@@ -92,7 +92,7 @@ def body_gradients(ys: list[Tensor], xs: list[Tensor], grad_ys: list[Tensor], op
 def _backward(graph, ops: list[Operation], ys: list[Tensor], xs: list[Tensor], grad_ys: list, single: bool):
     from meshax.ops.inputs import ones_like
 
-    relevant = _between(ops, xs, ys)
+    relevant, reached = _between(ops, xs, ys)
     pieces: dict[Tensor, list[Tensor]] = {}
     for y, gy in zip(ys, grad_ys):
         if not is_floating(y.dtype):
@@ -116,6 +116,7 @@ def _backward(graph, ops: list[Operation], ys: list[Tensor], xs: list[Tensor], g
         if all(g is None for g in grad_outputs):
             continue
         first_new = len(graph.operations)
+        op.wanted = [t in reached for t in op.inputs]
         grad_inputs = op.gradient(grad_outputs)
         for new in graph.operations[first_new:]:  # the cost report names the forward op
             if new.grad_of is None:  # (a loop's gradient names its body's ops itself)

@@ -192,6 +192,9 @@ class Operation:
     in_loop = False
     #: Dims of the outputs that layouts never split (internal size-1 pieces, see slicing._whole).
     replicated_dims: frozenset[str] | set[str] = frozenset()
+    #: Set by the gradient pass before it calls `gradient`: which inputs an x reaches (the rest
+    #: need no gradient; a loop leaves them out of its backward loop). None: all of them.
+    wanted: list[bool] | None = None
     name: str
 
     def __init__(self, inputs: list[Tensor], mesh: Mesh | None = None, name: str | None = None):

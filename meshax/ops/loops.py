@@ -225,15 +225,20 @@ class ScanOperation(Operation):
         g_final, g_ys, g_history = grad_outputs[:k], grad_outputs[k : k + m], grad_outputs[k + m :]
         if any(g is not None for g in g_history):
             raise GraphError(f"{self.name}: a loop's carry history is for its own gradient; it is not differentiable")
-        wrt = [*self.carry_vars, *self.x_vars, *self.captured]
-        floats = [t for t in wrt if is_floating(t.dtype)]
+        # what no x of the gradient reaches (a table of constants the body reads) needs no
+        # gradient: differentiating for it would only add dead work to the backward loop
+        wanted = dict(zip(self.inputs, self.wanted or [True] * len(self.inputs)))
+        x_kept = [is_floating(t.dtype) and wanted[t] for t in self.xs]
+        captured = [t for t in self._float_captured if wanted[t]]
+        x_vars = [v for v, kept in zip(self.x_vars, x_kept) if kept]
+        floats = [t for t in self.carry_vars if is_floating(t.dtype)] + x_vars + captured
         mesh = self.mesh
 
         def var(t: Tensor, what: str) -> Tensor:
             return LoopVariableOperation(mesh, t.shape, t.dtype, f"{self.name}/{what}").outputs[0]
 
         g_carry = [var(v, "grad_carry") for v in self.carry_vars]
-        acc = [var(t, "grad_sum") for t in self.captured if is_floating(t.dtype)]
+        acc = [var(t, "grad_sum") for t in captured]
         g_y = [var(y, "grad_y") for y in self.y_results]
         with _recording(self.graph) as ops:
             grads = dict(
@@ -244,13 +249,11 @@ class ScanOperation(Operation):
                 return grads.get(t) or zeros_like(t)
 
             new_carry = [cast(grad(v), v.dtype) for v in self.carry_vars]  # (mixed precision: sums may be wider)
-            new_acc = [
-                a + cast(grad(t), a.dtype) if grads.get(t) is not None else a for a, t in zip(acc, self._float_captured)
-            ]
-            g_x = [grad(v) for v in self.x_vars]
+            new_acc = [a + cast(grad(t), a.dtype) if grads.get(t) is not None else a for a, t in zip(acc, captured)]
+            g_x = [grad(v) for v in x_vars]
         backward = ScanOperation(
             self.dim,
-            [g or zeros_like(t) for g, t in zip(g_final, self.final)] + [zeros_like(t) for t in self._float_captured],
+            [g or zeros_like(t) for g, t in zip(g_final, self.final)] + [zeros_like(t) for t in captured],
             [*self.history, *self.xs, *[g or zeros_like(y) for g, y in zip(g_ys, self.ys)]],
             [*g_carry, *acc],
             [*self.carry_vars, *self.x_vars, *g_y],
@@ -262,11 +265,12 @@ class ScanOperation(Operation):
             name=f"{self.name}_grad",
         )
         g_init = backward.final[:k]
-        g_captured = dict(zip(self._float_captured, backward.final[k:]))
-        g_xs = [einsum(g, output_shape=t.shape) if g.shape != t.shape else g for g, t in zip(backward.ys, self.xs)]
+        g_captured = dict(zip(captured, backward.final[k:]))
+        g_ys = iter(backward.ys)
+        g_xs = [next(g_ys) if kept else None for kept in x_kept]
         return [
             *[g if is_floating(t.dtype) else None for g, t in zip(g_init, self.init)],
-            *[g if is_floating(t.dtype) else None for g, t in zip(g_xs, self.xs)],
+            *[g if g is None or g.shape == t.shape else einsum(g, output_shape=t.shape) for g, t in zip(g_xs, self.xs)],
             *[g_captured.get(t) for t in self.captured],
         ]
 
