@@ -103,6 +103,9 @@ def pipeline(
     and pass. Returns stage_fn applied S*R times, in order, to the activation."""
     xs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
     x, sides = xs[0], xs[1:]
+    for what, n in (("num_microbatches", num_microbatches), ("repeats", repeats)):
+        if int(n) != n:
+            raise GraphError(f"pipeline: {what}={n!r} is not a whole number; give an int")
     S, M, R = stage_dim.size, int(num_microbatches), int(repeats)
     batch = batch_dim or x.shape[0].name
     if schedule not in SCHEDULES:

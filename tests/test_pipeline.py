@@ -132,6 +132,10 @@ def test_pipeline_errors():
     stage = mx.Dimension("stage", 4)
     with pytest.raises(mx.GraphError, match="3 microbatches do not divide"):
         mx.pipeline(lambda h: h, x, stage, 3)
+    with pytest.raises(mx.GraphError, match=r"num_microbatches=2\.5 is not a whole number"):
+        mx.pipeline(lambda h: h, x, stage, 2.5)  # (it ran as 2 microbatches)
+    with pytest.raises(mx.GraphError, match=r"repeats=1\.5 is not a whole number"):
+        mx.pipeline(lambda h: h, x, stage, 4, "circular", repeats=1.5)  # (it ran as GPipe)
     with pytest.raises(mx.GraphError, match="at least as many microbatches as stages"):
         mx.pipeline(lambda h: h, x, stage, 2, "circular", repeats=2)
     with pytest.raises(mx.GraphError, match="needs schedule='circular'"):
