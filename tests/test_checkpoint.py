@@ -204,6 +204,18 @@ def test_missing_step_and_repeated_save(saved_at_3):
         save_checkpoint(directory, lowering, 4, extra={"step": 4})
 
 
+@pytest.mark.parametrize("step", [-1, 3.7, "5"])
+def test_a_step_that_is_no_natural_number_is_refused(tmp_path, step):
+    """A step of -1 was written to a folder '-1' that latest_step and restore_checkpoint never
+    found ("no checkpoint in ..."); 3.7 was saved as step 3 and "5" as step 5."""
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
+    with pytest.raises(ValueError, match=r"step must be an int of at least 0, got " + repr(step).replace(".", r"\.")):
+        save_checkpoint(tmp_path, lowering, step)
+    assert os.listdir(tmp_path) == []
+    save_checkpoint(tmp_path, lowering, np.int64(0))
+    assert latest_step(tmp_path) == 0
+
+
 def test_variable_missing_from_checkpoint(saved_at_3):
     directory, _ = saved_at_3
     lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT), extra_variable=True)

@@ -60,6 +60,10 @@ def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, k
     """
     if keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
+    # (a negative step was written to a folder '-1' that latest_step and restore never find; a
+    # float was cut to an int, and a string taken for one)
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        raise ValueError(f"step must be an int of at least 0, got {step!r}")
     if extra and "step" in extra:
         raise ValueError("extra must not have a 'step' key: restore_checkpoint returns the step under it")
     meta = {"step": int(step), "extra": dict(extra or {})}
