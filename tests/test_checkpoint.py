@@ -230,6 +230,21 @@ def test_variable_of_another_shape(saved_at_3):
         restore_checkpoint(directory, lowering)
 
 
+def test_variable_of_another_dtype(tmp_path):
+    """Orbax casts what it reads to the dtype asked for: a float32 checkpoint restored into int32
+    variables of the same names and shapes was cut to integers, without a word."""
+
+    def lowering(dtype):
+        graph, mesh = new_mesh()
+        mx.get_variable(mesh, "w", "a:4;b:3", dtype, initializer=mx.initializers.normal(1.0))
+        return mx.Lowering(graph, {mesh: mx.SimdMeshImpl(MESH_SHAPE, "a:rows")})
+
+    save_checkpoint(tmp_path, lowering("float32"), 1)
+    for dtype in ("int32", "bfloat16"):
+        with pytest.raises(mx.ConfigError, match=rf"1 have other dtypes \('w' \({dtype} here, float32 there\)\)"):
+            restore_checkpoint(tmp_path, lowering(dtype))
+
+
 def test_extra_checkpoint_variables_warn(saved_at_3):
     directory, at_save = saved_at_3
     lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT), seed=1, optimizer=False)  # no slots, no step

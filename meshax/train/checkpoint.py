@@ -120,8 +120,9 @@ def latest_step(directory) -> int | None:
 
 
 def _check_same_model(directory, step: int, variables: dict, saved) -> None:
-    """Every variable of the graph is in the checkpoint with its shape; else a ConfigError
-    naming a few of those missing or reshaped (a checkpoint of another model: all of them)."""
+    """Every variable of the graph is in the checkpoint with its shape and dtype; else a
+    ConfigError naming a few of those missing, reshaped or retyped (a checkpoint of another
+    model: all of them)."""
 
     def some(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -132,8 +133,15 @@ def _check_same_model(directory, step: int, variables: dict, saved) -> None:
         for n, var in variables.items()
         if n in saved and list(saved[n].shape) != var.shape.to_integer_list
     ]
+    # (Orbax casts to the dtype asked for: float32 values read into an int32 variable were cut)
+    retyped = [
+        f"{n!r} ({np.dtype(var.dtype).name} here, {np.dtype(saved[n].dtype).name} there)"
+        for n, var in variables.items()
+        if n in saved and np.dtype(saved[n].dtype) != np.dtype(var.dtype)
+    ]
     problems = [f"{len(missing)} of its {len(variables)} variables are not there ({some(missing)})"] if missing else []
     problems += [f"{len(reshaped)} have other shapes ({some(reshaped)})"] if reshaped else []
+    problems += [f"{len(retyped)} have other dtypes ({some(retyped)})"] if retyped else []
     if problems:
         raise ConfigError(
             f"cannot restore step {step} from {directory}: it holds another model: {'; '.join(problems)}. "
@@ -180,8 +188,8 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
 
     Returns `{"step": step, **extra}`. Each variable is laid out by this lowering's plan, whatever
     the layout it was saved under: for SIMD each device reads only its own slice from disk. Every
-    graph variable must be in the checkpoint with the same shape; checkpoint variables the graph
-    lacks are skipped with a warning.
+    graph variable must be in the checkpoint with the same shape and dtype; checkpoint variables
+    the graph lacks are skipped with a warning.
     """
     step = _whole_step(directory, step)
     variables = {var.name: var for var in lowering.graph.all_variables}
