@@ -380,6 +380,15 @@ def test_a_budget_no_layout_meets_says_what_does_not_fit():
         search_layout(TINY_LM, "all:8", memory_budget="2MB")
 
 
+def test_a_budget_between_the_estimate_and_the_plan_says_what_the_plan_needs():
+    """The tiny LM's leanest layout on 2 x 4 is estimated at 3.18MB and needs 3.27MB by its plan
+    (which decides what fits): under a 3.25MB budget the error said it "still needs about 3.18MB
+    per device ..., -66.5KB over the budget"."""
+    with pytest.raises(mx.LayoutError) as info:
+        search_layout(costed(TINY_LM), "rows:2;cols:4", memory_budget="3.25MB")
+    assert "still needs 3.27MB per device" in str(info.value) and ", 20.6KB over the budget" in str(info.value)
+
+
 def test_a_mesh_that_cannot_hold_the_model_says_so():
     with pytest.raises(mx.LayoutError, match=r"cannot hold the model.*parameters, their gradients and optimizer state"):
         search_layout(MLP, "all:8", memory_budget="4KB")

@@ -423,7 +423,7 @@ def search_layout(
     method += model.note
     fits = [c for c in exact_ones if c.memory_bytes <= budget]
     if not fits:
-        _no_fit(compared, budget, mesh_shape, program.lowering)
+        _no_fit(compared, budget, mesh_shape, program)
     ranked = sorted(fits, key=lambda c: c.step_s)[:top]  # (a stable sort: ties keep the fixed order)
     if isinstance(baseline, str):
         baseline = evaluate(model, mesh=mesh_shape, layout=baseline, device=dev)
@@ -578,33 +578,37 @@ def evaluate(
     return candidate
 
 
-def _no_fit(compared: list[Candidate], budget: int, mesh_shape, lowering_of) -> None:
+def _no_fit(compared: list[Candidate], budget: int, mesh_shape, program) -> None:
     """Raise the LayoutError that says why nothing fits: the model's state, or its activations."""
     from meshax.lower.report import _human
 
-    def state(c: Candidate) -> int:
-        return sum(c.cost.memory[k] for k in ("parameters", "gradients", "optimizer_state"))
+    def state(memory: dict[str, int]) -> int:
+        return sum(memory[k] for k in ("parameters", "gradients", "optimizer_state"))
+
+    def memory(c: Candidate) -> dict[str, int]:  # (its plan's, by which the search found it does not fit)
+        return c.cost.memory if c.cost.exact else program.memory(tuple(_pairs(c.layout)), c.weight_layout)
 
     mesh = mesh_text(mesh_shape)
-    leanest = min(compared, key=state)
-    if state(leanest) > budget:
-        least = leanest
+    leanest = min(compared, key=lambda c: state(c.cost.memory))
+    if state(memory(leanest)) > budget:
+        least, held = leanest, state(memory(leanest))
         cause = (
             f"the mesh {mesh} cannot hold the model: split as finely as any legal layout allows "
             f"({least.layout or 'replicated'}), parameters, their gradients and optimizer state alone take "
-            f"{_human(state(least))}B per device, {_human(state(least) - budget)}B over the budget; use more "
+            f"{_human(held)}B per device, {_human(held - budget)}B over the budget; use more "
             "devices or a larger budget"
         )
     else:
         least = min(compared, key=lambda c: c.memory_bytes)
-        parts = ", ".join(f"{k.replace('_', ' ')} {_human(v)}B" for k, v in least.cost.memory.items())
+        need = memory(least)
+        total = sum(need.values())
+        parts = ", ".join(f"{k.replace('_', ' ')} {_human(v)}B" for k, v in need.items())
         cause = (
             f"the layout needing least memory ({least.layout or 'replicated'}) still needs "
-            f"{'' if least.cost.exact else 'about '}"
-            f"{_human(least.memory_bytes)}B per device ({parts}), {_human(least.memory_bytes - budget)}B over "
+            f"{_human(total)}B per device ({parts}), {_human(total - budget)}B over "
             "the budget; its activations do not fit: use a smaller batch or sequence, more devices, or a larger budget"
         )
-    lowering = lowering_of(tuple(_pairs(least.layout)), least.weight_layout)
+    lowering = program.lowering(tuple(_pairs(least.layout)), least.weight_layout)
     tensors = {t: None for op in lowering.graph.operations for t in op.outputs}
     impl = lowering.impl
     per_device = ((math.prod(impl.slice_shape(t.shape, lowering.plan[t])) * t.dtype.itemsize, t.name) for t in tensors)
