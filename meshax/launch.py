@@ -39,6 +39,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free(port: int) -> bool:
+    """Whether nothing on localhost holds TCP `port` now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("localhost", port))
+        except OSError:
+            return False
+    return True
+
+
 def _describe(code: int) -> str:
     if code < 0:
         try:
@@ -101,6 +111,10 @@ def launch(
     if num_processes < 1:
         raise ValueError(f"-n must be at least 1, got {num_processes}")
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
+    if port is not None and not _free(port):  # (process 0's coordinator would fail to start, not naming it)
+        raise ValueError(
+            f"--port {port}: something on this machine listens on it already; give another, or leave --port out"
+        )
     address = f"localhost:{port or free_port()}"
     lock = threading.Lock()
     procs: list[subprocess.Popen] = []

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -180,6 +181,14 @@ def test_launch_bad_input_is_one_clear_line():
         launch(["no-such-program-here"], 2, stderr=io.StringIO())
     result = subprocess.run([*CLI, "launch", "-n", "0", "--", "true"], capture_output=True, text=True)
     assert result.returncode == 2 and "-n" in result.stderr
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:  # (JAX said "Failed to start RPC server")
+        busy.bind(("localhost", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [*CLI, "launch", "-n", "2", "--port", str(port), "--", "true"], capture_output=True, text=True
+        )
+    assert result.returncode == 2 and f"--port {port}: something on this machine listens on it already" in result.stderr
 
 
 def test_train_refuses_processes_that_cannot_share_the_mesh(capsys):
