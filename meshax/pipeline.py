@@ -95,14 +95,28 @@ def pipeline(
 ) -> Tensor:
     """Run `stage_fn` as a pipeline of `stage_dim.size` stages over `num_microbatches`.
 
-    `inputs`: the activation (its batch dim, `batch_dim` or its first, is cut into
-    microbatches), then any side inputs with the same batch dim (an encoder's output, say):
+    `inputs`: the activation (a float tensor; its batch dim, `batch_dim` or its first, is cut
+    into microbatches), then any side inputs with the same batch dim (an encoder's output, say):
     `stage_fn(x, *sides)` gets each with a leading stage dim, every stage its own microbatch,
-    and returns the next x (same shape). Variables that `stage_fn` makes get the stage dim in
-    front (and `repeats` before it, for the circular schedule): one set of weights per stage
-    and pass. Returns stage_fn applied S*R times, in order, to the activation."""
+    and returns the next x (same shape and dtype). Variables that `stage_fn` makes get the stage
+    dim in front (and `repeats` before it, for the circular schedule): one set of weights per
+    stage and pass. Returns stage_fn applied S*R times, in order, to the activation."""
     xs = [inputs] if isinstance(inputs, Tensor) else list(inputs)
+    if not xs or not all(isinstance(t, Tensor) for t in xs):
+        raise GraphError(
+            f"pipeline: inputs must be the activation x (a Tensor), then any side inputs (Tensors), got {inputs!r:.80}"
+        )
+    if not isinstance(stage_dim, Dimension):
+        raise GraphError(
+            f"pipeline: stage_dim must be a Dimension (its name and the number of stages, e.g. "
+            f"mx.Dimension('stage', 4)), got {type(stage_dim).__name__} {stage_dim!r}"
+        )
     x, sides = xs[0], xs[1:]
+    if not is_floating(x.dtype):
+        raise GraphError(
+            f"pipeline: the activation {x.name} is {x.dtype}, but the stages carry a float tensor; "
+            "cast it to a float dtype (integer data can come in as a side input)"
+        )
     for what, n in (("num_microbatches", num_microbatches), ("repeats", repeats)):
         if int(n) != n:
             raise GraphError(f"pipeline: {what}={n!r} is not a whole number; give an int")
@@ -119,11 +133,27 @@ def pipeline(
             f"pipeline: the circular schedule needs at least as many microbatches as stages ({M} < {S}): "
             "a microbatch re-enters stage 0 only after leaving the last stage"
         )
+    own = ["microbatch", f"{name}_iteration", *(["repeat"] if R > 1 else [])]  # the dims the pipeline adds
+    if stage_dim.name in own:
+        raise GraphError(
+            f"pipeline: the stage dim {stage_dim} has a name the pipeline gives its own dims {own}; rename it"
+        )
     for t in xs:
+        for taken in own[:2]:
+            if taken in t.shape:
+                raise GraphError(
+                    f"pipeline: input {t.name} {t.shape} has a dim {taken!r}, a name the pipeline gives its own "
+                    "dim; rename that dim (mx.rename_dimension)"
+                )
         if batch not in t.shape:
             raise GraphError(f"pipeline: input {t.name} {t.shape} has no batch dim {batch!r} (pass batch_dim=)")
         if stage_dim.name in t.shape:
             raise GraphError(f"pipeline: input {t.name} {t.shape} already has the stage dim {stage_dim.name!r}")
+        if t.shape.get_dim_by_name(batch).size != x.shape.get_dim_by_name(batch).size:
+            raise GraphError(
+                f"pipeline: side input {t.name}'s batch dim {t.shape.get_dim_by_name(batch)} differs from "
+                f"{x.name}'s {x.shape.get_dim_by_name(batch)}: each row of a side input goes with that row of x"
+            )
         if t.shape.get_dim_by_name(batch).size % M:
             raise GraphError(
                 f"pipeline: {M} microbatches do not divide {t.name}'s batch dim "
@@ -179,9 +209,12 @@ def pipeline(
             lead, select = [stage_dim], lambda v: v
         with stacked_variables(lead, select):
             out = stage_fn(state, *side_now)
-        if not isinstance(out, Tensor) or out.shape != state.shape:
-            got = out.shape if isinstance(out, Tensor) else type(out).__name__
-            raise GraphError(f"pipeline: stage_fn must return a tensor of its input's shape {state.shape}, got {got}")
+        if not isinstance(out, Tensor) or (out.shape, out.dtype) != (state.shape, state.dtype):
+            got = f"{out.shape} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+            raise GraphError(
+                f"pipeline: stage_fn must return a tensor of its input's shape and dtype {state.shape} "
+                f"{state.dtype}, got {got}"
+            )
         if R == 1:
             return [out], [out * last]
         done = einsum(out, last, output_shape=one)

@@ -144,3 +144,29 @@ def test_pipeline_errors():
         mx.pipeline(lambda h: h, x, stage, 2, "1f1b")
     with pytest.raises(mx.GraphError, match="must return a tensor of its input's shape"):
         mx.pipeline(lambda h: mx.reduce_sum(h), x, stage, 2)
+
+
+def test_pipeline_refuses_bad_inputs_by_name():
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+    stage = mx.Dimension("stage", 2)
+    for bad in (2, "stage"):  # (AttributeError: 'int' object has no attribute 'size')
+        with pytest.raises(mx.GraphError, match="stage_dim must be a Dimension"):
+            mx.pipeline(lambda h: h, x, bad, 2)
+    with pytest.raises(mx.GraphError, match="inputs must be the activation x"):
+        mx.pipeline(lambda h: h, [], stage, 2)  # (IndexError)
+    with pytest.raises(mx.GraphError, match=r"activation tokens is int32.*cast it to a float dtype"):
+        mx.pipeline(lambda h: h, mx.placeholder(mesh, "tokens", [B, D], dtype="int32"), stage, 2)
+    with pytest.raises(mx.GraphError, match=r"shape and dtype .* float32, got .* bfloat16"):
+        mx.pipeline(lambda h: mx.cast(h, "bfloat16"), x, stage, 2)  # (the scan's carry message)
+    with pytest.raises(mx.GraphError, match=r"input y .* has a dim 'microbatch'"):
+        mx.pipeline(lambda h: h, mx.placeholder(mesh, "y", [B, mx.Dimension("microbatch", 6)]), stage, 2)
+    with pytest.raises(mx.GraphError, match=r"side input memory's batch dim .*16.* differs from x's"):
+        memory = mx.placeholder(mesh, "memory", [mx.Dimension("batch", 16), D])
+        mx.pipeline(lambda h, m: h, [x, memory], stage, 2)  # (accepted, as long as stage_fn ignored it)
+    for taken in ("microbatch", "pipeline_iteration"):
+        with pytest.raises(mx.GraphError, match=rf"stage dim .*'{taken}'.* has a name the pipeline gives"):
+            mx.pipeline(lambda h: h, x, mx.Dimension(taken, 2), 2)
+    with pytest.raises(mx.GraphError, match=r"stage dim .*'repeat'.* has a name the pipeline gives"):
+        mx.pipeline(lambda h: h, x, mx.Dimension("repeat", 2), 2, "circular", repeats=2)
