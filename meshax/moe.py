@@ -124,6 +124,12 @@ def moe(
         raise GraphError(f"moe gating {gating!r}: choose one of {GATINGS}")
     if second_policy not in SECOND_POLICIES:
         raise GraphError(f"moe second_policy {second_policy!r}: choose one of {SECOND_POLICIES}")
+    for what, n in (("hidden_dim", hidden_dim), ("num_experts", num_experts), ("group_size", group_size)):
+        if isinstance(n, Dimension):
+            what, n = f"hidden_dim {n}'s size", n.size
+        if n is not None and (int(n) != n or n < 1):
+            default = " (or None: the whole token dim)" if what == "group_size" else ""
+            raise GraphError(f"moe: {what}={n!r} is not a whole number of at least 1; give an int{default}")
     factor = capacity_factor if capacity_factor is not None else (1.25 if train else 2.0)
     if factor <= 0:
         raise GraphError(f"moe capacity_factor must be > 0, got {factor}")
@@ -134,7 +140,7 @@ def moe(
     if not tokens:
         raise GraphError(f"moe: {x.name} {x.shape} has no token dims besides the model dim {model.name!r}")
     last = tokens[-1]
-    size = group_size or last.size
+    size = last.size if group_size is None else int(group_size)
     if last.size % size:
         raise GraphError(f"moe group_size {size} does not divide {last} (the token dim before {model.name!r})")
     group = Dimension("group", size)
@@ -149,6 +155,18 @@ def moe(
     hidden = hidden_dim if isinstance(hidden_dim, Dimension) else Dimension("expert_hidden", int(hidden_dim))
     experts = Dimension("experts", num_experts)
     chunks = [Dimension(f"{last.name}_chunk", last.size // size)] if size != last.size else []
+    # x's dims sit beside the layer's own dims (the token dim alone is renamed), and the model dim
+    # beside the experts' dims too (the groups' dims are renamed <dim>_unsplit there)
+    own = ["group", "expert_unsplit", "expert_capacity", *(d.name for d in chunks)]
+    for d in x.shape:
+        taken = (
+            own if d != model else [*own, "experts", hidden.name, *(f"{o.name}_unsplit" for o in tokens[:-1] + chunks)]
+        )
+        if d != last and d.name in taken:
+            raise GraphError(
+                f"moe: {x.name} {x.shape} has a dim {d.name!r}, a name the layer gives its own dims {taken}; "
+                "rename that dim (mx.rename_dimension)"
+            )
     grouped = replace_dimensions(x, last, [*chunks, group])  # [..., (chunk), group, d_model]
     outer = [d for d in grouped.shape if d not in (group, model)]
     std = 1.0 / math.sqrt(model.size)

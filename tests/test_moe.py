@@ -123,3 +123,28 @@ def test_moe_errors():
         _layer(gating="top_3")
     with pytest.raises(mx.GraphError, match="at least 2 experts"):
         _layer(experts=1)
+
+
+def test_moe_refuses_bad_sizes_and_dim_names_by_name():
+    for bad in (0, -4, 2.5):  # (0 meant the whole token dim; hidden_dim=0: ZeroDivisionError)
+        with pytest.raises(mx.GraphError, match=rf"group_size={bad} is not a whole number of at least 1"):
+            _layer(group_size=bad)
+        graph = mx.Graph()
+        x = mx.placeholder(mx.Mesh(graph, "m"), "x", [B, L, M])
+        with pytest.raises(mx.GraphError, match=rf"hidden_dim={bad} is not a whole number of at least 1"):
+            mx.layers.moe(x, bad, num_experts=4)  # (2.5 was cut to 2)
+    # x's dims may not take the names of the layer's own dims (they made repeated dim names, or
+    # a size clash); the token dim is renamed, and an outer dim named 'experts' works
+    for dims, taken in (
+        ([B, mx.Dimension("expert_capacity", 2), L, M], "expert_capacity"),
+        ([mx.Dimension("group", 2), L, M], "group"),
+        ([B, L, mx.Dimension("experts", 6)], "experts"),
+        ([mx.Dimension("length_chunk", 2), L, M], "length_chunk"),
+    ):
+        graph = mx.Graph()
+        x = mx.placeholder(mx.Mesh(graph, "m"), "x", dims)
+        with pytest.raises(mx.GraphError, match=f"has a dim '{taken}', a name the layer gives its own dims"):
+            mx.layers.moe(x, 5, num_experts=4, group_size=4)
+    graph = mx.Graph()
+    x = mx.placeholder(mx.Mesh(graph, "m"), "x", [mx.Dimension("experts", 2), mx.Dimension("group", 8), M])
+    assert mx.layers.moe(x, 5, num_experts=4, group_size=4).output.shape == x.shape
