@@ -118,7 +118,10 @@ class CondOperation(Operation):
         from meshax.ops.elementwise import cast
         from meshax.ops.inputs import zeros_like
 
-        wrt = [k for k, t in enumerate(self.inputs[1:]) if is_floating(t.dtype)]  # (operands, then captured)
+        # the operands, then the captured, that an x of the gradient reaches: the branches would
+        # compute the rest's gradients (a table of constants they read, say), collectives and all, for no one
+        wanted = self.wanted or [True] * len(self.inputs)
+        wrt = [k for k, t in enumerate(self.inputs[1:]) if is_floating(t.dtype) and wanted[1 + k]]
         pairs = [(i, g) for i, g in enumerate(grad_outputs) if g is not None and is_floating(self.outputs[i].dtype)]
         if not wrt or not pairs:
             return [None] * len(self.inputs)
