@@ -204,14 +204,38 @@ class AdamWeightDecayOptimizer(Optimizer):
         return [assign(m, new_m), assign(v, new_v), assign(var, var.value - ew.cast(update * lr, var.dtype))]
 
 
+def adafactor_decay_rate_pow(exponent: float = 0.8, offset: int = 0) -> Schedule:
+    """Adafactor's second-moment decay rate whose memory grows as step^exponent, as a schedule:
+    1 - (step - offset + 1)^-exponent (0 at step `offset`, the first step of a fine-tuning run).
+    Mesh-TensorFlow's function of the same name, and Adafactor's default (exponent 0.8)."""
+    return lambda step: 1.0 - ew.pow(step + (1.0 - offset), -exponent)
+
+
+def adafactor_decay_rate_adam(beta2: float) -> Schedule:
+    """Adafactor's second-moment decay rate like Adam's, its bias correction folded in, as a
+    schedule: beta2 (1 - beta2^(t - 1)) / (1 - beta2^t), t = step + 1 (0 at the first step).
+    Mesh-TensorFlow's function of the same name."""
+    beta2 = _fraction("beta2", beta2)
+
+    def schedule(step):
+        t = step + 1.0
+        return (1.0 - ew.pow(beta2, t - 1.0)) * beta2 / (1.0 - ew.pow(beta2, t))
+
+    return schedule
+
+
 class AdafactorOptimizer(Optimizer):
     """Adafactor (Shazeer & Stern, 2018), as Mesh-TensorFlow's: second moments factored over a
     variable's two largest dims where both have at least `min_dim_size_to_factor` values; with
     `beta1`, a momentum of the scaled update.
 
     Without a learning rate it uses min(0.01, 1/sqrt(step + 1)), times the parameter's RMS
-    (`multiply_by_parameter_scale`), else times 0.05. (Mesh-TensorFlow's arguments, by keyword:
-    its first positional one is `multiply_by_parameter_scale`, meshax's `learning_rate`.)"""
+    (`multiply_by_parameter_scale`), else times 0.05. The second moments decay at
+    1 - (step + 1)^-decay_rate_exponent, unless `decay_rate` is given: Mesh-TensorFlow's
+    argument, a schedule (a function of the step, as `adafactor_decay_rate_pow(0.8)`, the
+    default, or `adafactor_decay_rate_adam(beta2)`) or a constant in [0, 1). (Mesh-TensorFlow's
+    arguments, by keyword: its first positional one is `multiply_by_parameter_scale`, meshax's
+    `learning_rate`.)"""
 
     def __init__(
         self,
@@ -224,9 +248,23 @@ class AdafactorOptimizer(Optimizer):
         factored: bool = True,
         multiply_by_parameter_scale: bool = True,
         min_dim_size_to_factor: int = 128,
+        decay_rate: Schedule | float | None = None,
     ):
         super().__init__(learning_rate)
         self.decay_rate_exponent = decay_rate_exponent
+        if decay_rate is None:
+            decay_rate = adafactor_decay_rate_pow(decay_rate_exponent)
+        elif decay_rate_exponent != 0.8:
+            raise ConfigError("give Adafactor decay_rate or decay_rate_exponent, not both")
+        elif not callable(decay_rate):
+            try:
+                decay_rate = float(decay_rate)
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"decay_rate {decay_rate!r} is not a number or a schedule (a function of the step)"
+                ) from None
+            decay_rate = _fraction("decay_rate", decay_rate)
+        self.decay_rate = decay_rate if callable(decay_rate) else constant_schedule(decay_rate)
         self.beta1 = beta1
         self.epsilon1, self.epsilon2 = epsilon1, epsilon2
         self.clipping_threshold = clipping_threshold
@@ -253,8 +291,7 @@ class AdafactorOptimizer(Optimizer):
         from meshax.core.shape import Shape
 
         grad = _wide(grad)
-        t = step + 1.0
-        decay = 1.0 - ew.pow(t, -self.decay_rate_exponent)
+        decay = self.decay_rate(step)
         gsq = ew.square(grad) + self.epsilon1
         updates = []
         dims = self._factored_dims(var.shape)
@@ -311,6 +348,8 @@ __all__ = [
     "MomentumOptimizer",
     "Optimizer",
     "SgdOptimizer",
+    "adafactor_decay_rate_adam",
+    "adafactor_decay_rate_pow",
     "clip_by_global_norm",
     "constant_schedule",
     "global_norm",
