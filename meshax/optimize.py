@@ -235,7 +235,13 @@ class AdafactorOptimizer(Optimizer):
     argument, a schedule (a function of the step, as `adafactor_decay_rate_pow(0.8)`, the
     default, or `adafactor_decay_rate_adam(beta2)`) or a constant in [0, 1). (Mesh-TensorFlow's
     arguments, by keyword: its first positional one is `multiply_by_parameter_scale`, meshax's
-    `learning_rate`.)"""
+    `learning_rate`.)
+
+    As Mesh-TensorFlow's: the variables whose names contain one of the strings in
+    `exclude_from_parameter_scale` (substrings, not patterns) are not multiplied by the parameter
+    scale; the dims named in `stacked_dim_names` stack independent parameters, so they are never
+    factored over, and the parameter scale is taken for each of their slices (the clipping, over
+    the whole update, as there)."""
 
     def __init__(
         self,
@@ -249,6 +255,8 @@ class AdafactorOptimizer(Optimizer):
         multiply_by_parameter_scale: bool = True,
         min_dim_size_to_factor: int = 128,
         decay_rate: Schedule | float | None = None,
+        stacked_dim_names: Sequence[str] | None = None,
+        exclude_from_parameter_scale: Sequence[str] | None = None,
     ):
         super().__init__(learning_rate)
         self.decay_rate_exponent = decay_rate_exponent
@@ -271,6 +279,14 @@ class AdafactorOptimizer(Optimizer):
         self.factored = factored
         self.multiply_by_parameter_scale = multiply_by_parameter_scale
         self.min_dim_size_to_factor = min_dim_size_to_factor
+        for name, names in (
+            ("stacked_dim_names", stacked_dim_names),
+            ("exclude_from_parameter_scale", exclude_from_parameter_scale),
+        ):
+            if isinstance(names, str):
+                raise ConfigError(f"{name} {names!r} must be a list of names, not one string")
+        self.stacked_dim_names = tuple(stacked_dim_names or ())
+        self.exclude_from_parameter_scale = tuple(exclude_from_parameter_scale or ())
 
     def learning_rate(self, step):
         """The schedule's rate if one was given, else min(1/sqrt(step + 1), 0.01) (the paper's
@@ -281,10 +297,11 @@ class AdafactorOptimizer(Optimizer):
         return rate if self.multiply_by_parameter_scale else rate * 0.05
 
     def _factored_dims(self, shape):
-        """The two largest dims (the first of them the largest), or None: not factored."""
-        if not self.factored or shape.rank < 2:
+        """The two largest dims not stacked (the first of them the largest), or None: not factored."""
+        dims = [d for d in shape.dims if d.name not in self.stacked_dim_names]
+        if not self.factored or len(dims) < 2:
             return None
-        d0, d1 = sorted(shape.dims, key=lambda d: -d.size)[:2]  # (on ties, the first: Mesh-TensorFlow's)
+        d0, d1 = sorted(dims, key=lambda d: -d.size)[:2]  # (on ties, the first: Mesh-TensorFlow's)
         return (d0, d1) if d1.size >= self.min_dim_size_to_factor else None
 
     def apply_grad(self, grad, var, lr, step):
@@ -312,8 +329,10 @@ class AdafactorOptimizer(Optimizer):
         if self.clipping_threshold is not None:
             rms = ew.sqrt(reduce_mean(ew.square(x)))
             x = x / ew.maximum(rms * (1.0 / self.clipping_threshold), 1.0)
-        if self.multiply_by_parameter_scale:
-            lr = lr * ew.maximum(ew.sqrt(reduce_mean(ew.square(ew.cast(var.value, "float32")))), self.epsilon2)
+        if self.multiply_by_parameter_scale and not any(s in var.name for s in self.exclude_from_parameter_scale):
+            stacked = Shape([d for d in var.shape if d.name in self.stacked_dim_names])  # (a scale per slice)
+            ms = reduce_mean(ew.square(ew.cast(var.value, "float32")), output_shape=stacked)
+            lr = lr * ew.maximum(ew.sqrt(ms), self.epsilon2)
         subtrahend = x * lr
         if self.beta1:  # the momentum of the scaled update, as Mesh-TensorFlow's (and optax's) keeps
             m = self._slot(var, "adafactor_m")

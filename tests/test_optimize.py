@@ -209,6 +209,69 @@ def test_adafactor_takes_mesh_tensorflow_s_decay_rate(decay):
         mx.optimize.AdafactorOptimizer(decay_rate="pow")
 
 
+@pytest.mark.parametrize("stacked", [True, False])
+def test_adafactor_stacked_dims_are_not_factored_and_scale_each_slice(stacked):
+    """stacked_dim_names=["s"], as Mesh-TensorFlow's: w [s:16, a:8, b:4] is 16 independent
+    [a, b] parameters: its second moments are factored over a and b (not over s and a, its two
+    largest dims), and each slice's update is scaled by that slice's RMS (the slices' scales
+    differ 16-fold); the clipping is over the whole update. Without: factored over s and a."""
+    s = mx.Dimension("s", 16)
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", [s, a, b])
+    loss = mx.reduce_sum(mx.square(w)) * 0.5 + mx.reduce_sum(w)  # gradient w + 1
+    opt = mx.optimize.AdafactorOptimizer(
+        0.1, min_dim_size_to_factor=4, clipping_threshold=0.5, stacked_dim_names=["s"] if stacked else None
+    )
+    updates = opt.apply_grads(mx.gradients(loss, [w]), [w])
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "s:rows;a:cols")})
+    slots = sorted(v.shape.to_integer_list for v in graph.all_variables if v.name.startswith("w/"))
+    assert slots == ([[16, 4], [16, 8]] if stacked else [[8, 4], [16, 4]])
+    rng = np.random.default_rng(0)
+    w_np = (rng.normal(size=(16, 8, 4)) * np.arange(1, 17)[:, None, None]).astype(np.float32)
+    lo.set_variable_value(w, w_np)
+    fn = lo.function([], updates=updates)
+    vr, vc = np.zeros((16, 8) if stacked else (16, 4)), np.zeros((16, 4) if stacked else (8, 4))
+    for step in range(1, STEPS + 1):
+        fn({})
+        g = w_np + 1.0
+        g2, d = g * g + 1e-30, 1 - step**-0.8
+        if stacked:  # factored over a (the larger) and b
+            vr = d * vr + (1 - d) * g2.mean(2)  # [s, a]
+            vc = d * vc + (1 - d) * g2.mean(1)  # [s, b]
+            x = g / np.sqrt(vr[:, :, None] / vr.mean(1)[:, None, None]) / np.sqrt(vc[:, None, :])
+            scale = np.maximum(np.sqrt((w_np * w_np).mean((1, 2))), 1e-3)[:, None, None]
+        else:  # factored over s (the largest) and a
+            vr = d * vr + (1 - d) * g2.mean(1)  # [s, b]
+            vc = d * vc + (1 - d) * g2.mean(0)  # [a, b]
+            x = g / np.sqrt(vr[:, None, :] / vr.mean(0)[None, None, :]) / np.sqrt(vc[None, :, :])
+            scale = max(np.sqrt((w_np * w_np).mean()), 1e-3)
+        x = x / max(np.sqrt((x * x).mean()) / 0.5, 1.0)
+        w_np = w_np - 0.1 * scale * x
+        np.testing.assert_allclose(lo.variable_value(w), w_np, rtol=1e-4, atol=1e-5)
+
+
+def test_adafactor_exclude_from_parameter_scale():
+    """exclude_from_parameter_scale, as Mesh-TensorFlow's: a variable whose name contains one of
+    the strings is updated at the learning rate alone (the default rate, without the 0.05 that
+    multiply_by_parameter_scale=False brings); substrings, not regular expressions."""
+    w, t, hist = run(mx.optimize.AdafactorOptimizer(exclude_from_parameter_scale=["x", "w"]))
+    v = np.zeros_like(w)
+    for step, got in enumerate(hist, start=1):
+        g = grad(w, t)
+        d = 1 - step**-0.8
+        v = d * v + (1 - d) * (g * g + 1e-30)
+        x = g / np.sqrt(v)
+        x = x / max(np.sqrt((x * x).mean()), 1.0)
+        w = w - min(0.01, 1 / np.sqrt(step)) * x
+        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6)
+    not_excluded = run(mx.optimize.AdafactorOptimizer(exclude_from_parameter_scale=["^w$"]))
+    scaled = run(mx.optimize.AdafactorOptimizer())
+    np.testing.assert_allclose(not_excluded[2][-1], scaled[2][-1], rtol=1e-6)
+    with pytest.raises(mx.ConfigError, match="list of names"):
+        mx.optimize.AdafactorOptimizer(exclude_from_parameter_scale="w")
+
+
 def test_schedules():
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "mesh")
