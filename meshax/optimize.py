@@ -31,7 +31,7 @@ from meshax.ops.variables import (
 Schedule = Callable[[Tensor], "Tensor | float"]
 
 
-# ---- schedules: functions of the step (a float32 scalar tensor, 0 at the first step) ----------
+# ---- schedules: functions of the step (the int32 counter as a float32 scalar tensor, 0 at the first step) ----
 def constant_schedule(learning_rate: float) -> Schedule:
     """A learning-rate schedule that is `learning_rate` at every step."""
     return lambda step: learning_rate
@@ -130,14 +130,15 @@ class Optimizer:
             raise ValueError(f"apply_grads got {len(grads)} gradients for {len(variables)} variables")
         if not variables:
             return []
-        step = self._step(variables[0].mesh)
+        counter = self._step(variables[0].mesh)
+        step = ew.cast(counter, "float32")  # (the schedules' step; the int32 counter itself stays exact)
         lr = self.learning_rate(step)
         updates = []
         for g, var in zip(grads, variables):
             if g is None:
                 continue
             updates.extend(self.apply_grad(g, var, lr, step))
-        updates.append(assign_add(step, 1.0))
+        updates.append(assign_add(counter, 1))
         return updates
 
     def apply_grad(self, grad: Tensor, var: VariableOperation, lr, step: Tensor) -> list:

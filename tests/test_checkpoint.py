@@ -9,7 +9,7 @@ import pytest
 
 import meshax as mx
 from meshax.models.mlp import two_layer
-from meshax.train.checkpoint import latest_step, restore_checkpoint, save_checkpoint
+from meshax.train.checkpoint import check_restorable, latest_step, restore_checkpoint, save_checkpoint
 from tests.conftest import MESH_SHAPE, new_mesh
 
 LAYOUT = "batch:rows;hidden:cols"
@@ -243,6 +243,31 @@ def test_variable_of_another_dtype(tmp_path):
     for dtype in ("int32", "bfloat16"):
         with pytest.raises(mx.ConfigError, match=rf"1 have other dtypes \('w' \({dtype} here, float32 there\)\)"):
             restore_checkpoint(tmp_path, lowering(dtype))
+
+
+def test_an_older_checkpoint_s_float32_step_counter_is_restored_as_the_int32_one(tmp_path):
+    """Checkpoints written before the step counter was an int32 hold a float32 `global_step`:
+    it is restored (and checked) as the int32 counter, at its value, and the schedule goes on
+    from it; another float32 variable read into an int32 one is still refused (above)."""
+    graph, mesh = new_mesh()
+    mx.get_variable(mesh, "w", "a:4", initializer=mx.initializers.ones())
+    counter = mx.get_variable(mesh, "global_step", [], "float32", initializer=mx.initializers.zeros(), trainable=False)
+    old = mx.Lowering(graph, {mesh: mx.SimdMeshImpl(MESH_SHAPE, "a:rows")})
+    old.set_variable_value(counter, np.float32(5))
+    save_checkpoint(tmp_path, old, 5)
+
+    graph, mesh = new_mesh()
+    w = mx.get_variable(mesh, "w", "a:4", initializer=mx.initializers.zeros())
+    opt = mx.optimize.SgdOptimizer(mx.optimize.linear_warmup(1.0, 10))
+    updates = opt.apply_grads(mx.gradients(mx.reduce_sum(w), [w]), [w])
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl(MESH_SHAPE, "a:rows")})
+    check_restorable(tmp_path, lowering)
+    assert restore_checkpoint(tmp_path, lowering)["step"] == 5
+    step = lowering.variable_value(opt.step)
+    assert step == 5 and step.dtype == np.int32
+    lowering.function([], updates=updates)({})
+    assert lowering.variable_value(opt.step) == 6
+    np.testing.assert_allclose(lowering.variable_value(w), 1 - 0.6)  # the warmup's rate at step 5
 
 
 def test_extra_checkpoint_variables_warn(saved_at_3):

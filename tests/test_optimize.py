@@ -309,6 +309,26 @@ def test_step_counter_and_clipping():
     assert lo.variable_value(opt.step) == 1.0
 
 
+def test_the_step_counter_is_exact_past_2_to_the_24():
+    """The step counter is an int32 (Mesh-TensorFlow's global step is an int64): a float32 one
+    stopped at 2^24, where 2^24 + 1 rounds back to 2^24, and the schedules stopped with it. The
+    schedules still get the step as a float32."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", [a], initializer=mx.initializers.zeros())
+    seen = []
+    opt = mx.optimize.SgdOptimizer(lambda step: seen.append(step.dtype) or 0.5)
+    updates = opt.apply_grads(mx.gradients(mx.reduce_sum(w), [w]), [w])
+    assert seen == [np.float32] and opt.step.dtype == np.int32
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+    lo.set_variable_value(opt.step, np.int32(2**24 - 1))
+    fn = lo.function([], updates=updates)
+    for _ in range(3):
+        fn({})
+    assert lo.variable_value(opt.step) == 2**24 + 2
+    np.testing.assert_allclose(lo.variable_value(w), -1.5)
+
+
 @pytest.mark.parametrize(
     "optimizer",
     [
@@ -331,7 +351,7 @@ def test_a_float16_variable_s_statistics_are_taken_in_float32(optimizer, shape):
         updates = optimizer().apply_grads(mx.gradients(loss, [w]), [w])
         lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "a:rows")})
         lo.function([], updates=updates)({})
-        assert {str(v.dtype) for v in graph.all_variables if v.name != "w"} == {"float32"}
+        assert {str(v.dtype) for v in graph.all_variables if v.name not in ("w", "global_step")} == {"float32"}
         after[dtype] = np.asarray(lo.variable_value(w))
     assert after["float16"].dtype == np.float16
     np.testing.assert_allclose(after["float16"].astype(np.float32), after["float32"], rtol=1e-3)

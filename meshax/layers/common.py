@@ -182,7 +182,8 @@ def annealed_dropout(x: Tensor, is_training: bool, start_step, end_step, init_ra
         raise GraphError("annealed_dropout needs init_rate: the dropout rate at start_step")
     if not is_training:
         return x
-    fraction = (global_step(x.mesh) - float(start_step)) * (1.0 / (float(end_step) - float(start_step)))
+    step = ew.cast(global_step(x.mesh), "float32")  # (the counter is an int32)
+    fraction = (step - float(start_step)) * (1.0 / (float(end_step) - float(start_step)))
     keep = ew.minimum(fraction * init_rate + (1.0 - init_rate), 1.0)
     shape = x.shape if noise_shape is None else Shape(as_dims(noise_shape))
     noise = ew.cast(ew.less(random_uniform(x.mesh, shape, dtype=x.dtype), ew.cast(keep, x.dtype)), x.dtype)

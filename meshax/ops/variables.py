@@ -175,12 +175,13 @@ def _new_variable(mesh: Mesh, name: str, shape, initializer, dtype, trainable) -
 
 
 def global_step(mesh: Mesh) -> Tensor:
-    """The step counter `global_step` (float32, from 0): the one the optimizer increments at each
-    update, created here if nothing made it yet (TensorFlow's `get_or_create_global_step`)."""
+    """The step counter `global_step` (int32, from 0: exact up to 2^31 - 1 steps, where a float32
+    one stopped at 2^24): the one the optimizer increments at each update, created here if nothing
+    made it yet (TensorFlow's `get_or_create_global_step`)."""
     from meshax import initializers
 
     with reuse_variables():
-        return get_variable(mesh, "global_step", [], dtype="float32", initializer=initializers.zeros(), trainable=False)
+        return get_variable(mesh, "global_step", [], dtype="int32", initializer=initializers.zeros(), trainable=False)
 
 
 def read_variable(var) -> Tensor:

@@ -119,6 +119,18 @@ def latest_step(directory) -> int | None:
     return steps[-1] if steps else None
 
 
+def _float32_step_counter(name: str, var, saved) -> bool:
+    """Whether `name` is the step counter as checkpoints before meshax's int32 one hold it, a
+    float32, where this graph's is an int32: restored as its int32 (every value a float32
+    counter reached, counting by ones from 0, is a whole number)."""
+    return (
+        name == "global_step"
+        and np.dtype(var.dtype) == np.int32
+        and name in saved
+        and np.dtype(saved[name].dtype) == np.float32
+    )
+
+
 def _check_same_model(directory, step: int, variables: dict, saved) -> None:
     """Every variable of the graph is in the checkpoint with its shape and dtype; else a
     ConfigError naming a few of those missing, reshaped or retyped (a checkpoint of another
@@ -137,7 +149,7 @@ def _check_same_model(directory, step: int, variables: dict, saved) -> None:
     retyped = [
         f"{n!r} ({np.dtype(var.dtype).name} here, {np.dtype(saved[n].dtype).name} there)"
         for n, var in variables.items()
-        if n in saved and np.dtype(saved[n].dtype) != np.dtype(var.dtype)
+        if n in saved and np.dtype(saved[n].dtype) != np.dtype(var.dtype) and not _float32_step_counter(n, var, saved)
     ]
     problems = [f"{len(missing)} of its {len(variables)} variables are not there ({some(missing)})"] if missing else []
     problems += [f"{len(reshaped)} have other shapes ({some(reshaped)})"] if reshaped else []
@@ -202,10 +214,11 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
                 f"checkpoint {directory} step {step} has variables the graph lacks, not restored: {unused}",
                 stacklevel=2,
             )
+        old_counter = [name for name, var in variables.items() if _float32_step_counter(name, var, saved)]
         target = {
             name: jax.ShapeDtypeStruct(
                 tuple(var.shape.to_integer_list),
-                np.dtype(var.dtype),
+                np.dtype(np.float32 if name in old_counter else var.dtype),
                 sharding=lowering.impl.global_sharding(var.shape, lowering.plan[var.value]),
             )
             for name, var in variables.items()
@@ -219,6 +232,8 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
                 meta=ocp.args.JsonRestore(),
             ),
         )
+    for name in old_counter:
+        restored["state"][name] = restored["state"][name].astype(np.int32)
     for name, var in variables.items():
         lowering.set_variable_value(var, restored["state"][name])  # already laid out as the plan says
     meta = restored["meta"]
