@@ -388,6 +388,26 @@ def test_a_partial_sum_is_settled_before_an_einsum_that_grows_it(impl_cls):
     _check_hlo(fn, feeds, impl_cls)
 
 
+@impls
+def test_a_tensor_exchanged_alike_for_two_readers_is_exchanged_once(impl_cls):
+    """q [b, d, k] split over cols by k, read by two copies wanting d split over cols (one with b
+    over rows too): both reshards start with the same alltoall (k -> d over cols), which XLA runs
+    once. It was counted twice (2 alltoalls of 128 values, 1 of 64 in the HLO)."""
+    _, mesh = new_mesh()
+    k = mx.Dimension("k", 4)
+    p = mx.placeholder(mesh, "p", [B, D, k])
+    q = mx.shard(p, "k:cols")
+    outputs = (mx.shard(mx.identity(q), "b:rows;d:cols") * 2.0, mx.shard(mx.identity(q), "d:cols") * 3.0)
+    _, fn = lower(outputs, impl_cls)
+    qv = rand([8, 8, 4], seed=109)
+    feeds = {p: qv}
+    for got, scale in zip(fn(feeds), (2.0, 3.0)):
+        assert_close(got, scale * qv)
+    assert _nonzero(fn.counters) == {"alltoall": 1}
+    assert fn.counters["alltoall"].values == 8 * 8 * 4 // 4
+    _check_hlo(fn, feeds, impl_cls)
+
+
 def _looped(y):
     t = mx.Dimension("t", 3)
     (c,), _ = mx.scan(lambda c, _: ([c[0] + mx.reduce_sum(y, reduced_dim=D)], []), [mx.zeros(y.mesh, [B])], dim=t)

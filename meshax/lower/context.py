@@ -270,11 +270,16 @@ class LoweringContext:
 
     def alltoall(self, xs: list, axis: int, split_dim: int, concat_dim: int, keep: int | None = None) -> list:
         """`split_dim` split along mesh `axis` (padded to a multiple of its size first), the
-        parts exchanged and concatenated along `concat_dim`, of which `keep` values are kept."""
+        parts exchanged and concatenated along `concat_dim`, of which `keep` values are kept.
+        Once per program for the very same slices, as for `allgather`."""
         if not self._live([axis]):
             return xs
-        xs = _pad_to_parts(self, xs, split_dim, self.mesh_shape[axis].size)
-        out = self._run("alltoall", xs, [axis], lambda: self.impl.alltoall(xs, axis, split_dim, concat_dim))
+
+        def exchange() -> list:
+            parts = _pad_to_parts(self, xs, split_dim, self.mesh_shape[axis].size)
+            return self._run("alltoall", parts, [axis], lambda: self.impl.alltoall(parts, axis, split_dim, concat_dim))
+
+        out = self._once("alltoall", xs, (axis, split_dim, concat_dim), exchange)
         return _trim(self, out, concat_dim, keep)
 
     def reduce_scatter(self, xs: list, axis: int, dim: int) -> list:
