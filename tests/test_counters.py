@@ -408,6 +408,31 @@ def test_a_tensor_exchanged_alike_for_two_readers_is_exchanged_once(impl_cls):
     _check_hlo(fn, feeds, impl_cls)
 
 
+@impls
+def test_an_uneven_tensor_gathered_alike_for_two_readers_is_gathered_once(impl_cls):
+    """y = x@w [b=3, d=5] laid out b over cols and d over rows (both uneven), read by an outer
+    product and by its gradient's einsum: both gather b over cols and cut its padding, then
+    gather d over rows, which XLA runs once. The cut was made anew for each reader, so the
+    second gather was of other slices and counted again (6 allgathers of 65 values counted, 5
+    of 56 in the HLO)."""
+    _, mesh = new_mesh()
+    b, h, d, k = mx.Dimension("b", 3), mx.Dimension("h", 5), mx.Dimension("d", 5), mx.Dimension("k", 3)
+    x, w = mx.placeholder(mesh, "x", [b, h]), mx.placeholder(mesh, "w", [h, d])
+    u, t = mx.placeholder(mesh, "u", [k]), mx.placeholder(mesh, "t", [b, d, k])
+    y = mx.shard(mx.einsum(x, w, output_shape=[b, d]), "b:cols;d:rows")
+    z = mx.shard(mx.einsum(y, u, output_shape=[b, d, k]), "d:cols;k:rows")
+    loss = mx.reduce_sum(z * t)
+    _, fn = lower((loss, mx.gradients(loss, [u])[0]), impl_cls, layout="h:cols")
+    xv, wv, uv, tv = rand([3, 5], seed=110), rand([5, 5], seed=111), rand([3], seed=112), rand([3, 5, 3], seed=113)
+    feeds = {x: xv, w: wv, u: uv, t: tv}
+    yv = xv.astype(np.float64) @ wv
+    got_loss, got_grad = fn(feeds)
+    assert_close(got_loss, np.einsum("bd,k,bdk->", yv, uv, tv))
+    assert_close(got_grad, np.einsum("bd,bdk->k", yv, tv))
+    assert (fn.counters["allgather"].count, fn.counters["allgather"].values) == (5, 56)
+    _check_hlo(fn, feeds, impl_cls)
+
+
 def _looped(y):
     t = mx.Dimension("t", 3)
     (c,), _ = mx.scan(lambda c, _: ([c[0] + mx.reduce_sum(y, reduced_dim=D)], []), [mx.zeros(y.mesh, [B])], dim=t)

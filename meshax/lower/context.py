@@ -336,7 +336,12 @@ def _pad_to_parts(ctx: LoweringContext, xs: list, dim: int, parts: int) -> list:
 
 
 def _trim(ctx: LoweringContext, xs: list, dim: int, keep: int | None) -> list:
-    """The first `keep` values of `dim` (all when keep is None or no smaller)."""
+    """The first `keep` values of `dim` (all when keep is None or no smaller); once per program
+    for the very same slices, so that a gather of them that XLA merges is counted once too."""
     if keep is None or keep >= xs[0].shape[dim]:
         return xs
-    return ctx.slicewise(lambda x: jax.lax.slice_in_dim(x, 0, keep, axis=dim), xs)
+
+    def cut() -> list:
+        return ctx.slicewise(lambda x: jax.lax.slice_in_dim(x, 0, keep, axis=dim), xs)
+
+    return ctx._once("trim", xs, (dim, keep), cut)
