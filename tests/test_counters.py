@@ -433,6 +433,25 @@ def test_an_uneven_tensor_gathered_alike_for_two_readers_is_gathered_once(impl_c
     _check_hlo(fn, feeds, impl_cls)
 
 
+@impls
+def test_a_partial_sum_a_linear_reader_settled_is_not_summed_again(impl_cls):
+    """x@w owed over rows (h split) plus x2@w2 owed over cols (k split), the sum laid out d:rows:
+    the add may carry sums, but its layout splits d over rows, so reading x@w reduce-scatters it;
+    owed over two axes, the sums are then settled, and x@w was reduce-scattered again (2 of 128
+    values counted, 1 of 64 in the HLO)."""
+    x, w, y, _ = _einsum_graph()
+    k = mx.Dimension("k", 4)
+    x2, w2 = mx.placeholder(x.mesh, "x2", [B, k]), mx.placeholder(x.mesh, "w2", [k, D])
+    z = mx.shard(y + mx.einsum(x2, w2, output_shape=[B, D]), "d:rows")
+    _, fn = lower(z, impl_cls, layout="h:rows;k:cols")
+    x2v, w2v = rand([8, 4], seed=114), rand([4, 8], seed=115)
+    feeds = {x: XV, w: WV, x2: x2v, w2: w2v}
+    assert_close(fn(feeds), XV.astype(np.float64) @ WV + x2v.astype(np.float64) @ w2v)
+    assert _nonzero(fn.counters) == {"reduce_scatter": 1, "allreduce": 1}
+    assert fn.counters["reduce_scatter"].values == 8 * 8
+    _check_hlo(fn, feeds, impl_cls)
+
+
 def _looped(y):
     t = mx.Dimension("t", 3)
     (c,), _ = mx.scan(lambda c, _: ([c[0] + mx.reduce_sum(y, reduced_dim=D)], []), [mx.zeros(y.mesh, [B])], dim=t)

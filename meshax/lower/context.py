@@ -116,7 +116,9 @@ class LoweringContext:
             # a sum already settled (into another layout, for another reader) is moved, not summed again
             start = self._settled.get(t, value) if settling else value
             self._cache[key] = reshard(self, start, layout, t.shape, keep_partial=allow_partial, producer=producer)
-            if settling:
+            # (settled also where a reader that may carry the sums settled them all, as its layout
+            # splits their axes: a second read that may not carry them moves this, not sums again)
+            if value.pending and not self._cache[key].pending:
                 self._settled.setdefault(t, self._cache[key])
         return self._cache[key]
 
