@@ -452,6 +452,25 @@ def test_a_partial_sum_a_linear_reader_settled_is_not_summed_again(impl_cls):
     _check_hlo(fn, feeds, impl_cls)
 
 
+@impls
+def test_a_partial_sum_a_linear_reader_settled_in_part_is_settled_on_from_there(impl_cls):
+    """x@w owed over rows and cols (h split over both) plus p, the sum laid out d:rows: the add
+    may carry sums, so reading x@w reduce-scatters it over rows and carries the cols; p owes
+    none, so the sum is then settled, and that started again from x@w owed over both (2
+    reduce-scatters of 128 values counted, 1 of 64 in the HLO)."""
+    _, mesh = new_mesh()
+    h = mx.Dimension("h", 8)
+    x, w, p = mx.placeholder(mesh, "x", [B, h]), mx.placeholder(mesh, "w", [h, D]), mx.placeholder(mesh, "p", [B, D])
+    z = mx.shard(mx.einsum(x, w, output_shape=[B, D]) + p, "d:rows")
+    _, fn = lower(z, impl_cls, layout="h:rows;h:cols")
+    xv, wv, pv = rand([8, 8], seed=116), rand([8, 8], seed=117), rand([8, 8], seed=118)
+    feeds = {x: xv, w: wv, p: pv}
+    assert_close(fn(feeds), xv.astype(np.float64) @ wv + pv)
+    assert _nonzero(fn.counters) == {"reduce_scatter": 1, "allreduce": 1}
+    assert (fn.counters["reduce_scatter"].values, fn.counters["allreduce"].values) == (8 * 8, 8 * 8 // 2)
+    _check_hlo(fn, feeds, impl_cls)
+
+
 def _looped(y):
     t = mx.Dimension("t", 3)
     (c,), _ = mx.scan(lambda c, _: ([c[0] + mx.reduce_sum(y, reduced_dim=D)], []), [mx.zeros(y.mesh, [B])], dim=t)

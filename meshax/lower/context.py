@@ -113,8 +113,10 @@ class LoweringContext:
             while getattr(producer, "passes_sums", False) and producer.inputs:
                 producer = producer.inputs[0].operation
             settling = bool(value.pending) and not allow_partial
-            # a sum already settled (into another layout, for another reader) is moved, not summed again
-            start = self._settled.get(t, value) if settling else value
+            # a sum already settled (into another layout, for another reader) is moved, not summed
+            # again; one that a reader that may carry sums settled in part (over the axes its layout
+            # splits) is settled on from there
+            start = self._settled.get(t, self._cache.get((t, layout, True), value)) if settling else value
             self._cache[key] = reshard(self, start, layout, t.shape, keep_partial=allow_partial, producer=producer)
             # (settled also where a reader that may carry the sums settled them all, as its layout
             # splits their axes: a second read that may not carry them moves this, not sums again)
