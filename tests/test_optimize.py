@@ -88,6 +88,11 @@ def test_adafactors_defaults_are_mesh_tensorflows(scaled):
     are under min_dim_size_to_factor, 128: one full slot), and without the parameter scale the
     default rate is min(0.01, 1/sqrt(step)) times 0.05."""
     w, t, hist = run(mx.optimize.AdafactorOptimizer(multiply_by_parameter_scale=scaled))
+    _check_unfactored_adafactor(w, t, hist, lambda w: max(np.sqrt((w * w).mean()), 1e-3) if scaled else 0.05)
+
+
+def _check_unfactored_adafactor(w, t, hist, scale):
+    """`hist` is Adafactor's unfactored steps from w (NumPy's), the default rate times scale(w)."""
     v = np.zeros_like(w)
     for step, got in enumerate(hist, start=1):
         g = grad(w, t)
@@ -95,8 +100,7 @@ def test_adafactors_defaults_are_mesh_tensorflows(scaled):
         v = decay * v + (1 - decay) * (g * g + 1e-30)
         x = g / np.sqrt(v)
         x = x / max(np.sqrt((x * x).mean()), 1.0)
-        rate = min(0.01, 1 / np.sqrt(step))
-        w = w - rate * (max(np.sqrt((w * w).mean()), 1e-3) if scaled else 0.05) * x
+        w = w - min(0.01, 1 / np.sqrt(step)) * scale(w) * x
         np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6)
 
 
@@ -256,15 +260,7 @@ def test_adafactor_exclude_from_parameter_scale():
     the strings is updated at the learning rate alone (the default rate, without the 0.05 that
     multiply_by_parameter_scale=False brings); substrings, not regular expressions."""
     w, t, hist = run(mx.optimize.AdafactorOptimizer(exclude_from_parameter_scale=["x", "w"]))
-    v = np.zeros_like(w)
-    for step, got in enumerate(hist, start=1):
-        g = grad(w, t)
-        d = 1 - step**-0.8
-        v = d * v + (1 - d) * (g * g + 1e-30)
-        x = g / np.sqrt(v)
-        x = x / max(np.sqrt((x * x).mean()), 1.0)
-        w = w - min(0.01, 1 / np.sqrt(step)) * x
-        np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-6)
+    _check_unfactored_adafactor(w, t, hist, lambda w: 1.0)
     not_excluded = run(mx.optimize.AdafactorOptimizer(exclude_from_parameter_scale=["^w$"]))
     scaled = run(mx.optimize.AdafactorOptimizer())
     np.testing.assert_allclose(not_excluded[2][-1], scaled[2][-1], rtol=1e-6)
