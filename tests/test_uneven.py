@@ -208,3 +208,27 @@ def test_the_unet_trains_under_spatial_layouts_like_on_one_device():
     for mesh_shape, layout in (("rows:2;cols:4", "h:rows;w:cols"), ("rows:3;cols:2", "batch:cols;h:rows")):
         split = train(task, mesh_shape, layout, steps=20)
         np.testing.assert_allclose(split.losses, one.losses, rtol=1e-3, atol=1e-4)
+
+
+def test_an_alltoall_of_a_padded_transpose_compiles_and_is_counted_as_run():
+    """A size-1 dim split over 2 devices by an alltoall from a dim split before: its padding is a
+    whole part. XLA for the CPU split the all-to-all into its parts, made the padding part a
+    broadcast whose layout differed from the transposed part's, and its verifier refused the
+    program ("HLO all-to-all has operands with different shapes"): meshax passes the padded array
+    through an optimization barrier first (found by comparing the fuzzer's programs with their HLO)."""
+    c, b, a = mx.Dimension("c", 1), mx.Dimension("b", 4), mx.Dimension("a", 8)
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [a, b, c])
+    z = mx.shard(mx.einsum([x], output_shape=[c, b, a]), "c:all")  # (a transpose, then c over all)
+    out = mx.reduce_sum(z * z, output_shape=[b])
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:2", "b:all")}).function([out, z])
+    xv = np.arange(32, dtype=np.float32).reshape(8, 4, 1)
+    got_out, got_z = fn({"x": xv})
+    np.testing.assert_allclose(got_out, (xv**2).sum((0, 2)))
+    np.testing.assert_array_equal(got_z, xv.transpose(2, 1, 0))
+    hlo = mx.hlo_collectives(fn.compiled_text())
+    assert {k: (v["count"], v["values"]) for k, v in hlo.items()} == {
+        k: (fn.counters[k].count, fn.counters[k].values) for k in hlo
+    }
+    assert "alltoall" in hlo

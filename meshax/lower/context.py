@@ -281,6 +281,8 @@ class LoweringContext:
 
         def exchange() -> list:
             parts = _pad_to_parts(self, xs, split_dim, self.mesh_shape[axis].size)
+            if parts is not xs:  # (XLA CPU's verifier refuses some all-to-alls of a padded array: `_held`)
+                parts = self.slicewise(_held, parts)
             return self._run("alltoall", parts, [axis], lambda: self.impl.alltoall(parts, axis, split_dim, concat_dim))
 
         out = self._once("alltoall", xs, (axis, split_dim, concat_dim), exchange)
@@ -337,6 +339,16 @@ def _pad_to_parts(ctx: LoweringContext, xs: list, dim: int, parts: int) -> list:
     if not extra:
         return xs
     return ctx.slicewise(lambda x: jnp.pad(x, [(0, extra if i == dim else 0) for i in range(x.ndim)]), xs)
+
+
+def _held(x):
+    """x through an optimization barrier. XLA for the CPU splits an all-to-all into one of its
+    parts, and simplifies a part that is all padding into a broadcast of the pad value, whose
+    layout may differ from the other parts' (a transpose's): its verifier then refuses the
+    program ("HLO all-to-all has operands with different shapes: f32[1,2,8] ... f32[1,2,8]",
+    jax 0.10.2; plain `shard_map` does the same). Behind the barrier the parts are slices of one
+    array."""
+    return jax.lax.optimization_barrier(x)
 
 
 def _trim(ctx: LoweringContext, xs: list, dim: int, keep: int | None) -> list:
