@@ -260,7 +260,6 @@ class AdafactorOptimizer(Optimizer):
         exclude_from_parameter_scale: Sequence[str] | None = None,
     ):
         super().__init__(learning_rate)
-        self.decay_rate_exponent = decay_rate_exponent
         if decay_rate is None:
             decay_rate = adafactor_decay_rate_pow(decay_rate_exponent)
         elif decay_rate_exponent != 0.8:

@@ -342,12 +342,12 @@ def _pad_to_parts(ctx: LoweringContext, xs: list, dim: int, parts: int) -> list:
 
 
 def _held(x):
-    """x through an optimization barrier. XLA for the CPU splits an all-to-all into one of its
-    parts, and simplifies a part that is all padding into a broadcast of the pad value, whose
-    layout may differ from the other parts' (a transpose's): its verifier then refuses the
-    program ("HLO all-to-all has operands with different shapes: f32[1,2,8] ... f32[1,2,8]",
-    jax 0.10.2; plain `shard_map` does the same). Behind the barrier the parts are slices of one
-    array."""
+    """x through an optimization barrier. XLA for the CPU splits an all-to-all of one array
+    into an all-to-all of its parts, and simplifies a part that is all padding into a broadcast
+    of the pad value, whose layout may differ from the other parts' (a transpose's): its verifier
+    then refuses the program ("HLO all-to-all has operands with different shapes: f32[1,2,8] ...
+    f32[1,2,8]", jax 0.10.2; plain `shard_map` does the same). Behind the barrier the parts are
+    slices of one array."""
     return jax.lax.optimization_barrier(x)
 
 
