@@ -167,7 +167,7 @@ class Estimator:
                 source = (sig_of[op], op.outputs.index(t)) if op in sig_of else ("input", _shape_key(t))
                 self._uses[(source, _shape_key(t), tuple(sorted(set(cs), key=repr)))] += times
                 self._shapes[_shape_key(t)] = t.shape
-        from meshax.plan import _fed, recomputed_bodies  # (memory as the plan counts it)
+        from meshax.plan import _fed, recomputed_bodies, weight_reads  # (memory as the plan counts it)
 
         forward = _needed_ops(graph, [t.operation for t in outputs])
         parts = ("parameters", "gradients", "optimizer_state", "activations")
@@ -192,6 +192,11 @@ class Estimator:
                 self._shapes.update((_shape_key(t), t.shape) for t in inside)
                 self._recomputed.add(frozenset(Counter(map(_shape_key, inside)).items()))
         self._weight_shapes = weight_shapes(graph.operations)
+        # weight-shaped tensors the forward ops read, by shape and readers: those read in another
+        # layout than their own are gathered copies (`meshax.plan._gathered_weights`)
+        self._weight_reads: dict[tuple, int] = defaultdict(int)
+        for t, readers in weight_reads(kept, self._weight_shapes).items():
+            self._weight_reads[_shape_key(t), frozenset((sig_of[op], i) for op, i in readers)] += 1
         self._aliases = _renamed(sig_of)
         self._memos()
 
@@ -222,6 +227,7 @@ class Estimator:
         out._memory = {part: combine(lambda e, part=part: e._memory[part]) for part in base._memory}
         out._runs_of = combine(lambda e: e._runs_of)
         out._recomputed = set().union(*(e._recomputed for e in everyone))
+        out._weight_reads = combine(lambda e: e._weight_reads)
         out._memos()
         out._weight_shapes = frozenset().union(*(e._weight_shapes for e in everyone))
         out._aliases = {k: frozenset().union(*(e._aliases.get(k, ()) for e in everyone)) for k in base._aliases}
@@ -260,6 +266,9 @@ class Estimator:
 
         memory = {part: nbytes(groups) for part, groups in tables.memory.items()}
         memory["activations"] += max(map(nbytes, tables.recomputed), default=0)
+        for k, readers, n in tables.weight_reads:  # (the weights gathered for their readers)
+            wants = {state.runs[c].operands[i] for c, i in readers} - {lay[k]}
+            memory["activations"] += n * sum(self._bytes(k, want) for want in wants)
         return StepCost(dict(flops), collectives, memory, exact=False)
 
     def _state(self, by_dim: dict, by_weight_dim: dict, weight_shaped: frozenset) -> _State:
@@ -441,6 +450,9 @@ class _Tables:
         ]
         self.memory = {part: [(number[k], n) for k, n in groups.items()] for part, groups in e._memory.items()}
         self.recomputed = [[(number[k], n) for k, n in group] for group in e._recomputed]
+        self.weight_reads = [
+            (number[key], [(ordinal[sig], i) for sig, i in readers], n) for (key, readers), n in e._weight_reads.items()
+        ]
         # ops that exchange halos themselves (`halo_sends`: a pipeline's shifts, convolutions, pooling)
         self.halos = [
             (i, e._runs_of[sig]) for i, (sig, op) in enumerate(zip(sigs, self.reps)) if hasattr(op, "halo_sends")

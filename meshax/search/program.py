@@ -33,8 +33,9 @@ def exact_cost(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence 
 
 def memory_of(lowering: Lowering, outputs: Sequence[Tensor], updates: Sequence = ()) -> dict[str, int]:
     """Bytes per device by part, from the plan alone: parameters, their gradients (when there are
-    updates), optimizer state, and activations (every forward tensor, none freed, the largest recomputed body's
-    internals once, and the batch and imported arrays: `meshax.plan.memory_per_device`)."""
+    updates), optimizer state, and activations (every forward tensor, none freed, the weights
+    gathered for their readers, the largest recomputed body's internals once, and the batch and
+    imported arrays: `meshax.plan.memory_per_device`)."""
     from meshax.plan import memory_per_device
 
     m = memory_per_device(lowering, outputs)
