@@ -243,6 +243,25 @@ def test_priorities_settle_lower_ones_first():
     assert_close(low.function(h)({"x": xv, "w": wv}), np.maximum(xv @ wv, 0))
 
 
+@pytest.mark.parametrize("larger", ["w", "x"])
+def test_where_two_factors_want_one_mesh_dim_the_larger_tensors_split_wins(larger):
+    """x's batch and w's f both ask for mesh dim x in h = x . w, at one priority: h takes the split
+    of the larger of x and w, so that the smaller one is gathered (Shardy's aggressive
+    propagation). It went by h's dim order: batch won, and w, 4x x's size, was gathered."""
+    _, mesh = new_mesh()
+    nb, nf = (8, 32) if larger == "w" else (32, 8)
+    b, d, f = mx.Dimension("batch", nb), mx.Dimension("d", 4), mx.Dimension("f", nf)
+    x = mx.mesh_split(mx.placeholder(mesh, "x", [b, d]), ["x", None])
+    w = mx.mesh_split(mx.placeholder(mesh, "w", [d, f]), [None, "x"])
+    h = mx.relu(mx.einsum(x, w, output_shape=[b, f]))
+    low = _lowering(h)
+    assert low.layout_of(h) == ("f:x" if larger == "w" else "batch:x")
+    fn = low.function(h)
+    xv, wv = rand([nb, 4], 1), rand([4, nf], 2)
+    assert_close(fn({"x": xv, "w": wv}), np.maximum(xv @ wv, 0))
+    assert fn.counters["allgather"].values == 8 * 4 // 2  # (the smaller one's other half)
+
+
 @pytest.mark.parametrize(
     "mesh,layout,weight_layout,config",
     [

@@ -12,7 +12,9 @@ The passes, in the order they run (`make_plan`):
      order, only the ops that could carry something new (a worklist: those next to a tensor
      that changed since they last ran), with the result of sweeping every op. Priorities:
      elementwise ops first, then ops that remove dims or contract (einsum, reductions), and
-     last forward through ops that add dims (broadcast), which are preferred backward. A split
+     last forward through ops that add dims (broadcast), which are preferred backward. Where
+     two factors of one tensor want one mesh dim, the one whose split comes from the larger
+     tensor takes it (Shardy's aggressive propagation: the smaller tensor is resharded). A split
      is only ever refined (an open dim grows a longer split that extends the one it has), never
      overwritten, and fixed dims never change, so the sweeps reach a fixed point; they are
      deterministic.
@@ -262,9 +264,13 @@ class Propagation:
             if t not in self.axes or all(self.fixed[t]):
                 continue
             splits = self._factor_splits(op, rule, factors, to_results, level)
-            for i, f in enumerate(factors):
-                if self.fixed[t][i] or f not in splits:  # (splits has no None or whole factors)
-                    continue
+            # Where two factors want one mesh dim, the one from the larger tensor takes it (Shardy's
+            # aggressive propagation): resharding the smaller tensor is the cheaper side of the conflict.
+            dims = [i for i, f in enumerate(factors) if f in splits and not self.fixed[t][i]]
+            if len(dims) > 1:
+                dims.sort(key=lambda i: -splits[factors[i]][1].shape.size)
+            for i in dims:
+                f = factors[i]
                 cur = self.axes[t][i] or ()
                 new = self._refine(t, i, splits[f][0])
                 if len(new) > len(cur) and new[: len(cur)] == cur:
