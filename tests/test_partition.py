@@ -625,6 +625,26 @@ def test_one_value_laid_out_two_ways_as_jax_jit_allows():
             mx.partition(lambda x, p=priority: mx.mesh_split(x * 2, ["x", None], priority=p), MESH)(a)
 
 
+def test_a_weights_gradient_keeps_the_weights_split_where_the_batch_wants_its_mesh_dim():
+    """The gradient of a 2-layer MLP, w split on its hidden dim over x and x on its batch over x,
+    no out_shardings. The forward x @ w takes w's split (w is the larger), so the batch is
+    gathered once (4096 values) and both gradients come out split like the weights, as jax.jit
+    does. The gradients' contractions over the batch had carried x's split to the activations
+    before the forward pass reached them: the batch won mesh dim x, w was gathered (16384) and
+    both gradients, partial sums over the batch, were allreduced (65536)."""
+    k = jax.random.split(jax.random.key(5), 3)
+    x = jax.random.normal(k[0], (64, 128))
+    w, w2 = jax.random.normal(k[1], (128, 256)) * 0.1, jax.random.normal(k[2], (256, 128)) * 0.1
+    g = jax.grad(lambda w, w2, x: jnp.sum(jnp.tanh(x @ w) @ w2), argnums=(0, 1))
+    f = mx.partition(g, MESH, in_shardings=(P(None, "x"), None, P("x", None)))
+    assert_trees_close(f(w, w2, x), one_device(g, w, w2, x), rtol=1e-4, atol=1e-5)
+    program = f.lower(w, w2, x)
+    moved = {k: (program.counters[k].count, program.counters[k].values) for k in mx.lower.counters.KINDS}
+    assert {k: v for k, v in moved.items() if v[0]} == {"allgather": (1, 64 * 128 // 2)}
+    assert [program.layout_of(i) for i in (0, 1)] == ["w[1]:x", "w[1]:x"]
+    assert_counters_equal_hlo(program, w, w2, x)
+
+
 # ---- random programs ------------------------------------------------------------------------------
 SPECS = [P("x", None), P(None, "y"), P("y", "x"), P(None, None), P(P.UNCONSTRAINED, "y"), P(("x", "y"), None)]
 

@@ -11,8 +11,9 @@ The passes, in the order they run (`make_plan`):
      tensor through the op sharding rules until nothing changes; a sweep visits, in graph
      order, only the ops that could carry something new (a worklist: those next to a tensor
      that changed since they last ran), with the result of sweeping every op. Priorities:
-     elementwise ops first, then ops that remove dims or contract (einsum, reductions), and
-     last forward through ops that add dims (broadcast), which are preferred backward. Where
+     elementwise ops first, then the factors other ops pass through (einsum, reductions), and
+     last forward through ops that add dims (broadcast), which are preferred backward, and
+     along reduced factors (an einsum's contracted dim, from one operand to the other). Where
      two factors of one tensor want one mesh dim, the one whose split comes from the larger
      tensor takes it (Shardy's aggressive propagation: the smaller tensor is resharded). A split
      is only ever refined (an open dim grows a longer split that extends the one it has), never
@@ -33,6 +34,8 @@ from meshax.core.errors import LayoutError
 from meshax.core.shape import Shape
 from meshax.layout.rules import LayoutRules, TensorLayout, tensor_layout, validate_layout
 from meshax.layout.sharding_rule import Factors, ShardingRule, rule_of
+
+LAST = 2  # the last propagation level: forward through ops that add dims, and reduced factors
 
 
 class _Open:
@@ -133,7 +136,8 @@ class _Structure:
         ins, outs = list(zip(op.inputs, rule.operands)), list(zip(op.outputs, rule.results))
         targets = {fs for t, fs in (outs if to_results else ins) if t in self.tensors}
         sources = {fs for t, fs in ins + outs if t in self.tensors}  # (a pair's level is its factors')
-        return max((Propagation._level(rule, s, fs, to_results) for fs in targets for s in sources), default=0)
+        top = max((Propagation._level(rule, s, fs, to_results) for fs in targets for s in sources), default=0)
+        return max(top, LAST) if rule.reduced and not to_results else top  # (reduced factors: `_factor_splits`)
 
 
 def _structure(operations: tuple) -> _Structure:
@@ -230,7 +234,12 @@ class Propagation:
     def _factor_splits(self, op, rule: ShardingRule, target: Factors, to_results: bool, level: int) -> dict:
         """factor -> (mesh axes, the tensor it came from): the finest compatible split among the
         op's tensors that may reach `target` at this level, fixed ones first, then in
-        operand/result order."""
+        operand/result order. A reduced factor (an einsum's contracted dim, summed out: it goes
+        from operand to operand only) carries a split only at the last level, after the factors
+        that pass through (Shardy's op priorities: pass-through factors before the rest). Else a
+        gradient's contraction over the batch would carry the batch's split back to the
+        activations before the forward pass carried a weight's split to them, and where both
+        want one mesh dim the batch would win by the order of the sweeps, not by what it costs."""
         key = (op, target, to_results, level)
         if key not in self._sources:  # (which tensors may reach the target is fixed: worked out once per graph)
             self._sources[key] = [
@@ -245,6 +254,8 @@ class Propagation:
                 for i, f in enumerate(factors):
                     a = self.axes[t][i]
                     if f is None or f in rule.whole or not a or self.fixed[t][i] != want_fixed:
+                        continue
+                    if level < LAST and f in rule.reduced:
                         continue
                     have = found.get(f)
                     if have is None or (len(a) > len(have[0]) and a[: len(have[0])] == have[0]):
@@ -321,7 +332,7 @@ class Propagation:
         changed = self._pass(False, level)
         return self._pass(True, level) | changed
 
-    def sweep(self, level: int = 2) -> bool:
+    def sweep(self, level: int = LAST) -> bool:
         """One full sweep, every op in both directions; whether anything changed (after
         propagation nothing does: the fuzzer checks it)."""
         self._due = self._every_op()
@@ -332,7 +343,7 @@ class Propagation:
 
     def _run(self) -> None:
         self._due = self._every_op()
-        for level in (0, 1, 2):
+        for level in range(LAST + 1):
             if level:  # (an op whose pairs are all at lower levels carries nothing new)
                 for direction in (False, True):
                     self._due[direction] |= {j for j, top in enumerate(self._tops[direction]) if top >= level}

@@ -70,6 +70,11 @@ class ShardingRule:
         return "passed" if any(factor in fs for fs in self.results) else "reduced"
 
     @functools.cached_property
+    def reduced(self) -> frozenset[str]:
+        """The factors `kind` calls "reduced" (in operands only: splitting one leaves a partial sum)."""
+        return frozenset(f for f in self.factors if self.kind(f) == "reduced")
+
+    @functools.cached_property
     def adds_factors(self) -> bool:
         """Results have factors no operand has (broadcast): propagation prefers backward."""
         ins = {f for fs in self.operands for f in fs}
