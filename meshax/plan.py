@@ -29,6 +29,7 @@ class PlanSummary:
     replicated_parameters: int  # trainable values no mesh dim splits
     optimizer_state_bytes_per_device: int
     activation_bytes_per_device: int  # every forward tensor's slice, none freed: an estimate
+    gathered_weight_bytes_per_device: int  # of the activations, the weights gathered for their readers
     input_bytes_per_device: int  # the placeholders' slices (the batch fed) and imported arrays
     flops_per_device: int
     families: dict[str, dict[str, float]]  # op family -> {"flops": ..., "<kind>": values ...}
@@ -103,6 +104,12 @@ def _gathered_weights(lowering: Lowering, forward: list[Operation], slice_bytes)
     return total
 
 
+def _forward(lowering: Lowering, forward_outputs) -> list[Operation]:
+    """The ops the forward outputs need, less the program's inputs."""
+    needed = _needed_ops(lowering.graph, [t.operation for t in forward_outputs])
+    return [op for op in needed if not getattr(op, "is_input", False)]
+
+
 def memory_per_device(lowering: Lowering, forward_outputs) -> dict[str, int]:
     """Bytes per device by the plan: "parameters" (trainable variables), "optimizer_state" (the
     other variables), "activations" (every forward tensor's slice, none freed: an estimate, not a bound;
@@ -111,9 +118,7 @@ def memory_per_device(lowering: Lowering, forward_outputs) -> dict[str, int]:
     `_gathered_weights`) and "inputs" (the placeholders' slices, the batch fed, and the
     imported arrays': the step's arguments besides the variables)."""
     slice_bytes, graph = _slice_bytes(lowering), lowering.graph
-    forward: list[Operation] = [
-        op for op in _needed_ops(graph, [t.operation for t in forward_outputs]) if not getattr(op, "is_input", False)
-    ]
+    forward = _forward(lowering, forward_outputs)
     # a rematerialized region (recompute_grad) keeps only its outputs, a loop its carries at the
     # start of each iteration; their internals live again, one body at a time, while their
     # gradients run
@@ -150,6 +155,7 @@ def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSu
         replicated_parameters=sum(v.value.size for v in params if plan[v.value].is_fully_replicated),
         optimizer_state_bytes_per_device=memory["optimizer_state"],
         activation_bytes_per_device=memory["activations"],
+        gathered_weight_bytes_per_device=_gathered_weights(lowering, _forward(lowering, forward_outputs), slice_bytes),
         input_bytes_per_device=memory["inputs"],
         flops_per_device=counters.total_flops,
         families={k: dict(v) for k, v in sorted(families.items())},
@@ -227,7 +233,12 @@ def format_summary(s: PlanSummary) -> str:
         f"parameters                 {_human(s.parameters)}  ({_human(s.replicated_parameters)} replicated)",
         f"parameter memory / device  {_human(s.parameter_bytes_per_device)}B",
         f"optimizer state / device   {_human(s.optimizer_state_bytes_per_device)}B",
-        f"activation memory / device {_human(s.activation_bytes_per_device)}B (forward tensors, none freed)",
+        f"activation memory / device {_human(s.activation_bytes_per_device)}B (forward tensors, none freed"
+        + (
+            f"; {_human(s.gathered_weight_bytes_per_device)}B of it weights gathered for their readers)"
+            if s.gathered_weight_bytes_per_device
+            else ")"
+        ),
         f"FLOPs / device / step      {_human(s.flops_per_device)}",
         "allreduced / device / step " + ", ".join(f"over {m}: {_human(v)}" for m, v in s.by_mesh_dim.items()),
         "",

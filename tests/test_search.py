@@ -587,6 +587,15 @@ def test_the_plan_counts_the_weights_a_weight_layout_gathers_back(dtype):
         assert estimate.memory == model.exact(tuple(sorted(_pairs(layout))), weights).memory
 
 
+def test_meshax_plan_says_how_much_of_the_activations_are_gathered_weights(capsys):
+    argv = ["plan", "lm", "--mesh", "x:2;y:4", "--layout", "batch:x"]
+    assert main(argv) == 0 and "gathered" not in capsys.readouterr().out
+    assert main([*argv, "--weight-layout", "d_model:x"]) == 0
+    assert "(forward tensors, none freed; 462KB of it weights gathered for their readers)" in capsys.readouterr().out
+    assert main([*argv, "--weight-layout", "d_model:x", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["gathered_weight_bytes_per_device"] == 461824
+
+
 def test_weight_shapes_left_to_the_rules_follow_them():
     """ "... except [vocab,d_model]": the embedding (and its Adam slots) follow the layout rules,
     the other weights the weight rules; training equals one device's."""
