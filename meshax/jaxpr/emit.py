@@ -221,6 +221,7 @@ def _bind(em: Emitter, e: Eqn, ins, outs, in_roles, out_roles, whole=()) -> list
         linear=e.name in LINEAR,
         flops=_flops(e),
         name=e.name,
+        mesh=em.mesh,  # (an equation with no operands: an iota in a replicated region)
     )
     return op.outputs
 

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 
 from meshax.core.errors import GraphError
-from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
+from meshax.core.graph import Mesh, Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Shape, convert_to_shape
 from meshax.layout import ShardingRule, slice_shape
 from meshax.ops._util import also_accepts
@@ -40,8 +40,9 @@ class SlicewiseOperation(Operation):
         linear: bool = False,
         flops: int | Callable = 0,
         name: str | None = None,
+        mesh: Mesh | None = None,
     ):
-        super().__init__(list(inputs), name=name or "slicewise")
+        super().__init__(list(inputs), mesh=mesh, name=name or "slicewise")
         self._fn = fn
         self._rule = rule
         self.linear = linear

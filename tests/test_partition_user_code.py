@@ -1,0 +1,30 @@
+"""mx.partition of plain JAX code as users write it (optax steps, Flax models, jax.checkpoint,
+callbacks, scatters), where a sweep of such code (helper-32) found a primitive or a form that
+failed: each against jax.jit, and its collectives against the compiled HLO.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import meshax as mx
+from tests.test_partition import MESH, assert_counters_equal_hlo, assert_trees_close
+
+X = jax.random.normal(jax.random.key(0), (16, 32))
+W = jax.random.normal(jax.random.key(1), (32, 32)) * 0.2
+
+
+def check(fn, args, in_shardings, rtol=2e-5, atol=2e-6):
+    g = mx.partition(fn, MESH, in_shardings=in_shardings)
+    assert_trees_close(g(*args), jax.jit(fn)(*args), rtol=rtol, atol=atol)
+    assert_counters_equal_hlo(g.lower(*args))
+    return g
+
+
+def test_a_replicated_region_may_make_arrays_from_nothing():
+    """An equation with no operands inside `mx.replicated_region` (an iota: `jnp.arange`, and the
+    ones `jnp.linalg.inv`'s LU makes) is bound on each device like the rest of the region: it
+    failed with 'SlicewiseOperation needs a mesh or at least one input'."""
+    check(mx.replicated_region(lambda x: x + jnp.arange(32.0)), (X,), (P("x", "y"),))
+    check(lambda w: mx.replicated_region(jnp.linalg.inv)(w + 3 * jnp.eye(32)) @ w, (W,), (P("x", "y"),))
