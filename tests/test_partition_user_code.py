@@ -28,3 +28,26 @@ def test_a_replicated_region_may_make_arrays_from_nothing():
     failed with 'SlicewiseOperation needs a mesh or at least one input'."""
     check(mx.replicated_region(lambda x: x + jnp.arange(32.0)), (X,), (P("x", "y"),))
     check(lambda w: mx.replicated_region(jnp.linalg.inv)(w + 3 * jnp.eye(32)) @ w, (W,), (P("x", "y"),))
+
+
+def test_checkpoint_names_and_the_policies_that_read_them():
+    """`checkpoint_name` (the `name` primitive) tags a value for a `jax.checkpoint` policy
+    (`save_only_these_names`, ...), and is the identity on it: it was 'not supported', so any
+    model that names its activations for remat failed to partition."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def loss(w, x, policy):
+        def layer(w, h):
+            h = checkpoint_name(jnp.sin(h @ w), "pre")
+            return jnp.tanh(h @ w)
+
+        f = jax.checkpoint(layer, policy=policy)
+        return jnp.mean(f(w, f(w, x)) ** 2)
+
+    for policy in [
+        jax.checkpoint_policies.save_only_these_names("pre"),
+        jax.checkpoint_policies.nothing_saveable,
+    ]:
+        step = jax.value_and_grad(lambda w, x, p=policy: loss(w, x, p))
+        check(step, (W, X), (P(None, "y"), P("x")))
+    check(lambda x: checkpoint_name(x * 2, "out"), (X,), (P("x", "y"),))  # (a result, outside any checkpoint)

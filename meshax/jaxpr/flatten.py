@@ -38,6 +38,10 @@ _CALLS = {
     "remat2": "jaxpr",
 }
 
+#: Primitives that are the identity on their one operand, read through: `name` is
+#: `checkpoint_name`'s tag, which only a `jax.checkpoint` policy reads, when JAX differentiates.
+_IDENTITIES = {"name"}
+
 #: The name scope `mx.replicated_region` puts its equations in (and JAX keeps on their gradients).
 REPLICATED_SCOPE = "meshax_replicated_region"
 
@@ -112,6 +116,10 @@ class Flat:
             scope = REPLICATED_SCOPE in str(e.source_info.name_stack)
             source = source_of(e.source_info)
             source = outer if source == "<unknown>" else source
+            if e.primitive.name in _IDENTITIES:
+                if is_var(e.outvars[0]):
+                    env[e.outvars[0]] = _read(env, e.invars[0])
+                continue
             inner = self._body(e)
             if inner is not None:
                 body, consts, operands = inner
