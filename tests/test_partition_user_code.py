@@ -51,3 +51,19 @@ def test_checkpoint_names_and_the_policies_that_read_them():
         step = jax.value_and_grad(lambda w, x, p=policy: loss(w, x, p))
         check(step, (W, X), (P(None, "y"), P("x")))
     check(lambda x: checkpoint_name(x * 2, "out"), (X,), (P("x", "y"),))  # (a result, outside any checkpoint)
+
+
+def test_total_order_comparisons():
+    """`lt_to`, `le_to` and `eq_to` (comparisons that order NaNs, as `jnp.searchsorted`,
+    `jnp.digitize` and `jnp.histogram` bin with) are elementwise: they were 'not supported'."""
+    edges = jnp.sort(X[0])
+
+    def bins(x, edges):
+        return (
+            jnp.searchsorted(edges, x),
+            jnp.searchsorted(edges, x, side="right", method="compare_all"),
+            jnp.digitize(x, jnp.linspace(-1, 1, 5)),
+            jnp.histogram(x, bins=5, range=(-2, 2))[0],
+        )
+
+    check(bins, (X, edges), (P("x", "y"), None))

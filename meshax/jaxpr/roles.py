@@ -33,6 +33,8 @@ ELEMENTWISE = {
     # tanh's derivative since jax 0.11; the special functions (jax.random.gamma's, beta's); bits
     "one_minus_square", "bessel_i0e", "bessel_i1e", "igamma", "igammac", "igamma_grad_a", "random_gamma_grad",
     "polygamma", "regularized_incomplete_beta", "zeta", "clz",
+    # total-order comparisons (NaNs ordered; jnp.searchsorted, jnp.digitize, jnp.histogram)
+    "eq_to", "le_to", "lt_to",
 }  # fmt: skip
 #: Linear in each operand: partial sums pass through them unsettled.
 LINEAR = {"add", "add_any", "sub", "neg", "copy", "copy_p", "sharding_constraint", "reshard", "meshax_mesh_split"}
