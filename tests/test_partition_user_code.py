@@ -67,3 +67,22 @@ def test_total_order_comparisons():
         )
 
     check(bins, (X, edges), (P("x", "y"), None))
+
+
+def test_scatters_that_combine_by_min_max_mul_and_sub():
+    """`jax.ops.segment_max`/`segment_min`, `x.at[i].max/min/multiply/subtract` (scatter-max,
+    -min, -mul, -sub) were 'not supported'; they scatter as an overwriting scatter does (the
+    axes written by index whole), and their gradients partition too."""
+    seg = jnp.array([0, 1, 1, 2, 0, 3, 3, 3, 2, 1, 0, 0, 1, 2, 3, 3])
+
+    def combine(x, s):
+        return (
+            jax.ops.segment_max(x, s, 4),
+            jax.ops.segment_min(x, s, 4),
+            x.at[s, 0].max(0.5),
+            x.at[:, s].multiply(2.0),
+            x.at[s].subtract(1.0),
+        )
+
+    check(combine, (X, seg), (P("x", "y"), None))
+    check(jax.grad(lambda x, s: jnp.sum(jax.ops.segment_max(x, s, 4) ** 2)), (X, seg), (P("x", "y"), None))

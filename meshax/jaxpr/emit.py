@@ -534,7 +534,9 @@ def _scattered(e: Eqn, ins) -> set[str]:
 
 
 def _scatter(em, e, ins, outs, in_roles, out_roles):
-    """A scatter that overwrites: its index axes are never partial sums, so they stay whole too."""
+    """A scatter that overwrites, or combines by subtracting, multiplying, taking the min or max
+    (`x.at[i].multiply/min/max`, `jax.ops.segment_max`): its index axes stay whole too (no
+    partial sums to settle), its window axes split as the operand's."""
     whole = _scattered(e, ins) | {d.name for t in ins[1:3] for d in t.shape}
     return _bind(em, e, ins, outs, in_roles, out_roles, whole=whole)
 
@@ -607,6 +609,7 @@ _HANDLERS: dict[str, Callable] = {
     "scatter-add": _scatter_add,
     "scatter_add": _scatter_add,
     "scatter": _scatter,
+    **dict.fromkeys(("scatter-sub", "scatter-mul", "scatter-min", "scatter-max"), _scatter),
     "sharding_constraint": _annotation,
     "reshard": _annotation,
     "scan": _scan,

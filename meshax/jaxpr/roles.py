@@ -408,6 +408,7 @@ RULES: dict[str, Callable] = {
     "scatter-add": scatter_roles,
     "scatter_add": scatter_roles,
     "scatter": scatter_roles,
+    **dict.fromkeys(("scatter-sub", "scatter-mul", "scatter-min", "scatter-max"), scatter_roles),
     "conv_general_dilated": conv_roles,
     "reduce_window_sum": _window,
     "reduce_window_max": _window,
