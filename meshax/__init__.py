@@ -18,6 +18,7 @@ from meshax.backends import placement as placement_mesh_impl  # (Mesh-TensorFlow
 from meshax.backends import simd as simd_mesh_impl
 from meshax.core import (
     ConfigError,
+    DebugCallbackWarning,
     Dimension,
     Graph,
     GraphError,
@@ -57,6 +58,7 @@ __all__ = [
     "ConfigError",
     "Counters",
     "Dimension",
+    "DebugCallbackWarning",
     "Graph",
     "GraphError",
     "LaidOutTensor",

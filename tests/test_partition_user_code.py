@@ -6,6 +6,7 @@ failed: each against jax.jit, and its collectives against the compiled HLO.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as P
 
 import meshax as mx
@@ -86,3 +87,22 @@ def test_scatters_that_combine_by_min_max_mul_and_sub():
 
     check(combine, (X, seg), (P("x", "y"), None))
     check(jax.grad(lambda x, s: jnp.sum(jax.ops.segment_max(x, s, 4) ** 2)), (X, seg), (P("x", "y"), None))
+
+
+def test_debug_prints_are_left_out_with_a_warning_that_says_so():
+    """`jax.debug.print` / `jax.debug.callback` in a training step: the step runs, without them,
+    and a warning names each and its line. Before, they were 'not supported', and inside the
+    `mx.replicated_region` that error suggested they silently printed nothing."""
+
+    def step(w, x):
+        loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
+        jax.debug.print("loss {l}", l=loss)
+        jax.debug.callback(lambda v: None, g.sum())
+        mx.replicated_region(lambda v: jax.debug.print("norm {n}", n=v))(jnp.sum(g**2))
+        return w - 0.1 * g, loss
+
+    g = mx.partition(step, MESH, in_shardings=(P(None, "y"), P("x")))
+    with pytest.warns(mx.DebugCallbackWarning, match=r"debug_print .*test_partition_user_code.py:\d+.*return it"):
+        got = g(W, X)
+    assert_trees_close(got, jax.jit(step)(W, X))
+    assert_counters_equal_hlo(g.lower(W, X))

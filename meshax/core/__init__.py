@@ -1,6 +1,6 @@
 """The IR: dimensions, shapes, graphs, meshes, tensors, operations. No JAX here."""
 
-from meshax.core.errors import ConfigError, GraphError, LayoutError, LayoutWarning, MeshaxError
+from meshax.core.errors import ConfigError, DebugCallbackWarning, GraphError, LayoutError, LayoutWarning, MeshaxError
 from meshax.core.graph import Graph, Mesh, Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import (
     Dimension,
@@ -13,6 +13,7 @@ from meshax.core.shape import (
 
 __all__ = [
     "ConfigError",
+    "DebugCallbackWarning",
     "Dimension",
     "Graph",
     "GraphError",

@@ -26,6 +26,10 @@ class LayoutWarning(UserWarning):
     """Layout rules that split nothing: they name a tensor dim no tensor of the graph has."""
 
 
+class DebugCallbackWarning(UserWarning):
+    """`jax.debug.print` / `jax.debug.callback` in a function given to `mx.partition`: left out."""
+
+
 def did_you_mean(name: str, choices) -> str:
     """' (did you mean 'x'?)' for the closest of `choices`, or ''."""
     close = difflib.get_close_matches(name, list(choices), n=1)

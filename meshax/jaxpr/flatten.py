@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import functools
 import os
+import warnings
 from typing import Any
 
 import jax
@@ -22,6 +23,7 @@ import numpy as np
 from jax._src import source_info_util
 from jax.extend import core as jcore
 
+from meshax.core.errors import DebugCallbackWarning
 from meshax.jaxpr.windows import pool_window
 
 # Call-like primitives whose body is inlined, and the param holding it.
@@ -41,6 +43,10 @@ _CALLS = {
 #: Primitives that are the identity on their one operand, read through: `name` is
 #: `checkpoint_name`'s tag, which only a `jax.checkpoint` policy reads, when JAX differentiates.
 _IDENTITIES = {"name"}
+
+#: Host callbacks with nothing but their effect (`jax.debug.print`, `jax.debug.callback`): left
+#: out, with a warning, as nothing the function returns depends on them.
+_DEBUG_CALLBACKS = {"debug_callback", "debug_print"}
 
 #: The name scope `mx.replicated_region` puts its equations in (and JAX keeps on their gradients).
 REPLICATED_SCOPE = "meshax_replicated_region"
@@ -116,6 +122,15 @@ class Flat:
             scope = REPLICATED_SCOPE in str(e.source_info.name_stack)
             source = source_of(e.source_info)
             source = outer if source == "<unknown>" else source
+            if e.primitive.name in _DEBUG_CALLBACKS:
+                warnings.warn(
+                    f"mx.partition leaves out {e.primitive.name} (jax.debug.print or jax.debug.callback, at "
+                    f"{source}): it does not run in the partitioned program; to see the value, return it from "
+                    "the function, or run the function under jax.jit",
+                    DebugCallbackWarning,
+                    stacklevel=2,
+                )
+                continue
             if e.primitive.name in _IDENTITIES:
                 if is_var(e.outvars[0]):
                     env[e.outvars[0]] = _read(env, e.invars[0])
