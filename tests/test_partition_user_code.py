@@ -106,3 +106,20 @@ def test_debug_prints_are_left_out_with_a_warning_that_says_so():
         got = g(W, X)
     assert_trees_close(got, jax.jit(step)(W, X))
     assert_counters_equal_hlo(g.lower(W, X))
+
+
+def test_explicit_sharding_annotations_are_refused_with_the_way_around():
+    """`jax.sharding.reshard` (explicit sharding mode) and a NamedSharding on a mesh of Explicit
+    axes (`jax.make_mesh`'s default) in `with_sharding_constraint` cannot be traced on the Auto
+    mesh mx.partition annotates with (jax.jit refuses the second too): the error only quoted
+    JAX's, which names axis types and not what to write instead."""
+    explicit = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    for fn in [
+        lambda x: jax.sharding.reshard(x * 2, P("y", None)),
+        lambda x: jax.lax.with_sharding_constraint(x * 2, jax.sharding.NamedSharding(explicit, P("y"))),
+    ]:
+        with pytest.raises(mx.LayoutError, match=r"user_code.py:\d+ .*with_sharding_constraint\(x, spec\)"):
+            mx.partition(fn, MESH)(X)
+    auto = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    fn = lambda x: jax.lax.with_sharding_constraint(x * 2, jax.sharding.NamedSharding(auto, P("y")))  # noqa: E731
+    check(fn, (X,), (P("x"),))

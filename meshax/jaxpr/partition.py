@@ -192,8 +192,16 @@ class PartitionedProgram:
             except ValueError as e:  # JAX's own check of a sharding annotation: say where it is
                 if "mesh" not in str(e) and "shard" not in str(e).lower():
                     raise
+                hint = ""
+                if "Auto" in str(e) or "Explicit" in str(e):  # (explicit sharding mode's annotations)
+                    hint = (
+                        "; mx.partition traces on a mesh of Auto axes (GSPMD's annotations): write "
+                        "jax.sharding.reshard(x, spec) as jax.lax.with_sharding_constraint(x, spec) or "
+                        "mx.mesh_split, and give a NamedSharding a mesh made with "
+                        "axis_types=(jax.sharding.AxisType.Auto, ...), or its PartitionSpec alone"
+                    )
                 raise LayoutError(
-                    f"a sharding annotation at {_user_line(e)} does not fit mesh {_mesh_text(owner.impl)}: {e}"
+                    f"a sharding annotation at {_user_line(e)} does not fit mesh {_mesh_text(owner.impl)}: {e}{hint}"
                 ) from None
         self._out_tree = jax.tree_util.tree_structure(out_shape)
         self._n_out = len(closed.jaxpr.outvars)
