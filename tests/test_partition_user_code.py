@@ -123,3 +123,27 @@ def test_explicit_sharding_annotations_are_refused_with_the_way_around():
     auto = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     fn = lambda x: jax.lax.with_sharding_constraint(x * 2, jax.sharding.NamedSharding(auto, P("y")))  # noqa: E731
     check(fn, (X,), (P("x"),))
+
+
+def test_a_checkpoint_policy_that_offloads_to_the_host():
+    """`save_and_offload_only_these_names` moves the named values to the host and back
+    (`device_put` to a memory space): the identity on the values, and mx.partition keeps them on
+    the device; it was 'not supported'. A `device_put` to a sharding inside the function is
+    refused with what to write instead (the generic error suggested a replicated region)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    policy = jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[],
+        names_which_can_be_offloaded=["a"],
+        offload_src="device",
+        offload_dst="pinned_host",
+    )
+
+    def loss(w, x):
+        f = jax.checkpoint(lambda w, x: jnp.tanh(checkpoint_name(x @ w, "a") @ w), policy=policy)
+        return jnp.sum(f(w, x) ** 2)
+
+    check(jax.grad(loss), (W, X), (P(None, "y"), P("x")), rtol=1e-4, atol=1e-5)
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with pytest.raises(mx.GraphError, match=r"device_put .*user_code.py:\d+.*with_sharding_constraint"):
+        mx.partition(lambda x: jax.device_put(x * 2, jax.sharding.NamedSharding(mesh, P("x"))), MESH)(X)

@@ -131,9 +131,10 @@ class Flat:
                     stacklevel=2,
                 )
                 continue
-            if e.primitive.name in _IDENTITIES:
-                if is_var(e.outvars[0]):
-                    env[e.outvars[0]] = _read(env, e.invars[0])
+            if e.primitive.name in _IDENTITIES or _moves_between_memories(e):
+                for v, a in zip(e.outvars, e.invars):
+                    if is_var(v):
+                        env[v] = _read(env, a)
                 continue
             inner = self._body(e)
             if inner is not None:
@@ -201,6 +202,15 @@ class Flat:
         if isinstance(body, jcore.Jaxpr):
             return body, [], operands
         return None
+
+
+def _moves_between_memories(e) -> bool:
+    """A `device_put` to a memory space only (a checkpoint policy's offload to the host and back,
+    `save_and_offload_only_these_names`): the identity on its values; mx.partition keeps them in
+    device memory. (One to a sharding is not: `roles` says to annotate instead.)"""
+    if e.primitive.name != "device_put":
+        return False
+    return all(d is None or type(d).__name__ == "MemorySpace" for d in e.params.get("devices", ()))
 
 
 @functools.cache

@@ -428,6 +428,11 @@ def roles(e) -> Roles:
     A primitive with no rule outside a replicated region is a GraphError saying what to do."""
     if e.replicated:
         return _nothing(e)
+    if e.name == "device_put":
+        raise GraphError(
+            f"mx.partition does not support jax.device_put inside the function (at {e.source}): to lay "
+            "a value out, write jax.lax.with_sharding_constraint(x, PartitionSpec(...)) or mx.mesh_split"
+        )
     if e.name not in RULES:
         raise GraphError(
             f"mx.partition does not support the JAX primitive {e.name!r} (at {e.source}): wrap the code "
