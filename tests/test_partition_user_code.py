@@ -5,7 +5,6 @@ failed: each against jax.jit, and its collectives against the compiled HLO.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
