@@ -56,3 +56,49 @@ def test_values_per_device_sample():
         "reduce_scatter": 2 * 4,  # result x group size
         "permute": 8 + 2,
     }
+
+
+LOOPS = """
+HloModule m
+%sum (a: f32[], b: f32[]) -> f32[] {
+  ROOT %add = f32[] add(%a, %b)
+}
+%inner_body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %ar = f32[2]{0} all-reduce(%x), channel_id=1, to_apply=%sum
+}
+%body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %ag = f32[8]{0} all-gather(%x), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={0}
+  %w2 = (s32[], f32[2]{0}) while(%t), condition=%cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+}
+%cond (p: (s32[], f32[2])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+%data_body (p: (s32[], f32[2])) -> (s32[], f32[2]) {
+  %cp = f32[2]{0} collective-permute(%x), source_target_pairs={{0,1}}
+}
+%yes (p: f32[2]) -> f32[2] {
+  %ar2 = f32[4]{0} all-reduce(%x), channel_id=3, to_apply=%sum
+}
+%no (p: f32[2]) -> f32[2] {
+  ROOT %c = f32[2]{0} copy(%p)
+}
+ENTRY %main (param: f32[2]) -> f32[2] {
+  %w = (s32[], f32[2]{0}) while(%t0), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"},"known_trip_count":{"n":"5"}}
+  %w3 = (s32[], f32[2]{0}) while(%t1), condition=%cond, body=%data_body
+  %c = f32[2]{0} conditional(%b, %param, %param), branch_computations={%yes, %no}
+  %top = f32[2]{0} all-reduce(%param), channel_id=4, to_apply=%sum
+}
+"""
+
+
+def test_per_run_counts_a_loop_body_times_its_trip_count():
+    """The text holds each body once; one run runs the outer loop's body 5 times and the loop
+    inside it 3 times each, a loop whose trip count the data decide once, each branch once."""
+    once, per_run = mx.hlo_collectives(LOOPS), mx.hlo_collectives(LOOPS, per_run=True)
+    assert {k: v["count"] for k, v in once.items() if v["count"]} == {"allreduce": 3, "allgather": 1, "permute": 1}
+    assert {k: (v["count"], v["values"]) for k, v in per_run.items() if v["count"]} == {
+        "allreduce": (5 * 3 + 1 + 1, 5 * 3 * 2 + 4 + 2),
+        "allgather": (5, 5 * 8 // 4),
+        "permute": (1, 2),
+    }
+    assert mx.hlo_collectives(SAMPLE, per_run=True) == mx.hlo_collectives(SAMPLE)  # (no loops)

@@ -82,6 +82,21 @@ def test_counters_per_iteration_equal_compiled_hlo():
         assert hlo[kind]["values"] == v2 - per[1], kind
 
 
+@pytest.mark.parametrize("layers", [2, 5])
+@pytest.mark.parametrize("layout", ["batch:rows;e:cols", "d:cols"])
+def test_counters_equal_the_hlo_run_per_run(layers, layout):
+    """`hlo_collectives(text, per_run=True)` counts a loop body's collectives times the trip
+    count XLA knows, as meshax's counters count them: the two are equal, kind by kind."""
+    graph, mesh, scanned, _ = _model(layers)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function(scanned)
+    text = fn.compiled_text()
+    per_run, once = hlo_collectives(text, per_run=True), hlo_collectives(text)
+    assert {k: (fn.counters[k].count, fn.counters[k].values) for k in per_run} == {
+        k: (v["count"], v["values"]) for k, v in per_run.items()
+    }
+    assert per_run["allreduce"]["count"] > once["allreduce"]["count"] > 0  # (the bodies hold some)
+
+
 def test_a_loop_differentiates_for_what_the_gradient_reaches_alone():
     """A constant the body reads (a per-feature scale) needs no gradient. The backward loop
     summed one anyway, an allreduce over the batch's rows per iteration that XLA drops as dead

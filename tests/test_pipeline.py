@@ -123,6 +123,10 @@ def test_permutes_per_iteration_equal_the_stage_activation_and_the_hlo():
     hlo = hlo_collectives(fn.compiled_text())["permute"]
     assert hlo["count"] == 3  # XLA's text holds each loop body once
     assert hlo["values"] == permutes.values // iterations
+    per_run = hlo_collectives(fn.compiled_text(), per_run=True)  # (the bodies times their trip counts)
+    assert {k: (v["count"], v["values"]) for k, v in per_run.items()} == {
+        k: (fn.counters[k].count, fn.counters[k].values) for k in per_run
+    }
 
 
 def test_pipeline_errors():
