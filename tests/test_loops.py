@@ -123,6 +123,47 @@ def test_a_loop_differentiates_for_what_the_gradient_reaches_alone():
     assert (hlo["count"], hlo["values"]) == (c2 - (c5 - c2) // 3, v2 - (v5 - v2) // 3)
 
 
+def _counted_and_compiled(fn) -> tuple[dict, dict]:
+    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
+    hlo = {k: (v["count"], v["values"]) for k, v in hlo_collectives(fn.compiled_text()).items() if v["count"]}
+    return counted, hlo
+
+
+@pytest.mark.parametrize("layout", ["d:cols", "batch:rows;e:cols"])
+def test_a_one_trip_loops_gradient_recomputes_it_as_counted(layout):
+    """XLA inlines a loop of one trip, and the backward loop's recomputation of the forward
+    iteration then merged with the forward loop's ops (d split over cols: the einsum's allreduce
+    of 24 values, counted twice, ran once: 4 allreduces of 50 counted, 3 of 26 compiled). The
+    backward loop's inputs pass an optimization barrier, as recompute_grad's do, so that it
+    recomputes as counted. Outside values alone reach a collective too (a scale from w)."""
+    graph, mesh, scanned, unrolled = _model(1)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function([*scanned, *unrolled])
+    got = fn({"x": np.random.RandomState(0).randn(4, 6).astype(np.float32)})
+    for a, b in zip(got[:3], got[3:]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function(scanned)
+    counted, hlo = _counted_and_compiled(fn)
+    assert counted == hlo
+
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [mx.Dimension("layers", 1), B, D])
+    w = mx.get_variable(mesh, "w", [D, E], initializer=mx.initializers.normal(0.4))
+
+    def body(carry, xs):
+        scale = mx.reduce_sum(mx.tanh(w), reduced_dim=D)  # (of w alone: an allreduce over cols)
+        return [], [mx.tanh(mx.einsum(xs[0], w, output_shape=[B, E])) * scale]
+
+    _, (ys,) = mx.scan(body, [], [x], dim="layers")
+    loss = mx.reduce_sum(ys * ys)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function(
+        [loss, *mx.gradients(loss, [w, x])]
+    )
+    fn({"x": np.random.RandomState(0).randn(1, 4, 6).astype(np.float32)})
+    counted, hlo = _counted_and_compiled(fn)
+    assert counted == hlo
+
+
 def test_random_ops_draw_new_values_each_iteration():
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "m")

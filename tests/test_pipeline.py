@@ -129,6 +129,22 @@ def test_permutes_per_iteration_equal_the_stage_activation_and_the_hlo():
     }
 
 
+@pytest.mark.parametrize("layout", ["d:cols", "stage:rows;d:cols"])
+def test_a_one_step_pipelines_gradient_is_counted_as_compiled(layout):
+    """One stage and one microbatch: a loop of one trip, which XLA inlines; its backward loop's
+    recomputation merged with the forward (d:cols: 3 allreduces of 97 values counted, 2 of 49
+    compiled) until it passed an optimization barrier (see tests/test_loops.py)."""
+    graph, mesh, piped, reference = _model(1, 1)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function(piped)
+    got = fn(_feeds())
+    want = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "")}).function(reference)(_feeds())
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
+    hlo = {k: (v["count"], v["values"]) for k, v in hlo_collectives(fn.compiled_text()).items() if v["count"]}
+    assert counted == hlo
+
+
 def test_pipeline_errors():
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "m")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -152,6 +153,7 @@ class ScanOperation(Operation):
         reverse: bool = False,
         rng_key: int | None = None,
         name: str | None = None,
+        recomputes: bool = False,
     ):
         body = _needed(body, [*carry_results, *y_results])
         inside = {t for op in body for t in op.outputs} | set(carry_vars) | set(x_vars)
@@ -159,6 +161,7 @@ class ScanOperation(Operation):
         mesh = carry_vars[0].mesh if carry_vars else x_vars[0].mesh
         super().__init__([*init, *xs, *captured], mesh=mesh, name=name or "scan")
         self.dim, self.reverse = dim, reverse
+        self.recomputes = recomputes  # a backward loop: its body recomputes the forward iteration's
         self.init, self.xs, self.captured = init, xs, captured
         self.carry_vars, self.x_vars = carry_vars, x_vars
         self.carry_results, self.y_results = carry_results, y_results
@@ -192,6 +195,9 @@ class ScanOperation(Operation):
             at = t.shape.index(self.dim)
             layout = TensorLayout([*plan[v].axes[:at], (), *plan[v].axes[at:]])
             xs.append(ctx.slicewise(lambda a, at=at: jnp.moveaxis(a, at, 0), ctx.get(t, layout).slices))
+        outside = ctx.values
+        if n == 1 and self.recomputes:
+            carry0, xs, outside = self._held(ctx, carry0, xs)
         steps = ctx.slicewise(lambda: jnp.arange(n, dtype=jnp.uint32))
         key = np.uint32(self.rng_key * 2654435761 % 2**32)
         recorded = Counters()
@@ -203,7 +209,9 @@ class ScanOperation(Operation):
             i, *x = x
             seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
             bound = dict(zip([*self.carry_vars, *self.x_vars], [*carry, *x]))
-            child = _run_body(ctx, counters, seed, bound, self.body, [*self.carry_results, *self.y_results])
+            child = _run_body(
+                ctx, counters, seed, bound, self.body, [*self.carry_results, *self.y_results], values=outside
+            )
             new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
             return new, [child.get(r).slices for r in self.y_results] + [list(c) for c in carry]
 
@@ -214,6 +222,24 @@ class ScanOperation(Operation):
             ctx.set_output(t, slices, plan[v])
         for t, layout, slices in zip([*self.ys, *self.history], stacked, ys):
             ctx.set_output(t, slices, TensorLayout([(), *layout.axes]))
+
+    def _held(self, ctx, carry0: list, xs: list) -> tuple[list, list, dict]:
+        """A one-trip backward loop's carries, scanned slices and the outside values its body
+        reads, passed through one optimization barrier together (as recompute_grad's inputs):
+        XLA inlines a loop of one trip, and the recomputation of the forward iteration then
+        repeats the forward loop's own ops on the same values, which XLA merged (collectives
+        included, which meshax counted twice), keeping the activations after all."""
+        from meshax.lower.context import source
+        from meshax.lower.laid_out import LaidOutTensor
+
+        outside = dict(ctx.values)
+        read = list(dict.fromkeys(source(t) for t in self.captured if source(t) in outside))
+        flat = [*carry0, *xs, *[outside[t].slices for t in read]]
+        held = iter(ctx.slicewise(lambda *a: tuple(jax.lax.optimization_barrier(a)), *flat))
+        carry0, xs = [next(held) for _ in carry0], [next(held) for _ in xs]
+        for t in read:
+            outside[t] = LaidOutTensor(list(next(held)), outside[t].layout, outside[t].pending)
+        return carry0, xs, outside
 
     def gradient(self, grad_outputs):
         from meshax.autodiff import body_gradients
@@ -263,6 +289,7 @@ class ScanOperation(Operation):
             reverse=not self.reverse,
             rng_key=self.rng_key,
             name=f"{self.name}_grad",
+            recomputes=True,
         )
         g_init = backward.final[:k]
         g_captured = dict(zip(captured, backward.final[k:]))
