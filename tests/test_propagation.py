@@ -150,6 +150,26 @@ def test_gradient_of_an_annotated_tensor_carries_the_annotation():
     assert grads[1].grad_of is y.operation
 
 
+@pytest.mark.parametrize("layout", ["", "B:y", "A:y"])
+def test_a_tensor_laid_out_two_ways_and_added_back_has_a_gradient(layout):
+    """x annotated as it is and as a copy (as the refusal of two annotations says to), then added
+    back: one gradient reaches both annotations, and annotating it for each was refused as
+    'conflicting annotations on add_1' while building the gradient. Each annotates a copy."""
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [A, Bd, C])
+    out = mx.shard(x, "A:x") + mx.shard(mx.identity(x), "C:x")
+    (gx,) = mx.gradients(mx.reduce_sum(out * out), [x])
+    lowering = _lowering(out, layout=layout)
+    fn = lowering.function([out, gx])
+    value = rand(x.shape, 0)
+    got = fn({"x": value})
+    assert_close(got[0], 2 * value)
+    assert_close(got[1], 8 * value)
+    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
+    hlo = {k: (v["count"], v["values"]) for k, v in mx.hlo_collectives(fn.compiled_text()).items() if v["count"]}
+    assert counted == hlo
+
+
 @pytest.mark.parametrize("second", ["split the other way", "whole"])
 def test_a_constant_is_made_in_each_readers_layout_and_passes_no_split_on(second):
     """One constant read by two ops that want it laid out two ways: each device fills it in the

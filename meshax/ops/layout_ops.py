@@ -36,7 +36,17 @@ class ShardOperation(Operation):
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
-        return [None if g is None else _annotate(g, self.annotation, self.priority, None, self.source)]
+        if g is None:
+            return [None]
+        seen = g.graph.memo.get(("annotation", g))
+        if seen is not None and (seen.annotation, seen.priority) != (self.annotation, self.priority):
+            # one gradient reaching two tensors annotated two ways (x laid out as it is and as a
+            # copy, then added back): each annotation's gradient annotates a copy of it, as the
+            # user annotated a copy, not the one tensor twice
+            from meshax.ops.elementwise import identity
+
+            g = identity(g)
+        return [_annotate(g, self.annotation, self.priority, None, self.source)]
 
 
 def _entry(x: Tensor, i: int, entry, where: str):
