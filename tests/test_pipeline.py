@@ -133,7 +133,7 @@ def test_permutes_per_iteration_equal_the_stage_activation_and_the_hlo():
 def test_a_one_step_pipelines_gradient_is_counted_as_compiled(layout):
     """One stage and one microbatch: a loop of one trip, which XLA inlines; its backward loop's
     recomputation merged with the forward (d:cols: 3 allreduces of 97 values counted, 2 of 49
-    compiled) until it passed an optimization barrier (see tests/test_loops.py)."""
+    compiled). Its backward loop goes on from the forward trip's values (see tests/test_loops.py)."""
     graph, mesh, piped, reference = _model(1, 1)
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function(piped)
     got = fn(_feeds())

@@ -74,8 +74,16 @@ class LoweringContext:
         self._cache: dict[tuple, LaidOutTensor] = {}
         self._settled: dict[Tensor, LaidOutTensor] = {}  # a pending sum's first settled value
         self._memo: dict[tuple, tuple] = {}  # (what, id of the slices, args) -> (the slices, result)
+        self.trips: dict[Operation, LoweringContext] = {}  # a loop of one trip -> the child that lowered it
         self.op: Operation | None = None  # the op being lowered
         self.blamed: Operation | None = None  # overrides `op` as the cause of collectives
+
+    def adopt(self, other: LoweringContext) -> None:
+        """Take `other`'s reshards, settled sums and memos as this context's own: this one goes
+        on from its values (a backward loop of one trip from its forward trip's)."""
+        self._cache.update(other._cache)
+        self._settled.update(other._settled)
+        self._memo.update(other._memo)
 
     @property
     def mesh_shape(self):

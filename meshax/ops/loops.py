@@ -11,7 +11,9 @@ The gradient is another scan, run backwards: each iteration recomputes its forwa
 the carry it started with (kept by the forward loop, one per iteration) and then runs the
 body's own gradient ops, so activation memory is one iteration's, not the whole loop's
 (Mesh-TensorFlow's `recompute_grad` on every iteration). Gradients of the tensors the body reads
-from outside are summed in the backward loop's carry.
+from outside are summed in the backward loop's carry. A loop of one trip runs its body once,
+without `lax.scan`, and its backward loop goes on from that trip's values rather than recompute
+them: XLA inlines such loops and merges the recomputation with the forward trip anyway.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -106,6 +107,25 @@ def _run_body(
     return child
 
 
+def _go_on(ctx, trip, counters, seed, bound: dict, ops: list[Operation], results: list[Tensor]):
+    """A child of `ctx` that goes on from `trip` (the child that lowered a forward loop's one
+    trip): its values, its reshards and settled sums are this one's, `bound` is set where the
+    trip had not set it, and `ops` (the backward body's own ops) are lowered in it."""
+    from meshax.lower.context import LoweringContext, count_reads
+
+    child = LoweringContext(ctx.impl, ctx.plan, counters, seed, count_reads(ops, results))
+    child.values = {**ctx.values, **trip.values}
+    child.adopt(trip)
+    for v, slices in bound.items():
+        if v not in trip.values:
+            child.set_output(v, slices, ctx.plan[v])
+    for op in ops:
+        child.op = op
+        op.lower(child)
+    child.op = None
+    return child
+
+
 def _add_counters(ctx, recorded, times: int = 1) -> None:
     """A body's recorded collectives and FLOPs into ctx's counters, `times` times (its iterations)."""
     for site in recorded.sites():
@@ -153,7 +173,7 @@ class ScanOperation(Operation):
         reverse: bool = False,
         rng_key: int | None = None,
         name: str | None = None,
-        recomputes: bool = False,
+        forward: ScanOperation | None = None,
     ):
         body = _needed(body, [*carry_results, *y_results])
         inside = {t for op in body for t in op.outputs} | set(carry_vars) | set(x_vars)
@@ -161,7 +181,7 @@ class ScanOperation(Operation):
         mesh = carry_vars[0].mesh if carry_vars else x_vars[0].mesh
         super().__init__([*init, *xs, *captured], mesh=mesh, name=name or "scan")
         self.dim, self.reverse = dim, reverse
-        self.recomputes = recomputes  # a backward loop: its body recomputes the forward iteration's
+        self.forward = forward  # for a backward loop: the loop it differentiates (its body recomputes it)
         self.init, self.xs, self.captured = init, xs, captured
         self.carry_vars, self.x_vars = carry_vars, x_vars
         self.carry_results, self.y_results = carry_results, y_results
@@ -195,13 +215,14 @@ class ScanOperation(Operation):
             at = t.shape.index(self.dim)
             layout = TensorLayout([*plan[v].axes[:at], (), *plan[v].axes[at:]])
             xs.append(ctx.slicewise(lambda a, at=at: jnp.moveaxis(a, at, 0), ctx.get(t, layout).slices))
-        outside = ctx.values
-        if n == 1 and self.recomputes:
-            carry0, xs, outside = self._held(ctx, carry0, xs)
         steps = ctx.slicewise(lambda: jnp.arange(n, dtype=jnp.uint32))
         key = np.uint32(self.rng_key * 2654435761 % 2**32)
         recorded = Counters()
         calls = [0]
+        # a loop of one trip, whose forward loop's trip this context lowered: its body goes on
+        # from that trip's values instead of recomputing them (see `_one_trip`)
+        trip = ctx.trips.get(self.forward) if n == 1 and self.forward is not None else None
+        forward_ops = set(self.forward.body) if trip is not None else set()
 
         def step(carry: list[list], x: list[list]):
             counters = recorded if calls[0] == 0 else Counters()  # (the placement backend calls n times)
@@ -209,13 +230,20 @@ class ScanOperation(Operation):
             i, *x = x
             seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
             bound = dict(zip([*self.carry_vars, *self.x_vars], [*carry, *x]))
-            child = _run_body(
-                ctx, counters, seed, bound, self.body, [*self.carry_results, *self.y_results], values=outside
-            )
+            if trip is None:
+                child = _run_body(ctx, counters, seed, bound, self.body, [*self.carry_results, *self.y_results])
+            else:
+                ops = [op for op in self.body if op not in forward_ops]
+                child = _go_on(ctx, trip, counters, seed, bound, ops, [*self.carry_results, *self.y_results])
+            if n == 1:
+                ctx.trips[self] = child
             new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
             return new, [child.get(r).slices for r in self.y_results] + [list(c) for c in carry]
 
-        carry, ys = ctx.impl.scan(step, carry0, [steps, *xs], n, self.reverse)
+        if n == 1:
+            carry, ys = self._one_trip(ctx, step, carry0, [steps, *xs])
+        else:
+            carry, ys = ctx.impl.scan(step, carry0, [steps, *xs], n, self.reverse)
         _add_counters(ctx, recorded, n)
         stacked = [plan[r] for r in self.y_results] + [plan[v] for v in self.carry_vars]
         for t, v, slices in zip(self.final, self.carry_vars, carry):
@@ -223,23 +251,15 @@ class ScanOperation(Operation):
         for t, layout, slices in zip([*self.ys, *self.history], stacked, ys):
             ctx.set_output(t, slices, TensorLayout([(), *layout.axes]))
 
-    def _held(self, ctx, carry0: list, xs: list) -> tuple[list, list, dict]:
-        """A one-trip backward loop's carries, scanned slices and the outside values its body
-        reads, passed through one optimization barrier together (as recompute_grad's inputs):
-        XLA inlines a loop of one trip, and the recomputation of the forward iteration then
-        repeats the forward loop's own ops on the same values, which XLA merged (collectives
-        included, which meshax counted twice), keeping the activations after all."""
-        from meshax.lower.context import source
-        from meshax.lower.laid_out import LaidOutTensor
-
-        outside = dict(ctx.values)
-        read = list(dict.fromkeys(source(t) for t in self.captured if source(t) in outside))
-        flat = [*carry0, *xs, *[outside[t].slices for t in read]]
-        held = iter(ctx.slicewise(lambda *a: tuple(jax.lax.optimization_barrier(a)), *flat))
-        carry0, xs = [next(held) for _ in carry0], [next(held) for _ in xs]
-        for t in read:
-            outside[t] = LaidOutTensor(list(next(held)), outside[t].layout, outside[t].pending)
-        return carry0, xs, outside
+    @staticmethod
+    def _one_trip(ctx, step: Callable, carry0: list, xs: list) -> tuple[list, list]:
+        """A loop of one trip: its body once, on the first slice of each scanned tensor, without
+        `lax.scan` (XLA inlines such a loop anyway). Its values stay in this program's trace, so
+        that the backward loop of one trip can go on from them: recomputing them, as a backward
+        loop of more trips does, repeated the forward trip's ops on the same values, which XLA
+        merges (collectives included: meshax counted them twice)."""
+        carry, ys = step(carry0, [ctx.slicewise(lambda a: a[0], x) for x in xs])
+        return carry, [ctx.slicewise(lambda a: a[None], y) for y in ys]
 
     def gradient(self, grad_outputs):
         from meshax.autodiff import body_gradients
@@ -289,7 +309,7 @@ class ScanOperation(Operation):
             reverse=not self.reverse,
             rng_key=self.rng_key,
             name=f"{self.name}_grad",
-            recomputes=True,
+            forward=self,
         )
         g_init = backward.final[:k]
         g_captured = dict(zip(captured, backward.final[k:]))
