@@ -14,6 +14,7 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, is_floating
 from meshax.core.shape import Dimension, Shape, convert_to_shape
+from meshax.layout import TensorLayout
 from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import inexact, sum_dtype
 from meshax.ops._util import also_accepts, dim_of, shape_of_names
@@ -44,9 +45,18 @@ class ReduceOperation(Operation):
         self._add_output([d for d in x.shape if d not in reduced], dtype)
 
     def lower(self, ctx):
+        from meshax.lower.context import source
+
         (x,), (out,) = self.inputs, self.outputs
         run = ctx.layouts(self)
         (in_layout,), (out_layout,) = run.operands, run.results
+        pending = run.pending
+        if getattr(source(x).operation, "fill", None) is not None:
+            # a constant (or a range): each device makes it whole over the reduced dims, as cheaply
+            # as its slices, so no device owes another a sum; XLA drops an allreduce of values
+            # every device holds alike (reduce_max of ones over a split dim: 2 allreduces counted)
+            in_layout = TensorLayout([() if d in self.reduced else a for d, a in zip(x.shape, in_layout.axes)])
+            pending = frozenset()
         v = ctx.get(x, in_layout, allow_partial=self.kind == "sum")
         v = ctx.masked(v, x.shape, self.reduced, identity(self.kind, x.dtype))  # (uneven splits' padding)
         axes = [i for i, d in enumerate(x.shape) if d in self.reduced]
@@ -54,9 +64,9 @@ class ReduceOperation(Operation):
         local = ctx.slicewise(lambda a: _LOCAL[self.kind](a.astype(out.dtype), axis=tuple(axes)), v)
         ctx.add_flops(ctx.local_size(x, in_layout))
         if self.kind == "sum":
-            ctx.set_output(out, local, out_layout, run.pending | v.pending)
+            ctx.set_output(out, local, out_layout, pending | v.pending)
         else:
-            ctx.set_output(out, ctx.allreduce(local, sorted(run.pending), self.kind), out_layout)
+            ctx.set_output(out, ctx.allreduce(local, sorted(pending), self.kind), out_layout)
 
     def gradient(self, grad_outputs):
         (g,), (x,), (y,) = grad_outputs, self.inputs, self.outputs
