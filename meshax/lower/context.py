@@ -79,11 +79,13 @@ class LoweringContext:
         self.blamed: Operation | None = None  # overrides `op` as the cause of collectives
 
     def adopt(self, other: LoweringContext) -> None:
-        """Take `other`'s reshards, settled sums and memos as this context's own: this one goes
-        on from its values (a backward loop of one trip from its forward trip's)."""
+        """Take `other`'s reshards, settled sums, memos and one-trip loops as this context's own:
+        this one goes on from its values (a backward loop of one trip from its forward trip's,
+        and so the backward loops of one trip inside it from theirs)."""
         self._cache.update(other._cache)
         self._settled.update(other._settled)
         self._memo.update(other._memo)
+        self.trips.update(other.trips)
 
     @property
     def mesh_shape(self):
