@@ -104,21 +104,18 @@ def _gathered_weights(lowering: Lowering, forward: list[Operation], slice_bytes)
     return total
 
 
-def _forward(lowering: Lowering, forward_outputs) -> list[Operation]:
-    """The ops the forward outputs need, less the program's inputs."""
-    needed = _needed_ops(lowering.graph, [t.operation for t in forward_outputs])
-    return [op for op in needed if not getattr(op, "is_input", False)]
-
-
 def memory_per_device(lowering: Lowering, forward_outputs) -> dict[str, int]:
     """Bytes per device by the plan: "parameters" (trainable variables), "optimizer_state" (the
     other variables), "activations" (every forward tensor's slice, none freed: an estimate, not a bound;
     of a rematerialized layer, a loop or a branch, its outputs, plus the largest body's internals
     once: `recomputed_bodies`; and the weights read in another layout than their own, gathered:
-    `_gathered_weights`) and "inputs" (the placeholders' slices, the batch fed, and the
-    imported arrays': the step's arguments besides the variables)."""
+    `_gathered_weights`, and alone as "gathered_weights") and "inputs" (the placeholders'
+    slices, the batch fed, and the imported arrays': the step's arguments besides the variables)."""
     slice_bytes, graph = _slice_bytes(lowering), lowering.graph
-    forward = _forward(lowering, forward_outputs)
+    forward: list[Operation] = [
+        op for op in _needed_ops(graph, [t.operation for t in forward_outputs]) if not getattr(op, "is_input", False)
+    ]
+    gathered = _gathered_weights(lowering, forward, slice_bytes)
     # a rematerialized region (recompute_grad) keeps only its outputs, a loop its carries at the
     # start of each iteration; their internals live again, one body at a time, while their
     # gradients run
@@ -129,9 +126,8 @@ def memory_per_device(lowering: Lowering, forward_outputs) -> dict[str, int]:
     return {
         "parameters": sum(slice_bytes(v.value) for v in graph.trainable_variables),
         "optimizer_state": sum(slice_bytes(v.value) for v in graph.all_variables if not v.trainable),
-        "activations": sum(slice_bytes(t) for op in forward for t in op.outputs)
-        + recomputed
-        + _gathered_weights(lowering, forward, slice_bytes),
+        "activations": sum(slice_bytes(t) for op in forward for t in op.outputs) + recomputed + gathered,
+        "gathered_weights": gathered,
         "inputs": sum(slice_bytes(op.outputs[0]) for op in graph.operations if _fed(op)),
     }
 
@@ -155,7 +151,7 @@ def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSu
         replicated_parameters=sum(v.value.size for v in params if plan[v.value].is_fully_replicated),
         optimizer_state_bytes_per_device=memory["optimizer_state"],
         activation_bytes_per_device=memory["activations"],
-        gathered_weight_bytes_per_device=_gathered_weights(lowering, _forward(lowering, forward_outputs), slice_bytes),
+        gathered_weight_bytes_per_device=memory["gathered_weights"],
         input_bytes_per_device=memory["inputs"],
         flops_per_device=counters.total_flops,
         families={k: dict(v) for k, v in sorted(families.items())},
