@@ -222,7 +222,12 @@ class ScanOperation(Operation):
         # a loop of one trip, whose forward loop's trip this context lowered: its body goes on
         # from that trip's values instead of recomputing them (see `_one_trip`)
         trip = ctx.trips.get(self.forward) if n == 1 and self.forward is not None else None
-        forward_ops = set(self.forward.body) if trip is not None else set()
+        forward_ops = {op for op in self.forward.body if all(t in trip.values for t in op.outputs)} if trip else set()
+        # the scanned results something reads, and the body they and the carries need: XLA drops
+        # the rest, so it is neither lowered nor counted
+        read = [(r, t) for r, t in zip(self.y_results, self.ys) if ctx.reads.get(t, 0)]
+        y_results = [r for r, _ in read]
+        body = self.body if len(read) == len(self.ys) else _needed(self.body, [*self.carry_results, *y_results])
 
         def step(carry: list[list], x: list[list]):
             counters = recorded if calls[0] == 0 else Counters()  # (the placement backend calls n times)
@@ -231,24 +236,24 @@ class ScanOperation(Operation):
             seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
             bound = dict(zip([*self.carry_vars, *self.x_vars], [*carry, *x]))
             if trip is None:
-                child = _run_body(ctx, counters, seed, bound, self.body, [*self.carry_results, *self.y_results])
+                child = _run_body(ctx, counters, seed, bound, body, [*self.carry_results, *y_results])
             else:
-                ops = [op for op in self.body if op not in forward_ops]
-                child = _go_on(ctx, trip, counters, seed, bound, ops, [*self.carry_results, *self.y_results])
+                ops = [op for op in body if op not in forward_ops]
+                child = _go_on(ctx, trip, counters, seed, bound, ops, [*self.carry_results, *y_results])
             if n == 1:
                 ctx.trips[self] = child
             new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
-            return new, [child.get(r).slices for r in self.y_results] + [list(c) for c in carry]
+            return new, [child.get(r).slices for r in y_results] + [list(c) for c in carry]
 
         if n == 1:
             carry, ys = self._one_trip(ctx, step, carry0, [steps, *xs])
         else:
             carry, ys = ctx.impl.scan(step, carry0, [steps, *xs], n, self.reverse)
         _add_counters(ctx, recorded, n)
-        stacked = [plan[r] for r in self.y_results] + [plan[v] for v in self.carry_vars]
+        stacked = [plan[r] for r in y_results] + [plan[v] for v in self.carry_vars]
         for t, v, slices in zip(self.final, self.carry_vars, carry):
             ctx.set_output(t, slices, plan[v])
-        for t, layout, slices in zip([*self.ys, *self.history], stacked, ys):
+        for t, layout, slices in zip([*(t for _, t in read), *self.history], stacked, ys):
             ctx.set_output(t, slices, TensorLayout([(), *layout.axes]))
 
     @staticmethod
