@@ -36,6 +36,25 @@ def _model(layers: int):
     return graph, mesh, [loss, *mx.gradients(loss, [w, x])], [unrolled, *mx.gradients(unrolled, [w, x])]
 
 
+def _counted_and_compiled(fn) -> tuple[dict, dict]:
+    """fn's counters and the collectives its compiled program runs (per run: loop bodies times
+    their trip counts)."""
+    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
+    compiled = hlo_collectives(fn.compiled_text(), per_run=True)
+    return counted, {k: (v["count"], v["values"]) for k, v in compiled.items() if v["count"]}
+
+
+def _check_against_unrolled(graph, mesh, mesh_shape: str, layout: str, scanned, unrolled, feeds) -> None:
+    """The scanned outputs equal the unrolled ones, and the scanned program's counters the HLO's."""
+    got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl(mesh_shape, layout)}).function([*scanned, *unrolled])(feeds)
+    for a, want in zip(got[: len(scanned)], got[len(scanned) :]):
+        np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl(mesh_shape, layout)}).function(scanned)
+    fn(feeds)
+    counted, compiled = _counted_and_compiled(fn)
+    assert counted == compiled
+
+
 CASES = [
     (mx.SimdMeshImpl, "rows:2;cols:4", ""),
     (mx.SimdMeshImpl, "rows:2;cols:4", "batch:rows;e:cols"),
@@ -89,12 +108,10 @@ def test_counters_equal_the_hlo_run_per_run(layers, layout):
     count XLA knows, as meshax's counters count them: the two are equal, kind by kind."""
     graph, mesh, scanned, _ = _model(layers)
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function(scanned)
-    text = fn.compiled_text()
-    per_run, once = hlo_collectives(text, per_run=True), hlo_collectives(text)
-    assert {k: (fn.counters[k].count, fn.counters[k].values) for k in per_run} == {
-        k: (v["count"], v["values"]) for k, v in per_run.items()
-    }
-    assert per_run["allreduce"]["count"] > once["allreduce"]["count"] > 0  # (the bodies hold some)
+    counted, compiled = _counted_and_compiled(fn)
+    assert counted == compiled
+    once = hlo_collectives(fn.compiled_text())
+    assert compiled["allreduce"][0] > once["allreduce"]["count"] > 0  # (the bodies hold some)
 
 
 @pytest.mark.parametrize("layers", [1, 2])
@@ -120,10 +137,8 @@ def test_a_scanned_result_nothing_reads_is_not_computed(layers, grad):
     feeds = {"x": np.random.RandomState(0).randn(4, 6).astype(np.float32)}
     for a, b in zip(fn(feeds), both(feeds)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
-    hlo = hlo_collectives(fn.compiled_text(), per_run=True)
-    assert {k: (fn.counters[k].count, fn.counters[k].values) for k in hlo} == {
-        k: (v["count"], v["values"]) for k, v in hlo.items()
-    }
+    counted, compiled = _counted_and_compiled(fn)
+    assert counted == compiled
     assert fn.counters["allreduce"].count < both.counters["allreduce"].count
 
 
@@ -153,12 +168,6 @@ def test_a_loop_differentiates_for_what_the_gradient_reaches_alone():
     assert (hlo["count"], hlo["values"]) == (c2 - (c5 - c2) // 3, v2 - (v5 - v2) // 3)
 
 
-def _counted_and_compiled(fn) -> tuple[dict, dict]:
-    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
-    hlo = {k: (v["count"], v["values"]) for k, v in hlo_collectives(fn.compiled_text()).items() if v["count"]}
-    return counted, hlo
-
-
 @pytest.mark.parametrize("layout", ["d:cols", "batch:rows;e:cols"])
 def test_a_one_trip_loops_gradient_goes_on_from_its_forward_trip(layout):
     """XLA inlines a loop of one trip, and the backward loop's recomputation of the forward trip
@@ -167,13 +176,8 @@ def test_a_one_trip_loops_gradient_goes_on_from_its_forward_trip(layout):
     26 compiled). A backward loop of one trip goes on from its forward trip's values instead.
     Outside values alone reach a collective too (a scale from w)."""
     graph, mesh, scanned, unrolled = _model(1)
-    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function([*scanned, *unrolled])
-    got = fn({"x": np.random.RandomState(0).randn(4, 6).astype(np.float32)})
-    for a, b in zip(got[:3], got[3:]):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function(scanned)
-    counted, hlo = _counted_and_compiled(fn)
-    assert counted == hlo
+    feeds = {"x": np.random.RandomState(0).randn(4, 6).astype(np.float32)}
+    _check_against_unrolled(graph, mesh, "rows:2;cols:4", layout, scanned, unrolled, feeds)
 
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "m")
@@ -217,17 +221,10 @@ def test_a_one_trip_loops_gradient_is_not_held_apart_by_a_barrier():
     h = mx.rename_dimension(mx.einsum(h, mx.reshape(w, [d, e]), output_shape=[b, e]), "e", "d") * 0.5
     h = mx.softmax(h, d)
     unrolled = mx.reduce_sum(h * h) + mx.reduce_sum(h)
-    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:4;cols:2", "d:rows")})
-    scanned = [loss, *mx.gradients(loss, [x, w])]
     rs = np.random.RandomState(0)
     feeds = {"x": rs.randn(4, 3).astype(np.float32), "w": rs.randn(1, 3, 3).astype(np.float32)}
-    got = lowering.function([*scanned, unrolled, *mx.gradients(unrolled, [x, w])])(feeds)
-    for a, want in zip(got[:3], got[3:]):
-        np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6)
-    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:4;cols:2", "d:rows")}).function(scanned)
-    fn(feeds)
-    counted, hlo = _counted_and_compiled(fn)
-    assert counted == hlo
+    scanned, unrolled = [loss, *mx.gradients(loss, [x, w])], [unrolled, *mx.gradients(unrolled, [x, w])]
+    _check_against_unrolled(graph, mesh, "rows:4;cols:2", "d:rows", scanned, unrolled, feeds)
 
 
 def test_a_one_trip_loop_inside_a_one_trip_loop_goes_on_from_its_forward_trip_too():
@@ -253,16 +250,9 @@ def test_a_one_trip_loop_inside_a_one_trip_loop_goes_on_from_its_forward_trip_to
     w1 = mx.reshape(w, [D, E])
     h = _layer(_layer(x, w1), w1)
     unrolled = mx.reduce_sum(h * h) + mx.reduce_sum(h)
-    scanned = [loss, *mx.gradients(loss, [w, x])]
+    scanned, unrolled = [loss, *mx.gradients(loss, [w, x])], [unrolled, *mx.gradients(unrolled, [w, x])]
     feeds = {"x": np.random.RandomState(0).randn(4, 6).astype(np.float32)}
-    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "d:cols")})
-    got = lowering.function([*scanned, unrolled, *mx.gradients(unrolled, [w, x])])(feeds)
-    for a, want in zip(got[:3], got[3:]):
-        np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6)
-    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "d:cols")}).function(scanned)
-    fn(feeds)
-    counted, hlo = _counted_and_compiled(fn)
-    assert counted == hlo
+    _check_against_unrolled(graph, mesh, "rows:2;cols:4", "d:cols", scanned, unrolled, feeds)
 
 
 def test_random_ops_draw_new_values_each_iteration():
