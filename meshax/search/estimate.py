@@ -287,16 +287,16 @@ class Estimator:
             changed_dims = _changed(last.by_dim, by_dim)
             changed_weight_dims = _changed(last.by_weight_dim, by_weight_dim)
         last.by_dim, last.by_weight_dim = by_dim, by_weight_dim
-        lay = last.lay
-        changed: set[int] = set()
+        lay, ruled = last.lay, last.ruled
         for k, ((dims, s), deps) in enumerate(zip(tables.names, tables.deps)):
             weight = s in weight_shaped
             moved = changed_weight_dims if weight else changed_dims
             if moved is None or not moved.isdisjoint(deps):
-                new = self._layout(by_weight_dim if weight else by_dim, dims)
-                if new is not lay[k]:
-                    lay[k] = new
-                    changed.add(k)
+                ruled[k] = self._layout(by_weight_dim if weight else by_dim, dims)
+        carried = ruled if by_weight_dim is by_dim else self._carried(ruled, by_dim, by_weight_dim, weight_shaped)
+        changed = {k for k, new in enumerate(carried) if new is not lay[k]}
+        for k in changed:
+            lay[k] = carried[k]
         ops = range(len(tables.ops)) if full else sorted({i for k in changed for i in tables.ops_of[k]})
         rerun: set[int] = set()
         for i in ops:
@@ -327,15 +327,16 @@ class Estimator:
             self._indexed = _Tables(self)
         return self._indexed
 
-    def _layout(self, use: dict[str, tuple[int, ...]], dims: tuple[tuple[str, int], ...]) -> TensorLayout:
-        """A tensor's layout by the rules `use`; a dim no rule names, renamed from or to one a rule
-        splits (of its size), is split as that one as far as the tensor leaves its mesh dims free
-        and the split divides it, as propagation splits it (memory_length, the keys' length: their
-        projections run split as the queries')."""
-        axes = [use.get(n, ()) for n, _ in dims]
+    def _layout(self, use: dict[str, tuple[int, ...]], dims: tuple[tuple[str, int], ...], carried=None) -> TensorLayout:
+        """A tensor's layout by the rules `use` (or the splits `carried`, per dim: `_carried`); a dim
+        unsplit that no rule names, renamed from or to one a rule splits (of its size), is split as
+        that one as far as the tensor leaves its mesh dims free and the split divides it, as
+        propagation splits it (memory_length, the keys' length: their projections run split as the
+        queries')."""
+        axes = list(carried) if carried is not None else [use.get(n, ()) for n, _ in dims]
         taken = {m for a in axes for m in a}
         for i, (n, size) in enumerate(dims):
-            if n in use or (n, size) not in self._aliases:
+            if n in use or axes[i] or (n, size) not in self._aliases:
                 continue
             for other in sorted(self._aliases[n, size]):
                 take = longest_split(use.get(other, ()), size, taken, self.mesh_shape)
@@ -347,6 +348,37 @@ class Estimator:
         if key not in self._interned:
             self._interned[key] = self._intern(TensorLayout(key))
         return self._interned[key]
+
+    def _carried(self, ruled: list, by_dim: dict, by_weight_dim: dict, weight_shaped: frozenset) -> list:
+        """The layouts `ruled` with the splits propagation carries between weights and activations.
+        A dim that its own rules leave open (the weight rules for a weight-shaped tensor, the
+        layout rules for the rest) takes the split of that dim in a tensor it meets in an op,
+        where that tensor's own rules split it or a split was carried to it, as far as it leaves
+        the mesh dims free: a weight's d_ff split reaches the hidden activations, and the queries'
+        heads split by the weight rules reaches the attention logits only where the queries left
+        it room. Then a dim still unsplit is split as one it is renamed from or to (`_layout`)."""
+        tables = self._tables()
+        own = [by_weight_dim if s in weight_shaped else by_dim for _, s in tables.names]
+        axes = [[own[k].get(n, ()) for n, _ in dims] for k, (dims, _) in enumerate(tables.names)]
+        carries = [{i for i, a in enumerate(row) if a} for row in axes]  # (the splits a dim may pass on)
+        slots = [(k, i, size, meets) for k, i, n, size, meets in tables.slots if n not in own[k]]
+        into: set[int] = set()  # (the shapes something was carried to)
+        progress = True
+        while progress:
+            progress = False
+            for k, i, size, meets in slots:
+                if axes[k][i]:
+                    continue
+                want = max((axes[j][p] for j, p in meets if p in carries[j]), key=len, default=())
+                take = longest_split(want, size, {m for a in axes[k] for m in a}, self.mesh_shape)
+                if take:
+                    axes[k][i] = take
+                    carries[k].add(i)
+                    into.add(k)
+                    progress = True
+        return [
+            self._layout(own[k], tables.names[k][0], axes[k]) if k in into else layout for k, layout in enumerate(ruled)
+        ]
 
     def _intern(self, layout: TensorLayout) -> TensorLayout:
         """One object per layout (the memos below hash and compare layouts millions of times)."""
@@ -413,6 +445,7 @@ class _State:
         self.by_dim: dict = {}
         self.by_weight_dim: dict = {}
         self.lay: list = [None] * shapes
+        self.ruled: list = [None] * shapes  # (by their own rules, before `Estimator._carried`)
         self.runs: list = [None] * ops
         self.flops: list[float] = [0.0] * ops
         self.moves: list[list] = [[] for _ in range(uses)]
@@ -460,6 +493,16 @@ class _Tables:
         # what depends on what, for `Estimator._state`: a shape's layout on its dims' rules (and
         # on those of the dims they are renamed from or to); an op's run on its tensors' layouts;
         # a use's moves on its tensor's layout and on the runs of its producer and consumers
+        # each dim of each shape (k, its index, its size) with the dims of that name it meets in an op
+        meets: dict[tuple[int, int], set[tuple[int, int]]] = defaultdict(set)
+        for _, _, operands, results in self.ops:
+            for k in {*operands, *results}:
+                for j in {*operands, *results} - {k}:
+                    where = {n: p for p, (n, _) in enumerate(self.names[j][0])}
+                    for i, (n, _) in enumerate(self.names[k][0]):
+                        if n in where:
+                            meets[k, i].add((j, where[n]))
+        self.slots = [(k, i, *self.names[k][0][i], sorted(js)) for (k, i), js in sorted(meets.items())]
         self.deps = [names | {a for d in dims for a in e._aliases.get(d, ())} for dims, names in self.names]
         self.ops_of: list[list[int]] = [[] for _ in self.keys]
         for i, (_, _, operands, results) in enumerate(self.ops):

@@ -372,11 +372,11 @@ def search_layout(
                     choices.append((a, str(w)))
             except _TooMany as e:
                 skipped = f"; weight rules not searched: more than {enumerate_limit} legal sets of {e} (pin rules)"
-        # Re-score in the estimate's order. The estimate lays tensors out by the rules, and splits
-        # renamed dims as the dims they rename; propagation completes the layouts its own way, so
-        # a layout's true memory (its plan's, cheap: no trace) differs, mostly down (it splits
-        # other dims no rule names): check it before tracing (for the layouts estimated to need
-        # at most twice the budget; the rest are taken not to fit).
+        # Re-score in the estimate's order. The estimate lays tensors out by the rules, splits
+        # renamed dims as the dims they rename and carries splits between weights and activations;
+        # propagation completes the layouts its own way, so a layout's true memory (its plan's,
+        # cheap: no trace) differs, by a few percent, mostly down: check it before tracing (for the
+        # layouts estimated to need at most 1.25 x the budget; the rest are taken not to fit).
         # Enough: `breadth` of them, and then on while the estimate is within `rescore_margin` of
         # the estimate of the best found (the estimate is not exact near the top), up to 2 x breadth.
         exact_ones = []
@@ -387,7 +387,7 @@ def search_layout(
                 or c.step_s > (1 + rescore_margin) * estimated[min(exact_ones, key=lambda e: e.step_s).name]
             ):
                 break
-            if c.memory_bytes > 2 * budget:
+            if c.memory_bytes > 1.25 * budget:
                 continue
             if sum(program.memory(rules, weights).values()) <= budget:
                 exact_ones.append(exact(rules, weights))
