@@ -3,6 +3,8 @@ training forward pass, a trained reversal model decodes its inputs reversed exac
 data-, model- and 2-D layouts alike, beam search scores at least as well as greedy, and sampling
 at temperature 0 (or top-1) is greedy."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -75,24 +77,72 @@ def test_sampling_draws_from_the_top_k():
         assert all(t in row for t, row in zip(first, top3))
 
 
-@pytest.mark.parametrize("mesh,layout", LAYOUTS[::3], ids=["one device", "2-D"])
-def test_incremental_logits_equal_the_training_forward_pass(mesh, layout):
-    """Step by step over the caches, the LM's logits at each position are the causal forward
-    pass's (the training graph's language_model) from the same weights."""
-    config = PRESETS["tiny"]
+def _steps_equal_the_forward_pass(config, mesh: str, layout: str) -> Decoder:
+    """Step by step over the caches, the logits at each position are the causal forward pass's
+    (the training graph's language_model, or encoder_decoder over the same inputs) from the same
+    weights; the decoder, to look at."""
     graph = mx.Graph()
     m = mx.Mesh(graph, "mesh")
-    ids = mx.placeholder(m, "ids", [mx.Dimension("batch", 8), mx.Dimension("length", 8)], "int32")
-    logits = Transformer(config, m).language_model(ids)
+    dims = [mx.Dimension("batch", 8), mx.Dimension("length", 8)]
+    ids = mx.placeholder(m, "ids", dims, "int32")
+    model = Transformer(config, m)
+    rng = np.random.default_rng(0)
+    feeds = {"ids": rng.integers(0, config.vocab_size, (8, 8)).astype(np.int32)}
+    if config.num_encoder_layers:
+        logits = model.encoder_decoder(mx.placeholder(m, "inputs", dims, "int32"), ids, pad_id=None)
+        feeds["inputs"] = rng.integers(0, config.vocab_size, (8, 8)).astype(np.int32)
+    else:
+        logits = model.language_model(ids)
     full = mx.Lowering(graph, {m: mx.SimdMeshImpl("all:1", "")})
-    values = np.random.default_rng(0).integers(0, 256, (8, 8)).astype(np.int32)
-    want = np.asarray(full.function(logits)({"ids": values}))
-    decoder = Decoder(config, mesh, layout, batch=8, length=8)
+    want, *dropped = full.function([logits, *(o.dropped_fraction for o in model.moe_outputs)])(feeds)
+    assert all(float(d) == 0 for d in dropped)  # (the MoE layers' capacity dropped no token)
+    decoder = Decoder(config, mesh, layout, batch=8, length=8, input_length=8 if "inputs" in feeds else None)
     decoder.load(full)
     caches = decoder._zeros()
+    encoded = [np.asarray(t) for t in decoder.encode_fn({"inputs": feeds["inputs"]})] if "inputs" in feeds else None
     for t in range(8):
-        got, *caches = decoder.step_fn(decoder._feeds(values[:, t], t, caches, None))
-        assert_close(got, want[:, t], rtol=1e-4, atol=1e-4)
+        got, *caches = decoder.step_fn(decoder._feeds(feeds["ids"][:, t], t, caches, encoded))
+        assert_close(got, np.asarray(want)[:, t], rtol=1e-4, atol=1e-4)
+    return decoder
+
+
+@pytest.mark.parametrize("mesh,layout", LAYOUTS[::3], ids=["one device", "2-D"])
+def test_incremental_logits_equal_the_training_forward_pass(mesh, layout):
+    _steps_equal_the_forward_pass(PRESETS["tiny"], mesh, layout)
+
+
+@pytest.mark.parametrize(
+    "mesh,layout", [("all:1", ""), ("rows:2;cols:4", "batch:rows;experts:rows;heads:cols;expert_hidden:cols")]
+)
+def test_a_mixture_of_experts_lm_decodes_as_its_forward_pass(mesh, layout):
+    """Each step's tokens are routed as groups of one, with room at each of their experts: where
+    training's capacity dropped no token, the step's logits are the forward pass's, and under
+    expert parallelism the step sends its tokens to their experts and back (an all-to-all each
+    way per MoE layer)."""
+    config = dataclasses.replace(PRESETS["tiny"], moe_experts=4, moe_capacity_factor=4.0)  # (no token dropped)
+    decoder = _steps_equal_the_forward_pass(config, mesh, layout)
+    assert decoder.step_fn.counters["alltoall"].count == (2 if layout else 0)  # (tiny: 2 layers, the second MoE)
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        dict(pipeline_stages=2, microbatches=2),
+        dict(pipeline_stages=2, microbatches=2, circular_repeats=2, num_layers=4),
+        dict(pipeline_stages=2, microbatches=2, num_encoder_layers=2, vocab_size=32),
+    ],
+    ids=["gpipe", "circular", "encoder-decoder"],
+)
+@pytest.mark.parametrize("mesh,layout", [("all:1", ""), ("rows:2;cols:4", "stage:rows;heads:cols;d_ff:cols")])
+def test_a_pipelined_model_decodes_as_its_forward_pass(changes, mesh, layout):
+    """The stages run one after another, each layer's weights read from the pipeline's stacked
+    variables [(repeat,) stage, ...] at its block; split over `stage`, the weights come from the
+    devices holding them, every step (allreduces over the stage's mesh dim, which splits nothing
+    else here)."""
+    decoder = _steps_equal_the_forward_pass(dataclasses.replace(PRESETS["tiny"], **changes), mesh, layout)
+    assert any("stage" in v.shape.dimension_names for v in decoder.lowering.graph.trainable_variables)
+    over_stage = [s for s in decoder.step_fn.counters.sites() if s.mesh_axes == ("rows",)]
+    assert {s.kind for s in over_stage} == ({"allreduce"} if layout else set())
 
 
 def test_decoder_refuses_what_it_cannot_decode():

@@ -392,16 +392,17 @@ class Transformer:
         pad = ew.equal(self.as_memory(ids), pad_id)
         return ew.logical_not(pad) if self.config.attention == "fused" else ew.where(pad, NEG_INF, 0.0)
 
-    def moe(self, x: Tensor, name: str) -> Tensor:
-        """The MoE feed-forward block (meshax.moe); its loss and dropped fraction are kept in
+    def moe(self, x: Tensor, name: str, group_size: int | None = None, capacity_factor: float | None = None) -> Tensor:
+        """The MoE feed-forward block (meshax.moe), over groups of `group_size` tokens at
+        `capacity_factor` (default: the config's); its loss and dropped fraction are kept in
         `moe_outputs` for the task."""
         c = self.config
         out = moe(
             x,
             self.d_ff.size,
             c.moe_experts,
-            group_size=c.moe_group_size or None,
-            capacity_factor=c.moe_capacity_factor,
+            group_size=group_size or c.moe_group_size or None,
+            capacity_factor=capacity_factor or c.moe_capacity_factor,
             model_dim="d_model",
             activation=ew.relu if c.activation == "relu" else ew.gelu,
             name=f"{self.name}/{name}",

@@ -107,8 +107,9 @@ def reuse_variables() -> Iterator[None]:
 @contextlib.contextmanager
 def stacked_variables(dims: list, select: Callable[[Tensor], Tensor]) -> Iterator[None]:
     """Inside, `get_variable` makes each variable with `dims` in front (each index initialized
-    on its own, as a layer of its own) and returns `select(variable)`: how a pipeline gives each
-    stage its own weights from layer code written for one (`meshax.pipeline`)."""
+    on its own, as a layer of its own), or reuses it (`reuse_variables`), and returns
+    `select(variable)`: how a pipeline gives each stage its own weights from layer code written
+    for one (`meshax.pipeline`), and how decoding reads one stage's."""
     _STACKING.append((list(dims), select))
     try:
         yield
@@ -153,9 +154,14 @@ def get_variable(
             f"meshax.initializers or jax.nn.initializers (e.g. mx.initializers.constant(0.5)); got {initializer!r}"
         )
     existing = next((v for v in mesh.graph.all_variables if v.name == name), None) if _REUSING else None
-    if existing is not None and existing.shape != convert_to_shape(shape):
-        raise GraphError(f"variable {name!r} exists with shape {existing.shape}, not {convert_to_shape(shape)}")
-    value = existing.value if existing is not None else _new_variable(mesh, name, shape, initializer, dtype, trainable)
+    if existing is not None:
+        lead, select = _STACKING[-1] if _STACKING else ([], None)
+        want = convert_to_shape([*lead, *convert_to_shape(shape)])
+        if existing.shape != want:
+            raise GraphError(f"variable {name!r} exists with shape {existing.shape}, not {want}")
+        value = select(existing.value) if select is not None else existing.value
+    else:
+        value = _new_variable(mesh, name, shape, initializer, dtype, trainable)
     if activation_dtype is not None:
         from meshax.ops.elementwise import cast
 

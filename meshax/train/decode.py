@@ -9,7 +9,9 @@ model-parallel. The step takes the token at position t and the caches, writes th
 and values at t, attends to positions up to t, and returns the logits and the new caches. An
 encoder-decoder runs its encoder once (`encode_fn`): its keys and values are computed once per
 layer and fed to every step. The encoder attends to every input position, as `Seq2SeqTask`
-trains it (no padding mask).
+trains it (no padding mask). A mixture-of-experts layer routes each step's tokens as groups of
+one, dropping none (`_moe`); a pipelined stack runs its stages one after another, each layer
+reading its block's weights from the pipeline's stacked variables (`_block`).
 
 Search runs on the host over the step's logits: `greedy`, `sample` (temperature, top-k; 0 is
 greedy) and `beam_search` (beams in the batch dim, caches reordered by each step's choice,
@@ -18,8 +20,10 @@ length penalty ((5 + length) / 6) ** alpha as in Mesh-TensorFlow's).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -31,9 +35,11 @@ from meshax.models.transformer import Transformer, TransformerConfig
 from meshax.ops import elementwise as ew
 from meshax.ops.einsum import einsum
 from meshax.ops.indexing import gather, one_hot
-from meshax.ops.inputs import placeholder
+from meshax.ops.inputs import import_tensor, placeholder
 from meshax.ops.inputs import range as mrange
 from meshax.ops.reduce import softmax
+from meshax.ops.shape_ops import reshape
+from meshax.ops.variables import reuse_variables, stacked_variables
 
 NEG = -1e9
 
@@ -57,8 +63,6 @@ class Decoder:
     ):
         from meshax.train.loop import BACKENDS
 
-        if config.pipeline_stages > 1 or config.moe_experts:
-            raise ConfigError("decoding supports dense, unpipelined Transformers (no --pipeline-stages, no MoE)")
         self.config = dataclasses.replace(config, dropout=0.0)
         self.encoder_decoder = config.num_encoder_layers > 0
         if self.encoder_decoder and not input_length:
@@ -95,17 +99,64 @@ class Decoder:
     def _encoder(self, length: Dimension) -> list[Tensor]:
         """The encoder over inputs [batch, length] and, per decoder layer, the keys and values of
         its cross-attention over the encoder's output, [batch, heads, encoder_length, d_kv]."""
-        m = self.model
+        m, c = self.model, self.config
         inputs = placeholder(self.mesh, "inputs", [self.batch, length], dtype="int32")
         x = m.embed(inputs, "input_embedding", length)
-        memory = m.as_memory(m.stack(x, self.config.num_encoder_layers, "encoder", None))
+        if c.pipeline_stages > 1:  # (the stages' blocks one after another, on the whole batch)
+            per_block = c.num_encoder_layers // self._blocks
+            for b in range(self._blocks):
+                with self._block(b):
+                    x = m.layers(x, per_block, "encoder", None)
+            x = m.norm(x, "encoder/final_norm")
+        else:
+            x = m.stack(x, c.num_encoder_layers, "encoder", None)
+        memory = m.as_memory(x)
         out: list[Tensor] = []
         for i in range(self.config.num_layers):
-            wk, wv = (self._weight(f"decoder/{i}/cross_attention/{n}") for n in "kv")
+            with self._layer(i) as j:
+                wk, wv = (self._weight(f"decoder/{j}/cross_attention/{n}") for n in "kv")
             self.encoder_length = memory.shape.get_dim_by_name("memory_length")
             shape = [self.batch, m.heads, self.encoder_length, m.d_kv]
             out += [einsum(memory, wk, output_shape=shape), einsum(memory, wv, output_shape=shape)]
         return out
+
+    @property
+    def _blocks(self) -> int:
+        """A pipelined stack's blocks of layers: stages x circular repeats (`Transformer.stack`)."""
+        return self.config.pipeline_stages * self.config.circular_repeats
+
+    @contextlib.contextmanager
+    def _block(self, b: int) -> Iterator[None]:
+        """Inside, a pipelined stack's layer weights are those of block b: the variables
+        [stage, ...] ([repeat, stage, ...] circular) that training's pipeline made, read at stage
+        b mod S (repeat b // S). The stages run one after another: each step reads a stage's
+        weights where the layout keeps them (split over `stage`: from the device holding them)."""
+        m, c = self.model, self.config
+        stage = Dimension("stage", c.pipeline_stages)
+        lead = [Dimension("repeat", c.circular_repeats), stage] if c.circular_repeats > 1 else [stage]
+        pick = np.zeros([d.size for d in lead], np.float32)
+        pick[np.unravel_index(b, pick.shape)] = 1  # (block b = r * S + s: repeat r, stage s)
+        which = import_tensor(self.mesh, pick, lead, name=f"block_{b}")
+        shared, m._vars = m._vars, {}  # (each block's weights read afresh under the same names)
+        try:
+            with (
+                reuse_variables(),
+                stacked_variables(lead, lambda v: einsum(v, which, output_shape=v.shape[len(lead) :])),
+            ):
+                yield
+        finally:
+            m._vars = shared
+
+    @contextlib.contextmanager
+    def _layer(self, i: int) -> Iterator[int]:
+        """The name index of the stack's layer i (in a pipeline, its index within its block,
+        whose weights are read inside: `_block`)."""
+        if self.config.pipeline_stages <= 1:
+            yield i
+            return
+        b, j = divmod(i, self.config.num_layers // self._blocks)
+        with self._block(b):
+            yield j
 
     def _weight(self, name: str, dims=None) -> Tensor:
         m = self.model
@@ -128,6 +179,15 @@ class Decoder:
         out = einsum(weights, v, reduced_dims=[memory_length])
         return einsum(out, self._weight(f"{name}/o"), reduced_dims=[m.heads, m.d_kv])
 
+    def _moe(self, y: Tensor, name: str) -> Tensor:
+        """The MoE feed-forward block on the step's tokens y [batch, d_model]: each token a group
+        of its own (a dim `token` of 1 beside the batch, which the groups keep, as training's
+        keep it), with room for it at each of its experts (capacity 1), so no token is dropped:
+        the step's output is the forward pass's wherever training's capacity dropped none."""
+        m = self.model
+        tokens = reshape(y, [self.batch, Dimension("token", 1), m.d_model])
+        return reshape(m.moe(tokens, name, group_size=1, capacity_factor=float(self.config.moe_experts)), y.shape)
+
     def _step(self) -> list[Tensor]:
         """ids [batch] at position `step`, the caches -> logits [batch, vocab] and the new caches."""
         m, c = self.model, self.config
@@ -138,29 +198,34 @@ class Decoder:
         here = one_hot(step, self.memory_length, dtype="float32")
         future = ew.greater(mrange(self.mesh, self.memory_length, "int32"), step)
         self_bias = ew.where(future, NEG, 0.0)
-        caches = []
+        caches: list[Tensor] = []
         for i in range(c.num_layers):
-            name = f"{prefix}/{i}/self_attention"
-            y = m.norm(x, f"{prefix}/{i}/self_attention_norm")
-            q, k, v = (einsum(y, self._weight(f"{name}/{n}"), reduced_dims=[m.d_model]) for n in "qkv")
-            prev_k, prev_v = (
-                placeholder(self.mesh, f"cache/{i}/{n}", self.cache_shape, dtype=self.config.dtype) for n in "kv"
-            )
-            k = prev_k + ew.multiply(k, ew.cast(here, k.dtype), output_shape=self.cache_shape)
-            v = prev_v + ew.multiply(v, ew.cast(here, v.dtype), output_shape=self.cache_shape)
-            caches += [k, v]
-            x = x + self._attend(q, k, v, self_bias, self.memory_length, name)
-            if self.encoder_decoder:
-                name = f"{prefix}/{i}/cross_attention"
-                y = m.norm(x, f"{prefix}/{i}/cross_attention_norm")
-                q = einsum(y, self._weight(f"{name}/q"), reduced_dims=[m.d_model])
-                enc_shape = Shape([self.batch, m.heads, self.encoder_length, m.d_kv])
-                ek, ev = (placeholder(self.mesh, f"encoded/{i}/{n}", enc_shape, dtype=self.config.dtype) for n in "kv")
-                x = x + self._attend(q, ek, ev, None, self.encoder_length, name)
-            y = m.norm(x, f"{prefix}/{i}/ffn_norm")
-            x = x + m._compute(m.feed_forward(y, f"{prefix}/{i}/ffn"))
+            with self._layer(i) as j:
+                x = self._decoder_layer(x, i, f"{prefix}/{j}", here, self_bias, caches)
         logits = m.logits(m.norm(x, f"{prefix}/final_norm"), table)
         return [logits, *caches]
+
+    def _decoder_layer(self, x: Tensor, i: int, prefix: str, here: Tensor, self_bias: Tensor, caches: list) -> Tensor:
+        """The step through decoder layer i (its weights named `prefix`), its caches appended."""
+        m, c = self.model, self.config
+        name = f"{prefix}/self_attention"
+        y = m.norm(x, f"{prefix}/self_attention_norm")
+        q, k, v = (einsum(y, self._weight(f"{name}/{n}"), reduced_dims=[m.d_model]) for n in "qkv")
+        prev_k, prev_v = (placeholder(self.mesh, f"cache/{i}/{n}", self.cache_shape, dtype=c.dtype) for n in "kv")
+        k = prev_k + ew.multiply(k, ew.cast(here, k.dtype), output_shape=self.cache_shape)
+        v = prev_v + ew.multiply(v, ew.cast(here, v.dtype), output_shape=self.cache_shape)
+        caches += [k, v]
+        x = x + self._attend(q, k, v, self_bias, self.memory_length, name)
+        if self.encoder_decoder:
+            name = f"{prefix}/cross_attention"
+            y = m.norm(x, f"{prefix}/cross_attention_norm")
+            q = einsum(y, self._weight(f"{name}/q"), reduced_dims=[m.d_model])
+            enc_shape = Shape([self.batch, m.heads, self.encoder_length, m.d_kv])
+            ek, ev = (placeholder(self.mesh, f"encoded/{i}/{n}", enc_shape, dtype=c.dtype) for n in "kv")
+            x = x + self._attend(q, ek, ev, None, self.encoder_length, name)
+        y = m.norm(x, f"{prefix}/ffn_norm")
+        block = self._moe if c.is_moe(i) else m.feed_forward
+        return x + m._compute(block(y, f"{prefix}/ffn"))
 
     # ---- running ---------------------------------------------------------------------------------
     def load(self, source, step: int | None = None) -> None:
