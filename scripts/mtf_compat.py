@@ -70,8 +70,8 @@ NOT_APPLICABLE = {
 NOT_YET: dict[str, str] = {}
 # Arguments meshax takes differently, with why (the rest are taken by Mesh-TensorFlow's names).
 ARGUMENT_NOTES = {
-    "while_loop": "not differentiable: `has_accumulators=True` is refused (`mx.scan` is, for a fixed trip count); "
-    "`num_loop_vars` returns the first ones",
+    "while_loop": "as there, not differentiable (`mx.scan` is, for a fixed trip count); accumulators are summed "
+    "owed and settled once after the loop; `num_loop_vars` returns the first ones, then the accumulators",
     **{
         f"reduce_{k}": "`disable_positional_args` is not needed: meshax also takes `reduced_dim` second"
         for k in ("sum", "mean", "max", "min", "all", "any")

@@ -359,6 +359,71 @@ def test_while_loop_runs_until_its_condition_fails(backend, mesh_shape, layout):
         assert {k: v["values"] for k, v in found.items()} == {k: fn.counters[k].values for k in found}
 
 
+@pytest.mark.parametrize(
+    "backend,mesh_shape,layout",
+    [
+        (mx.SimdMeshImpl, "rows:2;cols:4", ""),
+        (mx.SimdMeshImpl, "rows:2;cols:4", "batch:rows;d:cols"),
+        (mx.PlacementMeshImpl, "rows:2;cols:2", "batch:rows;d:cols"),
+    ],
+)
+def test_while_loop_accumulators_are_summed_over_the_iterations_and_settled_once(backend, mesh_shape, layout):
+    """Mesh-TensorFlow's `has_accumulators`: the body's values after the new loop variables are
+    summed over the iterations and returned after them. A sum the body owes (x's sum over the
+    batch split over rows, its product with h's d split over cols) is carried owed and settled
+    once, after the loop: one allreduce per accumulator, not one per iteration."""
+    rng = np.random.RandomState(2)
+    xv, wv = (rng.randn(4, 6) * 3).astype(np.float32), (rng.randn(6, 6) * 0.4).astype(np.float32)
+    graph, mesh, _, _ = _halving()  # (x and w, and a loop this test does not run)
+    x = graph.operations[0].outputs[0]
+
+    def body(h, i):
+        scaled = x * mx.cast(i + 1, "float32")
+        return [h * 0.5, i + 1, mx.reduce_sum(scaled, reduced_dim=B), mx.reduce_sum(h * scaled), scaled]
+
+    _, trips, by_d, total, whole = mx.while_loop(
+        lambda h, i: mx.greater_equal(mx.reduce_sum(h * h), 1.0),
+        body,
+        [x, mx.zeros(mesh, [], np.int32)],
+        has_accumulators=True,
+    )
+    fn = mx.Lowering(graph, {mesh: backend(mesh_shape, layout)}).function([trips, by_d, total, whole])
+    got_trips, got_by_d, got_total, got_whole = fn({"x": xv, "w": wv})
+    h, weights, dots = xv.astype(np.float64), [], []
+    while (h * h).sum() >= 1.0:
+        weights.append(len(weights) + 1)
+        dots.append((h * xv * weights[-1]).sum())
+        h = h * 0.5
+    assert int(got_trips) == len(weights) >= 3
+    np.testing.assert_allclose(got_by_d, xv.sum(0) * sum(weights), rtol=1e-5)
+    np.testing.assert_allclose(got_total, sum(dots), rtol=1e-4)
+    np.testing.assert_allclose(got_whole, xv * sum(weights), rtol=1e-5)
+    if backend is mx.SimdMeshImpl:
+        counted, compiled = _counted_and_compiled(fn)
+        assert counted == compiled
+        # the condition's sum (in the loop: once, as XLA holds it) and one per owed accumulator
+        assert counted.get("allreduce", (0, 0))[0] == (3 if layout else 0)
+
+
+def test_an_owed_accumulator_is_settled_after_the_loop_not_in_it():
+    """Three trips (XLA knows the count, and counts a collective in the loop three times): the
+    batch sum owed over rows is summed owed, then allreduced once (before: each trip's value was
+    settled in the loop, 3 allreduces of 6 values run against 1 counted)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+
+    def body(i):
+        return [i + 1, mx.reduce_sum(x * mx.cast(i + 1, "float32"), reduced_dim=B)]
+
+    _, by_d = mx.while_loop(lambda i: mx.less(i, 3), body, [mx.zeros(mesh, [], np.int32)], has_accumulators=True)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows")}).function([by_d])
+    xv = np.random.RandomState(3).randn(4, 6).astype(np.float32)
+    np.testing.assert_allclose(fn({"x": xv})[0], xv.sum(0) * 6, rtol=1e-5)
+    counted, compiled = _counted_and_compiled(fn)
+    assert counted == compiled == {"allreduce": (1, 6)}
+
+
 def test_while_loop_errors_name_the_cause():
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "m")
@@ -367,8 +432,8 @@ def test_while_loop_errors_name_the_cause():
         mx.while_loop(lambda h: h, lambda h: [h], [x])
     with pytest.raises(mx.GraphError, match="keep its shape and dtype"):
         mx.while_loop(lambda h: mx.reduce_sum(h) > 0, lambda h: [mx.reduce_sum(h, reduced_dim=D)], [x])
-    with pytest.raises(mx.GraphError, match=r"not differentiable.*mx\.scan"):
-        mx.while_loop(lambda h: mx.reduce_sum(h) > 0, lambda h: [h], [x], has_accumulators=True)
+    with pytest.raises(mx.GraphError, match=r"returned 2 values for 1 inputs; .* pass has_accumulators=True"):
+        mx.while_loop(lambda h: mx.reduce_sum(h) > 0, lambda h: [h, h], [x])
     w = mx.get_variable(mesh, "w", [D], initializer=mx.initializers.ones())
     (out,) = mx.while_loop(lambda h: mx.reduce_sum(h) > 0, lambda h: [h * 0.5], [x * w])
     with pytest.raises(mx.GraphError, match=r"not differentiable.*mx\.scan"):

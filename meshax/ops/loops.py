@@ -27,7 +27,7 @@ import numpy as np
 from meshax.core.errors import GraphError
 from meshax.core.graph import Graph, Mesh, Operation, Tensor, is_floating
 from meshax.core.shape import Dimension, Shape
-from meshax.layout.rules import TensorLayout
+from meshax.layout.rules import TensorLayout, slice_shape
 
 
 class LoopVariableOperation(Operation):
@@ -385,10 +385,12 @@ def scan(
 class WhileOperation(Operation):
     """A loop whose trip count the data decide: `carry = body(carry)` while `cond(carry)`, as one
     `lax.while_loop` in the SPMD program. Inputs: the carries' initial values, then the outside
-    tensors the condition and body read. Outputs: the final carries. The condition is a scalar,
-    so every device holds all of it and all devices stop together. Collectives in the condition
-    and body are counted once (one iteration: the trip count is known only when it runs), as
-    the compiled program holds them once."""
+    tensors the condition and body read. Outputs: the final carries, then the accumulators' sums
+    (Mesh-TensorFlow's `has_accumulators`: more values of the body, summed over the iterations;
+    a sum the body owes over some mesh dims is carried owed and settled once, after the loop).
+    The condition is a scalar, so every device holds all of it and all devices stop together.
+    Collectives in the condition and body are counted once (one iteration: the trip count is
+    known only when it runs), as the compiled program holds them once."""
 
     def __init__(
         self,
@@ -399,24 +401,33 @@ class WhileOperation(Operation):
         cond_ops: list[Operation],
         body_ops: list[Operation],
         name: str | None = None,
+        accumulated: Sequence[Tensor] = (),
     ):
-        cond_ops, body_ops = _needed(cond_ops, [cond_result]), _needed(body_ops, carry_results)
+        results = [*carry_results, *accumulated]
+        cond_ops, body_ops = _needed(cond_ops, [cond_result]), _needed(body_ops, results)
         inside = {t for op in [*cond_ops, *body_ops] for t in op.outputs} | set(carry_vars)
-        captured = _captured([*cond_ops, *body_ops], inside, [cond_result, *carry_results])
+        captured = _captured([*cond_ops, *body_ops], inside, [cond_result, *results])
         super().__init__([*init, *captured], mesh=init[0].mesh, name=name or "while_loop")
         self.init, self.captured, self.carry_vars = init, captured, carry_vars
-        self.cond_result, self.carry_results = cond_result, carry_results
+        self.cond_result, self.carry_results, self.accumulated = cond_result, carry_results, list(accumulated)
         self.cond_ops, self.body_ops = cond_ops, body_ops
         self.rng_key = len(self.graph.operations)
         self.final = [self._add_output(v.shape, v.dtype, f"{self.name}/final_{i}") for i, v in enumerate(carry_vars)]
+        self.sums = [self._add_output(a.shape, a.dtype, f"{self.name}/sum_{i}") for i, a in enumerate(accumulated)]
+
+    @property
+    def results(self) -> list[Tensor]:
+        """What the body computes each iteration: the new carries, then the accumulated values."""
+        return [*self.carry_results, *self.accumulated]
 
     def propagation_links(self) -> list[tuple[Tensor, Tensor, str | None]]:
         """A carry's initial value, its variable, its new value and its final value stand for one
-        value across the loop's boundary (`ScanOperation.propagation_links`)."""
+        value across the loop's boundary (`ScanOperation.propagation_links`), as an accumulated
+        value and its sum do."""
         links: list[tuple[Tensor, Tensor, str | None]] = []
         for t, v, r, f in zip(self.init, self.carry_vars, self.carry_results, self.final):
             links += [(t, v, None), (v, r, None), (r, f, None)]
-        return links
+        return links + [(a, s, None) for a, s in zip(self.accumulated, self.sums)]
 
     def lower(self, ctx):
         from meshax.lower.counters import Counters
@@ -437,19 +448,32 @@ class WhileOperation(Operation):
             child = _run_body(ctx, counters("cond"), seed, bound, self.cond_ops, [self.cond_result])
             return ctx.slicewise(lambda c: c.astype(bool), child.get(self.cond_result).slices)
 
+        owed: dict[Tensor, frozenset] = {}  # (an accumulated value's sums owed, as the body's trace left them)
+
         def body(carry: list[list]) -> list[list]:
             i, *carry = carry
+            carry, sums = carry[: len(self.carry_vars)], carry[len(self.carry_vars) :]
             seed = ctx.slicewise(lambda s, i: (s ^ ~key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
             bound = dict(zip(self.carry_vars, carry))
-            child = _run_body(ctx, counters("body"), seed, bound, self.body_ops, self.carry_results)
+            child = _run_body(ctx, counters("body"), seed, bound, self.body_ops, self.results)
             new = [child.get(r, plan[v]).slices for r, v in zip(self.carry_results, self.carry_vars)]
+            for a, total in zip(self.accumulated, sums):
+                value = child.get(a, plan[a], allow_partial=True)
+                owed[a] = value.pending
+                new.append(ctx.slicewise(jnp.add, total, value.slices))
             return [ctx.slicewise(lambda i: i + np.uint32(1), i), *new]
 
         start = ctx.slicewise(lambda: jnp.zeros((), jnp.uint32))  # the iteration: random ops' stream
-        _, *final = ctx.impl.while_loop(cond, body, [start, *carry0])
+        zeros = [
+            ctx.slicewise(lambda a=a: jnp.zeros(slice_shape(a.shape, plan[a], ctx.mesh_shape), a.dtype))
+            for a in self.accumulated
+        ]
+        _, *final = ctx.impl.while_loop(cond, body, [start, *carry0, *zeros])
         _add_counters(ctx, recorded)
         for t, v, slices in zip(self.final, self.carry_vars, final):
             ctx.set_output(t, slices, plan[v])
+        for t, a, slices in zip(self.sums, self.accumulated, final[len(self.carry_vars) :]):
+            ctx.set_output(t, slices, plan[a], owed[a])  # (settled once, when read)
 
     def gradient(self, grad_outputs):
         if any(g is not None for g in grad_outputs):
@@ -473,16 +497,15 @@ def while_loop(
     when not zero); `body_fn` returns new values of the inputs' shapes and dtypes. Tensors built
     outside can be read directly. Returns the final values (the first `num_loop_vars` of them
     when that is given; in meshax every input is a loop variable, so it changes nothing else).
-    Not differentiable (`has_accumulators`, which Mesh-TensorFlow uses for a gradient, is
-    refused); a loop with a fixed trip count is `mx.scan`, which is."""
+    With `has_accumulators`, `body_fn` may return more values after the new inputs:
+    accumulators, each summed over the iterations (from zero) and returned after the loop
+    variables; a sum the body owes over mesh dims (a gradient split over the batch, say) is
+    summed owed and settled once, after the loop, as Mesh-TensorFlow's delayed allreduce.
+    Not differentiable (its trip count is known only when it runs); a loop with a fixed trip
+    count is `mx.scan`, which is."""
     init = _as_list(inputs, "inputs", "while_loop")
     if not init:
         raise GraphError("while_loop needs at least one input (a loop variable)")
-    if has_accumulators:
-        raise GraphError(
-            "while_loop(has_accumulators=True): meshax's while loops are not differentiable; "
-            "for a gradient through a loop with a fixed trip count use mx.scan"
-        )
     if num_loop_vars is not None and not 0 < num_loop_vars <= len(init):
         raise GraphError(f"while_loop: num_loop_vars={num_loop_vars} must be in 1..{len(init)} (the inputs)")
     what = name or "while_loop"
@@ -495,6 +518,12 @@ def while_loop(
         raise GraphError(f"while_loop: cond_fn must return a scalar meshax Tensor (shape []), got {got}")
     with _recording(graph) as body_ops:
         new = _as_list(body_fn(*carry_vars), "the values body_fn returns", "while_loop")
+    new, accumulated = new[: len(init)], new[len(init) :]
+    if accumulated and not has_accumulators:
+        raise GraphError(
+            f"while_loop: body_fn returned {len(init) + len(accumulated)} values for {len(init)} inputs; "
+            "to sum the rest over the iterations, pass has_accumulators=True"
+        )
     _check_carries("while_loop", new, carry_vars, "body_fn returned")
-    op = WhileOperation(init, carry_vars, flag, new, cond_ops, body_ops, name=name)
-    return op.final[:num_loop_vars] if num_loop_vars is not None else op.final
+    op = WhileOperation(init, carry_vars, flag, new, cond_ops, body_ops, name=name, accumulated=accumulated)
+    return [*(op.final[:num_loop_vars] if num_loop_vars is not None else op.final), *op.sums]

@@ -530,7 +530,7 @@ def _bodies(
     if isinstance(op, ScanOperation):
         return len(op.init) + len(op.xs), [(op.body, [*op.carry_results, *op.y_results], op.dim.size)]
     if isinstance(op, WhileOperation):
-        return len(op.init), [(op.cond_ops, [op.cond_result], 1), (op.body_ops, op.carry_results, 1)]
+        return len(op.init), [(op.cond_ops, [op.cond_result], 1), (op.body_ops, op.results, 1)]
     if isinstance(op, RecomputeOperation):
         if read is None:
             return len(op.bound), [(op.body, op.results, 1)]
