@@ -230,7 +230,10 @@ class Estimator:
         out._weight_reads = combine(lambda e: e._weight_reads)
         out._memos()
         out._weight_shapes = frozenset().union(*(e._weight_shapes for e in everyone))
-        out._aliases = {k: frozenset().union(*(e._aliases.get(k, ()) for e in everyone)) for k in base._aliases}
+        out._aliases = {
+            k: {n: frozenset().union(*(e._aliases.get(k, {}).get(n, ()) for e in everyone)) for n in base._aliases[k]}
+            for k in base._aliases
+        }
         return out
 
     def __call__(self, rules: LayoutRules, weight_rules: LayoutRules | None = None) -> StepCost:
@@ -338,8 +341,15 @@ class Estimator:
         for i, (n, size) in enumerate(dims):
             if n in use or axes[i] or (n, size) not in self._aliases:
                 continue
-            for other in sorted(self._aliases[n, size]):
-                take = longest_split(use.get(other, ()), size, taken, self.mesh_shape)
+            for other, gates in sorted(self._aliases[n, size].items()):
+                want = use.get(other, ())
+                take = max(
+                    (
+                        longest_split(want, size, taken | {m for d in gate for m in use.get(d, ())}, self.mesh_shape)
+                        for gate in gates
+                    ),
+                    key=len,
+                )
                 if take:
                     axes[i] = tuple(take)
                     taken.update(take)
@@ -503,7 +513,10 @@ class _Tables:
                         if n in where:
                             meets[k, i].add((j, where[n]))
         self.slots = [(k, i, *self.names[k][0][i], sorted(js)) for (k, i), js in sorted(meets.items())]
-        self.deps = [names | {a for d in dims for a in e._aliases.get(d, ())} for dims, names in self.names]
+        self.deps = [
+            names | {x for d in dims for a, gates in e._aliases.get(d, {}).items() for x in {a}.union(*gates)}
+            for dims, names in self.names
+        ]
         self.ops_of: list[list[int]] = [[] for _ in self.keys]
         for i, (_, _, operands, results) in enumerate(self.ops):
             for k in dict.fromkeys([*operands, *results]):
@@ -553,10 +566,12 @@ def _scopes(ops: list[Operation], outputs: list[Tensor]) -> list[tuple[list[Oper
     return scopes
 
 
-def _renamed(ops) -> dict[tuple[str, int], frozenset[str]]:
+def _renamed(ops) -> dict[tuple[str, int], dict[str, frozenset[frozenset[str]]]]:
     """(dim name, size) -> the names that dim is renamed to or from somewhere in the ops (a
-    reshape that keeps every size in place: `rename_dimension`)."""
-    aliases: dict[tuple[str, int], set[str]] = defaultdict(set)
+    reshape that keeps every size in place: `rename_dimension`), each with the other dims of the
+    tensors the rename reads or writes on the first name's side (its gates: a split crosses the
+    rename only as far as one of them leaves it free)."""
+    aliases: dict[tuple[str, int], dict[str, set[frozenset[str]]]] = defaultdict(lambda: defaultdict(set))
     for op in ops:
         if not isinstance(op, ReshapeOperation):
             continue
@@ -565,6 +580,6 @@ def _renamed(ops) -> dict[tuple[str, int], frozenset[str]]:
             continue
         for a, b in zip(old, new):
             if a.name != b.name:
-                aliases[a.name, a.size].add(b.name)
-                aliases[b.name, b.size].add(a.name)
-    return {k: frozenset(v) for k, v in aliases.items()}
+                aliases[a.name, a.size][b.name].add(frozenset(old.dimension_names) - {a.name})
+                aliases[b.name, b.size][a.name].add(frozenset(new.dimension_names) - {b.name})
+    return {k: {n: frozenset(gates) for n, gates in v.items()} for k, v in aliases.items()}
