@@ -500,10 +500,8 @@ class _Tables:
         self.halos = [
             (i, e._runs_of[sig]) for i, (sig, op) in enumerate(zip(sigs, self.reps)) if hasattr(op, "halo_sends")
         ]
-        # what depends on what, for `Estimator._state`: a shape's layout on its dims' rules (and
-        # on those of the dims they are renamed from or to); an op's run on its tensors' layouts;
-        # a use's moves on its tensor's layout and on the runs of its producer and consumers
-        # each dim of each shape (k, its index, its size) with the dims of that name it meets in an op
+        # each dim of each shape (k, its index, its name and size) with the dims of that name it
+        # meets in an op (`Estimator._carried`)
         meets: dict[tuple[int, int], set[tuple[int, int]]] = defaultdict(set)
         for _, _, operands, results in self.ops:
             for k in {*operands, *results}:
@@ -513,6 +511,10 @@ class _Tables:
                         if n in where:
                             meets[k, i].add((j, where[n]))
         self.slots = [(k, i, *self.names[k][0][i], sorted(js)) for (k, i), js in sorted(meets.items())]
+        # what depends on what, for `Estimator._state`: a shape's layout on its dims' rules (and
+        # on those of the dims they are renamed from or to, and of their renames' gates); an op's
+        # run on its tensors' layouts; a use's moves on its tensor's layout and on the runs of its
+        # producer and consumers (with weight rules, `_carried` works every layout out again)
         self.deps = [
             names | {x for d in dims for a, gates in e._aliases.get(d, {}).items() for x in {a}.union(*gates)}
             for dims, names in self.names
