@@ -222,6 +222,11 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument(
                 "--alpha", type=_RATE, default=None, help="beam search's length penalty exponent (default 0.6)"
             )
+            s.add_argument(
+                "--report",
+                action="store_true",
+                help="first print the decoding step's layout and what each token costs on the mesh (its collectives)",
+            )
         else:
             s.add_argument("--json", action="store_true", help="print the plan as JSON")
             s.add_argument(
@@ -452,6 +457,9 @@ def _generate(args, task, console) -> int:
         weight_layout=args.weight_layout,
     )
     decoder.load(args.resume)
+    if args.report:  # (the step each token runs: a stage-split pipeline's weights moving, say)
+        console.print(_layout_table(decoder.lowering))
+        print(decoder.lowering.report(decoder.step_fn.counters, width=console.width), end="", flush=True)
     steps = args.new if args.new is not None else None
     if args.beam_size:
         tokens, scores = decoder.beam_search(

@@ -141,6 +141,11 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys, monkeypatch):
     assert len([line for line in lines if line.count(",") == 13]) == 2  # 14 new: positions 3 .. --length
     assert main(["generate", "lm", *model, "--mesh", "all:1", "--layout", "", "--new", "4", "--beam-size", "2"]) == 0
     assert "score" in capsys.readouterr().out
+    # --report: first what each token's step costs (heads split: its attention's sums allreduced)
+    assert main(["generate", "lm", *model, "--mesh", "all:4", "--layout", "heads:all", "--new", "4", "--report"]) == 0
+    out = capsys.readouterr().out
+    *report, tokens = out.rstrip().splitlines()
+    assert tokens.count(",") == 3 and "heads:all" in out and "allreduce" in "\n".join(report)
     assert main(["generate", "lm", *model[:-2], "--mesh", "all:1", "--layout", ""]) == 2
     assert "needs --prompt" in capsys.readouterr().err
     assert main(["generate", "seq2seq", "--resume", ckpt, "--prompt", "1,2", "--mesh", "all:1", "--layout", ""]) == 2
