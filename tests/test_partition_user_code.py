@@ -152,3 +152,13 @@ def test_a_checkpoint_policy_that_offloads_to_the_host():
     mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     with pytest.raises(mx.GraphError, match=r"device_put .*user_code.py:\d+.*with_sharding_constraint"):
         mx.partition(lambda x: jax.device_put(x * 2, jax.sharding.NamedSharding(mesh, P("x"))), MESH)(X)
+
+
+def test_a_replicated_region_binds_equations_traced_with_a_sharding():
+    """Traced under the mesh, some equations record their result's sharding (the
+    `broadcast_in_dim` inside `jnp.linalg.cholesky`, `pinv` and `lstsq`); bound on each device's
+    slices in a replicated region that sharding named Auto axes where they are manual, and JAX
+    refused it ('context mesh ... should match the aval mesh')."""
+    spd = lambda w: w @ w.T + 32 * jnp.eye(32)  # noqa: E731
+    check(mx.replicated_region(lambda w: jnp.linalg.cholesky(spd(w))), (W,), (P("x", "y"),), rtol=1e-4, atol=1e-5)
+    check(mx.replicated_region(jnp.linalg.pinv), (W,), (P("x"),), rtol=1e-4, atol=1e-5)

@@ -173,8 +173,14 @@ def _rule(ins: list[Tensor], outs: list[Shape], in_roles, out_roles, whole=()) -
 
 
 def _localize(e: Eqn, local: list[tuple], slices) -> dict:
-    """The equation's params with the sizes it names made this device's (for tied axes)."""
+    """The equation's params with the sizes it names made this device's (for tied axes), and
+    without the sharding of its result that tracing under the mesh may have recorded (a
+    `broadcast_in_dim` of `jnp.linalg.cholesky`'s): a slice lives on one device, where that mesh's
+    axes are manual, and JAX refuses an Auto sharding there."""
     p = dict(e.params)
+    for k in ("sharding", "out_sharding"):
+        if p.get(k) is not None:
+            p[k] = None
     out = local[0] if local else ()
     name = e.name
     if name == "broadcast_in_dim" or name == "iota":
