@@ -162,3 +162,25 @@ def test_a_replicated_region_binds_equations_traced_with_a_sharding():
     spd = lambda w: w @ w.T + 32 * jnp.eye(32)  # noqa: E731
     check(mx.replicated_region(lambda w: jnp.linalg.cholesky(spd(w))), (W,), (P("x", "y"),), rtol=1e-4, atol=1e-5)
     check(mx.replicated_region(jnp.linalg.pinv), (W,), (P("x"),), rtol=1e-4, atol=1e-5)
+
+
+def test_where_with_a_scalar_branch_keeps_an_argument_split():
+    """`jnp.where(c, x, 0)` on an argument `x` (as `optax.lamb` and `optax.lars` do with the
+    parameters and their norms) broadcasts the scalar with JAX's own `reshard` of `x` to its
+    type's sharding, `P(None, None)` on the Auto mesh, which JAX lowers to nothing. It was read as
+    an annotation that replicates `x`: the step gathered every parameter (lamb on x:2;y:4: 2
+    allgathers of 384 values where jax.jit moves none)."""
+    import optax
+
+    for opt in [optax.lamb(1e-3), optax.lars(1e-3)]:
+
+        def step(g, state, w, opt=opt):
+            updates, state = opt.update(g, state, w)
+            return optax.apply_updates(w, updates), state
+
+        state = opt.init(W)
+        specs = jax.tree_util.tree_map(lambda a: P("x", "y") if a.ndim == 2 else None, state)
+        g = check(step, (X.T @ X, state, W), (P("x", "y"), specs, P("x", "y")), rtol=1e-4, atol=1e-6)
+        assert g.lower(X.T @ X, state, W).counters["allgather"].count == 0
+    g = check(lambda x: (jnp.where(x > 0, x, 0), jax.nn.hard_tanh(x), jnp.nan_to_num(x)), (X,), (P("x", "y"),))
+    assert not g.lower(X).counters.sites()

@@ -553,6 +553,12 @@ def _annotation(em, e, ins, outs, in_roles, out_roles):
         sharding = next(v for v in e.params.values() if hasattr(v, "spec") and hasattr(v, "mesh"))
         if not sharding.mesh.axis_names:  # a reshard on no mesh: an identity
             return [x]
+        if e.name == "reshard" and getattr(sharding.mesh, "are_all_axes_auto", False):
+            # JAX inserts these itself (`jnp.where` reshards its operand to its own type's sharding,
+            # P(None, None) on an Auto mesh) and lowers them to nothing where every axis is Auto: a
+            # type's sharding on Auto axes says nothing of the layout (a user's `reshard` needs
+            # Explicit axes, refused while tracing)
+            return [x]
         spec = sharding.spec
         unconstrained = e.params.get("unconstrained_dims", frozenset())
         priority = 0
