@@ -184,3 +184,12 @@ def test_where_with_a_scalar_branch_keeps_an_argument_split():
         assert g.lower(X.T @ X, state, W).counters["allgather"].count == 0
     g = check(lambda x: (jnp.where(x > 0, x, 0), jax.nn.hard_tanh(x), jnp.nan_to_num(x)), (X,), (P("x", "y"),))
     assert not g.lower(X).counters.sites()
+
+
+def test_a_broadcast_read_in_another_layout_is_made_again_not_gathered():
+    """The gradient of a mean is 1/n broadcast to the mean's operand; a contraction that reads
+    it laid out otherwise than planned (`mean(tanh(x @ w) @ w)`, w's columns split) gathered the
+    broadcast, which XLA simplifies away: 2 allgathers counted, 1 compiled. It is made again in
+    the layout asked for from its input, where that input needs no move."""
+    loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) @ w)  # noqa: E731
+    check(jax.value_and_grad(loss), (W, X), (P(None, "y"), P("x")))

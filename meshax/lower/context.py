@@ -116,6 +116,11 @@ class LoweringContext:
             if key not in self._cache:
                 self._cache[key] = LaidOutTensor(fill(self, layout), layout, frozenset())
             return self._cache[key]
+        remade = getattr(t.operation, "remade", None)
+        if remade is not None and not value.pending and key not in self._cache:
+            slices = remade(self, layout)
+            if slices is not None:
+                self._cache[key] = LaidOutTensor(slices, layout, frozenset())
         if key not in self._cache:
             from meshax.lower.reshard import reshard
 

@@ -174,6 +174,19 @@ class BroadcastOperation(Operation):
         local = slice_shape(out.shape, layout, ctx.mesh_shape)
         ctx.set_output(out, ctx.slicewise(lambda a: jnp.broadcast_to(align(a, x.shape, out.shape), local), v), layout)
 
+    def remade(self, ctx, layout) -> list | None:
+        """Its slices in `layout` made again from its input where the input is laid out there as
+        it already is (a reader that wants the dims it adds laid out otherwise: the gradient of a
+        mean, 1/n broadcast, read by a contraction): nothing moves, as XLA simplifies a gather of
+        a broadcast. None where the input would have to move too."""
+        (x,), (out,) = self.inputs, self.outputs
+        v = ctx.values.get(x)
+        axes = dict(zip(out.shape.dims, layout.axes))
+        if v is None or v.pending or v.layout.axes != tuple(axes[d] for d in x.shape.dims):
+            return None
+        local = slice_shape(out.shape, layout, ctx.mesh_shape)
+        return ctx.slicewise(lambda a: jnp.broadcast_to(align(a, x.shape, out.shape), local), v)
+
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
         if g is None:
