@@ -200,6 +200,24 @@ def test_grouped_convolutions_run_whole():
     assert_trees_close(g(w, x), jax.jit(step)(w, x), rtol=3e-4, atol=3e-5)
 
 
+@pytest.mark.parametrize("groups", [2, 4])
+def test_grouped_and_depthwise_convolutions_keep_the_batch_split(groups):
+    """A grouped or depthwise convolution (a MobileNet's, a ConvNeXt's) with the batch split
+    convolves each device's images, and its filter gradient (batch groups) sums over the devices:
+    it gathered every image (the input, and again for the gradients) where jax.jit moves none."""
+
+    def loss(w, x):
+        return jnp.mean(jnp.tanh(conv(x, w, (1, 1), feature_group_count=groups)) ** 2)
+
+    w, x = normal(3, 3, 4 // groups, 8), normal(8, 8, 8, 4, seed=1)
+    step = jax.value_and_grad(loss, argnums=(0, 1))
+    g = mx.partition(step, "data:8", in_shardings=(None, P("data")))
+    assert_trees_close(g(w, x), jax.jit(step)(w, x), rtol=3e-4, atol=3e-5)
+    program = g.lower(w, x)
+    assert_counters_equal_hlo(program)
+    assert [(s.kind, s.values) for s in program.counters.sites()] == [("allreduce", 1), ("allreduce", w.size)]
+
+
 @pytest.mark.parametrize("kind", ["max", "min"])
 @pytest.mark.parametrize("stride", [1, 2])
 def test_padded_max_and_min_pooling_read_the_padding_as_the_identity(kind, stride):

@@ -282,18 +282,23 @@ def scatter_roles(e) -> Roles:
 
 
 def conv_roles(e) -> Roles:
-    """conv_general_dilated (no feature or batch groups): batch and output features pass through,
-    input features are contracted; spatial axes are windowed as its form says (`windows`:
-    input and result, or input and cotangent for a filter gradient), else whole."""
+    """conv_general_dilated: batch and output features pass through, input features are
+    contracted; spatial axes are windowed as its form says (`windows`: input and result, or input
+    and cotangent for a filter gradient), else whole. With feature groups (a grouped or depthwise
+    convolution) the batch still passes through, the features stay whole; with batch groups (such
+    a convolution's filter gradient) the input features are still contracted, the rest whole."""
     dn = e.params["dimension_numbers"]
     lhs_spec, rhs_spec, out_spec = dn.lhs_spec, dn.rhs_spec, dn.out_spec
     lhs, rhs = e.ins
     lr: list[Role] = [None] * rank(lhs)
     rr: list[Role] = [None] * rank(rhs)
     out: list[Role] = [None] * rank(e.outs[0])
-    if e.params["feature_group_count"] == 1 and e.params["batch_group_count"] == 1:
+    features, batches = e.params["feature_group_count"], e.params["batch_group_count"]
+    if batches == 1:
         lr[lhs_spec[0]] = out[out_spec[0]] = "n"
+    if features == 1 and batches == 1:
         rr[rhs_spec[0]] = out[out_spec[1]] = "o"
+    if features == 1:
         lr[lhs_spec[1]] = rr[rhs_spec[1]] = "i"
     form = conv_window(e)
     if form is not None:
