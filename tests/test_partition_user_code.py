@@ -193,3 +193,27 @@ def test_a_broadcast_read_in_another_layout_is_made_again_not_gathered():
     the layout asked for from its input, where that input needs no move."""
     loss = lambda w, x: jnp.mean(jnp.tanh(x @ w) @ w)  # noqa: E731
     check(jax.value_and_grad(loss), (W, X), (P(None, "y"), P("x")))
+
+
+def test_any_and_all_over_a_split_axis_are_one_allreduce():
+    """`jnp.any` / `jnp.all` (`reduce_or` / `reduce_and` of bools; `optax.apply_if_finite` asks
+    `jnp.all(jnp.isfinite(g))` of every gradient) gathered their operand whole: the step gathered
+    every gradient (x:2;y:4: 2 allgathers of 192 values where jax.jit allreduces 2 flags). They
+    are meshax's any and all: a split reduced axis is one allreduce of the results."""
+    import optax
+
+    opt = optax.apply_if_finite(optax.adam(1e-2), 3)
+
+    def step(g, state, w):
+        updates, state = opt.update(g, state, w)
+        return optax.apply_updates(w, updates), state
+
+    state = opt.init(W)
+    specs = jax.tree_util.tree_map(lambda a: P("x", "y") if a.ndim == 2 else None, state)
+    g = check(step, (X.T @ X, state, W), (P("x", "y"), specs, P("x", "y")))
+    assert g.lower(X.T @ X, state, W).counters["allgather"].count == 0
+    ints = jnp.round(X * 10).astype(jnp.int32)
+    fns = lambda a: (jnp.any(a > 0, axis=1), jnp.all(a > -20, axis=0), jnp.any(a), jax.lax.reduce_and(a, (1,)))  # noqa: E731
+    g = mx.partition(fns, MESH, in_shardings=(P("x", "y"),))
+    assert_trees_close(g(ints), jax.jit(fns)(ints))  # (the bitwise and: jax.jit of it split fails in XLA)
+    assert g.lower(ints).counters["allgather"].count == 1  # (only the bitwise and gathers)

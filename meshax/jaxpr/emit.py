@@ -377,6 +377,16 @@ def _reduce(kind: str) -> Callable:
     return handler
 
 
+def _reduce_bools(em, e, ins, outs, in_roles, out_roles):
+    """`reduce_or` / `reduce_and` (`jnp.any`, `jnp.all`) of bools as meshax's any and all: a
+    split reduced axis is one allreduce of the results (it was gathered whole first); of
+    integers (a bitwise or, and) bound on each device's slices, the reduced axes whole."""
+    if ins[0].dtype != np.bool_:
+        return _bind(em, e, ins, outs, in_roles, out_roles)
+    fn = mops.reduce_any if e.name == "reduce_or" else mops.reduce_all
+    return [fn(ins[0], output_shape=outs[0], name=e.name)]
+
+
 def _reshape(em, e, ins, outs, in_roles, out_roles):
     x = ins[0]
     order = reshape_order(e)
@@ -610,6 +620,8 @@ _HANDLERS: dict[str, Callable] = {
     "reduce_sum": _reduce("sum"),
     "reduce_max": _reduce("max"),
     "reduce_min": _reduce("min"),
+    "reduce_or": _reduce_bools,
+    "reduce_and": _reduce_bools,
     "reshape": _reshape,
     "squeeze": _reshape,
     "expand_dims": _reshape,
