@@ -217,3 +217,38 @@ def test_any_and_all_over_a_split_axis_are_one_allreduce():
     g = mx.partition(fns, MESH, in_shardings=(P("x", "y"),))
     assert_trees_close(g(ints), jax.jit(fns)(ints))  # (the bitwise and: jax.jit of it split fails in XLA)
     assert g.lower(ints).counters["allgather"].count == 1  # (only the bitwise and gathers)
+
+
+def test_ffts_and_batched_linear_algebra_keep_their_batch_split():
+    """`jnp.fft` (the `fft` primitive, and `real`/`imag`/`complex`/`conj`) and `jnp.linalg`'s
+    decompositions and solves (`cholesky`, `qr`, `eigh`, `svd`, `lu`, `triangular_solve`, and
+    `custom_linear_solve`, which `jnp.linalg.solve` and `inv` are written with) were 'not
+    supported' even batched over a split axis, where jax.jit moves nothing. They transform their
+    trailing axes whole, batched over the split axes before them."""
+    a = jax.random.normal(jax.random.key(2), (8, 6, 6)) + 4 * jnp.eye(6)
+    b = jax.random.normal(jax.random.key(3), (8, 6, 3))
+
+    def signals(x):
+        f = jnp.fft.rfft(x)
+        return jnp.fft.irfft(f * jnp.conj(f)), jnp.fft.fft(x).imag, jnp.abs(jnp.fft.fft2(x.reshape(16, 4, 8)))
+
+    def linalg(a, b):
+        spd = a @ jnp.swapaxes(a, -1, -2)
+        return (
+            jnp.linalg.cholesky(spd),
+            jnp.linalg.qr(a)[1],
+            jnp.linalg.eigh(spd)[0],
+            jnp.linalg.svd(a, compute_uv=False),
+            jnp.linalg.slogdet(a)[1],
+            jnp.linalg.solve(a, b),
+            jnp.linalg.inv(a),
+            jax.scipy.linalg.solve_triangular(jnp.triu(a), b),
+        )
+
+    for fn, args, specs in [
+        (signals, (X,), (P(("x", "y")),)),
+        (linalg, (a, b), (P("x"), P("x"))),
+        (jax.grad(lambda a, b: jnp.sum(jnp.linalg.solve(a, b) ** 2), argnums=(0, 1)), (a, b), (P("y"), P("y"))),
+    ]:
+        g = check(fn, args, specs, rtol=1e-4, atol=1e-4)
+        assert not g.lower(*args).counters.sites()

@@ -195,6 +195,10 @@ class Flat:
         key = _CALLS.get(e.primitive.name)
         body = e.params.get(key) if key is not None else None
         operands = e.invars
+        if e.primitive.name == "custom_linear_solve":  # (jnp.linalg.solve, inv): its solve, as it runs
+            n = e.params["const_lengths"]
+            body, skip = e.params["jaxprs"].solve, n.matvec + n.vecmat
+            operands = [*e.invars[skip : skip + n.solve], *e.invars[sum(n) :]]
         if e.primitive.name == "cond" and e.params.get("branches_platforms") is not None:
             body, operands = e.params["branches"][_platform_branch(e.params["branches_platforms"])], e.invars[1:]
         if isinstance(body, jcore.ClosedJaxpr):

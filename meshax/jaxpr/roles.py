@@ -33,6 +33,8 @@ ELEMENTWISE = {
     # tanh's derivative since jax 0.11; the special functions (jax.random.gamma's, beta's); bits
     "one_minus_square", "bessel_i0e", "bessel_i1e", "igamma", "igammac", "igamma_grad_a", "random_gamma_grad",
     "polygamma", "regularized_incomplete_beta", "zeta", "clz",
+    # complex numbers (jnp.fft's results)
+    "real", "imag", "complex", "conj",
     # total-order comparisons (NaNs ordered; jnp.searchsorted, jnp.digitize, jnp.histogram)
     "eq_to", "le_to", "lt_to",
 }  # fmt: skip
@@ -40,6 +42,11 @@ ELEMENTWISE = {
 LINEAR = {"add", "add_any", "sub", "neg", "copy", "copy_p", "sharding_constraint", "reshard", "meshax_mesh_split"}
 REDUCTIONS = {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or", "reduce_xor"}
 CUMULATIVE = {"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"}
+#: Linear algebra on the trailing two axes (a matrix), batched over the axes before them.
+_MATRIX_OPS = {
+    "cholesky", "qr", "geqrf", "householder_product", "eigh", "eig", "svd", "lu", "triangular_solve", "schur",
+    "hessenberg",
+}  # fmt: skip
 RANDOM = {"random_bits", "random_split", "random_fold_in", "random_seed", "random_wrap", "random_unwrap"}
 
 
@@ -230,6 +237,22 @@ def _top_k(e) -> Roles:
     return [tied], [list(tied) for _ in e.outs]
 
 
+def _batched(core: Callable[[Any], int]) -> Callable[[Any], Roles]:
+    """An op on the trailing `core(e)` axes of its first operand (an FFT's transformed axes, a
+    matrix decomposition's or solve's two), batched over the axes before them: those leading axes
+    of every operand and result are tied by position, the rest whole."""
+
+    def rule(e) -> Roles:
+        batch = rank(e.ins[0]) - core(e)
+
+        def tied(a) -> list[Role]:
+            return [("batch", i) if i < batch else None for i in range(rank(a))]
+
+        return [tied(a) for a in e.ins], [tied(o) for o in e.outs]
+
+    return rule
+
+
 def _nothing(e) -> Roles:
     return [[None] * rank(a) for a in e.ins], [[None] * rank(o) for o in e.outs]
 
@@ -415,6 +438,9 @@ RULES: dict[str, Callable] = {
     "scatter": scatter_roles,
     **dict.fromkeys(("scatter-sub", "scatter-mul", "scatter-min", "scatter-max"), scatter_roles),
     "conv_general_dilated": conv_roles,
+    "fft": _batched(lambda e: len(e.params["fft_lengths"])),
+    **dict.fromkeys(_MATRIX_OPS, _batched(lambda e: 2)),
+    **dict.fromkeys(("tridiagonal_solve", "lu_pivots_to_permutation"), _batched(lambda e: 1)),
     "reduce_window_sum": _window,
     "reduce_window_max": _window,
     "reduce_window_min": _window,
