@@ -252,3 +252,19 @@ def test_ffts_and_batched_linear_algebra_keep_their_batch_split():
     ]:
         g = check(fn, args, specs, rtol=1e-4, atol=1e-4)
         assert not g.lower(*args).counters.sites()
+
+
+def test_a_loop_in_a_branch_reads_the_branch_operands():
+    """A loop inside a `lax.cond` branch that reads the branch's operand (as
+    `jax.scipy.linalg.expm` squares its Pade approximant a number of times its cond was given)
+    failed with a KeyError: the branch moved in only the operands its own ops read, and a loop
+    reads what it captures in its body."""
+
+    def f(a, s):
+        def branch(s, a):
+            return jax.lax.fori_loop(0, 4, lambda i, h: jnp.tanh(h * a) * s, a)
+
+        return jax.lax.cond(s > 0.5, branch, lambda s, a: a, s, a)
+
+    check(f, (W, jnp.float32(1.5)), (P("x", "y"), None))
+    check(jax.scipy.linalg.expm, (W,), (P("x"),), rtol=1e-4, atol=1e-5)

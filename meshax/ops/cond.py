@@ -33,6 +33,16 @@ from meshax.ops.loops import (
 )
 
 
+def _read_by(ops: list[Operation], results: list[Tensor]) -> set[Tensor]:
+    """The tensors a branch's ops read (those a loop or branch inside it captures too: its body
+    reads them) or it returns, seen through relabelling."""
+    from meshax.lower.context import source
+
+    return {source(t) for op in ops if not getattr(op, "is_rename", False) for t in op.inputs} | {
+        source(r) for r in results
+    }
+
+
 class CondOperation(Operation):
     """Runs one of its branches, the one `index` picks (clamped to the branches, as `lax.switch`
     clamps; with `truth`, branch 0 where `index` is not zero and branch 1 where it is: true, false). Inputs:
@@ -72,7 +82,7 @@ class CondOperation(Operation):
         return links
 
     def lower(self, ctx):
-        from meshax.lower.context import count_reads, source
+        from meshax.lower.context import source
         from meshax.lower.counters import Counters
 
         plan, n = ctx.plan, len(self.branches)
@@ -86,7 +96,7 @@ class CondOperation(Operation):
         # would drop the move); an operand's sum still owed is settled here, once, not in each
         # branch that moves it (a tensor a branch captures, its ops read, as a loop body's do)
         read = [
-            {t for t, v in zip(self.operands, vars) if v in count_reads(ops, results)}
+            {t for t, v in zip(self.operands, vars) if v in _read_by(ops, results)}
             for vars, results, ops in self.branches
         ]
         values = dict(ctx.values)
