@@ -77,6 +77,8 @@ class LoweringContext:
         self.trips: dict[Operation, LoweringContext] = {}  # a loop of one trip -> the child that lowered it
         self.op: Operation | None = None  # the op being lowered
         self.blamed: Operation | None = None  # overrides `op` as the cause of collectives
+        self.hoisted: dict[tuple, tuple] = {}  # a loop body's outside tensors moved before the loop
+        self.taken: set[tuple] = set()  # the keys of `hoisted` this body took
 
     def adopt(self, other: LoweringContext) -> None:
         """Take `other`'s reshards, settled sums, memos and one-trip loops as this context's own:
@@ -116,6 +118,9 @@ class LoweringContext:
             if key not in self._cache:
                 self._cache[key] = LaidOutTensor(fill(self, layout), layout, frozenset())
             return self._cache[key]
+        if not value.pending and (t, layout, False) in self.hoisted and key not in self._cache:
+            self.taken.add((t, layout, False))  # (moved once before the loop: `loops._hoist`)
+            self._cache[key] = self.hoisted[(t, layout, False)][0]
         remade = getattr(t.operation, "remade", None)
         if remade is not None and not value.pending and key not in self._cache:
             slices = remade(self, layout)

@@ -5,7 +5,9 @@ program's own lowering skips them and the `ScanOperation` lowers them once per i
 in all, for the SIMD backend: `lax.scan` traces its body once, so the program's size and compile
 time do not grow with the number of iterations). The body reads its carries and per-iteration
 slices through `LoopVariableOperation`s bound at each step, and any tensor built outside it
-(weights, say) directly. Collectives in the body are recorded once and counted `length` times.
+(weights, say) directly. Collectives in the body are recorded once and counted `length` times;
+an outside tensor the body reads in another layout than its own (a weight split FSDP-style,
+gathered) is moved once, before the loop, and counted once, as XLA hoists such a move.
 
 The gradient is another scan, run backwards: each iteration recomputes its forward body from
 the carry it started with (kept by the forward loop, one per iteration) and then runs the
@@ -83,18 +85,73 @@ def _captured(body: list[Operation], inside: set, results: list[Tensor]) -> list
     return list(captured)
 
 
+def _hoist(ctx, body: list[Operation]) -> dict:
+    """The outside tensors the body's ops read in a layout other than their own (a weight an
+    FSDP-split loop gathers), moved once before the loop: {(tensor, layout, False): (its value
+    there, the collectives that moved it)}. XLA hoists such loop-invariant collectives out of
+    the loop itself; moved inside, they were counted once per iteration. The body takes them
+    from here (`LoweringContext.hoisted`); those it does not take are dropped, as XLA drops them."""
+    from meshax.lower.context import source
+    from meshax.lower.counters import Counters
+
+    inside = {t for op in body for t in op.outputs}
+    hoisted: dict = {}
+    for op in body:
+        if getattr(op, "captured", None) is not None or getattr(op, "is_rename", False):
+            continue  # (a loop or branch in the body reads what it captures in a body of its own)
+        for t, layout in zip(op.inputs, ctx.layouts(op).operands):
+            t = source(t)
+            v = ctx.values.get(t)
+            key = (t, layout, False)
+            if t in inside or v is None or v.pending or v.layout == layout or key in hoisted:
+                continue
+            if key in ctx._cache:  # (moved already, before the loop: the body takes that)
+                hoisted[key] = (ctx._cache[key], None)
+                continue
+            recorded, saved = Counters(), (ctx.counters, ctx.op)
+            ctx.counters, ctx.op = recorded, op  # (the moves are blamed on the op that reads)
+            try:
+                hoisted[key] = (ctx.get(t, layout), recorded)
+            finally:
+                ctx.counters, ctx.op = saved
+    return hoisted
+
+
+def _settle_hoisted(ctx, hoisted: dict, taken: set) -> None:
+    """Count the hoisted moves the body took, once; forget the others (XLA drops them)."""
+    for key, (_, recorded) in hoisted.items():
+        if recorded is None:
+            continue
+        if key in taken:
+            _add_counters(ctx, recorded)
+        else:
+            ctx._cache.pop(key, None)
+
+
 def _run_body(
-    ctx, counters, seed, bound: dict, ops: list[Operation], results: list[Tensor], moved=None, owner=None, values=None
+    ctx,
+    counters,
+    seed,
+    bound: dict,
+    ops: list[Operation],
+    results: list[Tensor],
+    moved=None,
+    owner=None,
+    values=None,
+    hoisted=None,
 ):
     """A child of `ctx` with `bound` (loop variable -> slices) set and `ops` lowered in it: one
     iteration's values (`results` are read from it), its collectives recorded in `counters`.
     `moved` (variable -> outside tensor) binds variables to outside tensors moved to the
     variables' layouts in the child, so inside the body; `owner` (the op that binds them) is
-    blamed for the moves. `values`: the outside values the body sees (default: ctx's)."""
+    blamed for the moves. `values`: the outside values the body sees (default: ctx's).
+    `hoisted`: outside tensors moved before the loop (`_hoist`), for the body to take."""
     from meshax.lower.context import LoweringContext, count_reads
 
     child = LoweringContext(ctx.impl, ctx.plan, counters, seed, count_reads(ops, results))
     child.values = dict(ctx.values if values is None else values)
+    if hoisted is not None:
+        child.hoisted = hoisted
     for v, slices in bound.items():
         child.set_output(v, slices, ctx.plan[v])
     child.op = owner
@@ -229,6 +286,9 @@ class ScanOperation(Operation):
         y_results = [r for r, _ in read]
         body = self.body if len(read) == len(self.ys) else _needed(self.body, [*self.carry_results, *y_results])
 
+        hoisted = _hoist(ctx, body) if n > 1 else None
+        taken: set = set()
+
         def step(carry: list[list], x: list[list]):
             counters = recorded if calls[0] == 0 else Counters()  # (the placement backend calls n times)
             calls[0] += 1
@@ -236,7 +296,8 @@ class ScanOperation(Operation):
             seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
             bound = dict(zip([*self.carry_vars, *self.x_vars], [*carry, *x]))
             if trip is None:
-                child = _run_body(ctx, counters, seed, bound, body, [*self.carry_results, *y_results])
+                child = _run_body(ctx, counters, seed, bound, body, [*self.carry_results, *y_results], hoisted=hoisted)
+                taken.update(child.taken)
             else:
                 ops = [op for op in body if op not in forward_ops]
                 child = _go_on(ctx, trip, counters, seed, bound, ops, [*self.carry_results, *y_results])
@@ -250,6 +311,8 @@ class ScanOperation(Operation):
         else:
             carry, ys = ctx.impl.scan(step, carry0, [steps, *xs], n, self.reverse)
         _add_counters(ctx, recorded, n)
+        if hoisted:
+            _settle_hoisted(ctx, hoisted, taken)
         stacked = [plan[r] for r in y_results] + [plan[v] for v in self.carry_vars]
         for t, v, slices in zip(self.final, self.carry_vars, carry):
             ctx.set_output(t, slices, plan[v])
