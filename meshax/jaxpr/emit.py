@@ -553,7 +553,9 @@ def _scatter(em, e, ins, outs, in_roles, out_roles):
     """A scatter that overwrites, or combines by subtracting, multiplying, taking the min or max
     (`x.at[i].multiply/min/max`, `jax.ops.segment_max`): its index axes stay whole too (no
     partial sums to settle), its window axes split as the operand's."""
-    whole = _scattered(e, ins) | {d.name for t in ins[1:3] for d in t.shape}
+    windows = e.params["dimension_numbers"].update_window_dims
+    indexed = {d.name for i, d in enumerate(ins[2].shape) if i not in windows}
+    whole = _scattered(e, ins) | {d.name for d in ins[1].shape} | indexed
     return _bind(em, e, ins, outs, in_roles, out_roles, whole=whole)
 
 
