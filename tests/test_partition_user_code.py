@@ -315,3 +315,33 @@ def test_a_scatter_keeps_the_axes_it_does_not_index_split():
     assert not g.lower(*args).counters.sites()
     rows = jnp.array([3, 0, 7])
     check(lambda x, u: (x.at[:, rows].set(u), x.at[:, 1].max(u[:, 0])), (X, X[:, :3]), (P("x"), P("x")))
+
+
+def test_take_along_axis_over_a_split_axis_looks_up_the_rows_each_device_holds():
+    """`jnp.take_along_axis` (a gather with batching axes: the label logit of
+    `optax.softmax_cross_entropy_with_integer_labels`) was bound on each device's slices with the
+    looked-up axis whole, so classes split over a mesh dim (a vocabulary-parallel output layer)
+    were gathered whole (x:2;y:4: 1 allgather of 64 values in the step). It is a lookup of the
+    rows each device holds in its own batch slice, and a sum over the devices that split them,
+    as an embedding lookup is; out-of-bounds indices filled or clipped as JAX does."""
+    import optax
+
+    labels = jax.random.randint(jax.random.key(3), (16,), 0, 32)
+
+    def step(w, x, labels):
+        loss = lambda w: optax.softmax_cross_entropy_with_integer_labels(x @ w, labels).mean()  # noqa: E731
+        return jax.value_and_grad(loss)(w)
+
+    g = check(step, (W, X, labels), (P(None, "y"), P("x"), P("x")))
+    assert g.lower(W, X, labels).counters["allgather"].count == 0
+    x3, ids = jnp.stack([X, -X]), jnp.stack([labels - 2, labels + 2])  # (some out of bounds)
+
+    def along(x, ids):
+        return (
+            jnp.take_along_axis(x, ids[..., None], axis=-1),
+            jnp.take_along_axis(x, ids[..., None], axis=-1, mode="clip"),
+            jnp.take_along_axis(x > 0, ids[..., None] % 32, axis=-1),
+        )
+
+    g = check(along, (x3, ids), (P(None, "x", "y"), P(None, "x")))
+    assert g.lower(x3, ids).counters["allgather"].count == 0

@@ -436,22 +436,28 @@ def _windowed(make: Callable) -> Callable:
 
 
 def _is_lookup(e: Eqn) -> bool:
-    """gather as `table[ids]` / `jnp.take(table, ids, axis=k)`: whole rows of one axis."""
+    """gather as `table[ids]` / `jnp.take(table, ids, axis=k)`: whole rows of one axis; or with
+    batching axes, `jnp.take_along_axis` (a cross-entropy's label logits): each index's row in
+    its own slice of them."""
     operand, indices = e.ins
     dn = e.params["dimension_numbers"]
     n, shape = operand.aval.ndim, operand.aval.shape
-    if (
-        dn.operand_batching_dims
-        or len(dn.collapsed_slice_dims) != 1
-        or tuple(dn.start_index_map) != tuple(dn.collapsed_slice_dims)
-    ):
+    if len(dn.collapsed_slice_dims) != 1 or tuple(dn.start_index_map) != tuple(dn.collapsed_slice_dims):
         return False
     (k,) = dn.collapsed_slice_dims
+    batching = set(dn.operand_batching_dims)
+    if any(
+        operand.aval.shape[o] != indices.aval.shape[i]
+        for o, i in zip(dn.operand_batching_dims, dn.start_indices_batching_dims)
+    ):
+        return False
     sizes = e.params["slice_sizes"]
-    if any(sizes[i] != (1 if i == k else shape[i]) for i in range(n)) or indices.aval.shape[-1:] != (1,):
+    if any(sizes[i] != (1 if i == k or i in batching else shape[i]) for i in range(n)) or indices.aval.shape[-1:] != (
+        1,
+    ):
         return False
     batch = indices.aval.ndim - 1
-    return tuple(dn.offset_dims) == tuple(range(batch, batch + n - 1))
+    return tuple(dn.offset_dims) == tuple(range(batch, batch + n - 1 - len(batching)))
 
 
 def _mode(e: Eqn) -> str:
@@ -488,7 +494,8 @@ def _gather(em, e, ins, outs, in_roles, out_roles):
     ids = mops.reshape(indices, Shape(indices.shape.dims[:-1]), name="gather")
     if _mode(e) != "FILL_OR_DROP":
         ids = mops.minimum(mops.maximum(ids, 0), n - 1)
-    rows = mops.gather(table, ids, table.shape[k], name="gather")
+    batched = bool(e.params["dimension_numbers"].operand_batching_dims)
+    rows = mops.gather(table, ids, table.shape[k], name="gather", batched=batched)
     if _mode(e) == "FILL_OR_DROP":
         rows = mops.where(_in_bounds(ids, n), rows, _fill_value(e), output_shape=rows.shape, name="gather")
     return [rows]

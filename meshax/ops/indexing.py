@@ -44,16 +44,21 @@ def _rows_held(ctx, shape: Shape, layout, dim: Dimension):
 
 
 class GatherOperation(Operation):
-    def __init__(self, weights: Tensor, indices: Tensor, dim: Dimension, name=None):
+    """weights looked up at `indices` along `dim`. With `batched`, the dims weights and indices
+    share are batch dims (`jnp.take_along_axis`: row i looked up in slice i): each index looks
+    up in its own slice of them."""
+
+    def __init__(self, weights: Tensor, indices: Tensor, dim: Dimension, name=None, batched: bool = False):
         super().__init__([weights, indices], name=name or "gather")
         if not np.issubdtype(indices.dtype, np.integer):
             raise GraphError(f"gather needs integer indices, {indices.name} is {indices.dtype}")
         rest = [d for d in weights.shape if d != dim]
-        clash = [d.name for d in rest if d.name in indices.shape]
-        if clash:
-            raise GraphError(f"gather: dims {clash} are in both {weights.name} and the indices {indices.name}")
-        self.dim = dim
-        self._add_output(Shape(indices.shape.dims + rest), weights.dtype)
+        clash = [d for d in rest if d.name in indices.shape]
+        if clash and not batched:
+            names = [d.name for d in clash]
+            raise GraphError(f"gather: dims {names} are in both {weights.name} and the indices {indices.name}")
+        self.dim, self.batch = dim, clash
+        self._add_output(Shape(indices.shape.dims + [d for d in rest if d not in clash]), weights.dtype)
 
     def sharding_rule(self) -> ShardingRule:
         """By name, except the table's looked-up dim: a reduced factor of its own (each device
@@ -74,6 +79,9 @@ class GatherOperation(Operation):
         wv, iv = ctx.get(w, wl), ctx.get(idx, il)
         axis, n_local, begin, valid = _rows_held(ctx, w.shape, wl, self.dim)
         k = idx.shape.rank
+        if self.batch:
+            self._lower_batched(ctx, wv, iv, n_local, begin, valid, out_layout, run.pending)
+            return
 
         def f(table, ids, b, held):
             local = ids - b
@@ -87,10 +95,42 @@ class GatherOperation(Operation):
 
         ctx.set_output(out, ctx.slicewise(f, wv, iv, begin, valid), out_layout, run.pending)
 
+    def _lower_batched(self, ctx, wv, iv, n_local, begin, valid, out_layout, pending) -> None:
+        """Each device's slices, their batch dims first and vmapped over: its rows of the looked-up
+        dim taken at each index of the same batch position, zeros where it holds none."""
+        (w, idx), (out,) = self.inputs, self.outputs
+        batch = [d for d in idx.shape if d in self.batch]
+        w_order = [*batch, *(d for d in w.shape if d not in self.batch)]
+        i_order = [*batch, *(d for d in idx.shape if d not in self.batch)]
+        got_order = [*i_order, *(d for d in w.shape if d != self.dim and d not in self.batch)]
+        axis, k, nb = w_order.index(self.dim) - len(batch), idx.shape.rank - len(batch), len(batch)
+
+        def take(table, ids, b, held):
+            local = ids - b
+            inside = (local >= 0) & (local < held)
+            got = jnp.moveaxis(
+                jnp.take(table, jnp.clip(local, 0, n_local - 1), axis=axis, mode="clip"),
+                range(axis, axis + k),
+                range(k),
+            )
+            return jnp.where(inside.reshape(inside.shape + (1,) * (got.ndim - k)), got, jnp.zeros((), got.dtype))
+
+        for _ in range(nb):
+            take = jax.vmap(take, in_axes=(0, 0, None, None))
+
+        def f(table, ids, b, held):
+            table = jnp.transpose(table, [w.shape.index(d) for d in w_order])
+            ids = jnp.transpose(ids, [idx.shape.index(d) for d in i_order])
+            return jnp.transpose(take(table, ids, b, held), [got_order.index(d) for d in out.shape])
+
+        ctx.set_output(out, ctx.slicewise(f, wv, iv, begin, valid), out_layout, pending)
+
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
         if g is None:
             return [None, None]
+        if self.batch:
+            raise GraphError(f"{self.name}: a batched gather has no gradient in meshax's autodiff")
         return [GatherGradOperation(self, g).outputs[0], None]
 
 
@@ -177,15 +217,16 @@ class TopKOperation(Operation):
         return [einsum([hot, g], output_shape=x.shape)]
 
 
-def gather(weights: Tensor, indices: Tensor, dim, output_shape=None, name=None) -> Tensor:
+def gather(weights: Tensor, indices: Tensor, dim, output_shape=None, name=None, batched: bool = False) -> Tensor:
     """weights looked up at `indices` along `dim`: indices' dims followed by weights' other dims
-    (in `output_shape`'s order, where given).
+    (in `output_shape`'s order, where given); with `batched`, the dims both have are batch dims,
+    each index looked up in its own slice of them (`jnp.take_along_axis`).
 
     An index outside [0, dim.size) gives zeros. The lookup of a split table sums each device's
     rows (zeros where it holds none), so a bool table is looked up as int32 and cast back."""
     if weights.dtype == np.bool_:
-        return ew.cast(gather(ew.cast(weights, "int32"), indices, dim, output_shape, name), bool)
-    out = GatherOperation(weights, indices, dim_of(weights, dim), name).outputs[0]
+        return ew.cast(gather(ew.cast(weights, "int32"), indices, dim, output_shape, name, batched), bool)
+    out = GatherOperation(weights, indices, dim_of(weights, dim), name, batched).outputs[0]
     return ew.to_output_shape(out, output_shape)
 
 
