@@ -345,3 +345,24 @@ def test_take_along_axis_over_a_split_axis_looks_up_the_rows_each_device_holds()
 
     g = check(along, (x3, ids), (P(None, "x", "y"), P(None, "x")))
     assert g.lower(x3, ids).counters["allgather"].count == 0
+
+
+def test_argmax_over_a_split_axis_is_two_allreduces():
+    """`jnp.argmax` / `argmin` (greedy decoding's token, `jax.random.categorical`'s sample) over
+    an axis split over a mesh dim gathered the operand whole first (the vocabulary, gathered to
+    pick one token: x:2;y:4, 1 allgather of 64 values per argmax). They are a max (min) and the
+    first position that has it, a min: two allreduces of the results. Ties give the first
+    position and a NaN wins, as in JAX."""
+    x = jnp.round(X * 2).at[3, 5].set(jnp.nan).at[3, 20].set(jnp.nan).at[7, 0].set(jnp.inf)
+
+    def pick(x):
+        return (
+            jnp.argmax(x, 1),
+            jnp.argmin(x, 0),
+            jnp.argmin(jnp.nan_to_num(-x).astype(jnp.int32), 1),
+            jnp.argmax(x > 0, 1),
+            jax.random.categorical(jax.random.key(1), jnp.nan_to_num(x), axis=-1),
+        )
+
+    g = check(pick, (x,), (P("x", "y"),))
+    assert g.lower(x).counters["allgather"].count == 0

@@ -387,6 +387,25 @@ def _reduce_bools(em, e, ins, outs, in_roles, out_roles):
     return [fn(ins[0], output_shape=outs[0], name=e.name)]
 
 
+def _argminmax(em, e, ins, outs, in_roles, out_roles):
+    """`argmax` / `argmin` as the first position of the max (min): a max and a min over the axis,
+    so a split axis is two allreduces of the results (it was gathered whole first: a vocabulary
+    split over a mesh dim, gathered to sample from). The first NaN wins, as in JAX: its
+    position counts below every other (less n), whatever the max made of it."""
+    (x,), (axis,) = ins, e.params["axes"]
+    d, dtype = x.shape[axis], e.params["index_dtype"]
+    if x.dtype == np.bool_:
+        x = mops.cast(x, np.int32)
+    best = (mops.reduce_max if e.name == "argmax" else mops.reduce_min)(x, output_shape=outs[0], name=e.name)
+    at, n = mops.range(em.mesh, d, dtype), mops.constant(em.mesh, d.size, [], dtype)
+    pos = mops.where(mops.equal(x, best), at, n, output_shape=x.shape)
+    if not np.issubdtype(x.dtype, np.inexact):
+        return [mops.reduce_min(pos, output_shape=outs[0], name=e.name)]
+    pos = mops.where(mops.not_equal(x, x), at - n, pos, output_shape=x.shape)
+    first = mops.reduce_min(pos, output_shape=outs[0], name=e.name)
+    return [mops.where(mops.less(first, mops.constant(em.mesh, 0, [], dtype)), first + n, first)]
+
+
 def _reshape(em, e, ins, outs, in_roles, out_roles):
     x = ins[0]
     order = reshape_order(e)
@@ -630,6 +649,8 @@ _HANDLERS: dict[str, Callable] = {
     "reduce_max": _reduce("max"),
     "reduce_min": _reduce("min"),
     "reduce_or": _reduce_bools,
+    "argmax": _argminmax,
+    "argmin": _argminmax,
     "reduce_and": _reduce_bools,
     "reshape": _reshape,
     "squeeze": _reshape,
