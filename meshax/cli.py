@@ -313,6 +313,29 @@ _ONLY_FOR = {
 }
 
 
+# Flags that name a path, and what each names (for the message when one is given as "").
+_PATHS = {
+    "metrics": "the file to append JSON lines to",
+    "checkpoint_dir": "the folder to save checkpoints in",
+    "resume": "the checkpoint folder to resume from",
+    "tensorboard": "the folder for TensorBoard event files",
+    "picture": "the folder to draw the pictures in",
+    "data": "the folder with the four MNIST IDX files",
+    "text": "a text file or folder",
+    "out": "the file to write",
+}
+
+
+def _check_no_empty_paths(args) -> None:
+    """A path given as "" (`--checkpoint-dir "$DIR"` with DIR unset) is refused: taken for the
+    flag left out, a run would save no checkpoint, or start afresh instead of resuming."""
+    from meshax.core.errors import ConfigError
+
+    for flag, what in _PATHS.items():
+        if getattr(args, flag, None) == "":
+            raise ConfigError(f"--{flag.replace('_', '-')} '' is empty (an unset shell variable?): give {what}")
+
+
 def _check(args) -> None:
     """Flags that contradict each other or point at nothing: a ConfigError naming them."""
     from meshax.core.errors import ConfigError
@@ -746,6 +769,7 @@ def _console(quiet: bool = False):
 def _run(args) -> int:
     import warnings
 
+    _check_no_empty_paths(args)
     if args.command not in ("train", "launch") and _another_launched_process():
         return 0  # one process of `meshax launch` does the one-process commands; the rest exit
     if args.command == "plot":

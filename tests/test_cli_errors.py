@@ -83,6 +83,15 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "lm", "--moe-experts", "512"], "512 experts are more than a group of 64 tokens"),
     (["plan", "mlp", *MLP, "--search", "--json"], "--search prints its own table"),
     (["plan", "lm", "--weight-layout", "d_model:cols except"], "after 'except', write each weight shape"),
+    # an empty path (an unset shell variable) was taken for the flag left out: no checkpoint, a fresh start
+    (["train", "mlp", *MLP, "--checkpoint-dir", ""], "--checkpoint-dir '' is empty (an unset shell variable?)"),
+    (["train", "mlp", *MLP, "--resume", ""], "--resume '' is empty"),
+    (
+        ["train", "mlp", *MLP, "--metrics", ""],
+        "--metrics '' is empty (an unset shell variable?): give the file to append JSON lines to",
+    ),
+    (["plan", "mnist", *MLP, "--data", ""], "--data '' is empty"),
+    (["calibrate", "--mesh", "all:2", "--out", ""], "give the file to write"),
     # a folder its permissions would allow, which the system refuses: found before the run, not at its save
     (["train", "mlp", *MLP, "--checkpoint-dir", "/proc/meshax/ck"], "--checkpoint-dir '/proc/meshax/ck'"),
 ]
