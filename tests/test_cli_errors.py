@@ -24,6 +24,10 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mlp", "--mesh", "rows:two", "--layout", ""], "'two'"),
     (["plan", "mlp", "--mesh", "rows:2.5", "--layout", ""], "a size is a whole number, not 2.5"),
     (["plan", "lm", "--weight-layout", "d_ff:cols except [nosuch,dims]"], "[dims,nosuch] exempts nothing"),
+    (  # a dim of activations only: weight rules lay out weight-shaped tensors alone (it was accepted)
+        ["plan", "mlp", "--mesh", "rows:2;cols:4", "--layout", "batch:rows", "--weight-layout", "batch:cols"],
+        "weight layout rule batch:cols splits nothing: no weight has a dim 'batch' (the weights' dims: hidden, io)",
+    ),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch=all"], "e.g. 'batch:rows;hidden:cols'"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:nowhere"], "'nowhere'"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;hidden:all"], "both split over mesh dim 'all'"),

@@ -76,18 +76,24 @@ def _variable(x):
 
 
 def _warn_unused_rules(graph: Graph, impl: MeshImpl) -> None:
-    """A rule for a dim no tensor has splits nothing: most likely a typo, so say so."""
+    """A rule for a dim no tensor has splits nothing: most likely a typo, so say so. Weight rules
+    lay out only weight-shaped tensors: theirs is a dim no weight has."""
     names = {d.name for op in graph.operations for t in op.outputs for d in t.shape}
-    for rules in [impl.layout_rules] + ([impl.weight_rules] if impl.weight_rules is not None else []):
+    shapes = weight_shapes(graph.operations)
+    checks = [(impl.layout_rules, names, "no tensor of the graph has")]
+    if impl.weight_rules is not None:
+        checks.append((impl.weight_rules, {d for s in shapes for d in s}, "no weight has"))
+    for rules, have, who in checks:
         for tensor_dim in rules.tensor_dim_names:
-            if tensor_dim not in names:
+            if tensor_dim not in have:
+                kind = "weight layout rule" if rules is impl.weight_rules else "layout rule"
+                also = f" (the weights' dims: {', '.join(sorted(have))})" if rules is impl.weight_rules else ""
                 warnings.warn(
-                    f"layout rule {tensor_dim}:{','.join(rules.mesh_dims_for(tensor_dim))} splits nothing: "
-                    f"no tensor of the graph has a dim {tensor_dim!r}{did_you_mean(tensor_dim, names)}",
+                    f"{kind} {tensor_dim}:{','.join(rules.mesh_dims_for(tensor_dim))} splits nothing: "
+                    f"{who} a dim {tensor_dim!r}{did_you_mean(tensor_dim, have) or also}",
                     LayoutWarning,
                     stacklevel=3,
                 )
-    shapes = weight_shapes(graph.operations)
     for exempt in sorted(getattr(impl.weight_rules, "exempt", ()), key=sorted):
         if exempt not in shapes:
             known = ", ".join(f"[{','.join(sorted(s))}]" for s in sorted(shapes, key=sorted))
