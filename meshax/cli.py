@@ -560,14 +560,25 @@ def _check_outside_step_folders(flag: str, path: str | None) -> None:
 
 
 def _check_file_to_write(flag: str, path: str, what: str) -> None:
-    """`path` names a file (`what` says which) in a folder that exists, and can be written."""
+    """`path` names a file (`what` says which) in a folder that exists, and can be written (a new
+    one: a file of a name of its own is made there and removed, as `_check_can_make_folder` does)."""
     from meshax.core.errors import ConfigError
 
     if os.path.isdir(path):
         raise ConfigError(f"{flag} {path!r} is a folder: give {what}")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
         raise ConfigError(f"{flag} {path!r}: its folder does not exist")
     _check_can_create(flag, path)
+    if not os.path.exists(path):
+        try:
+            handle, probe = tempfile.mkstemp(prefix=".meshax-check-", dir=folder)
+            os.close(handle)
+            os.remove(probe)
+        except OSError as err:
+            raise ConfigError(
+                f"{flag} {path!r} cannot be created: {err.strerror}; give a file in a folder you can write to"
+            ) from None
 
 
 def _check_can_make_folder(flag: str, path: str) -> None:

@@ -98,6 +98,9 @@ CASES = [  # (argv, a piece of the message)
     (["calibrate", "--mesh", "all:2", "--out", ""], "give the file to write"),
     # a folder its permissions would allow, which the system refuses: found before the run, not at its save
     (["train", "mlp", *MLP, "--checkpoint-dir", "/proc/meshax/ck"], "--checkpoint-dir '/proc/meshax/ck'"),
+    # a file there too: calibrate measured first and then failed with '[Errno 2] No such file or directory'
+    (["calibrate", "--mesh", "all:2", "--out", "/proc/device.json"], "--out '/proc/device.json' cannot be created"),
+    (["train", "mlp", *MLP, "--metrics", "/proc/m.jsonl"], "--metrics '/proc/m.jsonl' cannot be created"),
 ]
 
 # Cases that need a file and a folder to exist first ("afile", "adir"): nothing else may appear.
