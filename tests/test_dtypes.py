@@ -314,5 +314,9 @@ def test_feeds_are_refused_where_a_name_is_unknown_or_the_cast_would_change_them
     ]:
         with pytest.raises(mx.MeshaxError, match=message):
             f(feeds)
+    with pytest.raises(TypeError, match=r"feeds are a dict .*, got ndarray: call it as fn\(\{'x': ..., 'i': ...\}\)"):
+        f(xs)  # (an array alone: NumPy's 'truth value of an array ... is ambiguous' before)
+    with pytest.raises(TypeError, match=r"Lowering takes the graph and a dict \{mesh: its implementation\}, got Simd"):
+        mx.Lowering(graph, mx.SimdMeshImpl("all:1", ""))  # (before: 'object of type 'SimdMeshImpl' has no len()')
     mx.placeholder(mesh, "later", [B])  # the graph grows after the first call: its placeholders are known
     np.testing.assert_array_equal(f({"x": xs, "i": ids, "later": xs}), 2 * xs)

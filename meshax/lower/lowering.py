@@ -109,6 +109,11 @@ class Lowering:
     """Lays out a graph on its mesh, keeps its variables, and builds SPMD programs from it."""
 
     def __init__(self, graph: Graph, mesh_to_impl: Mapping[Mesh, MeshImpl], seed: int = 0):
+        if not isinstance(mesh_to_impl, Mapping):
+            raise TypeError(
+                f"Lowering takes the graph and a dict {{mesh: its implementation}}, got {type(mesh_to_impl).__name__} "
+                "as the second argument: mx.Lowering(graph, {mesh: mx.SimdMeshImpl(...)})"
+            )
         if len(mesh_to_impl) != 1:
             raise ValueError(
                 f"Lowering takes exactly one mesh and its implementation, got {len(mesh_to_impl)}; "
@@ -365,6 +370,11 @@ class LoweredFunction:
     ) -> list:
         """The program's arguments: placeholders from `feeds` (host arrays) or `ready` (values
         already in the backend's form), then variables and imported constants."""
+        if feeds is not None and not isinstance(feeds, Mapping):
+            raise TypeError(
+                f"feeds are a dict {{placeholder or its name: array}}, got {type(feeds).__name__}: "
+                f"call it as fn({{{', '.join(f'{t.name!r}: ...' for t in self.placeholders)}}})"
+            )
         self.lowering.initialize(self._variable_ops)
         by_name = {t.name: t for t in self.placeholders} if feeds else {}
         resolved: dict[Tensor, object] = {}
