@@ -114,3 +114,13 @@ def test_the_slice_kernel_is_jnp_einsums_program(dtypes):
         np.testing.assert_array_equal(
             np.asarray(contract(spec, xs, dtype)), np.asarray(jnp.einsum(spec, *xs, preferred_element_type=dtype))
         )
+
+
+def test_an_output_dim_of_another_size_or_a_misspelt_name_is_named():
+    """output_shape naming an input's dim at another size said the dim 'appears in no input'."""
+    _, mesh = new_mesh()
+    x, w = _ph(mesh, "x", "bh"), _ph(mesh, "w", "hd")
+    with pytest.raises(mx.GraphError, match=r"output_shape has d:9, but the inputs have d:8"):
+        mx.einsum(x, w, output_shape=[B, mx.Dimension("d", 9)])
+    with pytest.raises(mx.GraphError, match=r"appear in no input .*\(did you mean 'd'\?\)"):
+        mx.einsum(x, w, output_shape="b:8;dd:8")

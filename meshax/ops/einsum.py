@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from meshax.core.errors import GraphError
+from meshax.core.errors import GraphError, did_you_mean
 from meshax.core.graph import Operation, Tensor, as_dtype, is_floating
 from meshax.core.shape import Shape
 from meshax.layout.rules import block_sizes
@@ -83,9 +83,19 @@ class EinsumOperation(Operation):
     def __init__(self, inputs: list[Tensor], output_shape: Shape, name=None, dtype=None):
         super().__init__(inputs, name=name or "einsum")
         every = union_shape(*[t.shape for t in inputs])
+        sizes = {d.name: d.size for d in every}
+        for d in output_shape:  # (a name the inputs have at another size: said so, not "in no input")
+            if d.name in sizes and d.size != sizes[d.name]:
+                raise GraphError(
+                    f"einsum output_shape has {d.name}:{d.size}, but the inputs have {d.name}:{sizes[d.name]} "
+                    f"({[str(t.shape) for t in inputs]})"
+                )
         missing = [d for d in output_shape if d not in every]
         if missing:
-            raise GraphError(f"einsum output dims {missing} appear in no input ({[str(t.shape) for t in inputs]})")
+            raise GraphError(
+                f"einsum output dims {missing} appear in no input ({[str(t.shape) for t in inputs]})"
+                f"{did_you_mean(missing[0].name, sizes)}"
+            )
         bools = [t.name for t in inputs if t.dtype == np.bool_]
         if bools:
             raise GraphError(f"einsum sums products, and {bools} are bool: cast them to int32 or a float first")
