@@ -403,13 +403,14 @@ def _check(args) -> None:
 
 def _check_generate(args) -> None:
     from meshax.core.errors import ConfigError
-    from meshax.train.checkpoint import latest_step
+    from meshax.train.checkpoint import checkpoint_info, latest_step
 
     if args.task not in ("lm", "seq2seq"):
         raise ConfigError(f"generate decodes the Transformers (lm, seq2seq), not {args.task}")
     _check_outside_step_folders("--resume", args.resume)
     if latest_step(args.resume) is None:
         raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (train one with --checkpoint-dir)")
+    _check_checkpoint_task(args, checkpoint_info(args.resume))
     if args.task == "lm" and not args.prompt:
         raise ConfigError("generate lm needs --prompt: the text to continue")
     if args.batch_size is not None:
@@ -855,15 +856,10 @@ def _check_resume(args, task, program) -> str:
     """Before the run: the checkpoint in --resume holds this model (else a ConfigError). Returns
     the line saying where the run resumes, with a note if the batches differ from the first
     run's (its --batch-size, --seed, --length, data ...)."""
-    from meshax.core.errors import ConfigError
     from meshax.train.checkpoint import check_restorable, checkpoint_info
 
     info = checkpoint_info(args.resume)
-    if info.get("task", task.name) != task.name:
-        raise ConfigError(
-            f"--resume {args.resume!r} holds a checkpoint of the task {info['task']}, not {task.name}: "
-            f"resume it with `meshax train {info['task']} ...`"
-        )
+    _check_checkpoint_task(args, info)
     check_restorable(args.resume, program.lowering, info["step"])
     line = f"resuming from step {info['step']} of {args.resume}"
     saved, now = info.get("data", {}), task.data_settings()
@@ -879,6 +875,29 @@ def _check_resume(args, task, program) -> str:
         f"{line}\nnote: it was trained with {settings(saved)}; this run has {settings(now)}: from step "
         f"{info['step']} on it trains on other batches than the first run would have"
     )
+
+
+def _check_checkpoint_task(args, info: dict) -> None:
+    """The checkpoint in --resume (its `checkpoint_info`) is of this task and, for lm, of this
+    --source, which sets the vocabulary: else a ConfigError saying which to give (not the
+    variables that differ, which is all that restoring it could say)."""
+    from meshax.core.errors import ConfigError
+
+    saved = info.get("task", args.task)
+    if saved != args.task:
+        if args.command == "train":
+            how = f"resume it with `meshax train {saved} ...`"
+        elif saved in ("lm", "seq2seq"):
+            how = f"decode it with `meshax generate {saved} ...`"
+        else:
+            how = "generate decodes the Transformers (lm, seq2seq)"
+        raise ConfigError(f"--resume {args.resume!r} holds a checkpoint of the task {saved}, not {args.task}: {how}")
+    source = info.get("data", {}).get("source")
+    if args.task == "lm" and source and source != (args.source or "text"):
+        raise ConfigError(
+            f"--resume {args.resume!r} holds a model of --source {source}, whose vocabulary differs from "
+            f"--source {args.source or 'text'}'s: give --source {source}"
+        )
 
 
 def _another_launched_process() -> bool:

@@ -148,7 +148,15 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys, monkeypatch):
     assert tokens.count(",") == 3 and "heads:all" in out and "allreduce" in "\n".join(report)
     assert main(["generate", "lm", *model[:-2], "--mesh", "all:1", "--layout", ""]) == 2
     assert "needs --prompt" in capsys.readouterr().err
+    # another task or --source: said so (it was 'it holds another model' and the variables that differ)
     assert main(["generate", "seq2seq", "--resume", ckpt, "--prompt", "1,2", "--mesh", "all:1", "--layout", ""]) == 2
+    assert (
+        "holds a checkpoint of the task lm, not seq2seq: decode it with `meshax generate lm" in capsys.readouterr().err
+    )
+    assert main(["generate", "lm", *model[:2], *model[4:], "--mesh", "all:1", "--layout", ""]) == 2  # (no --source)
+    assert "holds a model of --source markov, whose vocabulary differs from --source text's: give --source markov" in (
+        capsys.readouterr().err
+    )
     assert main(["generate", "mlp", "--resume", ckpt, "--mesh", "all:1", "--layout", ""]) == 2
     one = ["--mesh", "all:1", "--layout", ""]
     for flags, message in [
