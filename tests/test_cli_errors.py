@@ -118,6 +118,8 @@ WITH_PATHS = [
     (["plan", "mlp", *MLP, "--picture", "afile"], "--picture 'afile' is a file"),
     (["plan", "mlp", *MLP, "--picture", "afile/pics"], "--picture 'afile/pics' cannot be created"),
     (["calibrate", "--mesh", "all:8", "--out", "adir"], "--out 'adir' is a folder"),
+    # (it measured no link, and wrote a device whose collectives cost nothing: 'links ;')
+    (["calibrate", "--mesh", "all:1", "--out", "adir/d.json"], "mesh 'all:1' has one device, and calibrate measures"),
     (["plot", "adir"], "'adir' is a folder: give the JSON-lines file"),
     (["plot", "afile", "--out", "adir"], "--out 'adir': give a .png file"),
 ]

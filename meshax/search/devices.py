@@ -138,6 +138,12 @@ def calibrate(mesh_shape, name: str = "", matmul_size: int = 512, message_bytes:
 
     shape = convert_to_mesh_shape(mesh_shape)
     names = tuple(shape.dimension_names)
+    if shape.size == 1:  # (its device would move data for free: a search would cost no collective)
+        raise ConfigError(
+            f"mesh {mesh_shape!r} has one device, and calibrate measures the links between devices too: give a "
+            "mesh of 2 or more (on a CPU, of virtual devices, e.g. 'all:8'), or search with a known device "
+            f"(--device {', '.join(KNOWN_DEVICES)})"
+        )
     if jax.device_count() < shape.size:
         raise ConfigError(f"mesh {mesh_shape!r} needs {shape.size} devices; this process has {jax.device_count()}")
     mesh = jax.make_mesh(tuple(shape.to_integer_list), names, devices=jax.devices()[: shape.size])
