@@ -528,7 +528,7 @@ def test_plan_search_prints_the_table_and_draws(capsys, tmp_path):
     assert "layout search: 16 legal rule sets" in out and "yours" in out and "batch:rows;hidden:cols" in out
     assert os.path.isfile(tmp_path / "search.png") and os.path.isfile(tmp_path / "w.png")
     assert main(["plan", "mlp", "--mesh", "rows:2;cols:4", "--search", "--search-mesh", "--top", "2"]) == 0
-    assert "4 meshes searched" in capsys.readouterr().out
+    assert "4 meshes searched; on each, every one traced exactly" in capsys.readouterr().out
 
 
 def test_plan_search_without_a_fitting_layout_is_one_line(capsys):
@@ -817,3 +817,10 @@ def test_a_task_is_evaluated_as_the_search_costs_it_and_as_its_full_lowering_cos
 def test_search_flags_without_search_are_refused(capsys):
     assert main(["plan", "mlp", "--mesh", "rows:2;cols:4", "--memory-budget", "1GB", "--top", "3"]) == 2
     assert "--memory-budget, --top applies to a layout search: add --search" in capsys.readouterr().err
+
+
+def test_a_search_of_one_mesh_and_one_rule_set_reads_as_english(capsys):
+    """It said '1 legal rule sets, 1 meshes searched, each every one traced exactly'."""
+    assert main(["plan", "mlp", "--mesh", "all:7", "--search", "--search-mesh", "--top", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("layout search: 1 legal rule set, 1 mesh searched, every one traced exactly, ")

@@ -68,6 +68,11 @@ def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape, weight_l
     return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, p.by_link, mesh_text(mesh_shape), weight_layout)
 
 
+def _count(n: int, one: str, many: str = "") -> str:
+    """'1 mesh', '4 meshes': n and the noun in its number."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 def mesh_text(mesh_shape) -> str:
     """A mesh shape as --mesh takes it: "rows:2;cols:4"."""
     return ";".join(f"{d.name}:{d.size}" for d in mesh_shape)
@@ -138,7 +143,8 @@ class SearchResult:
         title = f"{'mesh':<{mesh_width}}  layout" if meshes else "layout"
         head = f"{'#':<6}{title:<{width + 2}}" + "".join(f"{h:>{w}}" for (h, _, _), w in zip(columns, widths))
         lines = [
-            f"layout search: {'' if self.every else 'more than '}{self.legal} legal rule sets, {self.method}, "
+            f"layout search: {'' if self.every else 'more than '}{_count(self.legal, 'legal rule set')}, "
+            f"{self.method}, "
             f"{self.seconds:.1f} s; "
             f"device {self.device.name}; memory budget {_human(self.memory_budget)}B per device",
             head,
@@ -526,10 +532,14 @@ def search_mesh_and_layout(
     top = kw.get("top", 5)
     ranked = sorted((c for r in results for c in r.ranked), key=lambda c: c.step_s)[:top]
     first = results[0]
-    if len({r.method for r in results}) == 1:
-        method = f"{len(results)} meshes searched, each {first.method}"
+    if len(results) == 1:
+        method = f"1 mesh searched, {first.method}"
+    elif len({r.method for r in results}) == 1:
+        method = f"{len(results)} meshes searched; on each, {first.method}"
     else:  # (say how each was searched: some spaces are searched locally, others in full)
-        method = f"{len(results)} meshes searched: " + "; ".join(f"{r.ranked[0].mesh}: {r.method}" for r in results)
+        method = f"{_count(len(results), 'mesh', 'meshes')} searched: " + "; ".join(
+            f"{r.ranked[0].mesh}: {r.method}" for r in results
+        )
     return SearchResult(
         ranked,
         first.baseline,
