@@ -40,7 +40,14 @@ def use_cpu_devices(n: int) -> None:
     with contextlib.suppress(RuntimeError):  # the backend is already up: checked below
         jax.config.update("jax_num_cpu_devices", int(n))
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(n))
-    have = len(jax.local_devices())
+    try:
+        have = len(jax.local_devices())
+    except AssertionError:  # (JAX's own, bare, when no platform JAX_PLATFORMS names is there: cuda without a GPU)
+        platforms = jax.config.jax_platforms
+        raise ConfigError(
+            f"JAX_PLATFORMS={platforms!r} names no platform this machine has (cuda needs a visible NVIDIA GPU): "
+            "unset JAX_PLATFORMS, or add cpu (e.g. JAX_PLATFORMS=cuda,cpu)"
+        ) from None
     if jax.devices()[0].platform == "cpu" and have < n:
         raise RuntimeError(
             f"JAX already started with {have} CPU device(s), but {n} are needed. Call "

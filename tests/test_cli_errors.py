@@ -327,3 +327,24 @@ def test_a_step_too_big_for_memory_says_what_to_change(capsys):
     assert _exit_code([*argv, "--layout", "", "--steps", "1", "--eval-every", "0", "--no-progress"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "RESOURCE_EXHAUSTED" in line and "does not fit in the devices' memory. `meshax plan` with the same" in line
+
+
+def test_jax_platforms_naming_no_platform_of_this_machine_is_one_line():
+    """JAX_PLATFORMS=cuda without a GPU: JAX's backend setup fails on a bare AssertionError (a
+    traceback with no message); the command says what to change."""
+    import subprocess
+    import sys
+
+    from jax._src import hardware_utils
+
+    if hardware_utils.has_visible_nvidia_gpu():
+        pytest.skip("this machine has a GPU: JAX_PLATFORMS=cuda names its platform")
+    done = subprocess.run(
+        [sys.executable, "-m", "meshax", "train", "mlp", *MLP, "--steps", "1", "--no-progress"],
+        env={**os.environ, "JAX_PLATFORMS": "cuda"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
+    assert done.stderr.count("\n") == 1 and "JAX_PLATFORMS='cuda' names no platform this machine has" in done.stderr
