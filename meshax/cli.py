@@ -1021,6 +1021,7 @@ def _search(args, task) -> int:
     )
     print(result.format(), end="", flush=True)
     if args.picture:
+        os.makedirs(args.picture, exist_ok=True)
         from meshax.train.loop import build
 
         print(f"wrote {draw_comparison(result, os.path.join(args.picture, 'search.png'))}")
@@ -1050,7 +1051,7 @@ def _plan(args, task, console) -> int:
         if os.path.exists(args.picture):
             raise ConfigError(f"--picture {args.picture!r} is a file: give a folder to write the pictures to")
         _check_can_create("--picture", args.picture)
-        os.makedirs(args.picture)
+        _check_can_make_folder("--picture", args.picture)  # (made when the pictures are drawn: none if it fails first)
     if args.search:
         if args.json:
             raise ConfigError("--json prints the cost report; --search prints its own table: give one of them")
@@ -1068,6 +1069,7 @@ def _plan(args, task, console) -> int:
     counters = lowering.trace_step(outputs, updates)
     summary = summarize(lowering, counters, outputs)
     if args.picture:
+        os.makedirs(args.picture, exist_ok=True)
         _draw_parameters(lowering, args.picture)
     if args.json:
         explained = {"explain": lowering.explain()} if args.explain else {}

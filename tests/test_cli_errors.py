@@ -87,6 +87,9 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "lm", "--moe-experts", "512"], "512 experts are more than a group of 64 tokens"),
     (["plan", "mlp", *MLP, "--search", "--json"], "--search prints its own table"),
     (["plan", "lm", "--weight-layout", "d_model:cols except"], "after 'except', write each weight shape"),
+    # --picture's folder is made when the pictures are drawn (it was left behind, empty, by a plan that failed)
+    (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;hidden:all", "--picture", "pics"], "both split"),
+    (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:al", "--search", "--picture", "pics"], "'al'"),
     # an empty path (an unset shell variable) was taken for the flag left out: no checkpoint, a fresh start
     (["train", "mlp", *MLP, "--checkpoint-dir", ""], "--checkpoint-dir '' is empty (an unset shell variable?)"),
     (["train", "mlp", *MLP, "--resume", ""], "--resume '' is empty"),
