@@ -281,6 +281,7 @@ def test_debug_shows_the_traceback():
 LIBRARY = [  # (a call that builds something from a bad value, a piece of the message)
     (lambda mx: mx.Shape([mx.Dimension("batch", -1)]), "negative"),
     (lambda mx: mx.Shape([mx.Dimension("", 4)]), "non-empty string"),
+    (lambda mx: mx.Shape([mx.Dimension(4, "batch")]), r"the name comes first: Dimension\('batch', 4\)"),
     (lambda mx: mx.optimize.SgdOptimizer(-0.1), "learning_rate -0.1"),
     (lambda mx: mx.optimize.SgdOptimizer("fast"), "not a number"),
     (lambda mx: mx.optimize.AdamWeightDecayOptimizer(1e-3, beta_1=1.0), "beta_1 1.0"),

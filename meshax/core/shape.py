@@ -32,6 +32,8 @@ def _as_dimension(x) -> Dimension:
     if isinstance(x, Dimension):
         if type(x.size) is int and x.size >= 0 and type(x.name) is str and x.name:
             return x  # (the common case, checked first: shapes are built often)
+        if isinstance(x.name, numbers.Integral) and isinstance(x.size, str) and x.size:
+            raise ConfigError(f"{x!r}: the name comes first: Dimension({x.size!r}, {x.name})")
         if not (isinstance(x.name, str) and x.name):
             raise ConfigError(f"{x!r}: a dimension's name must be a non-empty string")
         return Dimension(x.name, _size(x.name, x.size))
