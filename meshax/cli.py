@@ -538,9 +538,26 @@ def _check_paths(args) -> None:
         if path and flag != "--resume":
             _check_can_create(flag, path)
             _check_can_make_folder(flag, path)
+    if args.tensorboard:
+        _check_installed("tensorboardX", "--tensorboard needs tensorboardX: pip install 'meshax[tensorboard]'")
     if args.metrics:
         _check_outside_step_folders("--metrics", args.metrics)
         _check_file_to_write("--metrics", args.metrics, "a file to append JSON lines to")
+
+
+def _check_installed(module: str, message: str) -> None:
+    """`module` can be imported, else a ConfigError saying how to install it (before the run, not
+    at the first use of it, after the compile and the cost report)."""
+    import importlib.util
+
+    from meshax.core.errors import ConfigError
+
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ValueError:  # (a module set to None in sys.modules: taken as missing)
+        found = False
+    if not found:
+        raise ConfigError(f"{message} (or {module})")
 
 
 def _check_outside_step_folders(flag: str, path: str | None) -> None:
@@ -1047,6 +1064,8 @@ def _plan(args, task, console) -> int:
     from meshax.plan import format_summary, summarize
     from meshax.train.loop import build
 
+    if args.picture:
+        _check_installed("matplotlib", "--picture needs matplotlib: pip install 'meshax[plot]'")
     if args.picture and not os.path.isdir(args.picture):
         if os.path.exists(args.picture):
             raise ConfigError(f"--picture {args.picture!r} is a file: give a folder to write the pictures to")

@@ -2,6 +2,7 @@
 the value, no traceback, and nothing written."""
 
 import os
+import sys
 
 import pytest
 
@@ -352,3 +353,25 @@ def test_jax_platforms_naming_no_platform_of_this_machine_is_one_line():
     )
     assert done.returncode == 2 and done.stdout == "", done.stderr[-2000:]
     assert done.stderr.count("\n") == 1 and "JAX_PLATFORMS='cuda' names no platform this machine has" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "module,argv,said",
+    [
+        (
+            "tensorboardX",
+            ["train", "mlp", *MLP, "--steps", "2", "--tensorboard", "tb"],
+            "--tensorboard needs tensorboardX",
+        ),
+        ("matplotlib", ["plan", "mlp", *MLP, "--picture", "pics"], "--picture needs matplotlib"),
+    ],
+)
+def test_a_missing_optional_package_is_named_before_the_run(module, argv, said, tmp_path, monkeypatch, capsys):
+    """Without the package a flag needs, the command stops before anything runs; it printed the
+    layout table and the cost report first (after the compile), and left --picture's folder."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, module, None)  # (an import of it fails, as when not installed)
+    assert _exit_code(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and said in err and "pip install" in err
+    assert os.listdir(tmp_path) == []
