@@ -330,3 +330,15 @@ def test_generate_continues_a_prompt_of_bytes_that_are_not_utf8(tmp_path, capsys
     capsys.readouterr()
     assert main(["generate", "lm", *run, "--resume", ckpt, "--prompt", "ab\udcff", "--new", "2"]) == 0
     assert capsys.readouterr().out.startswith("ab\ufffd")
+
+
+def test_plan_on_the_placement_backend_needs_no_devices(capsys):
+    """`meshax plan` allocates nothing, on either backend: the placement backend's trace asked for
+    the mesh's devices ('needs 512 devices but JAX sees 8'), on a mesh of 8 devices too when run
+    alone. Its plan is the SIMD backend's."""
+    argv = ["plan", "mlp", "--mesh", "rows:16;cols:32", "--layout", "batch:rows;hidden:cols"]
+    plans = []
+    for backend in ("simd", "placement"):
+        assert main([*argv, "--backend", backend]) == 0, capsys.readouterr().err
+        plans.append(capsys.readouterr().out)
+    assert plans[0] == plans[1] and "allreduce" in plans[0]

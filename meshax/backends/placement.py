@@ -51,12 +51,17 @@ class PlacementMeshImpl(MeshImpl):
         return [devices[0]] * len(devices) if devices[0].platform == "cpu" else devices
 
     def _put(self, x, pnum: int):
+        if self._tracing:  # (as in _put_each: no device needed)
+            return x
         return self._put_each([x], [self._homes()[pnum]])[0]
 
     def _put_each(self, xs: list, devices: list | None = None) -> list:
         """`xs[p]` onto `devices[p]` (slice p's home by default), in one transfer call (JAX
         batches a list's transfers, about twice as fast as one call per slice); an array already
-        there, or abstract (tracing), is passed as it is."""
+        there, or abstract (tracing), is passed as it is. While `trace` runs nothing moves, and no
+        device is needed: `meshax plan` traces meshes larger than the machine."""
+        if self._tracing:
+            return list(xs)
         devices = devices or self._homes()
         move = [not _there(x, d) for x, d in zip(xs, devices)]
         if not any(move):
