@@ -193,6 +193,18 @@ def test_no_checkpoint(tmp_path):
     assert not missing.exists()  # looking did not create it
 
 
+def test_saving_into_a_file_is_refused_before_orbax_writes(tmp_path, caplog):
+    """A path that is a file, or under one: Orbax logged a traceback at ERROR and raised
+    NotADirectoryError."""
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
+    (tmp_path / "afile").write_text("hi")
+    with pytest.raises(mx.ConfigError, match=r"'.*afile' is a file: give a folder to save checkpoints in"):
+        save_checkpoint(tmp_path / "afile", lowering, 1)
+    with pytest.raises(mx.ConfigError, match=r"'.*afile/ck' is under the file '.*afile'"):
+        save_checkpoint(tmp_path / "afile" / "ck", lowering, 1)
+    assert os.listdir(tmp_path) == ["afile"] and caplog.records == []
+
+
 def test_missing_step_and_repeated_save(saved_at_3):
     directory, _ = saved_at_3
     lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))

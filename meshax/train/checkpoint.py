@@ -73,6 +73,12 @@ def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, k
         raise ConfigError(
             f"save_checkpoint: extra must be JSON (str, int, float, bool, None, lists, dicts): {err}"
         ) from None
+    above = os.path.abspath(directory)  # (Orbax logged a traceback and raised NotADirectoryError)
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        what = "is a file" if above == os.path.abspath(directory) else f"is under the file {above!r}"
+        raise ConfigError(f"save_checkpoint: {os.fspath(directory)!r} {what}: give a folder to save checkpoints in")
     state = {var.name: lowering.variable_state(var) for var in lowering.graph.all_variables}
     with _manager(directory, keep) as manager:
         saved = manager.save(
