@@ -366,11 +366,25 @@ class Estimator:
         where that tensor's own rules split it or a split was carried to it, as far as it leaves
         the mesh dims free: a weight's d_ff split reaches the hidden activations, and the queries'
         heads split by the weight rules reaches the attention logits only where the queries left
-        it room. Then a dim still unsplit is split as one it is renamed from or to (`_layout`)."""
+        it room. Before that, a dim of a tensor renamed to one that its rules split there (the
+        queries' length, split as the keys' memory_length) takes that split; after, a dim still
+        unsplit is split as one it is renamed from or to anywhere (`_layout`)."""
         tables = self._tables()
         own = [by_weight_dim if s in weight_shaped else by_dim for _, s in tables.names]
         axes = [[own[k].get(n, ()) for n, _ in dims] for k, (dims, _) in enumerate(tables.names)]
         carries = [{i for i, a in enumerate(row) if a} for row in axes]  # (the splits a dim may pass on)
+        # first, a dim renamed in an op from or to one its rules split takes that split, as
+        # propagation carries it through the rename (an identity) before any einsum carries one
+        shapes, renamed = {dims for dims, _ in tables.names}, set()
+        for k, (dims, _) in enumerate(tables.names):
+            for i, (n, size) in enumerate(dims):
+                for other in sorted(self._aliases.get((n, size), ())) if not axes[k][i] and n not in own[k] else ():
+                    if (*dims[:i], (other, size), *dims[i + 1 :]) in shapes:
+                        taken = {m for a in axes[k] for m in a}
+                        axes[k][i] = longest_split(own[k].get(other, ()), size, taken, self.mesh_shape)
+                        if axes[k][i]:
+                            renamed.add(k)
+                            break
         slots = [(k, i, size, meets) for k, i, n, size, meets in tables.slots if n not in own[k]]
         into: set[int] = set()  # (the shapes something was carried to)
         progress = True
@@ -387,7 +401,8 @@ class Estimator:
                     into.add(k)
                     progress = True
         return [
-            self._layout(own[k], tables.names[k][0], axes[k]) if k in into else layout for k, layout in enumerate(ruled)
+            self._layout(own[k], tables.names[k][0], axes[k]) if k in into | renamed else layout
+            for k, layout in enumerate(ruled)
         ]
 
     def _intern(self, layout: TensorLayout) -> TensorLayout:
