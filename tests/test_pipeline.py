@@ -7,6 +7,7 @@ import pytest
 
 import meshax as mx
 from meshax.lower.hlo import hlo_collectives
+from meshax.ops.variables import global_step, reuse_variables
 from meshax.pipeline import Schedule
 
 B, D, E = mx.Dimension("batch", 8), mx.Dimension("d", 6), mx.Dimension("e", 6)
@@ -143,6 +144,34 @@ def test_a_one_step_pipelines_gradient_is_counted_as_compiled(layout):
     counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
     hlo = {k: (v["count"], v["values"]) for k, v in hlo_collectives(fn.compiled_text()).items() if v["count"]}
     assert counted == hlo
+
+
+def test_a_stage_reuses_a_variable_made_outside_whole():
+    """A stage that reuses a variable made before the pipeline (a weight every stage shares, the
+    global step that annealed dropout reads) gets it whole, as before stacked variables were
+    reusable (f0fe643: "exists with shape [d=6], not [stage=2, d=6]"); one the stage makes is
+    stacked, one index per stage."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+    mx.get_variable(mesh, "shared", [D], initializer=mx.initializers.constant(2.0))
+    global_step(mesh)
+
+    def stage(h):
+        with reuse_variables():
+            shared = mx.get_variable(mesh, "shared", [D], initializer=mx.initializers.zeros())
+            step = mx.cast(global_step(mesh), "float32")
+        return h * shared * mx.get_variable(mesh, "own", [D], initializer=mx.initializers.ones()) + step
+
+    y = mx.pipeline(stage, x, mx.Dimension("stage", 2), 2)
+    assert {v.name: v.shape.dimension_names for v in graph.all_variables} == {
+        "shared": ["d"],
+        "global_step": [],
+        "own": ["stage", "d"],
+    }
+    v = np.random.RandomState(0).randn(B.size, D.size).astype(np.float32)
+    got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function([y])({"x": v})[0]
+    np.testing.assert_allclose(got, v * 4, rtol=1e-6)
 
 
 def test_pipeline_errors():

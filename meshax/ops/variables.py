@@ -109,7 +109,8 @@ def stacked_variables(dims: list, select: Callable[[Tensor], Tensor]) -> Iterato
     """Inside, `get_variable` makes each variable with `dims` in front (each index initialized
     on its own, as a layer of its own), or reuses it (`reuse_variables`), and returns
     `select(variable)`: how a pipeline gives each stage its own weights from layer code written
-    for one (`meshax.pipeline`), and how decoding reads one stage's."""
+    for one (`meshax.pipeline`), and how decoding reads one stage's. A variable made outside
+    (without `dims`: the global step, a weight every stage shares) is reused whole."""
     _STACKING.append((list(dims), select))
     try:
         yield
@@ -155,11 +156,13 @@ def get_variable(
         )
     existing = next((v for v in mesh.graph.all_variables if v.name == name), None) if _REUSING else None
     if existing is not None:
+        # (inside stacked_variables: a stacked variable gives its index's weights; one made
+        # outside, shared by every index (the global step, a tied weight), is read whole)
         lead, select = _STACKING[-1] if _STACKING else ([], None)
         want = convert_to_shape([*lead, *convert_to_shape(shape)])
-        if existing.shape != want:
+        if existing.shape not in (want, convert_to_shape(shape)):
             raise GraphError(f"variable {name!r} exists with shape {existing.shape}, not {want}")
-        value = select(existing.value) if select is not None else existing.value
+        value = select(existing.value) if select is not None and existing.shape == want else existing.value
     else:
         value = _new_variable(mesh, name, shape, initializer, dtype, trainable)
     if activation_dtype is not None:
