@@ -433,7 +433,12 @@ class PoolOperation(_Windowed):
 
     def gradient(self, grad_outputs):
         (g,), (x,) = grad_outputs, self.inputs
-        return [None if g is None else PoolGradOperation(x, g, self.window, self.kind).outputs[0]]
+        if g is None:
+            return [None]
+        if self.kind in ("sum", "avg"):  # linear: the transpose of a sum pooling, which reads no x
+            scale = 1 if self.kind == "sum" else math.prod(self.window.size)
+            return [PoolTransposeOperation(g if scale == 1 else g / scale, x.shape, self.window).outputs[0]]
+        return [PoolGradOperation(x, g, self.window, self.kind).outputs[0]]
 
 
 class PoolGradOperation(_Windowed):
