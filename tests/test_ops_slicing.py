@@ -259,3 +259,20 @@ def test_a_shift_past_the_whole_dim_moves_nothing(offset):
     found = mx.hlo_collectives(fn.compiled_text())
     assert {k: v["count"] for k, v in found.items() if v["count"]} == {}
     assert not list(fn.counters.sites())
+
+
+def test_a_halo_as_wide_as_the_block_gathers_once():
+    """halo_exchange with a halo as wide as the block sends all of each block to both
+    neighbours: both shifts read x, not two slices of all of it that each gather. With b=5 over
+    all:2 and wrap, each shift gathered its own slice (2 allgathers of 24 values counted, 1 of
+    12 compiled: both gathered the same x)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:5;a:4")
+    y = mx.halo_exchange(x, "b", "a", 4, wrap=True)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:2", "b:all")}).function(y)
+    xv = rand([5, 4], seed=2)
+    np.testing.assert_array_equal(fn({"x": xv}), np.concatenate([np.roll(xv, 1, 0), xv, np.roll(xv, -1, 0)], 1))
+    hlo = mx.hlo_collectives(fn.compiled_text())
+    assert {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]} == {"allgather": (1, 12)}
+    assert (fn.counters["allgather"].count, fn.counters["allgather"].values) == (1, 12)

@@ -335,10 +335,13 @@ def _halos(x: Tensor, blocks_dim, block_size_dim, halo_size: int, wrap: bool, ri
         raise GraphError(f"halo_size {halo_size} must be within 0..{size.size}, the block size ({size})")
     if halo_size == 0:
         return x
-    left = shift(slice(x, size.size - halo_size, halo_size, size.name), 1, blocks, wrap)
+    # (a halo as wide as the block is all of it, not a slice: both neighbours' shifts then read
+    # x, which is gathered once where the shifts gather, not once per slice)
+    whole = halo_size == size.size
+    left = shift(x if whole else slice(x, size.size - halo_size, halo_size, size.name), 1, blocks, wrap)
     pieces = [left, x]
     if right:
-        pieces.append(shift(slice(x, 0, halo_size, size.name), -1, blocks, wrap))
+        pieces.append(shift(x if whole else slice(x, 0, halo_size, size.name), -1, blocks, wrap))
     return concat(pieces, size.name)
 
 
