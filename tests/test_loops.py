@@ -168,6 +168,37 @@ def test_a_loop_differentiates_for_what_the_gradient_reaches_alone():
     assert (hlo["count"], hlo["values"]) == (c2 - (c5 - c2) // 3, v2 - (v5 - v2) // 3)
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_scanned_tensor_the_body_does_not_read_is_not_moved(layers):
+    """A scanned tensor is laid out for the loop (its dim whole) only if the body reads it: u
+    [layers, d], layers split over cols, scanned beside w but never read, was gathered all the
+    same, and XLA dropped the gather (the loss and its gradients, 1 layer or 3: 2 allgathers
+    of 42 values counted, w's and u's, 1 of 36 compiled, w's)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    L = mx.Dimension("layers", layers)
+    x = mx.placeholder(mesh, "x", [B, D])
+    w = mx.placeholder(mesh, "w", [L, D, E])
+    u = mx.placeholder(mesh, "u", [L, D])
+
+    def body(carry, xs):
+        return [_layer(carry[0], xs[0])], []
+
+    (out,), _ = mx.scan(body, [x], [w, u], dim="layers")
+    loss = mx.reduce_sum(out * out)
+    h = x
+    for i in range(layers):
+        h = _layer(h, mx.reshape(mx.slice(w, i, 1, "layers"), [D, E]))
+    unrolled = mx.reduce_sum(h * h)
+    rng = np.random.RandomState(0)
+    feeds = {"x": rng.randn(4, 6), "w": rng.randn(layers, 6, 6) * 0.4, "u": rng.randn(layers, 6)}
+    feeds = {k: v.astype(np.float32) for k, v in feeds.items()}
+    scanned = [loss, *mx.gradients(loss, [w, x])]
+    _check_against_unrolled(
+        graph, mesh, "rows:2;cols:4", "layers:cols", scanned, [unrolled, *mx.gradients(unrolled, [w, x])], feeds
+    )
+
+
 @pytest.mark.parametrize("layout", ["d:cols", "batch:rows;e:cols"])
 def test_a_one_trip_loops_gradient_goes_on_from_its_forward_trip(layout):
     """XLA inlines a loop of one trip, and the backward loop's recomputation of the forward trip

@@ -267,8 +267,19 @@ class ScanOperation(Operation):
 
         n, plan = self.dim.size, ctx.plan
         carry0 = [ctx.get(t, plan[v]).slices for t, v in zip(self.init, self.carry_vars)]
+        # the scanned results something reads, and the body they and the carries need: XLA drops
+        # the rest, so it is neither lowered nor counted
+        read = [(r, t) for r, t in zip(self.y_results, self.ys) if ctx.reads.get(t, 0)]
+        y_results = [r for r, _ in read]
+        body = self.body if len(read) == len(self.ys) else _needed(self.body, [*self.carry_results, *y_results])
+        # likewise the scanned tensors that body reads: one it does not read is not moved to the
+        # loop's layout (a backward loop scans every history and forward input, read or not)
+        used = {t for op in body for t in op.inputs} | {*self.carry_results, *y_results}
+        x_vars = [v for v in self.x_vars if v in used]
         xs = []
         for t, v in zip(self.xs, self.x_vars):
+            if v not in used:
+                continue
             at = t.shape.index(self.dim)
             layout = TensorLayout([*plan[v].axes[:at], (), *plan[v].axes[at:]])
             xs.append(ctx.slicewise(lambda a, at=at: jnp.moveaxis(a, at, 0), ctx.get(t, layout).slices))
@@ -280,11 +291,6 @@ class ScanOperation(Operation):
         # from that trip's values instead of recomputing them (see `_one_trip`)
         trip = ctx.trips.get(self.forward) if n == 1 and self.forward is not None else None
         forward_ops = {op for op in self.forward.body if all(t in trip.values for t in op.outputs)} if trip else set()
-        # the scanned results something reads, and the body they and the carries need: XLA drops
-        # the rest, so it is neither lowered nor counted
-        read = [(r, t) for r, t in zip(self.y_results, self.ys) if ctx.reads.get(t, 0)]
-        y_results = [r for r, _ in read]
-        body = self.body if len(read) == len(self.ys) else _needed(self.body, [*self.carry_results, *y_results])
 
         hoisted = _hoist(ctx, body) if n > 1 else None
         taken: set = set()
@@ -294,7 +300,7 @@ class ScanOperation(Operation):
             calls[0] += 1
             i, *x = x
             seed = ctx.slicewise(lambda s, i: (s ^ key) * np.uint32(0x9E3779B1) + i, ctx.rng_seed, i)
-            bound = dict(zip([*self.carry_vars, *self.x_vars], [*carry, *x]))
+            bound = dict(zip([*self.carry_vars, *x_vars], [*carry, *x]))
             if trip is None:
                 child = _run_body(ctx, counters, seed, bound, body, [*self.carry_results, *y_results], hoisted=hoisted)
                 taken.update(child.taken)
