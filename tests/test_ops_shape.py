@@ -213,6 +213,20 @@ def test_reshape_keeps_a_merged_dims_split_on_its_major_part(mesh_shape, layout,
         assert sum(fn.counters[k].count for k in ("allgather", "alltoall", "allreduce")) == moves
 
 
+@pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl, mx.PlacementMeshImpl], ids=["simd", "placement"])
+def test_reshape_dropping_a_size_one_dim_keeps_the_others_split(impl_cls):
+    """[a=1, n1=1] -> [a=1] with a split over all:2 (padded: device 1 holds no value of a): both
+    dims of size 1 line up with the result's a, and both were paired with it, so a's split was a
+    factor of no result and the reshape read each device's slice as the whole a; the pad then
+    took device 1's padding ([0, 0, 0, 0], not [0, 0, 0, 10]). The fuzzer found it as a lost
+    gradient (a slice of a split dim, stacked: stack reshapes in a dim of size 1)."""
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", "a:1;n1:1")
+    y = mx.pad(mx.reshape(x * 2.0, "a:1"), [3, 0], "a")
+    got = mx.Lowering(mesh.graph, {mesh: impl_cls("all:2", "a:all")}).function(y)({"x": np.full([1, 1], 5, np.float32)})
+    np.testing.assert_array_equal(got, [0, 0, 0, 10])
+
+
 def test_call_global_takes_and_returns_global_arrays(impl_cls):
     """LoweredFunction.call_global: jax.Arrays in (any sharding; moved to the plan's), logical
     jax.Arrays out, also where the layout pads (d:6 over 4 devices); an output fed back as it

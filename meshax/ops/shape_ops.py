@@ -22,19 +22,30 @@ from meshax.layout import ShardingRule, slice_shape
 from meshax.ops._util import align, also_accepts, as_dims
 
 
-def _aligned(a: Shape, b: Shape) -> dict[int, int]:
-    """Positions i -> j of dims of `a` and `b` with equal size and equal prefix product."""
-    prefix_b: dict[tuple[int, int], int] = {}
-    p = 1
-    for j, d in enumerate(b):
-        prefix_b.setdefault((p, d.size), j)
-        p *= d.size
-    out, p = {}, 1
-    for i, d in enumerate(a):
-        if (p, d.size) in prefix_b:
-            out[i] = prefix_b[(p, d.size)]
+def _prefixed(s: Shape) -> list[tuple[int, int]]:
+    """Each dim's (product of the dims before it, size)."""
+    out, p = [], 1
+    for d in s:
+        out.append((p, d.size))
         p *= d.size
     return out
+
+
+def _aligned(a: Shape, b: Shape) -> dict[int, int]:
+    """Positions i -> j of dims of `a` and `b` with equal size and equal prefix product, one to
+    one: size-1 dims share their prefix product with their neighbours, so several may qualify,
+    and a dim of `b` pairs with one of `a` (the same name first). Two dims of `a` paired with one
+    of `b` made the other's split a factor of no result: the op kept it split and read each
+    device's slice as the whole dim."""
+    pa, pb = _prefixed(a), _prefixed(b)
+    out: dict[int, int] = {}
+    for same_name in (True, False):
+        for i, key in enumerate(pa):
+            js = [j for j, k in enumerate(pb) if k == key and j not in out.values()]
+            js = [j for j in js if b[j].name == a[i].name] if same_name else js
+            if i not in out and js:
+                out[i] = js[0]
+    return dict(sorted(out.items()))
 
 
 def _compound(a: Shape, b: Shape, aligned: dict[int, int]) -> dict[int, int]:
