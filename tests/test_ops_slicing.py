@@ -261,6 +261,25 @@ def test_a_shift_past_the_whole_dim_moves_nothing(offset):
     assert not list(fn.counters.sites())
 
 
+def test_a_shift_past_the_whole_dim_is_zeros_in_any_layout():
+    """Its zeros are made where a reader wants them, as a constant's: concatenated along a split
+    dim, they were gathered (x [e=5, b=1], e over rows, shifted out along b: 2 allgathers of 5
+    values counted, 1 of 3 compiled; with the gradient 4 of 12 against 2 of 8)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "e:5;b:1")
+    y = mx.concat([mx.shift(mx.slice(x, 1, 4, "e"), 1, "b", wrap=False), x], "e")
+    (grad,) = mx.gradients(mx.reduce_sum(y * y), [x])
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "e:rows")}).function([y, grad])
+    xv = rand([5, 1], seed=3)
+    got_y, got_grad = fn({"x": xv})
+    np.testing.assert_array_equal(got_y, np.concatenate([np.zeros([4, 1]), xv]))
+    np.testing.assert_allclose(got_grad, 2 * xv)
+    hlo = mx.hlo_collectives(fn.compiled_text())
+    assert {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]} == {"allgather": (2, 8)}
+    assert (fn.counters["allgather"].count, fn.counters["allgather"].values) == (2, 8)
+
+
 def test_a_halo_as_wide_as_the_block_gathers_once():
     """halo_exchange with a halo as wide as the block sends all of each block to both
     neighbours: both shifts read x, not two slices of all of it that each gather. With b=5 over

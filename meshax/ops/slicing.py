@@ -186,6 +186,18 @@ class ShiftOperation(Operation):
         """A shift by the dim's size or more, without wrapping: every value shifted out."""
         return not self.wrap and abs(self.offset) >= self.dim.size
 
+    @property
+    def fill(self):
+        """Where every value is shifted out, its zeros are made on each device in any layout a
+        reader asks for, as a constant's are (`ConstantOperation.fill`): moving them would count a
+        collective that XLA drops (it knows they are zeros). None otherwise."""
+        return self._zeros if self._all_zeros() else None
+
+    def _zeros(self, ctx, layout) -> list:
+        out = self.outputs[0]
+        local = slice_shape(out.shape, layout, ctx.mesh_shape)
+        return ctx.slicewise(lambda: jnp.zeros(local, out.dtype))
+
     def _halo(self) -> tuple[int, int]:
         """The halo a split dim needs: (left, right) widths, |offset| values on the side shifted from."""
         k = min(abs(self.offset), self.dim.size)
@@ -212,8 +224,7 @@ class ShiftOperation(Operation):
         axes = layout.axes[axis]
         left, right = self._halo()
         if self._all_zeros():  # (reads no value of x: fetching it would count a gather XLA drops)
-            local = slice_shape(out.shape, layout, ctx.mesh_shape)
-            ctx.set_output(out, ctx.slicewise(lambda: jnp.zeros(local, out.dtype)), layout)
+            ctx.set_output(out, self._zeros(ctx, layout), layout)
             return
         v = ctx.get(x, run.operands[0], allow_partial=True)
         if not axes or not left + right:
