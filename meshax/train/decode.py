@@ -75,6 +75,7 @@ class Decoder:
             )
         graph = Graph()
         self.mesh = Mesh(graph, "mesh")
+        self._picks: dict[int, Tensor] = {}  # (block -> its one-hot over the stacked dims: `_block`)
         self.model = Transformer(self.config, self.mesh)
         m = self.model
         self.batch = Dimension("batch", batch)
@@ -134,9 +135,11 @@ class Decoder:
         m, c = self.model, self.config
         stage = Dimension("stage", c.pipeline_stages)
         lead = [Dimension("repeat", c.circular_repeats), stage] if c.circular_repeats > 1 else [stage]
-        pick = np.zeros([d.size for d in lead], np.float32)
-        pick[np.unravel_index(b, pick.shape)] = 1  # (block b = r * S + s: repeat r, stage s)
-        which = import_tensor(self.mesh, pick, lead, name=f"block_{b}")
+        if b not in self._picks:  # (one constant per block, whichever of its layers read it)
+            pick = np.zeros([d.size for d in lead], np.float32)
+            pick[np.unravel_index(b, pick.shape)] = 1  # (block b = r * S + s: repeat r, stage s)
+            self._picks[b] = import_tensor(self.mesh, pick, lead, name=f"block_{b}")
+        which = self._picks[b]
         shared, m._vars = m._vars, {}  # (each block's weights read afresh under the same names)
         try:
             with (
