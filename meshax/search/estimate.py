@@ -375,18 +375,14 @@ class Estimator:
         carries = [{i for i, a in enumerate(row) if a} for row in axes]  # (the splits a dim may pass on)
         # first, a dim renamed in an op from or to one its rules split takes that split, as
         # propagation carries it through the rename (an identity) before any einsum carries one
-        shapes, renamed = {dims for dims, _ in tables.names}, set()
-        for k, (dims, _) in enumerate(tables.names):
-            for i, (n, size) in enumerate(dims):
-                for other in sorted(self._aliases.get((n, size), ())) if not axes[k][i] and n not in own[k] else ():
-                    if (*dims[:i], (other, size), *dims[i + 1 :]) in shapes:
-                        taken = {m for a in axes[k] for m in a}
-                        axes[k][i] = longest_split(own[k].get(other, ()), size, taken, self.mesh_shape)
-                        if axes[k][i]:
-                            renamed.add(k)
-                            break
+        into: set[int] = set()  # (the shapes a split was renamed or carried to)
+        for k, i, n, size, other in tables.renames:
+            if not axes[k][i] and n not in own[k]:
+                taken = {m for a in axes[k] for m in a}
+                axes[k][i] = longest_split(own[k].get(other, ()), size, taken, self.mesh_shape)
+                if axes[k][i]:
+                    into.add(k)
         slots = [(k, i, size, meets) for k, i, n, size, meets in tables.slots if n not in own[k]]
-        into: set[int] = set()  # (the shapes something was carried to)
         progress = True
         while progress:
             progress = False
@@ -401,8 +397,7 @@ class Estimator:
                     into.add(k)
                     progress = True
         return [
-            self._layout(own[k], tables.names[k][0], axes[k]) if k in into | renamed else layout
-            for k, layout in enumerate(ruled)
+            self._layout(own[k], tables.names[k][0], axes[k]) if k in into else layout for k, layout in enumerate(ruled)
         ]
 
     def _intern(self, layout: TensorLayout) -> TensorLayout:
@@ -526,6 +521,16 @@ class _Tables:
                         if n in where:
                             meets[k, i].add((j, where[n]))
         self.slots = [(k, i, *self.names[k][0][i], sorted(js)) for (k, i), js in sorted(meets.items())]
+        # each dim of each shape (k, its index, name and size) with a name it is renamed from or to
+        # where the shape renamed so is one too (the two sides of a rename), in order
+        shapes = {dims for dims, _ in self.names}
+        self.renames = [
+            (k, i, n, size, other)
+            for k, (dims, _) in enumerate(self.names)
+            for i, (n, size) in enumerate(dims)
+            for other in sorted(e._aliases.get((n, size), ()))
+            if (*dims[:i], (other, size), *dims[i + 1 :]) in shapes
+        ]
         # what depends on what, for `Estimator._state`: a shape's layout on its dims' rules (and
         # on those of the dims they are renamed from or to, and of their renames' gates); an op's
         # run on its tensors' layouts; a use's moves on its tensor's layout and on the runs of its
