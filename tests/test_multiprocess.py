@@ -139,15 +139,21 @@ def test_launch_stops_everyone_when_one_process_fails(failure, code, said, tmp_p
 
 
 def test_launch_names_the_process_that_failed_first(tmp_path, monkeypatch):
-    """Process 1 fails; process 0 fails 10 ms later, as a process whose collective loses its peer
-    does: the launcher names process 1 (it named the lowest id of those gone at one look)."""
+    """Process 1 fails; process 0 fails 10 ms after process 1 is gone, as a process whose
+    collective loses its peer does: the launcher names process 1 (it named the lowest id of those
+    gone at one look). Process 0 learns that process 1 is gone as gloo does, from the kernel:
+    process 1 holds a lock that is released when the process ends (its files closed), not a file
+    it touched before its exit, which left the order to the scheduler: on a loaded machine process
+    1's exit (its interpreter's teardown) could take more than 10 ms, and process 0 end first."""
     out, err = io.StringIO(), io.StringIO()
-    monkeypatch.setenv("GONE", str(tmp_path / "gone"))
+    monkeypatch.setenv("LOCK", str(tmp_path / "lock"))
     script = (
-        "import os, pathlib, sys, time; gone = pathlib.Path(os.environ['GONE'])\n"
+        "import fcntl, os, sys, time; lock = os.environ['LOCK']\n"
         "if os.environ['MESHAX_PROCESS_ID'] == '1':\n"
-        "    time.sleep(0.5); gone.touch(); sys.exit(3)\n"
-        "while not gone.exists(): time.sleep(0.001)\n"
+        "    fd = os.open(lock + '.new', os.O_CREAT | os.O_WRONLY); fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "    os.rename(lock + '.new', lock); time.sleep(0.5); sys.exit(3)\n"
+        "while not os.path.exists(lock): time.sleep(0.001)\n"
+        "fcntl.flock(os.open(lock, os.O_WRONLY), fcntl.LOCK_EX)  # (once process 1 is gone)\n"
         "time.sleep(0.01); sys.exit(4)"
     )
     assert launch(_python(script), 2, grace=1.0, stdout=out, stderr=err) == 3
