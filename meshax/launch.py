@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -150,8 +151,7 @@ def launch(
                 p.send_signal(signum)
 
     exits: queue.Queue = queue.Queue()  # (i, code) in the order the processes end
-    for i, p in enumerate(procs):
-        threading.Thread(target=lambda i=i, p=p: exits.put((i, p.wait())), daemon=True).start()
+    _watch_exits(procs, exits)
     previous = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = _wait(procs, exits, grace, stderr, lock)
@@ -161,6 +161,51 @@ def launch(
         for t in threads:
             t.join(timeout=5)
     return code
+
+
+def _watch_exits(procs: list[subprocess.Popen], exits: queue.Queue) -> None:
+    """Put (i, exit code) on `exits` for each process, in the order the processes end.
+
+    On Linux the order is the kernel's: one thread waits on a pidfd per process with epoll, which
+    reports them in the order they became ready (each when its process ended). A thread waiting
+    on each process puts them in the order the threads run after their waits return: on a loaded
+    machine, one woken first may run tens of milliseconds after one woken later, so a process
+    that ended 10 ms after another could be named as the first to fail. Elsewhere (no pidfd) it
+    is so still."""
+    pidfds = _pidfds(procs)
+    if pidfds is None:
+        for i, p in enumerate(procs):
+            threading.Thread(target=lambda i=i, p=p: exits.put((i, p.wait())), daemon=True).start()
+        return
+
+    def watch(poller) -> None:
+        with poller:
+            for fd in pidfds:
+                poller.register(fd, select.EPOLLIN)
+            while pidfds:
+                for fd, _ in poller.poll():
+                    i = pidfds.pop(fd)
+                    poller.unregister(fd)
+                    os.close(fd)
+                    exits.put((i, procs[i].wait()))
+
+    threading.Thread(target=watch, args=(select.epoll(),), daemon=True).start()
+
+
+def _pidfds(procs: list[subprocess.Popen]) -> dict[int, int] | None:
+    """{a pidfd of each process: its index}; None where this system has no pidfds or epoll. (Opened
+    before anything reaps a process: the pidfd of a process that ended already is ready.)"""
+    if not hasattr(os, "pidfd_open") or not hasattr(select, "epoll"):
+        return None
+    pidfds: dict[int, int] = {}
+    try:
+        for i, p in enumerate(procs):
+            pidfds[os.pidfd_open(p.pid)] = i
+    except OSError:  # (a kernel before 5.3)
+        for fd in pidfds:
+            os.close(fd)
+        return None
+    return pidfds
 
 
 def _wait(procs: list[subprocess.Popen], exits: queue.Queue, grace: float, stderr: TextIO, lock: threading.Lock) -> int:
