@@ -741,6 +741,11 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the reader of the output went away (`meshax plan lm | head`): quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (Python's recipe: no error at exit)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: one line saying what is kept, not a traceback into JAX
+        if args.debug:
+            raise
+        print(f"meshax: interrupted{_kept(args)}", file=sys.stderr)
+        return 130
     except (ValueError, RuntimeError, OSError, LayoutWarning) as e:  # MeshaxError is a ValueError
         if args.debug:
             raise
@@ -754,6 +759,19 @@ def main(argv=None) -> int:
             if in_a_job():  # not in JAX's shutdown barrier, waiting for processes that may wait for this one
                 exit_at_once(2)
         return 2
+
+
+def _kept(args) -> str:
+    """What an interrupted `meshax train` keeps: its latest checkpoint, and how to go on from it."""
+    folder = getattr(args, "resume", None) or getattr(args, "checkpoint_dir", None)
+    if args.command != "train" or not folder:
+        return ""
+    from meshax.train.checkpoint import latest_step
+
+    last = latest_step(folder)
+    if last is None:
+        return f"; no checkpoint was saved in {folder!r} yet"
+    return f"; the latest checkpoint in {folder!r} is of step {last}: continue with --resume {folder}"
 
 
 _OUT_OF_MEMORY = (

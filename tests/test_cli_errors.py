@@ -375,3 +375,27 @@ def test_a_missing_optional_package_is_named_before_the_run(module, argv, said, 
     out, err = capsys.readouterr()
     assert out == "" and said in err and "pip install" in err
     assert os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_says_what_the_run_keeps_in_one_line(tmp_path, monkeypatch, capsys):
+    """An interrupt (Ctrl-C) mid-run printed a traceback into JAX's dispatch; now one line that
+    names the latest checkpoint and how to go on from it (exit status 130, as a shell's)."""
+    from meshax.train import MlpTask
+
+    monkeypatch.chdir(tmp_path)
+    batch = MlpTask.train_batch
+
+    def interrupted_at_step_3(self, step, *args, **kwargs):
+        if step == 3:
+            raise KeyboardInterrupt
+        return batch(self, step, *args, **kwargs)
+
+    monkeypatch.setattr(MlpTask, "train_batch", interrupted_at_step_3)
+    run = ["train", "mlp", *MLP, "--steps", "10", "--eval-every", "0", "--no-progress"]
+    assert main([*run, "--checkpoint-dir", "ck", "--checkpoint-every", "2"]) == 130
+    err = capsys.readouterr().err
+    assert err == "meshax: interrupted; the latest checkpoint in 'ck' is of step 2: continue with --resume ck\n"
+    assert main([*run, "--checkpoint-dir", "ck2", "--checkpoint-every", "5"]) == 130
+    assert capsys.readouterr().err == "meshax: interrupted; no checkpoint was saved in 'ck2' yet\n"
+    with pytest.raises(KeyboardInterrupt):
+        main([*run, "--debug"])
