@@ -745,7 +745,7 @@ def main(argv=None) -> int:
         if args.debug:
             raise
         print(f"meshax: interrupted{_kept(args)}", file=sys.stderr)
-        return 130
+        return _exit_code_of_a_job(130)
     except (ValueError, RuntimeError, OSError, LayoutWarning) as e:  # MeshaxError is a ValueError
         if args.debug:
             raise
@@ -753,12 +753,18 @@ def main(argv=None) -> int:
         if "RESOURCE_EXHAUSTED" in message:  # (XLA's out of memory: say what the user can change)
             message = message.rstrip(".") + _OUT_OF_MEMORY
         print(f"meshax: error: {message} (--debug shows where)", file=sys.stderr)
-        if "jax" in sys.modules:
-            from meshax.runtime import exit_at_once, in_a_job
+        return _exit_code_of_a_job(2)
 
-            if in_a_job():  # not in JAX's shutdown barrier, waiting for processes that may wait for this one
-                exit_at_once(2)
-        return 2
+
+def _exit_code_of_a_job(code: int) -> int:
+    """`code`; in a multi-process job the process ends with it at once instead: not in JAX's
+    shutdown barrier, waiting for processes that may wait for this one."""
+    if "jax" in sys.modules:
+        from meshax.runtime import exit_at_once, in_a_job
+
+        if in_a_job():
+            exit_at_once(code)
+    return code
 
 
 def _kept(args) -> str:
