@@ -957,8 +957,10 @@ def _start_devices(args, mesh_size: int) -> None:
     from meshax.core.errors import ConfigError
     from meshax.runtime import (
         ENV_NUM_PROCESSES,
+        ENV_PROCESS_ID,
         distributed_requested,
         env_int,
+        exit_at_once_on_interrupt,
         initialize_distributed,
         use_cpu_devices,
     )
@@ -977,12 +979,17 @@ def _start_devices(args, mesh_size: int) -> None:
     if n and mesh_size % n:
         raise ConfigError(f"--mesh {args.mesh!r} has {mesh_size} devices, which {n} processes cannot share evenly")
     per_process = env_int("JAX_NUM_CPU_DEVICES") or (mesh_size // n if n else 1)
+    if not args.debug:  # (--debug: the KeyboardInterrupt's traceback) the id known so far: process 0's says it
+        process_id = args.process_id if args.process_id is not None else env_int(ENV_PROCESS_ID)
+        exit_at_once_on_interrupt(lambda: f"meshax: interrupted{_kept(args)}", first=process_id in (0, None))
     initialize_distributed(args.coordinator, args.num_processes, args.process_id, per_process)
     if jax.device_count() != mesh_size:
         raise ConfigError(
             f"--mesh {args.mesh!r} has {mesh_size} devices, but the {jax.process_count()} processes of this job "
             f"have {jax.device_count()} ({jax.local_device_count()} each): the mesh must span them all"
         )
+    if not args.debug:  # (and now that it is known, only process 0 says it)
+        exit_at_once_on_interrupt(lambda: f"meshax: interrupted{_kept(args)}")
 
 
 def _plot(args) -> int:

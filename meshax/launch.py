@@ -6,13 +6,14 @@ starts N copies of the command with the environment `meshax.initialize_distribut
 free coordinator port on localhost, the process count and each one's id; K virtual CPU devices
 each, exchanging data with gloo), prefixes each line they print with "[i] " (dropping gloo's
 line per connected device group), forwards SIGINT and SIGTERM to them, and exits non-zero if any
-of them fails. When one process fails (an exception, killed, out of memory), the launcher names
-it and stops the others at once: SIGTERM, then SIGKILL after `grace` seconds, so nothing is left
-running and nothing waits for a dead peer.
+of them fails (after a SIGINT: 130, once they are gone). When one process fails (an exception,
+killed, out of memory), the launcher names it and stops the others at once: SIGTERM, then SIGKILL
+after `grace` seconds, so nothing is left running and nothing waits for a dead peer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -145,7 +146,11 @@ def launch(
         )
         stderr.flush()
 
+    interrupted = threading.Event()
+
     def forward_signal(signum, frame):
+        if signum == signal.SIGINT:
+            interrupted.set()
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -154,7 +159,7 @@ def launch(
     _watch_exits(procs, exits)
     previous = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _wait(procs, exits, grace, stderr, lock)
+        code = _wait(procs, exits, grace, stderr, lock, interrupted)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -208,14 +213,24 @@ def _pidfds(procs: list[subprocess.Popen]) -> dict[int, int] | None:
     return pidfds
 
 
-def _wait(procs: list[subprocess.Popen], exits: queue.Queue, grace: float, stderr: TextIO, lock: threading.Lock) -> int:
+def _wait(
+    procs: list[subprocess.Popen],
+    exits: queue.Queue,
+    grace: float,
+    stderr: TextIO,
+    lock: threading.Lock,
+    interrupted: threading.Event,
+) -> int:
     """0 once every process has exited with 0; else, at the first that fails (the first to end: the
     others' collectives may fail right after it, once it is gone), name it and stop the rest. A
     process that stopped on a preemption notice (`PREEMPTED`: its checkpoint saved) has not
     failed: the others stop at the same step and save theirs, so they are waited for, not
-    killed, and the launcher exits with that code."""
+    killed, and the launcher exits with that code. Once the launcher got SIGINT (`interrupted`,
+    passed on to the processes), see `_wind_down`."""
     done, preempted = 0, False
     while True:
+        if interrupted.is_set():
+            return _wind_down(procs, grace, stderr, lock)
         try:
             i, c = exits.get(timeout=0.05)  # (a timeout: signals are handled meanwhile)
         except queue.Empty:
@@ -224,6 +239,8 @@ def _wait(procs: list[subprocess.Popen], exits: queue.Queue, grace: float, stder
         preempted = preempted or c == PREEMPTED
         if c not in (0, PREEMPTED):
             i, c = _cause(exits, i, c)
+            if interrupted.is_set():  # (the SIGINT came while this exit was waited for, or just after)
+                return _wind_down(procs, grace, stderr, lock)
             with lock:
                 stderr.write(
                     f"meshax launch: process {i} (pid {procs[i].pid}) {_describe(c)}; stopping the other "
@@ -238,6 +255,28 @@ def _wait(procs: list[subprocess.Popen], exits: queue.Queue, grace: float, stder
                     stderr.write("meshax launch: the processes stopped on a preemption notice (SIGTERM)\n")
                     stderr.flush()
             return PREEMPTED if preempted else 0
+
+
+def _wind_down(procs: list[subprocess.Popen], grace: float, stderr: TextIO, lock: threading.Lock) -> int:
+    """After a Ctrl-C (SIGINT, passed on to every process): 130 once every process has ended, each
+    on its own within `grace` seconds, or stopped after that (`_stop`, named). How each ended is
+    not named: a process whose collective lost a peer that stopped first may end with its error
+    before it sees its own SIGINT, and that is no failure of the job's."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+    left = [(i, p) for i, p in enumerate(procs) if p.poll() is None]
+    if left:
+        with lock:
+            stderr.write(
+                "meshax launch: interrupted; "
+                + ", ".join(f"process {i} (pid {p.pid})" for i, p in left)
+                + f" still running {grace:g} s after SIGINT: stopping (SIGTERM, then SIGKILL after {grace:g} s)\n"
+            )
+            stderr.flush()
+        _stop(procs, grace)
+    return 128 + signal.SIGINT
 
 
 def _cause(exits: queue.Queue, i: int, c: int) -> tuple[int, int]:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import numbers
 import os
+import signal
 import sys
+from collections.abc import Callable
 
 from meshax.core.errors import ConfigError
 
@@ -146,6 +148,40 @@ def exit_at_once(code: int) -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(code)
+
+
+def exit_at_once_on_interrupt(say: Callable[[], str] | None = None, first: bool | None = None) -> None:
+    """Ctrl-C (SIGINT) ends this process of a multi-process job at once with 130 (`exit_at_once`),
+    after `say()`'s line on stderr if `first` (default: in process 0; the others say nothing: one
+    line for the job).
+
+    A KeyboardInterrupt unwinds into code that waits for the other processes (the step queued
+    before it, a checkpoint's syncs, JAX's shutdown barrier), which got the interrupt at another
+    point of the program or are gone: the processes could wait for each other in collectives
+    that never match, for good. Ending at the first Python instruction after the signal, no
+    process waits for another: one still in a collective with a process that ended gets an
+    error from it, and then ends here too. A checkpoint being written is left as a temporary
+    folder, which is no checkpoint (the last complete one is the latest), and the next save
+    clears it; a process that never gets back to Python is stopped by `meshax launch`. `say`
+    must not wait for the other processes either (no collective, no Orbax manager). A
+    KeyboardInterrupt could also be lost: raised in a garbage collector's callback (JAX has one),
+    it is printed as "Exception ignored" and the run goes on."""
+    if first is None:
+        import jax
+
+        first = jax.process_index() == 0
+    said: list[int] = []
+
+    def interrupted(signum, frame):
+        if said:  # (a second SIGINT while saying the line: Ctrl-C reaches the launcher's processes
+            return  # from the terminal, and again from the launcher)
+        said.append(signum)
+        if first and say is not None:
+            with contextlib.suppress(Exception):
+                print(say(), file=sys.stderr)
+        exit_at_once(128 + signum)
+
+    signal.signal(signal.SIGINT, interrupted)
 
 
 def _exit_at_once_on_uncaught_exceptions() -> None:

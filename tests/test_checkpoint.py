@@ -289,3 +289,20 @@ def test_extra_checkpoint_variables_warn(saved_at_3):
         assert restore_checkpoint(directory, lowering)["step"] == 3
     for name, value in values(lowering).items():
         np.testing.assert_array_equal(value, at_save[name], err_msg=name)
+
+
+def test_latest_step_reads_the_folder_without_an_orbax_manager(tmp_path, monkeypatch):
+    """Orbax's manager syncs every process of a job as it opens (a collective): the line of a
+    Ctrl-C, which each process of a job prints as it stops, waited there for processes that were
+    elsewhere or gone. latest_step reads the folder alone; a save's temporary folder is no step."""
+    import orbax.checkpoint as ocp
+
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
+    save_checkpoint(tmp_path, lowering, 2)
+    os.makedirs(tmp_path / "4.orbax-checkpoint-tmp-1234567" / "state")
+
+    def no_manager(*args, **kwargs):
+        raise AssertionError("latest_step opened an Orbax manager")
+
+    monkeypatch.setattr(ocp, "CheckpointManager", no_manager)
+    assert latest_step(tmp_path) == 2

@@ -180,6 +180,65 @@ def test_launch_forwards_sigterm_to_its_processes(tmp_path):
     assert b"was killed by SIGTERM" in err
 
 
+def _launch_and_interrupt(tmp_path, script: str) -> tuple[subprocess.Popen, bytes, float]:
+    """`meshax launch -n 2` of `script` (its processes touch READY<i> when ready), SIGINT to the
+    launcher once both are ready: (the launcher, its stderr, seconds from the SIGINT to its exit)."""
+    env = dict(os.environ, READY=str(tmp_path / "ready"))
+    proc = subprocess.Popen(
+        [*CLI, "launch", "-n", "2", "--", *_python(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"ready{i}").exists() for i in range(2)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    sent = time.monotonic()
+    _, err = proc.communicate(timeout=60)
+    return proc, err, time.monotonic() - sent
+
+
+def test_launch_ctrl_c_exits_130_whatever_the_processes_end_with(tmp_path):
+    """After a SIGINT, a process whose collective lost a peer that stopped first ends with that
+    error before it sees its own SIGINT: no failure of the job's to name. The launcher named
+    process 1's code 1 and exited with it."""
+    script = (
+        "import os, pathlib, signal, sys, time; i = os.environ['MESHAX_PROCESS_ID']\n"
+        "signal.signal(signal.SIGINT, lambda *a: os._exit(1 if i == '1' else 130) if i == '1' else "
+        "(time.sleep(0.3), os._exit(130)))\n"
+        "pathlib.Path(os.environ['READY'] + i).touch(); time.sleep(30)"
+    )
+    proc, err, took = _launch_and_interrupt(tmp_path, script)
+    assert proc.returncode == 130 and took < 10, err
+    assert b"stopping" not in err and b"exited with code" not in err, err
+
+
+def test_launch_ctrl_c_stops_a_process_that_does_not_end(tmp_path):
+    """A process still running `grace` seconds after the SIGINT (in a collective that never
+    ends) is stopped and named; the launcher exits 130. It waited for them (here 30 s) and exited 0."""
+    script = (
+        "import os, pathlib, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "pathlib.Path(os.environ['READY'] + os.environ['MESHAX_PROCESS_ID']).touch(); time.sleep(30)"
+    )
+    proc, err, took = _launch_and_interrupt(tmp_path, script)
+    assert proc.returncode == 130 and took < 15, err
+    assert b"meshax launch: interrupted; process 0 (pid" in err and b"still running 3 s after SIGINT" in err, err
+
+
+def test_ctrl_c_in_a_process_of_a_job_ends_it_at_once_after_one_line():
+    """exit_at_once_on_interrupt: the first SIGINT's line (in process 0 only), exit status 130,
+    at once; a second SIGINT while it says it (the terminal's, then the launcher's) changes nothing."""
+    script = (
+        "import os, signal, sys, time; from meshax.runtime import exit_at_once_on_interrupt\n"
+        "def say(): os.kill(os.getpid(), signal.SIGINT); return 'meshax: interrupted'\n"
+        "exit_at_once_on_interrupt(say, first=sys.argv[1] == '0')\n"
+        "os.kill(os.getpid(), signal.SIGINT); time.sleep(30); print('still here')"
+    )
+    for process, said in (("0", "meshax: interrupted\n"), ("1", "")):
+        start = time.monotonic()
+        done = subprocess.run([*_python(script), process], capture_output=True, text=True, timeout=60, cwd=ROOT)
+        assert (done.returncode, done.stdout, done.stderr) == (130, "", said)
+        assert time.monotonic() - start < 20
+
+
 def test_launch_bad_input_is_one_clear_line():
     with pytest.raises(ValueError, match="needs a command"):
         launch([], 2)

@@ -112,11 +112,13 @@ def step_folder_around(path) -> tuple[str, int] | None:
 
 
 def _complete_steps(directory) -> list[int]:
-    """The steps of the complete checkpoints in `directory`, oldest first."""
+    """The steps of the complete checkpoints in `directory`, oldest first. Read from the folder
+    alone, not with a manager: Orbax's manager syncs every process of a job when it opens (a
+    collective), which hangs where the processes are not all there (a Ctrl-C's one line reads
+    this, in each process as it stops)."""
     if not os.path.isdir(directory):
         return []
-    with _manager(directory) as manager:
-        return sorted(s for s in manager.all_steps() if _complete(directory, s))
+    return sorted(s for s in ocp.step.checkpoint_steps(directory) if _complete(directory, s))
 
 
 def latest_step(directory) -> int | None:
