@@ -82,6 +82,11 @@ class Program:
     def memory(self, rules: Rules, weights: str | None = None) -> dict[str, int]:
         return memory_of(self.lowering(rules, weights), self.step.outputs, self.step.updates)
 
+    def layouts(self, rules: Rules, weights: str | None = None) -> tuple:
+        """Every tensor's planned layout, in graph order: rule sets with equal layouts are one program."""
+        plan = self.lowering(rules, weights).plan
+        return tuple(plan[t] for op in self.graph.operations for t in op.outputs)
+
     def exact(self, rules: Rules, weights: str | None = None) -> StepCost:
         if (rules, weights) not in self._exact:
             lowering = self.lowering(rules, weights)
@@ -113,6 +118,9 @@ class Extrapolated:
         base = self.base.memory(rules, weights)
         got = affine_counts(base, [(w, p.memory(rules, weights)) for w, p in self.terms])
         return {k: round(v) for k, v in got.items()}
+
+    def layouts(self, rules: Rules, weights: str | None = None) -> tuple:
+        return tuple(p.layouts(rules, weights) for p in [self.base, *(p for _, p in self.terms)])
 
     def exact(self, rules: Rules, weights: str | None = None) -> StepCost:
         return affine(self.base.exact(rules, weights), [(w, p.exact(rules, weights)) for w, p in self.terms])

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -196,33 +197,49 @@ def _at_most(rule_sets, limit: int, what: str) -> list[Rules]:
     return out
 
 
-def _with_weight_rules(graph, space: Space, layout: str, time_of, compared, rule_sets, top: int, limit: int):
-    """(rules, weight rules) to compare beside the rule sets: the bases, each with every legal set
-    of weight rules. The bases are the `top` best rule sets, and the 2 x `top` best sets of rules
-    legal for the activations alone: the 10 x `top` best with the weights replicated, ranked
-    again each with its best of the weight rules that suit the 3 best rule sets (or replicated).
-    `_TooMany` where the weight rules or the activations' rules number more than `limit`.
-    (Which activations' rules are best depends on the weights' rules: ranked with
-    the weights replicated, GSPMD's 2D sharding, activations split on d_model as the weights
-    are, ranks behind near-duplicates that split `length` or `memory_length`.)"""
+def _with_weight_rules(graph, space: Space, layout: str, time_of, fits, compared, rule_sets, top: int, limit: int):
+    """(rules, weight rules) to compare beside the rule sets: bases (rules legal for the activations
+    alone), each with every legal set of weight rules. Which activations' rules are best depends
+    on the weights' (GSPMD's 2D sharding splits the activations on d_model as the weights are;
+    pure data parallelism wins only beside weights split ZeRO's way, so where memory is short),
+    so each is searched given the other. The first bases are the `top` best rule sets and
+    2 x `top` sets of rules for the activations alone: the 10 x `top` best with the weights as
+    propagation lays them out, ranked again each with its best of the weight rules that suit the
+    3 best rule sets. Then, in turn, for the weight rules of the `top` best pairs so far that fit
+    (`fits`: by the estimate, within the budget, and within 1.25 x it), the activations' rules
+    that are best with them and fit are bases too, until none is new.
+    `_TooMany` where the weight rules or the activations' rules number more than `limit`."""
     weight_space = Space(graph, space.mesh_shape, part="weights")
     weight_sets = {w: WeightRules(space.rules_of(w).pairs) for w in _at_most(weight_space, limit, "weight rules")}
+    activations = Space(graph, space.mesh_shape, convert_to_layout_rules(layout), part="activations")
+    activation_sets = _at_most(activations, limit, "rules for the activations alone")
     best = sorted(range(len(rule_sets)), key=lambda i: compared[i].step_s)[:top]
     suiting: list[LayoutRules] = [LayoutRules()]
     for i in best[:3]:
         w = min(weight_sets.values(), key=lambda w: time_of(rule_sets[i], w)[0])
         if w not in suiting:
             suiting.append(w)
-    activations = Space(graph, space.mesh_shape, convert_to_layout_rules(layout), part="activations")
-    activation_sets = _at_most(activations, limit, "rules for the activations alone")
-    ranked_activations = sorted(activation_sets, key=lambda a: time_of(a, LayoutRules())[0])[: 10 * top]
-    ranked_activations.sort(key=lambda a: min(time_of(a, w)[0] for w in suiting))
-    bases = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked_activations[: 2 * top]]))
-    for a in bases:
-        same = tuple((d, ms) for d, ms in a if d in weight_space.sizes)  # (a's own, already costed)
-        for pairs, w in weight_sets.items():
-            if pairs != same or a not in rule_sets:
-                yield a, w
+    ranked = sorted(activation_sets, key=lambda a: time_of(a, LayoutRules())[0])[: 10 * top]
+    ranked.sort(key=lambda a: min(time_of(a, w)[0] for w in suiting))
+    pairs: dict[tuple[Rules, WeightRules], float] = {}
+    bases: list[Rules] = []
+    new = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked[: 2 * top]]))
+    while new:
+        bases += new
+        for a in new:
+            same = tuple((d, ms) for d, ms in a if d in weight_space.sizes)  # (a's own, already costed)
+            pairs.update(
+                {(a, w): time_of(a, w)[0] for key, w in weight_sets.items() if key != same or a not in rule_sets}
+            )
+        new = []
+        for slack in (1.0, 1.25):
+            leaders = sorted((p for p in pairs if fits(*p, slack)), key=pairs.__getitem__)[:top]
+            for w in dict.fromkeys(w for _, w in leaders):
+                fitting = [a for a in activation_sets if fits(a, w, slack)]
+                a = min(fitting, key=lambda a: time_of(a, w)[0], default=None)
+                if a is not None and a not in bases and a not in new:
+                    new.append(a)
+    return list(pairs)
 
 
 def _leave_to_rules(starts: list[Candidate], graph, mesh_shape, time_of) -> list[tuple[Rules, WeightRules]]:
@@ -288,6 +305,11 @@ def _weight_rules(c: Candidate):
 def _by_dim(rules) -> list[tuple[str, tuple[str, ...]]]:
     """Each tensor dim the rules split and its mesh dims, in order."""
     return [(d, tuple(rules.mesh_dims_for(d))) for d in rules.tensor_dim_names]
+
+
+def _length(rules: Rules, weights: str | None) -> int:
+    """How many rules a layout is written with (its rules and its weight rules)."""
+    return len(rules) + (0 if weights is None else len(convert_to_weight_rules(weights).pairs))
 
 
 def _pairs(layout: str) -> list[tuple[str, tuple[str, ...]]]:
@@ -364,15 +386,19 @@ def search_layout(
         compared = [_candidate(rules_string(r), estimator(space.rules_of(r)), dev, mesh_shape) for r in rule_sets]
         choices: list[tuple[Rules, str | None]] = [(r, None) for r in rule_sets]
 
+        @functools.cache
         def time_of(a: Rules, w: LayoutRules) -> tuple[float, StepCost]:
             cost = estimator(space.rules_of(a), w)
             return predict(cost, dev, mesh_shape).step_s, cost
+
+        def fits(a: Rules, w: LayoutRules, slack=1.0) -> bool:  # (by the estimate: see the plan check below)
+            return time_of(a, w)[1].memory_bytes <= slack * budget
 
         skipped = ""
         if search_weights:
             try:
                 for a, w in _with_weight_rules(
-                    graph, space, layout, time_of, compared, rule_sets, breadth, enumerate_limit
+                    graph, space, layout, time_of, fits, compared, rule_sets, breadth, enumerate_limit
                 ):
                     compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
                     choices.append((a, str(w)))
@@ -386,29 +412,38 @@ def search_layout(
         # Enough: `breadth` of them, and then on while the estimate is within `rescore_margin` of
         # the estimate of the best found (the estimate is not exact near the top), up to 2 x breadth.
         exact_ones = []
-        estimated: dict[str, float] = {}
+        estimated: list[float] = []  # (the estimate of each traced in this loop)
+        programs: dict[tuple, int] = {}  # (a program's layouts: its index in exact_ones)
+
+        def trace(rules: Rules, weights: str | None) -> bool:
+            """Trace a layout that fits and is not a program traced already (rules and weight
+            rules spelling the same layouts); where it is one, keep the shorter spelling."""
+            if sum(program.memory(rules, weights).values()) > budget:
+                return False
+            layouts = program.layouts(rules, weights)
+            if layouts in programs:
+                i = programs[layouts]
+                if _length(rules, weights) < _length(_rules(exact_ones[i].layout), exact_ones[i].weight_layout):
+                    exact_ones[i] = _candidate(rules_string(rules), exact_ones[i].cost, dev, mesh_shape, weights)
+                return False
+            programs[layouts] = len(exact_ones)
+            exact_ones.append(exact(rules, weights))
+            return True
+
         for c, (rules, weights) in sorted(zip(compared, choices), key=lambda cr: cr[0].step_s):
             if len(exact_ones) >= breadth and (
                 len(exact_ones) >= 2 * breadth
-                or c.step_s > (1 + rescore_margin) * estimated[min(exact_ones, key=lambda e: e.step_s).name]
+                or c.step_s
+                > (1 + rescore_margin) * estimated[min(range(len(estimated)), key=lambda i: exact_ones[i].step_s)]
             ):
                 break
-            if c.memory_bytes > 1.25 * budget:
-                continue
-            if sum(program.memory(rules, weights).values()) <= budget:
-                exact_ones.append(exact(rules, weights))
-                estimated[c.name] = c.step_s
+            if c.memory_bytes <= 1.25 * budget and trace(rules, weights):
+                estimated.append(c.step_s)
         if search_weights:  # the best that fit, improved by leaving some weight shapes to the rules
-            traced = {(c.layout, c.weight_layout) for c in exact_ones}
-
-            def new_and_fits(a: Rules, w: WeightRules) -> bool:
-                return (rules_string(a), str(w)) not in traced and sum(program.memory(a, str(w)).values()) <= budget
-
             starts = [c for c in sorted(exact_ones, key=lambda c: c.step_s)[:breadth] if c.weight_layout is not None]
             for a, w in _leave_to_rules(starts, graph, mesh_shape, time_of):
                 compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
-                if new_and_fits(a, w):
-                    exact_ones.append(exact(a, str(w)))
+                trace(a, str(w))
             # and around the best, the moves that drop a rule too, traced exactly (the estimate
             # is least sure where the activations' rules change)
             best = min(
@@ -420,8 +455,7 @@ def search_layout(
                 a, w = tuple(_pairs(best.layout)), convert_to_weight_rules(best.weight_layout)
                 for b, x in _exemptions(a, w, _weight_shape_names(graph, mesh_shape)):
                     pins_kept = all(dict(b).get(d) == ms for d, ms in space.pinned.items() if ms)
-                    if b != a and pins_kept and new_and_fits(b, x):
-                        exact_ones.append(exact(b, str(x)))
+                    if b != a and pins_kept and trace(b, str(x)):
                         compared.append(exact_ones[-1])
         with_weights = f" ({len(compared) - len(rule_sets)} with weight rules of their own)" if search_weights else ""
         how = "all estimated" if every else f"a local search estimated {len(rule_sets)} of them"
