@@ -197,7 +197,7 @@ def _at_most(rule_sets, limit: int, what: str) -> list[Rules]:
     return out
 
 
-def _with_weight_rules(graph, space: Space, layout: str, time_of, fits, compared, rule_sets, top: int, limit: int):
+def _with_weight_rules(graph, space: Space, layout: str, time_of, fits_in, compared, rule_sets, top: int, limit: int):
     """(rules, weight rules) to compare beside the rule sets: bases (rules legal for the activations
     alone), each with every legal set of weight rules. Which activations' rules are best depends
     on the weights' (GSPMD's 2D sharding splits the activations on d_model as the weights are;
@@ -206,7 +206,7 @@ def _with_weight_rules(graph, space: Space, layout: str, time_of, fits, compared
     2 x `top` sets of rules for the activations alone: the 10 x `top` best with the weights as
     propagation lays them out, ranked again each with its best of the weight rules that suit the
     3 best rule sets. Then, in turn, for the weight rules of the `top` best pairs so far that fit
-    (`fits`: by the estimate, within the budget, and within 1.25 x it), the activations' rules
+    (`fits_in`: by the estimate, within the budget, and within 1.25 x it), the activations' rules
     that are best with them and fit are bases too, until none is new.
     `_TooMany` where the weight rules or the activations' rules number more than `limit`."""
     weight_space = Space(graph, space.mesh_shape, part="weights")
@@ -233,9 +233,9 @@ def _with_weight_rules(graph, space: Space, layout: str, time_of, fits, compared
             )
         new = []
         for slack in (1.0, 1.25):
-            leaders = sorted((p for p in pairs if fits(*p, slack)), key=pairs.__getitem__)[:top]
+            leaders = sorted((p for p in pairs if fits_in(*p, slack)), key=pairs.__getitem__)[:top]
             for w in dict.fromkeys(w for _, w in leaders):
-                fitting = [a for a in activation_sets if fits(a, w, slack)]
+                fitting = [a for a in activation_sets if fits_in(a, w, slack)]
                 a = min(fitting, key=lambda a: time_of(a, w)[0], default=None)
                 if a is not None and a not in bases and a not in new:
                     new.append(a)
@@ -391,14 +391,14 @@ def search_layout(
             cost = estimator(space.rules_of(a), w)
             return predict(cost, dev, mesh_shape).step_s, cost
 
-        def fits(a: Rules, w: LayoutRules, slack=1.0) -> bool:  # (by the estimate: see the plan check below)
+        def fits_in(a: Rules, w: LayoutRules, slack=1.0) -> bool:  # (by the estimate: see the plan check below)
             return time_of(a, w)[1].memory_bytes <= slack * budget
 
         skipped = ""
         if search_weights:
             try:
                 for a, w in _with_weight_rules(
-                    graph, space, layout, time_of, fits, compared, rule_sets, breadth, enumerate_limit
+                    graph, space, layout, time_of, fits_in, compared, rule_sets, breadth, enumerate_limit
                 ):
                     compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
                     choices.append((a, str(w)))
