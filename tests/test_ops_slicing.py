@@ -295,3 +295,25 @@ def test_a_halo_as_wide_as_the_block_gathers_once():
     hlo = mx.hlo_collectives(fn.compiled_text())
     assert {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]} == {"allgather": (1, 12)}
     assert (fn.counters["allgather"].count, fn.counters["allgather"].values) == (1, 12)
+
+
+@pytest.mark.parametrize("begin", [0, 1, 2])
+def test_a_slice_of_a_concat_reads_only_the_pieces_it_covers(begin):
+    """A slice of a halo exchange's result that leaves out a halo does not compute that halo's
+    shift, as XLA drops it (x [b=5, n=1, s=6, c=3], n over all:2 unevenly, halo 1 with wrap, the
+    first 6 of s and the gradient: 4 allgathers of 60 values counted, 2 of 30 compiled; the
+    middle 6: 4 of 60 counted, none compiled). The slice reads only the concat's pieces it covers."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:5;n:1;s:6;c:3")
+    y = mx.slice(mx.halo_exchange(x * 2.0, "n", "s", 1, wrap=True), begin, 6, "s")
+    (grad,) = mx.gradients(mx.reduce_sum(y * y), [x])
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:2", "n:all")}).function([y, grad])
+    xv = rand([5, 1, 6, 3], seed=4)
+    got_y, got_grad = fn({"x": xv})
+    want = np.concatenate([2 * xv[:, :, -1:], 2 * xv, 2 * xv[:, :, :1]], 2)[:, :, begin : begin + 6]
+    np.testing.assert_allclose(got_y, want, rtol=1e-6)
+    assert np.abs(got_grad).max() > 0
+    hlo = mx.hlo_collectives(fn.compiled_text())
+    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
+    assert counted == {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]}

@@ -19,6 +19,7 @@ from meshax.layout import slice_shape
 from meshax.lower.halo import shift_sends, shifted
 from meshax.ops._dtypes import result_type, sum_dtype
 from meshax.ops._util import also_accepts, dim_of
+from meshax.ops.elementwise import cast
 
 
 def _replace_dim(shape: Shape, name: str, size: int) -> Shape:
@@ -250,7 +251,23 @@ def _whole(t: Tensor, dim_name: str) -> Tensor:
 @also_accepts(dim_name="slice_dim_name")
 def slice(x: Tensor, begin: int, size: int, slice_dim_name: str, name=None) -> Tensor:
     """The `size` entries of dim `slice_dim_name` from `begin` on."""
-    return SliceOperation(x, int(begin), int(size), slice_dim_name, name).outputs[0]
+    begin, size = int(begin), int(size)
+    op = getattr(x, "operation", None)
+    if isinstance(op, ConcatOperation) and op.dim_name == slice_dim_name and begin >= 0 and size > 0:
+        # a slice of a concat reads only the pieces it covers, as XLA simplifies it: the others
+        # (a halo it leaves out, say) are then not computed here either, nor their moves counted
+        pieces, start, first = [], 0, 0
+        for t in op.inputs:
+            n = t.shape.get_dim_by_name(slice_dim_name).size
+            if start < begin + size and begin < start + n:
+                first = first if pieces else start
+                pieces.append(t)
+            start += n
+        if pieces and len(pieces) < len(op.inputs) and begin + size <= start:
+            part = concat(pieces, slice_dim_name)
+            part = part if part.dtype == x.dtype else cast(part, x.dtype)
+            return SliceOperation(part, begin - first, size, slice_dim_name, name).outputs[0]
+    return SliceOperation(x, begin, size, slice_dim_name, name).outputs[0]
 
 
 def pad(x: Tensor, paddings, dim_name: str, name=None) -> Tensor:
