@@ -54,3 +54,25 @@ def test_shard_chain(layout, impl_cls):
         y = mx.shard(y, lay) + 1.0
     xv = rand([8, 4, 8], seed=93)
     assert_close(run(y, impl_cls, layout=layout, feeds={x: xv}), xv + 6.0)
+
+
+def test_an_annotated_constant_is_made_where_a_reader_wants_it():
+    """The gradient of a plain sum into the loss is a broadcast of a constant; where the summed
+    tensor was annotated, so is that gradient, and a reader that wants it laid out otherwise
+    gets it made there, as XLA folds the gather of a constant (x [b=8, w=4, c=4] over c:cols,
+    summed over c and annotated w:cols: 1 allgather of 8 values counted, none compiled)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;w:4;c:4")
+    y = mx.shard(mx.reduce_sum(mx.tanh(x), reduced_dim=x.shape[2]), "w:cols")
+    loss = mx.reduce_sum(y)
+    (grad,) = mx.gradients(loss, [x])
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "c:cols")}).function([loss, grad])
+    xv = rand([8, 4, 4], seed=5)
+    got_loss, got_grad = fn({"x": xv})
+    np.testing.assert_allclose(got_loss, np.tanh(xv).sum(), rtol=1e-5)
+    np.testing.assert_allclose(got_grad, 1 - np.tanh(xv) ** 2, rtol=1e-5, atol=1e-6)
+    hlo = mx.hlo_collectives(fn.compiled_text())
+    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
+    assert counted == {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]}
+    assert fn.counters["allgather"].count == 0

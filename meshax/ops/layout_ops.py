@@ -34,6 +34,17 @@ class ShardOperation(Operation):
         v = ctx.get(x, run.operands[0], allow_partial=True)
         ctx.set_output(out, v.slices, run.results[0], v.pending)
 
+    def remade(self, ctx, layout) -> list | None:
+        """Its slices in `layout` made where its input's are made with nothing moved (a constant,
+        a broadcast of one: the gradient of a sum into the loss, annotated as the summed tensor
+        was), as XLA simplifies a gather of a constant. None where the input would have to move."""
+        (x,) = self.inputs
+        v = ctx.values.get(x)
+        if v is None or v.pending:
+            return None
+        make = getattr(x.operation, "fill", None) or getattr(x.operation, "remade", None)
+        return make(ctx, layout) if make is not None else None
+
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
         if g is None:
