@@ -331,6 +331,49 @@ def test_annotations_propagate_across_the_loop_boundary():
     np.testing.assert_allclose(low.function(out)({"x": v}), unsplit.function(out)({"x": v}), rtol=1e-6)
 
 
+@pytest.mark.parametrize("layers", [1, 3])
+def test_a_gradient_the_same_at_every_step_is_made_in_the_backward_body(layers):
+    """The per-step results summed into the loss have a constant gradient, a broadcast over the
+    loop's dim: scanned into the backward loop, its slices were gathered where the body wants
+    them laid out otherwise, once per step, and XLA folds a gather of a constant (x [b=8, h=4,
+    w=4, c=4] over c:cols, the final carry annotated w:cols, 3 layers: 6 allgathers of 480
+    values counted, 3 of 384 compiled). Values against jax.grad of the same loop."""
+    import jax
+    import jax.numpy as jnp
+
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    b, h, w_, c, k = (mx.Dimension(n, s) for n, s in [("b", 8), ("h", 4), ("w", 4), ("c", 4), ("k2", 4)])
+    x = mx.placeholder(mesh, "x", [b, h, w_, c])
+    w = mx.get_variable(mesh, "w", [mx.Dimension("L", layers), c, k], initializer=mx.initializers.normal(0.5))
+
+    def body(carry, xs):
+        y = mx.rename_dimension(mx.tanh(mx.einsum(carry[0], xs[0], output_shape=[b, h, w_, k])), "k2", "c")
+        return [y], [mx.reduce_sum(y, reduced_dim=c)]
+
+    (out,), (ys,) = mx.scan(body, [x], [w], dim="L")
+    loss = mx.reduce_sum(mx.shard(out, "w:cols")) + mx.reduce_sum(ys) * 0.01
+    outputs = [loss, *mx.gradients(loss, [x, w])]
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "c:cols")})
+    fn = lowering.function(outputs)
+    xv = np.random.RandomState(0).randn(8, 4, 4, 4).astype(np.float32)
+    got = fn({"x": xv})
+
+    def reference(xv, wv):
+        hv, total = xv, 0.0
+        for i in range(layers):
+            hv = jnp.tanh(jnp.einsum("bhwc,ck->bhwk", hv, wv[i]))
+            total = total + hv.sum() * 0.01
+        return hv.sum() + total
+
+    wv = jnp.asarray(lowering.variable_value(w))
+    want = [reference(xv, wv), *jax.grad(reference, argnums=(0, 1))(xv, wv)]
+    for a, e in zip(got, want):
+        np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
+    counted, compiled = _counted_and_compiled(fn)
+    assert counted == compiled
+
+
 # ---- while_loop: a trip count the data decide ---------------------------------------------------
 def _halving(layout_dims=("batch", "d")):
     """Halve x until its squared norm (a sum over the split dims: a collective in the condition)

@@ -340,6 +340,7 @@ class ScanOperation(Operation):
         from meshax.ops.einsum import einsum
         from meshax.ops.elementwise import cast
         from meshax.ops.inputs import zeros_like
+        from meshax.ops.shape_ops import broadcast
 
         k, m = len(self.final), len(self.ys)
         g_final, g_ys, g_history = grad_outputs[:k], grad_outputs[k : k + m], grad_outputs[k + m :]
@@ -359,8 +360,16 @@ class ScanOperation(Operation):
 
         g_carry = [var(v, "grad_carry") for v in self.carry_vars]
         acc = [var(t, "grad_sum") for t in captured]
-        g_y = [var(y, "grad_y") for y in self.y_results]
+        # a result's gradient that is the same at every step (a broadcast over the loop's dim: a
+        # sum of the results into the loss) is made in the body, not scanned: XLA folds a gather
+        # of its slices where it is a constant, and the counters would count one per step
+        same = [self._same_each_step(g) for g in g_ys]
+        g_y = [var(y, "grad_y") for y, s in zip(self.y_results, same) if s is None]
         with _recording(self.graph) as ops:
+            made = iter(g_y)
+            g_y = [
+                next(made) if s is None else broadcast(cast(s, y.dtype), y.shape) for y, s in zip(self.y_results, same)
+            ]
             grads = dict(
                 zip(floats, body_gradients([*self.carry_results, *self.y_results], floats, [*g_carry, *g_y], self.body))
             )
@@ -374,9 +383,9 @@ class ScanOperation(Operation):
         backward = ScanOperation(
             self.dim,
             [g or zeros_like(t) for g, t in zip(g_final, self.final)] + [zeros_like(t) for t in captured],
-            [*self.history, *self.xs, *[g or zeros_like(y) for g, y in zip(g_ys, self.ys)]],
+            [*self.history, *self.xs, *[g or zeros_like(y) for g, y, s in zip(g_ys, self.ys, same) if s is None]],
             [*g_carry, *acc],
-            [*self.carry_vars, *self.x_vars, *g_y],
+            [*self.carry_vars, *self.x_vars, *[v for v, s in zip(g_y, same) if s is None]],
             [*new_carry, *new_acc],
             g_x,
             [*self.body, *ops],
@@ -394,6 +403,19 @@ class ScanOperation(Operation):
             *[g if g is None or g.shape == t.shape else einsum(g, output_shape=t.shape) for g, t in zip(g_xs, self.xs)],
             *[g_captured.get(t) for t in self.captured],
         ]
+
+    def _same_each_step(self, g: Tensor | None) -> Tensor | None:
+        """What `g` (a gradient of a stacked result) broadcasts over the loop's dim, seen through
+        annotations: its value at every step; None where g varies along the dim or is None."""
+        from meshax.ops.layout_ops import ShardOperation
+        from meshax.ops.shape_ops import BroadcastOperation
+
+        op = g.operation if g is not None else None
+        while isinstance(op, ShardOperation):
+            op = op.inputs[0].operation
+        if isinstance(op, BroadcastOperation) and self.dim.name not in op.inputs[0].shape.dimension_names:
+            return op.inputs[0]
+        return None
 
     @property
     def _float_captured(self) -> list[Tensor]:
