@@ -317,3 +317,22 @@ def test_a_slice_of_a_concat_reads_only_the_pieces_it_covers(begin):
     hlo = mx.hlo_collectives(fn.compiled_text())
     counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
     assert counted == {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]}
+
+
+def test_what_only_a_shift_past_the_whole_dim_reads_is_not_computed():
+    """A shift that moves every value out reads none of its input: a tensor only it reads is
+    not computed, nor moved (x [b=8, n=1, c=6] over b:rows of rows:4;cols:2, 2x annotated
+    c:rows and shifted out along n: 1 alltoall of 16 values counted, none compiled)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;n:1;c:6")
+    y = mx.shift(mx.shard(x * 2.0, "c:rows"), 1, "n", wrap=False) + x
+    (grad,) = mx.gradients(mx.reduce_sum(y * y), [x])
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:4;cols:2", "b:rows")}).function([y, grad])
+    xv = rand([8, 1, 6], seed=6)
+    got_y, got_grad = fn({"x": xv})
+    np.testing.assert_allclose(got_y, xv, rtol=1e-6)
+    np.testing.assert_allclose(got_grad, 2 * xv, rtol=1e-6)
+    hlo = mx.hlo_collectives(fn.compiled_text())
+    assert {k: v["count"] for k, v in hlo.items() if v["count"]} == {}
+    assert not list(fn.counters.sites())

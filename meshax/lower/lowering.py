@@ -33,7 +33,9 @@ if TYPE_CHECKING:
 
 
 def _needed_ops(graph: Graph, roots: Sequence[Operation]) -> list[Operation]:
-    """The ops the roots depend on (and the roots), in graph (topological) order."""
+    """The ops the roots depend on (and the roots), in graph (topological) order. An op that
+    makes its values without reading its inputs (`fill`: a shift that moves every value out)
+    does not depend on them: XLA drops what only such an op reads."""
     needed: set[Operation] = set()
     stack = list(roots)
     while stack:
@@ -41,7 +43,8 @@ def _needed_ops(graph: Graph, roots: Sequence[Operation]) -> list[Operation]:
         if op in needed:
             continue
         needed.add(op)
-        stack.extend(t.operation for t in op.inputs)
+        if getattr(op, "fill", None) is None:
+            stack.extend(t.operation for t in op.inputs)
     return [op for op in graph.operations if op in needed]
 
 
