@@ -336,7 +336,10 @@ def unstack(x: Tensor, dim, name=None) -> list[Tensor]:
 
 def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
     """out[i] = x[i - offset] along dim; wrap=True rolls, wrap=False fills with zeros."""
-    return ShiftOperation(x, offset, dim_of(x, dim), wrap, name).outputs[0]
+    d = dim_of(x, dim)
+    if wrap and int(offset) % d.size == 0:  # (a roll by whole turns is x: XLA moves nothing for it)
+        return x
+    return ShiftOperation(x, offset, d, wrap, name).outputs[0]
 
 
 def cumsum(x: Tensor, dim, exclusive: bool = False, name=None) -> Tensor:
