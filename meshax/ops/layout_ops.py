@@ -37,13 +37,18 @@ class ShardOperation(Operation):
     def remade(self, ctx, layout) -> list | None:
         """Its slices in `layout` made where its input's are made with nothing moved (a constant,
         a broadcast of one: the gradient of a sum into the loss, annotated as the summed tensor
-        was), as XLA simplifies a gather of a constant. None where the input would have to move."""
+        was), as XLA simplifies a gather of a constant. None where the input would have to move,
+        here or into the annotated layout (then that move, counted, is what a reader reads)."""
         (x,) = self.inputs
         v = ctx.values.get(x)
         if v is None or v.pending:
             return None
-        make = getattr(x.operation, "fill", None) or getattr(x.operation, "remade", None)
-        return make(ctx, layout) if make is not None else None
+        fill, remade = getattr(x.operation, "fill", None), getattr(x.operation, "remade", None)
+        if fill is not None:
+            return fill(ctx, layout)
+        if remade is None or remade(ctx, ctx.values[self.outputs[0]].layout) is None:
+            return None
+        return remade(ctx, layout)
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
