@@ -256,7 +256,8 @@ def slice(x: Tensor, begin: int, size: int, slice_dim_name: str, name=None) -> T
     if isinstance(op, ConcatOperation) and op.dim_name == slice_dim_name and begin >= 0 and size > 0:
         # a slice of a concat reads only the pieces it covers, as XLA simplifies it: the others
         # (a halo it leaves out, say) are then not computed here either, nor their moves counted
-        pieces, start, first = [], 0, 0
+        pieces: list[Tensor] = []
+        start = first = 0
         for t in op.inputs:
             n = t.shape.get_dim_by_name(slice_dim_name).size
             if start < begin + size and begin < start + n:
