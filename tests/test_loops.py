@@ -498,6 +498,26 @@ def test_an_owed_accumulator_is_settled_after_the_loop_not_in_it():
     assert counted == compiled == {"allreduce": (1, 6)}
 
 
+@pytest.mark.parametrize("backend", [mx.SimdMeshImpl, mx.PlacementMeshImpl])
+def test_a_while_loop_of_no_trip_sums_its_accumulators_to_zeros(backend):
+    """The placement backend runs a loop's body only while the condition holds, so a loop of no
+    trip never lowered its body, and the sums it owes (found there) were missing: KeyError on
+    the accumulator (x [batch=4, d=6] over batch:rows, the accumulator a sum over the batch)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+    n = mx.placeholder(mesh, "n", [], dtype=np.int32)
+
+    def body(i):
+        return [i + 1, mx.reduce_sum(x * mx.cast(i + 1, "float32"), reduced_dim=B)]
+
+    _, by_d = mx.while_loop(lambda i: mx.less(i, n), body, [mx.zeros(mesh, [], np.int32)], has_accumulators=True)
+    fn = mx.Lowering(graph, {mesh: backend("rows:2;cols:2", "batch:rows")}).function([by_d])
+    xv = np.random.RandomState(4).randn(4, 6).astype(np.float32)
+    for trips, weight in [(0, 0), (2, 3)]:
+        np.testing.assert_allclose(fn({"x": xv, "n": np.int32(trips)})[0], xv.sum(0) * weight, rtol=1e-5)
+
+
 def test_while_loop_errors_name_the_cause():
     graph = mx.Graph()
     mesh = mx.Mesh(graph, "m")

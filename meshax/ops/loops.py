@@ -564,7 +564,9 @@ class WhileOperation(Operation):
         for t, v, slices in zip(self.final, self.carry_vars, final):
             ctx.set_output(t, slices, plan[v])
         for t, a, slices in zip(self.sums, self.accumulated, final[len(self.carry_vars) :]):
-            ctx.set_output(t, slices, plan[a], owed[a])  # (settled once, when read)
+            # (settled once, when read; a loop that ran no trip on the placement backend, which
+            # runs its body only while the condition holds, summed nothing: zeros, owing nothing)
+            ctx.set_output(t, slices, plan[a], owed.get(a, frozenset()))
 
     def gradient(self, grad_outputs):
         if any(g is not None for g in grad_outputs):
