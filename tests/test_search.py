@@ -766,8 +766,8 @@ def test_the_weight_search_finds_zero_style_data_parallelism_where_memory_is_sho
 
 def test_the_search_ranks_programs_not_spellings():
     """Rules and weight rules that give every tensor the same layout are one program: it is traced
-    once and listed once (before, 8 of the tiny LM's 10 best were one program, each with another
-    set of weight rules that split nothing differently), in the shortest spelling traced."""
+    once and listed once, in the shortest spelling traced (before, the tiny LM's 10 best listed
+    were all one program, each with weight rules that split nothing differently)."""
     result = search_layout(costed(TINY_LM), "rows:2;cols:4", top=10, search_weights=True)
     program = costed(TINY_LM).on(convert_to_mesh_shape("rows:2;cols:4"))
     layouts = [program.layouts(tuple(sorted(_pairs(c.layout))), c.weight_layout) for c in result.ranked]
