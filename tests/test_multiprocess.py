@@ -162,27 +162,18 @@ def test_launch_names_the_process_that_failed_first(tmp_path, monkeypatch):
 
 def test_launch_forwards_sigterm_to_its_processes(tmp_path):
     """SIGTERM to the launcher reaches each process, which exits: the launcher reports it."""
-    ready = tmp_path / "ready"
     script = (
-        "import os, pathlib, time; p = pathlib.Path(os.environ['READY']); "
-        "p.with_name(p.name + os.environ['MESHAX_PROCESS_ID']).touch(); time.sleep(60)"
+        "import os, pathlib, time\n"
+        "pathlib.Path(os.environ['READY'] + os.environ['MESHAX_PROCESS_ID']).touch(); time.sleep(60)"
     )
-    env = dict(os.environ, READY=str(ready))
-    proc = subprocess.Popen(
-        [*CLI, "launch", "-n", "2", "--", *_python(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
-    deadline = time.monotonic() + 60
-    while not all((tmp_path / f"ready{i}").exists() for i in range(2)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    proc, err, _ = _launch_and_signal(tmp_path, script, signal.SIGTERM)
     assert proc.returncode == 128 + signal.SIGTERM
     assert b"was killed by SIGTERM" in err
 
 
-def _launch_and_interrupt(tmp_path, script: str) -> tuple[subprocess.Popen, bytes, float]:
-    """`meshax launch -n 2` of `script` (its processes touch READY<i> when ready), SIGINT to the
-    launcher once both are ready: (the launcher, its stderr, seconds from the SIGINT to its exit)."""
+def _launch_and_signal(tmp_path, script: str, signum=signal.SIGINT) -> tuple[subprocess.Popen, bytes, float]:
+    """`meshax launch -n 2` of `script` (its processes touch READY<i> when ready), `signum` to the
+    launcher once both are ready: (the launcher, its stderr, seconds from the signal to its exit)."""
     env = dict(os.environ, READY=str(tmp_path / "ready"))
     proc = subprocess.Popen(
         [*CLI, "launch", "-n", "2", "--", *_python(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -190,7 +181,7 @@ def _launch_and_interrupt(tmp_path, script: str) -> tuple[subprocess.Popen, byte
     deadline = time.monotonic() + 60
     while not all((tmp_path / f"ready{i}").exists() for i in range(2)) and time.monotonic() < deadline:
         time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
     sent = time.monotonic()
     _, err = proc.communicate(timeout=60)
     return proc, err, time.monotonic() - sent
@@ -206,7 +197,7 @@ def test_launch_ctrl_c_exits_130_whatever_the_processes_end_with(tmp_path):
         "(time.sleep(0.3), os._exit(130)))\n"
         "pathlib.Path(os.environ['READY'] + i).touch(); time.sleep(30)"
     )
-    proc, err, took = _launch_and_interrupt(tmp_path, script)
+    proc, err, took = _launch_and_signal(tmp_path, script)
     assert proc.returncode == 130 and took < 10, err
     assert b"stopping" not in err and b"exited with code" not in err, err
 
@@ -218,7 +209,7 @@ def test_launch_ctrl_c_stops_a_process_that_does_not_end(tmp_path):
         "import os, pathlib, signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         "pathlib.Path(os.environ['READY'] + os.environ['MESHAX_PROCESS_ID']).touch(); time.sleep(30)"
     )
-    proc, err, took = _launch_and_interrupt(tmp_path, script)
+    proc, err, took = _launch_and_signal(tmp_path, script)
     assert proc.returncode == 130 and took < 15, err
     assert b"meshax launch: interrupted; process 0 (pid" in err and b"still running 3 s after SIGINT" in err, err
 
