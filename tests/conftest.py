@@ -157,6 +157,14 @@ def run(outputs, impl_cls, mesh_shape=MESH_SHAPE, layout="", feeds=None):
     return fn(feeds or {})
 
 
+def counted_and_compiled(fn) -> tuple[dict, dict]:
+    """A lowered function's counters and the collectives its compiled program runs (per run: loop
+    bodies times their trip counts), each as {kind: (count, values)} for the kinds that ran."""
+    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
+    compiled = mx.hlo_collectives(fn.compiled_text(), per_run=True)
+    return counted, {k: (v["count"], v["values"]) for k, v in compiled.items() if v["count"]}
+
+
 def rand(shape, seed=0, low=-1.0, high=1.0, dtype=np.float32):
     rng = np.random.default_rng(seed)
     shape = tuple(shape.to_integer_list) if isinstance(shape, mx.Shape) else tuple(shape)

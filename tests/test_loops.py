@@ -6,6 +6,7 @@ import pytest
 
 import meshax as mx
 from meshax.lower.hlo import hlo_collectives
+from tests.conftest import counted_and_compiled
 
 B, D, E = mx.Dimension("batch", 4), mx.Dimension("d", 6), mx.Dimension("e", 6)
 
@@ -36,14 +37,6 @@ def _model(layers: int):
     return graph, mesh, [loss, *mx.gradients(loss, [w, x])], [unrolled, *mx.gradients(unrolled, [w, x])]
 
 
-def _counted_and_compiled(fn) -> tuple[dict, dict]:
-    """fn's counters and the collectives its compiled program runs (per run: loop bodies times
-    their trip counts)."""
-    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
-    compiled = hlo_collectives(fn.compiled_text(), per_run=True)
-    return counted, {k: (v["count"], v["values"]) for k, v in compiled.items() if v["count"]}
-
-
 def _check_against_unrolled(graph, mesh, mesh_shape: str, layout: str, scanned, unrolled, feeds) -> None:
     """The scanned outputs equal the unrolled ones, and the scanned program's counters the HLO's."""
     got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl(mesh_shape, layout)}).function([*scanned, *unrolled])(feeds)
@@ -51,7 +44,7 @@ def _check_against_unrolled(graph, mesh, mesh_shape: str, layout: str, scanned, 
         np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-6)
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl(mesh_shape, layout)}).function(scanned)
     fn(feeds)
-    counted, compiled = _counted_and_compiled(fn)
+    counted, compiled = counted_and_compiled(fn)
     assert counted == compiled
 
 
@@ -108,7 +101,7 @@ def test_counters_equal_the_hlo_run_per_run(layers, layout):
     count XLA knows, as meshax's counters count them: the two are equal, kind by kind."""
     graph, mesh, scanned, _ = _model(layers)
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", layout)}).function(scanned)
-    counted, compiled = _counted_and_compiled(fn)
+    counted, compiled = counted_and_compiled(fn)
     assert counted == compiled
     once = hlo_collectives(fn.compiled_text())
     assert compiled["allreduce"][0] > once["allreduce"]["count"] > 0  # (the bodies hold some)
@@ -137,7 +130,7 @@ def test_a_scanned_result_nothing_reads_is_not_computed(layers, grad):
     feeds = {"x": np.random.RandomState(0).randn(4, 6).astype(np.float32)}
     for a, b in zip(fn(feeds), both(feeds)):
         np.testing.assert_allclose(a, b, rtol=1e-6)
-    counted, compiled = _counted_and_compiled(fn)
+    counted, compiled = counted_and_compiled(fn)
     assert counted == compiled
     assert fn.counters["allreduce"].count < both.counters["allreduce"].count
 
@@ -225,7 +218,7 @@ def test_a_one_trip_loops_gradient_goes_on_from_its_forward_trip(layout):
         [loss, *mx.gradients(loss, [w, x])]
     )
     fn({"x": np.random.RandomState(0).randn(1, 4, 6).astype(np.float32)})
-    counted, hlo = _counted_and_compiled(fn)
+    counted, hlo = counted_and_compiled(fn)
     assert counted == hlo
 
 
@@ -370,7 +363,7 @@ def test_a_gradient_the_same_at_every_step_is_made_in_the_backward_body(layers):
     want = [reference(xv, wv), *jax.grad(reference, argnums=(0, 1))(xv, wv)]
     for a, e in zip(got, want):
         np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-5)
-    counted, compiled = _counted_and_compiled(fn)
+    counted, compiled = counted_and_compiled(fn)
     assert counted == compiled
 
 
@@ -473,7 +466,7 @@ def test_while_loop_accumulators_are_summed_over_the_iterations_and_settled_once
     np.testing.assert_allclose(got_total, sum(dots), rtol=1e-4)
     np.testing.assert_allclose(got_whole, xv * sum(weights), rtol=1e-5)
     if backend is mx.SimdMeshImpl:
-        counted, compiled = _counted_and_compiled(fn)
+        counted, compiled = counted_and_compiled(fn)
         assert counted == compiled
         # the condition's sum (in the loop: once, as XLA holds it) and one per owed accumulator
         assert counted.get("allreduce", (0, 0))[0] == (3 if layout else 0)
@@ -494,7 +487,7 @@ def test_an_owed_accumulator_is_settled_after_the_loop_not_in_it():
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows")}).function([by_d])
     xv = np.random.RandomState(3).randn(4, 6).astype(np.float32)
     np.testing.assert_allclose(fn({"x": xv})[0], xv.sum(0) * 6, rtol=1e-5)
-    counted, compiled = _counted_and_compiled(fn)
+    counted, compiled = counted_and_compiled(fn)
     assert counted == compiled == {"allreduce": (1, 6)}
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import LAYOUTS, B, D, H, check_cases, names, rand
+from tests.conftest import LAYOUTS, B, D, H, check_cases, counted_and_compiled, names, rand
 
 layouts = pytest.mark.parametrize("layout", LAYOUTS, ids=lambda s: s or "replicated")
 
@@ -314,9 +314,8 @@ def test_a_slice_of_a_concat_reads_only_the_pieces_it_covers(begin):
     want = np.concatenate([2 * xv[:, :, -1:], 2 * xv, 2 * xv[:, :, :1]], 2)[:, :, begin : begin + 6]
     np.testing.assert_allclose(got_y, want, rtol=1e-6)
     assert np.abs(got_grad).max() > 0
-    hlo = mx.hlo_collectives(fn.compiled_text())
-    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
-    assert counted == {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]}
+    counted, compiled = counted_and_compiled(fn)
+    assert counted == compiled
 
 
 def test_what_only_a_shift_past_the_whole_dim_reads_is_not_computed():
@@ -355,6 +354,5 @@ def test_a_roll_by_whole_turns_is_the_tensor_itself(offset):
     got_out, got_grad = fn({"x": xv})
     np.testing.assert_allclose(got_out, 2 * np.tanh(xv), rtol=1e-6)
     np.testing.assert_allclose(got_grad, 8 * np.tanh(xv) * (1 - np.tanh(xv) ** 2), rtol=1e-5, atol=1e-6)
-    hlo = mx.hlo_collectives(fn.compiled_text())
-    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
-    assert counted == {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]}
+    counted, compiled = counted_and_compiled(fn)
+    assert counted == compiled

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import meshax as mx
-from tests.conftest import LAYOUTS, B, D, H, assert_close, check_cases, names, new_mesh, rand, run
+from tests.conftest import LAYOUTS, B, D, H, assert_close, check_cases, counted_and_compiled, names, new_mesh, rand, run
 
 SHARD_LAYOUTS = ["", "b:cols", "d:rows;b:cols", "b:rows;b:cols", "d:cols", "d:rows;d:cols", "b:rows;d:cols"]
 
@@ -72,9 +72,8 @@ def test_an_annotated_constant_is_made_where_a_reader_wants_it():
     got_loss, got_grad = fn({"x": xv})
     np.testing.assert_allclose(got_loss, np.tanh(xv).sum(), rtol=1e-5)
     np.testing.assert_allclose(got_grad, 1 - np.tanh(xv) ** 2, rtol=1e-5, atol=1e-6)
-    hlo = mx.hlo_collectives(fn.compiled_text())
-    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
-    assert counted == {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]}
+    counted, compiled = counted_and_compiled(fn)
+    assert counted == compiled
     assert fn.counters["allgather"].count == 0
 
 
@@ -96,6 +95,5 @@ def test_an_annotated_broadcast_moved_into_its_layout_is_read_as_moved():
     got_z, got_grad = fn({"x": xv})
     np.testing.assert_allclose(got_z, xv, rtol=1e-6)
     np.testing.assert_allclose(got_grad, 2 * xv, rtol=1e-6)
-    hlo = mx.hlo_collectives(fn.compiled_text())
-    counted = {k: (fn.counters[k].count, fn.counters[k].values) for k in fn.counters if fn.counters[k].count}
-    assert counted == {k: (v["count"], v["values"]) for k, v in hlo.items() if v["count"]}
+    counted, compiled = counted_and_compiled(fn)
+    assert counted == compiled
