@@ -3,7 +3,8 @@
 Both sides are the same model (meshax's Transformer: pre-norm, tied embeddings, sinusoidal
 positions, ReLU feed-forward) in bfloat16 with float32 master weights, float32 logits whose
 gradient comes back through bfloat16 matmuls, cuDNN attention through
-`jax.nn.dot_product_attention`, and Adam (or SGD: `optimizer=`, the same on both sides),
+`jax.nn.dot_product_attention`, bfloat16 copies of the weights kept between steps (written by the
+update), and Adam (or SGD: `optimizer=`, the same on both sides),
 compiled with the same XLA options (meshax's own for
 the platform); the twin starts from meshax's initial weights, so their
 first losses agree (checked, to bfloat16 tolerance). Both are timed in one run, each alone on
@@ -145,12 +146,20 @@ def optimizers(name: str, lr: float):
     return tuple(make(lr) for make in pairs[name])
 
 
-def _program(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam"):
+def _program(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam", cast_copies=None):
     """(meshax's compiled training program on one device, its initial weights by name, the task)."""
     from meshax.train.loop import build
 
     task = _task(size)
-    program = build(task, "all:1", "", "simd", optimizers(optimizer, lr)[0], compiler_options=compiler_options)
+    program = build(
+        task,
+        "all:1",
+        "",
+        "simd",
+        optimizers(optimizer, lr)[0],
+        compiler_options=compiler_options,
+        cast_copies=cast_copies,
+    )
     program.lowering.initialize()
     return program, _weights(program), task
 
@@ -175,10 +184,11 @@ class Stepper:
         return self.fetch(self.dispatch())
 
 
-def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam"):
+def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam", cast_copies=None):
     """(a Stepper on the task's first batch, the initial weights by variable name, the task); the
-    program compiled with XLA's `compiler_options` where given."""
-    program, weights, task = _program(size, lr, compiler_options, optimizer)
+    program compiled with XLA's `compiler_options` where given, keeping bfloat16 copies of its
+    weights as `cast_copies` says (`Lowering.function`; default: on a GPU)."""
+    program, weights, task = _program(size, lr, compiler_options, optimizer, cast_copies)
     batch, calls = task.train_batch(0), [0]
 
     def dispatch():
@@ -410,7 +420,10 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None, optimizer: s
     freed before the twin's are made, and a twin that does not fit leaves meshax's numbers (its
     fields None, `twin_error` saying why). A GPU step's time varies little from one call to the
     next, so the two need not be interleaved. Throughput is of queued steps (`timed`). Both
-    sides train with `optimizer` (`OPTIMIZERS`; section 6's rows: Adam)."""
+    sides train with `optimizer` (`OPTIMIZERS`; section 6's rows: Adam), and on a GPU both keep
+    bfloat16 copies of their weights (meshax's default there: `Lowering.function`)."""
+    import jax
+
     m_step, weights, task = meshax_step(size, optimizer=optimizer)
     weights = {k: np.asarray(v) for k, v in weights.items()}  # on the host, to outlive meshax's arrays
     m = timed(m_step, steps, warmup)
@@ -425,7 +438,9 @@ def measure(size: Lm, steps: int, warmup: int, implementation=None, optimizer: s
         "steps": steps,
     }
     try:
-        twin = twin_step(size, weights, task.train_batch(0), implementation=implementation, optimizer=optimizer)
+        copies = jax.devices()[0].platform == "gpu"
+        batch = task.train_batch(0)
+        twin = twin_step(size, weights, batch, implementation=implementation, optimizer=optimizer, copies=copies)
         t = timed(twin, steps, warmup)
     except Exception as err:
         if not _fits_error(err):

@@ -2,10 +2,11 @@
 
 Each candidate is a set of XLA options (what `jax.jit(compiler_options=...)` takes), given to
 meshax's SIMD backend as `build(..., compiler_options=...)`, over meshax's own options for GPUs
-(`meshax.lower.mesh_impl.PLATFORM_COMPILER_OPTIONS`). meshax's step of section 6 at the size is built, compiled and
-timed with each candidate in turn, each freed before the next: meshax's defaults first and again
-last (the two show the run's noise), then the candidates that beat the defaults by more than
-that noise, all together. Timed as section 6 times it (queued steps).
+(`meshax.lower.mesh_impl.PLATFORM_COMPILER_OPTIONS`), or one of meshax's own choices for the
+program (`cast_copies`: `build(..., cast_copies=...)`, `Lowering.function`). meshax's step of
+section 6 at the size is built, compiled and timed with each candidate in turn, each freed
+before the next: meshax's defaults first and again last (the two show the run's noise), then the
+candidates that beat the defaults by more than that noise, all together. Timed as section 6 times it (queued steps).
 Prints a table, writes JSON. A candidate that XLA refuses or that fails records why, and the rest
 run. Runs anywhere: the GPU options are accepted and unused on a CPU.
 """
@@ -19,7 +20,10 @@ import os
 
 from benchmarks import gpu
 
+MESHAX_CHOICES = ("cast_copies",)  # a candidate's keys that are `build`'s arguments, not XLA's options
 CANDIDATES = {
+    # the step reads bfloat16 copies of its weights written by the update before (on a GPU, by default)
+    "no bf16 weight copies": {"cast_copies": False},
     "command buffers off": {"xla_gpu_enable_command_buffer": ""},
     "command buffers, concurrent scheduling": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
     "command buffers, concurrent regions": {"xla_gpu_graph_enable_concurrent_region": True},
@@ -45,7 +49,9 @@ def one(size: gpu.Lm, name: str, options: dict, steps: int, warmup: int) -> dict
     """meshax's step at `size` compiled with `options`, timed: a record (or the error that stopped it)."""
     record = {"name": name, "options": options}
     try:
-        stepper, _, _ = gpu.meshax_step(size, compiler_options=options or None)
+        choices = {k: v for k, v in options.items() if k in MESHAX_CHOICES}
+        xla = {k: v for k, v in options.items() if k not in MESHAX_CHOICES}
+        stepper, _, _ = gpu.meshax_step(size, compiler_options=xla or None, **choices)
         t = gpu.timed(stepper, steps, warmup)
     except Exception as err:  # XLA refused the options, or the step failed with them: say why, go on
         return {**record, "queued_s": None, "error": f"{type(err).__name__}: {str(err).strip().splitlines()[0][:300]}"}

@@ -380,6 +380,9 @@ def test_xla_option_candidates_are_each_timed_and_the_faster_ones_tried_together
     assert real["queued_s"] > 0 and real["tflops"] > 0 and np.isfinite(real["first_loss"])
     refused = gpu_options.one(tiny, "typo", {"xla_gpu_enable_cublasltt": True}, steps=2, warmup=1)
     assert refused["queued_s"] is None and "xla_gpu_enable_cublasltt" in refused["error"]
+    # meshax's own choice for the program (not an XLA option): the step with kept bf16 weight copies
+    copies = gpu_options.one(tiny, "copies", {"cast_copies": True}, steps=2, warmup=1)
+    assert copies["queued_s"] > 0 and copies["first_loss"] == real["first_loss"]
 
     times = {"a": 0.0895, "b": 0.095, "c": 0.0889, "bad": None}
     defaults = iter([0.0910, 0.0905])

@@ -12,7 +12,7 @@ from meshax.ops.einsum import EinsumOperation
 from meshax.ops.elementwise import CastOperation
 from meshax.optimize import AdamWeightDecayOptimizer, SgdOptimizer
 from meshax.train import LmTask, train
-from meshax.train.loop import build
+from meshax.train.loop import build, training_graph
 
 SMALL = TransformerConfig(vocab_size=16, d_model=16, d_ff=32, num_heads=8, d_kv=4, num_layers=1)
 BF16 = dataclasses.replace(SMALL, dtype="bfloat16")
@@ -169,3 +169,61 @@ def test_moe_layers_compute_in_bfloat16_with_float32_gating():
     lowering, outputs, updates = build(_task(config), "rows:2;cols:4", layout, "simd", SgdOptimizer(0.1), compile=False)
     sites = [s for s in lowering.trace_step(outputs, updates).sites() if s.kind == "alltoall"]
     assert len(sites) == 4 and all(s.bytes == 2 * s.values for s in sites)
+
+
+def _copies_run(backend, mesh, layout, cast_copies, reset_at=None):
+    """Losses and final weights of 4 Adam steps of the bfloat16 LM, with the training step reading
+    kept bfloat16 copies of its weights or casting them; `reset_at`: the step before which every
+    weight is set again from the host (as a restore does), so a copy kept from before is stale."""
+    task = _task(BF16)
+    graph, _, outputs, updates = training_graph(task, AdamWeightDecayOptimizer(1e-2))
+    impl = {"simd": mx.SimdMeshImpl, "placement": mx.PlacementMeshImpl}[backend](mesh, layout)
+    lowering = mx.Lowering(graph, {graph.operations[0].mesh: impl})
+    step = lowering.function(outputs, updates=updates, cast_copies=cast_copies)
+    losses = []
+    for s in range(4):
+        if s == reset_at:
+            for v in graph.all_variables:
+                lowering.set_variable_value(v, lowering.variable_value(v) * (1.5 if v.trainable else 1))
+        losses.append(float(step(task.train_batch(s), seed=s)[0]))
+    return step, losses, {v.name: lowering.variable_value(v) for v in graph.trainable_variables}
+
+
+@pytest.mark.parametrize(
+    "backend,mesh,layout",
+    [("simd", "all:1", ""), ("simd", *PAPER_LAYOUTS[2]), ("placement", *PAPER_LAYOUTS[2])],
+)
+def test_a_training_step_reads_kept_bfloat16_copies_of_its_weights_and_makes_the_same_steps(backend, mesh, layout):
+    """The step reads each weight's bfloat16 copy written by the step before (cast from the new
+    float32 master in the update) in place of casting the float32 weight again: the same losses
+    and weights, to the bit, as casting it; a weight set from outside gets a fresh copy."""
+    step, losses, weights = _copies_run(backend, mesh, layout, cast_copies=True)
+    # every weight the layers read in bfloat16: all but the layer norms' (the embedding for the logits)
+    read_narrow = {v for v in step.lowering.graph.trainable_variables if "norm" not in v.name}
+    assert {v for v, _ in step._copies} == read_narrow
+    assert {str(d) for _, d in step._copies} == {"bfloat16"}
+    _, plain_losses, plain = _copies_run(backend, mesh, layout, cast_copies=False)
+    assert losses == plain_losses
+    for name in plain:
+        np.testing.assert_array_equal(weights[name], plain[name], err_msg=name)
+    # weights set from the host between steps: the next step casts them afresh (a stale copy
+    # would read the weights from before)
+    _, reset, _ = _copies_run(backend, mesh, layout, cast_copies=True, reset_at=2)
+    _, plain_reset, _ = _copies_run(backend, mesh, layout, cast_copies=False, reset_at=2)
+    assert reset == plain_reset and reset[2:] != losses[2:]
+
+
+def test_the_step_reads_the_kept_copies_not_the_float32_weights():
+    """The copies are what the step's matmuls read: kept copies halved behind the step's back
+    (their weights unchanged, so they pass for fresh) change the next loss. By default (on the
+    CPU) a training step keeps none."""
+
+    def next_loss(halved: bool) -> float:
+        step, _, _ = _copies_run("simd", *PAPER_LAYOUTS[2], cast_copies=True)
+        copies = step.lowering._copies
+        if halved:
+            copies.update({key: (state, copy * 0.5) for key, (state, copy) in copies.items()})
+        return float(step(_task(BF16).train_batch(4), seed=4)[0])
+
+    assert next_loss(halved=True) != next_loss(halved=False)
+    assert not build(_task(BF16), "all:1", "", "simd", SgdOptimizer(0.1)).train_fn._copies

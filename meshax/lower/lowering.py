@@ -137,6 +137,8 @@ class Lowering:
         self.plan = make_plan(graph.operations, self.impl.layout_rules, self.impl.shape, self.impl.weight_rules)
         self.seed = seed
         self._variables: dict[Operation, object] = {}  # variable op -> backend value
+        # (variable op, dtype) -> (the variable's value it was cast from, the cast): `_cast_copy`
+        self._copies: dict[tuple[Operation, np.dtype], tuple[object, object]] = {}
         self._counters: Counters | None = None
 
     # ---- variables ---------------------------------------------------------------------------
@@ -186,6 +188,19 @@ class Lowering:
         else:
             self._variables[var] = self.impl.put(np.asarray(value).astype(t.dtype, copy=False), spec)
 
+    def _cast_copy(self, var: VariableOperation, dtype: np.dtype):
+        """The variable's value cast to `dtype`, kept while the variable keeps that value: made
+        here once (the first call, or after the value was set from outside), then by the
+        programs that update the variable (`_cast_copies`)."""
+        state = self._variable_state(var)
+        made = self._copies.get((var, dtype))
+        if made is None or made[0] is not state:
+            shape, _, layout = self._spec(var.outputs[0])
+            cast = self.impl.to_padded(state, (shape, var.outputs[0].dtype, layout)).astype(dtype)
+            made = (state, self.impl.from_padded(cast, (shape, dtype, layout)))
+            self._copies[(var, dtype)] = made
+        return made[1]
+
     def variable_state(self, var) -> jax.Array:
         """The variable as a global jax.Array with its layout's NamedSharding, for either backend:
         each device holds only its slice (checkpoints write it as it is); a dim whose split does
@@ -201,16 +216,37 @@ class Lowering:
         """Tensors a program takes as arguments: placeholders, imported arrays, variables."""
         return [t for op in ops if getattr(op, "is_input", False) for t in op.outputs]
 
-    def _body(self, ops, inputs, outputs, updated, counters: Counters):
-        """The program on slice lists; every collective it emits is recorded in `counters`."""
-        impl, plan = self.impl, self.plan
+    def _cast_copies(self, ops: list[Operation], updated: list[VariableOperation]) -> dict[tuple, list[Operation]]:
+        """{(variable, dtype): its casts}: the casts among `ops` (outside loops) of a variable the
+        program updates to a narrower dtype, laid out as the variable, so that a copy kept in
+        that layout is their value: a bfloat16 weight of a float32 master, say. The program
+        reads the copy kept from the step before and writes the next from the updated value, so
+        no step casts its weights again (the same values: fewer bytes moved each step)."""
+        kept = set(updated)
+        copies: dict[tuple, list[Operation]] = {}
+        for op in ops:
+            if getattr(op, "is_cast", False) and not op.in_loop:
+                (x,), (out,) = op.inputs, op.outputs
+                if x.operation in kept and out.dtype.itemsize < x.dtype.itemsize and self.plan[x] == self.plan[out]:
+                    copies.setdefault((x.operation, out.dtype), []).append(op)
+        return copies
+
+    def _body(self, ops, inputs, outputs, updated, counters: Counters, copies=None):
+        """The program on slice lists; every collective it emits is recorded in `counters`. With
+        `copies` (`_cast_copies`), the casts read the copies that follow the inputs' slices, and
+        the program returns the next copies after the variables' new values."""
+        impl, plan, copies = self.impl, self.plan, copies or {}
+        copied = {op for casts in copies.values() for op in casts}
 
         def body(input_slices: list[list], seed_slices: list) -> list[list]:
             ctx = LoweringContext(impl, plan, counters, seed_slices, count_reads(ops, outputs))
             for t, slices in zip(inputs, input_slices):
                 ctx.set_output(t, slices)
+            for casts, slices in zip(copies.values(), input_slices[len(inputs) :]):
+                for op in casts:
+                    ctx.set_output(op.outputs[0], slices)
             for op in ops:
-                if getattr(op, "is_input", False):
+                if getattr(op, "is_input", False) or op in copied:
                     continue
                 ctx.op = op
                 op.lower(ctx)
@@ -219,16 +255,21 @@ class Lowering:
             # output the first donated argument of its shape and dtype, so each new value then
             # reuses its own variable's buffer (a loss must not take a scalar variable's, which
             # forces XLA to copy every variable in and out)
-            return [ctx.updates[v] for v in updated] + [ctx.get(t).slices for t in outputs]
+            new = [ctx.updates[v] for v in updated]
+            new_copies = [ctx.slicewise(lambda a, d=d: a.astype(d), ctx.updates[v]) for v, d in copies]
+            return new + new_copies + [ctx.get(t).slices for t in outputs]
 
         return body
 
-    def _program(self, outputs: list[Tensor], updates: list[AssignOperation], counters: Counters):
+    def _program(
+        self, outputs: list[Tensor], updates: list[AssignOperation], counters: Counters, cast_copies: bool = False
+    ):
         ops = _needed_ops(self.graph, [*(t.operation for t in outputs), *updates])
         inputs = self._inputs_of(ops)
         position = {t.operation: i for i, t in enumerate(inputs)}
         updated = sorted((u.variable for u in updates), key=lambda v: position.get(v, len(inputs)))
-        return ops, inputs, updated, self._body(ops, inputs, outputs, updated, counters)
+        copies = self._cast_copies(ops, updated) if cast_copies else {}
+        return ops, inputs, updated, copies, self._body(ops, inputs, outputs, updated, counters, copies)
 
     @property
     def counters(self) -> Counters:
@@ -248,16 +289,25 @@ class Lowering:
     def trace_program(self, outputs: Sequence[Tensor] = (), updates: Sequence = ()):
         """(counters, jaxpr) of the program, traced abstractly; the jaxpr's size is the program's."""
         counters = Counters()
-        _, inputs, _, body = self._program(list(outputs), list(updates), counters)
+        _, inputs, _, _, body = self._program(list(outputs), list(updates), counters)
         jaxpr = self.impl.trace(body, [self._spec(t) for t in inputs])
         return counters, jaxpr
 
     def function(
-        self, outputs: Tensor | Sequence[Tensor] = (), updates: Sequence = (), donate: Sequence[Tensor] = ()
+        self,
+        outputs: Tensor | Sequence[Tensor] = (),
+        updates: Sequence = (),
+        donate: Sequence[Tensor] = (),
+        cast_copies: bool | None = None,
     ) -> LoweredFunction:
         """A compiled program computing `outputs` and applying `updates` (assign ops); the
-        buffers of the placeholders in `donate` may be consumed by it (`call_global`)."""
-        return LoweredFunction(self, outputs, updates, donate)
+        buffers of the placeholders in `donate` may be consumed by it (`call_global`). With
+        `cast_copies`, a variable it updates and reads in a narrower dtype (a bfloat16 weight of a
+        float32 master) is read from a copy in that dtype kept between calls, which the update
+        writes: the same values, without casting every weight again at every step. By default
+        on GPUs only (there XLA writes the copy in the update's own kernel; on the CPU it reads
+        the new weight again, and the step moved more bytes, not fewer)."""
+        return LoweredFunction(self, outputs, updates, donate, cast_copies)
 
     def report(self, counters: Counters | None = None, width: int = 132) -> str:
         """The cost report: every collective with its op and source line, values, bytes and
@@ -298,7 +348,14 @@ class LoweredFunction:
     for random ops, e.g. the step); it returns full NumPy arrays and updates the variables.
     `dispatch` and `fetch` split a call in two, for a host that works while the program runs."""
 
-    def __init__(self, lowering: Lowering, outputs, updates=(), donate: Sequence[Tensor] = ()):
+    def __init__(
+        self,
+        lowering: Lowering,
+        outputs,
+        updates=(),
+        donate: Sequence[Tensor] = (),
+        cast_copies: bool | None = None,
+    ):
         self._single = isinstance(outputs, Tensor)
         outs = [outputs] if self._single else list(outputs)
         for t in outs:
@@ -326,14 +383,22 @@ class LoweredFunction:
         # The counters are filled before anything runs: by the trace of the program itself where
         # the backend compiles one trace (SIMD), else by an abstract trace of the same code, which
         # emits exactly the collectives the program runs.
-        self.ops, self.inputs, self._updated, body = lowering._program(outs, updates, self.counters)
-        specs = [lowering._spec(t) for t in self.inputs]
+        if cast_copies is None:
+            cast_copies = lowering.impl.devices[0].platform == "gpu"
+        self.ops, self.inputs, self._updated, copies, body = lowering._program(
+            outs, updates, self.counters, cast_copies
+        )
+        self._copies = list(copies)  # (variable, dtype): the kept copies it reads and writes, after the inputs
+        copy_specs = [lowering._spec(casts[0].outputs[0]) for casts in copies.values()]
+        specs = [lowering._spec(t) for t in self.inputs] + copy_specs
         if not lowering.impl.compile_traces_once:
             lowering.impl.trace(body, specs)
-            body = lowering._body(self.ops, self.inputs, outs, self._updated, Counters())
-        out_specs = [lowering._spec(v.outputs[0]) for v in self._updated] + [lowering._spec(t) for t in outs]
+            body = lowering._body(self.ops, self.inputs, outs, self._updated, Counters(), copies)
+        out_specs = [lowering._spec(v.outputs[0]) for v in self._updated] + copy_specs
+        out_specs += [lowering._spec(t) for t in outs]
         donated = set(donate)
         consumed = [i for i, t in enumerate(self.inputs) if t.operation in self._updated or t in donated]
+        consumed += range(len(self.inputs), len(specs))  # (each copy's buffer takes the next copy)
         self._run = lowering.impl.compile(body, specs, out_specs, consumed)
         self._constants: dict[Tensor, object] = {}  # imported arrays, put on the devices once
         self._placeholder_names: tuple[int, set[str]] = (-1, set())  # (graph size, names): `_graph_placeholders`
@@ -426,7 +491,7 @@ class LoweredFunction:
                     value = op.value_on(impl) if hasattr(op, "value_on") else op.value  # (imported slices)
                     self._constants[t] = impl.put(value, self.lowering._spec(t))
                 args.append(self._constants[t])
-        return args
+        return args + [self.lowering._cast_copy(var, dtype) for var, dtype in self._copies]
 
     def __call__(self, feeds: Mapping | None = None, seed: int = 0, rows: tuple[int, int] | None = None):
         """Run the program; with `rows` (from `feed_rows`), each fed array holds only those rows."""
@@ -447,10 +512,12 @@ class LoweredFunction:
     def _start(self, args: list, seed: int) -> list:
         """Run on `args`; the variables take their new values (the program's first outputs)."""
         results = self._run(args, seed)
-        k = len(self._updated)
+        k, c = len(self._updated), len(self._copies)
         for var, value in zip(self._updated, results[:k]):
             self.lowering._variables[var] = value
-        return results[k:]
+        for (var, dtype), copy in zip(self._copies, results[k : k + c]):
+            self.lowering._copies[(var, dtype)] = (self.lowering._variables[var], copy)
+        return results[k + c :]
 
     def call_global(self, feeds: Mapping[Tensor, jax.Array], seed: int = 0) -> list[jax.Array]:
         """Run with every placeholder fed a global jax.Array (its logical value, any sharding:

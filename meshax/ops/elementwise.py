@@ -154,6 +154,8 @@ stop_gradient = _unary("stop_gradient")
 
 
 class CastOperation(Operation):
+    is_cast = True  # (a program that updates x may read a kept copy instead: `Lowering.function`)
+
     def __init__(self, x: Tensor, dtype, name=None):
         super().__init__([x], name=name or "cast")
         dtype = as_dtype(dtype)

@@ -94,10 +94,11 @@ def build(
     compile: bool = True,
     weight_layout: str | None = None,
     compiler_options: Mapping[str, object] | None = None,
+    cast_copies: bool | None = None,
 ):
     """The task's graph with gradients and optimizer updates, laid out on the mesh (weight-shaped
     tensors by `weight_layout` where given; its programs compiled with XLA's `compiler_options`:
-    `MeshImpl`)."""
+    `MeshImpl`; the training step keeping its weights' `cast_copies`: `Lowering.function`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
     graph, built, outputs, updates = training_graph(task, optimizer)
@@ -109,7 +110,9 @@ def build(
         return lowering, outputs, updates
     _check_fits(lowering, outputs)
     logged = list(graph.logged_scalars)
-    train_fn = lowering.function(outputs + [graph.logged_scalars[n] for n in logged], updates=updates)
+    train_fn = lowering.function(
+        outputs + [graph.logged_scalars[n] for n in logged], updates=updates, cast_copies=cast_copies
+    )
     eval_fn = lowering.function([built.metrics[n] for n in names])
     return Program(lowering, train_fn, eval_fn, names, logged)
 
