@@ -86,7 +86,9 @@ def _unary_grad(fn: str, x: Tensor, y: Tensor, g: Tensor):
     if fn == "sigmoid":
         return g * y * (1.0 - y)
     if fn == "relu":
-        return g * cast(greater(x, 0.0), g.dtype)
+        # (y > 0 exactly where x > 0: read from the output, which the step keeps anyway (the next
+        # matmul's gradient reads it), so the input need not be kept for the gradient)
+        return g * cast(greater(y, 0.0), g.dtype)
     if fn == "gelu":
         cdf = 0.5 * (1.0 + e["erf"](x * (1.0 / math.sqrt(2.0))))
         pdf = e["exp"](x * x * -0.5) * (1.0 / math.sqrt(2.0 * math.pi))
