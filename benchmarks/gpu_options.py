@@ -6,9 +6,10 @@ meshax's SIMD backend as `build(..., compiler_options=...)`, over meshax's own o
 program (`cast_copies`: `build(..., cast_copies=...)`, `Lowering.function`). meshax's step of
 section 6 at the size is built, compiled and timed with each candidate in turn, each freed
 before the next: meshax's defaults first and again last (the two show the run's noise), then the
-candidates that beat the defaults by more than that noise, all together. Timed as section 6 times it (queued steps).
-Prints a table, writes JSON. A candidate that XLA refuses or that fails records why, and the rest
-run. Runs anywhere: the GPU options are accepted and unused on a CPU.
+candidates that beat the defaults by more than that noise, all together. Timed as section 6
+times it (queued steps). Prints a table, writes JSON. A candidate that XLA refuses or that
+fails records why, and the rest run. Runs anywhere: the GPU options are accepted and unused on
+a CPU.
 """
 
 from __future__ import annotations
