@@ -110,10 +110,15 @@ class UnaryOperation(Operation):
         self.differentiable = fn not in ("sign", "logical_not", "stop_gradient")
         self._add_output(x.shape, dtype)
 
+    @property
+    def linear(self) -> bool:
+        """Whether sums owed may flow through it (settled after, once)."""
+        return self.fn in _LINEAR_UNARY
+
     def lower(self, ctx):
         (x,), (out,) = self.inputs, self.outputs
         run = ctx.layouts(self)
-        v = ctx.get(x, run.operands[0], allow_partial=self.fn in _LINEAR_UNARY)
+        v = ctx.get(x, run.operands[0], allow_partial=self.linear)
         ctx.add_flops(ctx.local_size(out, run.results[0]))
         ctx.set_output(out, ctx.slicewise(_KERNELS[self.fn], v), run.results[0], v.pending)
 

@@ -311,14 +311,28 @@ class Estimator:
                 rerun.add(i)
         runs, nothing = last.runs, frozenset[int]()
         uses = {u for k in changed for u in tables.uses_of_shape[k]} | {u for i in rerun for u in tables.uses_of_op[i]}
+        # A linear op (an add, say) whose operands all owe the same sums, each read by it alone,
+        # sums them as they are and owes them itself: settled once, by its readers (as the
+        # lowering does: `LoweringContext.get`), not once per operand. (In program order: an add
+        # of a carried add carries on.)
+        carry: dict[int, frozenset] = {}
+        for i, feeding in tables.linear:
+            sources = [tables.uses[u][0] for u in feeding]
+            owed = {carry.get(s, runs[s].pending) if s >= 0 else nothing for s in sources}
+            if len(owed) == 1 and nothing not in owed and all(len(tables.uses[u][3]) == 1 for u in feeding):
+                carry[i] = owed.pop()
+        for i in carry.keys() ^ last.carry.keys() | {i for i in carry if carry[i] != last.carry.get(i)}:
+            uses.update(tables.uses_of_op[i])
+        last.carry = carry
         for u in range(len(tables.uses)) if full else sorted(uses):
             source, out, k, consumers, _ = tables.uses[u]
             if source < 0:
                 have, pending = lay[k], nothing
             else:
-                have, pending = runs[source].results[out], runs[source].pending
+                have, pending = runs[source].results[out], carry.get(source, runs[source].pending)
+            keep = len(consumers) == 1 and consumers[0][0] in carry  # (carried on by its one reader)
             wants = {lay[k] if c < 0 else runs[c].operands[i] for c, i in consumers}
-            last.moves[u] = [move for want in wants for move in self._reshard(k, have, pending, want)]
+            last.moves[u] = [move for want in wants for move in self._reshard(k, have, pending, want, keep)]
         for h, (i, _) in enumerate(tables.halos):
             if full or i in rerun:
                 last.sends[h] = self._halo_sends(i, runs[i])
@@ -429,14 +443,14 @@ class Estimator:
             return split_factor(axes, self.mesh_shape)
         return size / block_sizes(size, axes, self.mesh_shape)[-1]
 
-    def _reshard(self, k: int, have: TensorLayout, pending, want: TensorLayout) -> list:
-        memo = (k, have, pending, want)
+    def _reshard(self, k: int, have: TensorLayout, pending, want: TensorLayout, keep: bool = False) -> list:
+        memo = (k, have, pending, want, keep)
         if memo not in self._moves:
             key = self._tables().keys[k]
             shape = self._shapes[key]
             meter = _Meter(self.mesh_shape, np.dtype(key[1]).itemsize)
             local = [block_sizes(d.size, a, self.mesh_shape)[-1] for d, a in zip(shape, have.axes)]
-            reshard(meter, LaidOutTensor(local, have, pending), want, shape)
+            reshard(meter, LaidOutTensor(local, have, pending), want, shape, keep_partial=keep)
             self._moves[memo] = meter.moves
         return self._moves[memo]
 
@@ -470,6 +484,7 @@ class _State:
         self.flops: list[float] = [0.0] * ops
         self.moves: list[list] = [[] for _ in range(uses)]
         self.sends: list[list] = [[] for _ in range(halos)]
+        self.carry: dict[int, frozenset] = {}  # linear op signature -> the sums it carries on
 
 
 def _changed(before: dict, after: dict) -> set:
@@ -545,11 +560,17 @@ class _Tables:
                 self.ops_of[k].append(i)
         self.uses_of_shape: list[list[int]] = [[] for _ in self.keys]
         self.uses_of_op: list[list[int]] = [[] for _ in self.ops]
+        feeding: list[list[int]] = [[] for _ in self.ops]
         for u, (source, _, k, consumers, _) in enumerate(self.uses):
             self.uses_of_shape[k].append(u)
             for i in dict.fromkeys([source, *(c for c, _ in consumers)]):
                 if i >= 0:
                     self.uses_of_op[i].append(u)
+            for c in dict.fromkeys(c for c, _ in consumers):
+                if c >= 0:
+                    feeding[c].append(u)
+        # linear ops (adds, negations: they may carry sums owed) and the uses that feed each
+        self.linear = [(i, feeding[i]) for i, rep in enumerate(self.reps) if getattr(rep, "linear", False)]
 
 
 def _bodies(
