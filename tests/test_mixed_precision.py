@@ -2,6 +2,8 @@
 state, bfloat16 activations and matmuls, float32 statistics, logits, loss and gradient sums."""
 
 import dataclasses
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -211,6 +213,24 @@ def test_a_training_step_reads_kept_bfloat16_copies_of_its_weights_and_makes_the
     _, reset, _ = _copies_run(backend, mesh, layout, cast_copies=True, reset_at=2)
     _, plain_reset, _ = _copies_run(backend, mesh, layout, cast_copies=False, reset_at=2)
     assert reset == plain_reset and reset[2:] != losses[2:]
+
+
+def test_a_kept_copy_is_let_go_as_soon_as_its_weight_changes_elsewhere():
+    """A weight set from the host, or updated by a program that keeps no copy of it, lets its
+    kept copy go at once, and the value it was cast from: not held until a step that keeps
+    copies runs again (after a restore, an evaluation would have run beside both)."""
+    step, _, _ = _copies_run("simd", "all:1", "", cast_copies=True)
+    lowering, batch = step.lowering, _task(BF16).train_batch(4)
+    var, dtype = step._copies[0]
+    held = [weakref.ref(x) for x in lowering._copies[(var, dtype)]]  # (the old weight, its copy)
+    lowering.set_variable_value(var, lowering.variable_value(var))
+    gc.collect()
+    assert [ref() for ref in held] == [None, None]
+    step(batch, seed=4)
+    held = [weakref.ref(copy) for _, copy in lowering._copies.values()]
+    lowering.function(step.outputs, updates=step.updates, cast_copies=False)(batch, seed=5)
+    gc.collect()
+    assert held and all(ref() is None for ref in held)
 
 
 def test_the_step_reads_the_kept_copies_not_the_float32_weights():

@@ -187,6 +187,15 @@ class Lowering:
             self._variables[var] = self.impl.from_global(array, spec)
         else:
             self._variables[var] = self.impl.put(np.asarray(value).astype(t.dtype, copy=False), spec)
+        self._drop_copies([var])
+
+    def _drop_copies(self, variables) -> None:
+        """Forget the kept copies of `variables`, whose values changed: stale, a copy would only
+        hold its memory, and the value it was cast from (`_cast_copy` makes the next)."""
+        dtypes = {dtype for _, dtype in self._copies}
+        for var in variables:
+            for dtype in dtypes:
+                self._copies.pop((var, dtype), None)
 
     def _cast_copy(self, var: VariableOperation, dtype: np.dtype):
         """The variable's value cast to `dtype`, kept while the variable keeps that value: made
@@ -515,6 +524,7 @@ class LoweredFunction:
         k, c = len(self._updated), len(self._copies)
         for var, value in zip(self._updated, results[:k]):
             self.lowering._variables[var] = value
+        self.lowering._drop_copies(self._updated)  # (copies this program does not write are stale)
         for (var, dtype), copy in zip(self._copies, results[k : k + c]):
             self.lowering._copies[(var, dtype)] = (self.lowering._variables[var], copy)
         return results[k + c :]
