@@ -222,12 +222,12 @@ def test_a_kept_copy_is_let_go_as_soon_as_its_weight_changes_elsewhere():
     step, _, _ = _copies_run("simd", "all:1", "", cast_copies=True)
     lowering, batch = step.lowering, _task(BF16).train_batch(4)
     var, dtype = step._copies[0]
-    held = [weakref.ref(x) for x in lowering._copies[(var, dtype)]]  # (the old weight, its copy)
+    held = [weakref.ref(lowering._variables[var]), weakref.ref(lowering._copies[(var, dtype)])]
     lowering.set_variable_value(var, lowering.variable_value(var))
     gc.collect()
     assert [ref() for ref in held] == [None, None]
     step(batch, seed=4)
-    held = [weakref.ref(copy) for _, copy in lowering._copies.values()]
+    held = [weakref.ref(copy) for copy in lowering._copies.values()]
     lowering.function(step.outputs, updates=step.updates, cast_copies=False)(batch, seed=5)
     gc.collect()
     assert held and all(ref() is None for ref in held)
@@ -235,14 +235,14 @@ def test_a_kept_copy_is_let_go_as_soon_as_its_weight_changes_elsewhere():
 
 def test_the_step_reads_the_kept_copies_not_the_float32_weights():
     """The copies are what the step's matmuls read: kept copies halved behind the step's back
-    (their weights unchanged, so they pass for fresh) change the next loss. By default (on the
+    (their weights unchanged) change the next loss. By default (on the
     CPU) a training step keeps none."""
 
     def next_loss(halved: bool) -> float:
         step, _, _ = _copies_run("simd", *PAPER_LAYOUTS[2], cast_copies=True)
         copies = step.lowering._copies
         if halved:
-            copies.update({key: (state, copy * 0.5) for key, (state, copy) in copies.items()})
+            copies.update({key: copy * 0.5 for key, copy in copies.items()})
         return float(step(_task(BF16).train_batch(4), seed=4)[0])
 
     assert next_loss(halved=True) != next_loss(halved=False)

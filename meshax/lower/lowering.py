@@ -137,8 +137,8 @@ class Lowering:
         self.plan = make_plan(graph.operations, self.impl.layout_rules, self.impl.shape, self.impl.weight_rules)
         self.seed = seed
         self._variables: dict[Operation, object] = {}  # variable op -> backend value
-        # (variable op, dtype) -> (the variable's value it was cast from, the cast): `_cast_copy`
-        self._copies: dict[tuple[Operation, np.dtype], tuple[object, object]] = {}
+        # (variable op, dtype) -> the variable's value cast to dtype, dropped when that changes
+        self._copies: dict[tuple[Operation, np.dtype], object] = {}
         self._counters: Counters | None = None
 
     # ---- variables ---------------------------------------------------------------------------
@@ -190,8 +190,8 @@ class Lowering:
         self._drop_copies([var])
 
     def _drop_copies(self, variables) -> None:
-        """Forget the kept copies of `variables`, whose values changed: stale, a copy would only
-        hold its memory, and the value it was cast from (`_cast_copy` makes the next)."""
+        """Forget the kept copies of `variables`, whose values changed (`_cast_copy` makes the
+        next where a program that keeps copies needs one)."""
         dtypes = {dtype for _, dtype in self._copies}
         for var in variables:
             for dtype in dtypes:
@@ -201,14 +201,11 @@ class Lowering:
         """The variable's value cast to `dtype`, kept while the variable keeps that value: made
         here once (the first call, or after the value was set from outside), then by the
         programs that update the variable (`_cast_copies`)."""
-        state = self._variable_state(var)
-        made = self._copies.get((var, dtype))
-        if made is None or made[0] is not state:
+        if (var, dtype) not in self._copies:
             shape, _, layout = self._spec(var.outputs[0])
-            cast = self.impl.to_padded(state, (shape, var.outputs[0].dtype, layout)).astype(dtype)
-            made = (state, self.impl.from_padded(cast, (shape, dtype, layout)))
-            self._copies[(var, dtype)] = made
-        return made[1]
+            state = self.impl.to_padded(self._variable_state(var), (shape, var.outputs[0].dtype, layout))
+            self._copies[(var, dtype)] = self.impl.from_padded(state.astype(dtype), (shape, dtype, layout))
+        return self._copies[(var, dtype)]
 
     def variable_state(self, var) -> jax.Array:
         """The variable as a global jax.Array with its layout's NamedSharding, for either backend:
@@ -525,8 +522,8 @@ class LoweredFunction:
         for var, value in zip(self._updated, results[:k]):
             self.lowering._variables[var] = value
         self.lowering._drop_copies(self._updated)  # (copies this program does not write are stale)
-        for (var, dtype), copy in zip(self._copies, results[k : k + c]):
-            self.lowering._copies[(var, dtype)] = (self.lowering._variables[var], copy)
+        for key, copy in zip(self._copies, results[k : k + c]):
+            self.lowering._copies[key] = copy
         return results[k + c :]
 
     def call_global(self, feeds: Mapping[Tensor, jax.Array], seed: int = 0) -> list[jax.Array]:
