@@ -161,17 +161,20 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
     monkeypatch.setattr(gpu, "TWIN_ATTENTION", None)  # no cuDNN on a CPU
     broken = gpu.Lm("broken", 2, 63, 4, batch=4, length=64, vocab=512)  # d_model 63: odd, no sinusoids
     twinless = gpu.Lm("350M", 1, 64, 4, batch=4, length=64, vocab=512)  # its twin runs out of memory
+    copyless = gpu.Lm("1.3B", 1, 64, 4, batch=4, length=64, vocab=512)  # its twin's bf16 copies do not fit
     twin_step = gpu.twin_step
 
     def twin_step_or_out_of_memory(size, weights, batch, **kw):
-        if size is twinless:
+        if size is twinless or (size is copyless and kw["copies"]):
             raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 99GiB")
         return twin_step(size, weights, batch, **kw)
 
     monkeypatch.setattr(gpu, "twin_step", twin_step_or_out_of_memory)
     measure = gpu.measure  # (fewer steps than on a GPU: the records are checked, not the timings)
-    monkeypatch.setattr(gpu, "measure", lambda size, steps, warmup, **kw: measure(size, 2, 1, **kw))
-    monkeypatch.setattr(gpu, "SIZES", [broken, TINY, twinless])
+    monkeypatch.setattr(
+        gpu, "measure", lambda size, steps, warmup, **kw: measure(size, 2, 1, copies=size is copyless, **kw)
+    )
+    monkeypatch.setattr(gpu, "SIZES", [broken, TINY, twinless, copyless])
     monkeypatch.setattr(gpu, "LARGER", [])
 
     def cost_record_fails(size, platform):  # (the costing itself: the test without a GPU)
@@ -189,8 +192,10 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
         "LM 125M MFU (meshax)",
         "LM 350M: the twin does not fit",
         "LM 350M MFU (meshax)",
+        "LM 1.3B step, meshax / twin throughput",
+        "LM 1.3B MFU (meshax)",
     ]
-    peak, failed, ratio, mfu, no_twin, mfu_alone = records
+    peak, failed, ratio, mfu, no_twin, mfu_alone, without_copies, _ = records
     assert peak["value"] == 500.0 and peak["table_peak"] == 989.0
     assert failed["value"] is None and "d_model" in failed["note"]
     assert ratio["target"] == ">= 0.95" and ratio["value"] > 0 and ratio["process_peak_gib_so_far"] == 3.0
@@ -198,6 +203,9 @@ def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(mo
     assert mfu["config"]["measured_peak_tflops"] == 500.0
     assert "RESOURCE_EXHAUSTED" in no_twin["note"] and no_twin["value"] is None
     assert mfu_alone["value"] > 0 and mfu_alone["twin_mfu"] is None and mfu_alone["met"] is False  # target 45%
+    # a twin whose bf16 copies do not fit is timed without them, and says so
+    assert without_copies["value"] > 0 and without_copies["twin_copies"] is False
+    assert "without bf16 copies" in without_copies["note"] and "without" not in ratio["note"]
 
 
 def test_without_a_gpu_the_two_compiled_steps_are_costed_and_the_timings_skipped(tmp_path):
