@@ -149,6 +149,27 @@ def test_a_model_whose_weights_do_not_fit_is_refused_before_anything_is_allocate
         loop.build(MlpTask(), "all:2", "batch:all")
 
 
+def test_the_fit_check_counts_the_bfloat16_copies_a_step_keeps(monkeypatch):
+    """A step that keeps bfloat16 copies of its weights (a GPU's default) needs their bytes too:
+    where the weights, gradients and optimizer state fit and the copies tip it over, the build is
+    refused, naming them; the same build without copies goes on."""
+    import dataclasses
+
+    from meshax.models.transformer import PRESETS
+    from meshax.plan import memory_per_device
+    from meshax.train import LmTask, loop
+
+    task = LmTask(model=dataclasses.replace(PRESETS["tiny"], dtype="bfloat16"), batch_size=4, length=16)
+    lowering, outputs, _ = loop.build(task, "all:2", "batch:all", compile=False)
+    m = memory_per_device(lowering, outputs)
+    without = 2 * m["parameters"] + m["optimizer_state"]
+    copies = m["parameters"] // 2  # (every weight but the norms' is read in bfloat16: a little less)
+    monkeypatch.setattr(loop, "_host_available_bytes", lambda: 2 * (without + copies // 4))  # (2 CPU devices)
+    with pytest.raises(mx.ConfigError, match=r"their bfloat16 copies 0\.\d+ GiB\), and there are"):
+        loop.build(task, "all:2", "batch:all", cast_copies=True)
+    assert loop.build(task, "all:2", "batch:all", cast_copies=False).train_fn.copies_bytes() == 0
+
+
 def test_a_training_step_computes_the_loss_not_the_evaluations_metrics():
     """The metrics (an accuracy's argmax over the vocabulary: a pass over the float32 logits, and
     under a split vocabulary an allreduce of its min) are computed by the evaluation only: the

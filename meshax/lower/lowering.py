@@ -409,6 +409,14 @@ class LoweredFunction:
         self._constants: dict[Tensor, object] = {}  # imported arrays, put on the devices once
         self._placeholder_names: tuple[int, set[str]] = (-1, set())  # (graph size, names): `_graph_placeholders`
 
+    def copies_bytes(self) -> int:
+        """Bytes per device of the narrower copies of its weights that it keeps between calls."""
+        impl = self.lowering.impl
+        return sum(
+            int(np.prod(impl.slice_shape(var.outputs[0].shape, self.lowering.plan[var.outputs[0]]))) * dtype.itemsize
+            for var, dtype in self._copies
+        )
+
     @property
     def placeholders(self) -> list[Tensor]:
         """The placeholders the program reads: each must be fed, by name, when it is called."""

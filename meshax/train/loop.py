@@ -108,23 +108,24 @@ def build(
     names = list(built.metrics)
     if not compile:  # for planning: trace only, allocate nothing
         return lowering, outputs, updates
-    _check_fits(lowering, outputs)
     logged = list(graph.logged_scalars)
-    train_fn = lowering.function(
+    train_fn = lowering.function(  # (traced, not yet compiled: nothing allocated)
         outputs + [graph.logged_scalars[n] for n in logged], updates=updates, cast_copies=cast_copies
     )
+    _check_fits(lowering, outputs, train_fn.copies_bytes())
     eval_fn = lowering.function([built.metrics[n] for n in names])
     return Program(lowering, train_fn, eval_fn, names, logged)
 
 
-def _check_fits(lowering: Lowering, outputs) -> None:
+def _check_fits(lowering: Lowering, outputs, copies: int = 0) -> None:
     """A ConfigError, before anything is allocated, where the weights, their gradients and the
-    optimizer state alone (activations come on top) exceed the memory of this process's devices:
-    the host's available memory for CPU devices (they share it), each accelerator's own."""
+    optimizer state alone (activations come on top), with the `copies` bytes the step keeps of its
+    weights in bfloat16 (on a GPU: `Lowering.function`), exceed the memory of this process's
+    devices: the host's available memory for CPU devices (they share it), each accelerator's own."""
     from meshax.plan import memory_per_device
 
     m = memory_per_device(lowering, outputs)
-    need = 2 * m["parameters"] + m["optimizer_state"]
+    need = 2 * m["parameters"] + m["optimizer_state"] + copies
     devices = [d for d in lowering.impl.devices if d.process_index == jax.process_index()]
     if not devices:
         return
@@ -133,10 +134,11 @@ def _check_fits(lowering: Lowering, outputs) -> None:
     else:
         have, where = (devices[0].memory_stats() or {}).get("bytes_limit"), f"per {devices[0].platform} device"
     if have and need > have:
+        kept = f", their bfloat16 copies {copies / 2**30:.2f} GiB" if copies else ""
         raise ConfigError(
             f"the weights, gradients and optimizer state alone take {need / 2**30:.1f} GiB {where} "
             f"(parameters {m['parameters'] / 2**30:.2f} GiB and optimizer state {m['optimizer_state'] / 2**30:.2f} "
-            f"GiB per device), and there are {have / 2**30:.1f} GiB: split the weights over more devices "
+            f"GiB per device{kept}), and there are {have / 2**30:.1f} GiB: split the weights over more devices "
             "(`meshax plan --search --memory-budget` finds a layout), or train a smaller model"
         )
 
