@@ -17,7 +17,7 @@ other splits propagation adds, and linear ops that pass a partial sum on instead
 The ops inside a loop's body (a pipeline's scan) and a rematerialized layer's (in its forward
 op, and again in its gradient's) are costed as often as they run, as the trace counts them; the
 loop or layer itself only fetches the tensors it binds to its body.
-Ops with the same signature (type, rule, operand and result shapes: a layer repeated) and
+Ops with the same signature (type, rule, operand and result shapes, linearity: a layer repeated) and
 tensors with the same producer and consumers are costed once and counted as often as they occur,
 so a rule set costs a few milliseconds whatever the depth.
 """
@@ -141,7 +141,10 @@ class Estimator:
                     continue
                 if op not in sig_of:  # (an op recomputed in a gradient's body: its FLOPs are counted once, all)
                     shapes = (tuple(map(_shape_key, op.inputs)), tuple(map(_shape_key, op.outputs)))
-                    sig = sig_of[op] = (type(op).__name__, rule_of(op), *shapes)
+                    # (whether it is linear too: an add and a multiply of the same shapes differ in
+                    # whether sums owed pass through them, `_state`)
+                    linear = bool(getattr(op, "linear", False))
+                    sig = sig_of[op] = (type(op).__name__, rule_of(op), *shapes, linear)
                     self._reps.setdefault(sig, op)
                     self._flops[sig] += flops.get(op.name, 0)  # (a loop body's: every iteration's)
                 self._runs_of[sig_of[op]] += times
