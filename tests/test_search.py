@@ -301,18 +301,22 @@ def _partial_sums(case: str) -> tuple:
     b, d, e = mx.Dimension("batch", 8), mx.Dimension("d", 16), mx.Dimension("e", 8)
     x = mx.placeholder(mesh, "x", [b, d])
     p = [mx.einsum(x, mx.placeholder(mesh, f"w{i}", [d, e]), output_shape=[b, e]) for i in range(4)]
-    ys = {"a multiply beside an add": [p[0] + p[1], p[2] * p[3]]}[case]  # (same shapes: only the add carries)
+    ys = {
+        "a multiply beside an add": [p[0] + p[1], p[2] * p[3]],  # (same shapes: only the add carries)
+        "a sum read by two adds": [p[0] + p[1], p[0] + p[2]],  # (p[0] is settled, and so are p[1], p[2])
+    }[case]
     loss = mx.reduce_sum(mx.tanh(ys[0]))
     for y in ys[1:]:
         loss = loss * mx.reduce_sum(mx.tanh(y))
     return graph, loss
 
 
-@pytest.mark.parametrize("case", ["a multiply beside an add"])
+@pytest.mark.parametrize("case", ["a multiply beside an add", "a sum read by two adds"])
 def test_the_estimate_carries_sums_owed_where_the_lowering_does(case):
     """The estimate settles sums owed where the lowering does, layout after layout (its state
     updated from the one before). Before: a multiply with the shapes of an add carried sums as
-    the add (one signature)."""
+    the add (one signature); a partial sum read by two adds was carried by both (its readers,
+    one signature, counted once)."""
     graph, loss = _partial_sums(case)
     program = model_of(graph, [loss]).on(convert_to_mesh_shape("rows:2;cols:4"))
 

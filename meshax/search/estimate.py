@@ -148,27 +148,30 @@ class Estimator:
                     self._reps.setdefault(sig, op)
                     self._flops[sig] += flops.get(op.name, 0)  # (a loop body's: every iteration's)
                 self._runs_of[sig_of[op]] += times
-        # tensors, in each scope: (producer signature and output index, or the input's shape) ->
-        # consumers' wants, as often as the scope runs. A loop, branch or recomputed layer fetches
-        # the tensors it binds in their own layout (its body reads what it captures, and its
-        # results come out in theirs: a source as an input is)
+        # tensors, in each scope: (producer signature and output index, or the input's shape,
+        # consumers' wants, and whether one op alone reads it: `_state`) -> as often as the scope
+        # runs. A loop, branch or recomputed layer fetches the tensors it binds in their own layout
+        # (its body reads what it captures, and its results come out in theirs: a source as an
+        # input is)
         self._uses: dict[tuple, int] = defaultdict(int)
         self._shapes: dict[tuple, Shape] = {}
         for body, results, times in scopes:
             consumers: dict[Tensor, list[tuple]] = defaultdict(list)
+            readers: dict[Tensor, set] = defaultdict(set)  # (the ops reading it; None: the results)
             for op in body:
                 inner = _bodies(op)
                 for i, t in enumerate(op.inputs):
-                    if inner is None:
-                        consumers[t].append((sig_of[op], i))
-                    elif i < inner[0]:
-                        consumers[t].append(("output",))
+                    if inner is None or i < inner[0]:
+                        consumers[t].append((sig_of[op], i) if inner is None else ("output",))
+                        readers[t].add(op)
             for t in results:
                 consumers[t].append(("output",))
+                readers[t].add(None)
             for t, cs in consumers.items():
                 op = t.operation
                 source = (sig_of[op], op.outputs.index(t)) if op in sig_of else ("input", _shape_key(t))
-                self._uses[(source, _shape_key(t), tuple(sorted(set(cs), key=repr)))] += times
+                alone = len(readers[t]) == 1
+                self._uses[(source, _shape_key(t), tuple(sorted(set(cs), key=repr)), alone)] += times
                 self._shapes[_shape_key(t)] = t.shape
         from meshax.plan import _fed, recomputed_bodies, weight_reads  # (memory as the plan counts it)
 
@@ -322,7 +325,7 @@ class Estimator:
         for i, feeding in tables.linear:
             sources = [tables.uses[u][0] for u in feeding]
             owed = {carry.get(s, runs[s].pending) if s >= 0 else nothing for s in sources}
-            if len(owed) == 1 and nothing not in owed and all(len(tables.uses[u][3]) == 1 for u in feeding):
+            if len(owed) == 1 and nothing not in owed and all(tables.alone[u] for u in feeding):
                 carry[i] = owed.pop()
         for i in carry.keys() ^ last.carry.keys() | {i for i in carry if carry[i] != last.carry.get(i)}:
             uses.update(tables.uses_of_op[i])
@@ -333,7 +336,7 @@ class Estimator:
                 have, pending = lay[k], nothing
             else:
                 have, pending = runs[source].results[out], carry.get(source, runs[source].pending)
-            keep = len(consumers) == 1 and consumers[0][0] in carry  # (carried on by its one reader)
+            keep = tables.alone[u] and consumers[0][0] in carry  # (carried on by its one reader)
             wants = {lay[k] if c < 0 else runs[c].operands[i] for c, i in consumers}
             last.moves[u] = [move for want in wants for move in self._reshard(k, have, pending, want, keep)]
         for h, (i, _) in enumerate(tables.halos):
@@ -517,8 +520,9 @@ class _Tables:
                 [(-1, -1) if c[0] == "output" else (ordinal[c[0]], c[1]) for c in consumers],
                 count,
             )
-            for (source, key, consumers), count in e._uses.items()
+            for (source, key, consumers, _), count in e._uses.items()
         ]
+        self.alone = [alone for *_, alone in e._uses]  # (each use: whether one op alone reads it)
         self.memory = {part: [(number[k], n) for k, n in groups.items()] for part, groups in e._memory.items()}
         self.recomputed = [[(number[k], n) for k, n in group] for group in e._recomputed]
         self.weight_reads = [
