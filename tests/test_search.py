@@ -304,6 +304,8 @@ def _partial_sums(case: str) -> tuple:
     ys = {
         "a multiply beside an add": [p[0] + p[1], p[2] * p[3]],  # (same shapes: only the add carries)
         "a sum read by two adds": [p[0] + p[1], p[0] + p[2]],  # (p[0] is settled, and so are p[1], p[2])
+        "a chain of adds": [p[0] + p[1] + p[2] + p[3]],  # (settled once)
+        "a negation and a subtraction": [-p[0] + p[1] - p[2]],
     }[case]
     loss = mx.reduce_sum(mx.tanh(ys[0]))
     for y in ys[1:]:
@@ -311,12 +313,15 @@ def _partial_sums(case: str) -> tuple:
     return graph, loss
 
 
-@pytest.mark.parametrize("case", ["a multiply beside an add", "a sum read by two adds"])
+@pytest.mark.parametrize(
+    "case", ["a multiply beside an add", "a sum read by two adds", "a chain of adds", "a negation and a subtraction"]
+)
 def test_the_estimate_carries_sums_owed_where_the_lowering_does(case):
     """The estimate settles sums owed where the lowering does, layout after layout (its state
     updated from the one before). Before: a multiply with the shapes of an add carried sums as
     the add (one signature); a partial sum read by two adds was carried by both (its readers,
-    one signature, counted once)."""
+    one signature, counted once); a chain of adds settled every operand (an add reading an add
+    of its own signature was not known to carry sums when it was looked at)."""
     graph, loss = _partial_sums(case)
     program = model_of(graph, [loss]).on(convert_to_mesh_shape("rows:2;cols:4"))
 

@@ -319,14 +319,26 @@ class Estimator:
         uses = {u for k in changed for u in tables.uses_of_shape[k]} | {u for i in rerun for u in tables.uses_of_op[i]}
         # A linear op (an add, say) whose operands all owe the same sums, each read by it alone,
         # sums them as they are and owes them itself: settled once, by its readers (as the
-        # lowering does: `LoweringContext.get`), not once per operand. (In program order: an add
-        # of a carried add carries on.)
-        carry: dict[int, frozenset] = {}
-        for i, feeding in tables.linear:
-            sources = [tables.uses[u][0] for u in feeding]
-            owed = {carry.get(s, runs[s].pending) if s >= 0 else nothing for s in sources}
-            if len(owed) == 1 and nothing not in owed and all(tables.alone[u] for u in feeding):
-                carry[i] = owed.pop()
+        # lowering does: `LoweringContext.get`), not once per operand. An add of a carried add
+        # carries on, one of its own signature too (a chain of adds): each linear op is taken to
+        # carry (None: sums not yet known) until an operand says otherwise.
+        maybe: dict[int, frozenset | None] = {i: None for i, feeding in tables.linear}
+        progress = True
+        while progress:
+            progress = False
+            for i, feeding in tables.linear:
+                if i not in maybe:
+                    continue
+                sources = [tables.uses[u][0] for u in feeding]
+                owed = {maybe[s] if s in maybe else runs[s].pending if s >= 0 else nothing for s in sources}
+                owed.discard(None)
+                if len(owed) > 1 or nothing in owed or not all(tables.alone[u] for u in feeding):
+                    del maybe[i]
+                    progress = True
+                elif owed and maybe[i] != (sums := owed.pop()):
+                    maybe[i] = sums
+                    progress = True
+        carry = {i: owed for i, owed in maybe.items() if owed is not None}
         for i in carry.keys() ^ last.carry.keys() | {i for i in carry if carry[i] != last.carry.get(i)}:
             uses.update(tables.uses_of_op[i])
         last.carry = carry
