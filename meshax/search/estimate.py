@@ -321,7 +321,9 @@ class Estimator:
         # sums them as they are and owes them itself: settled once, by its readers (as the
         # lowering does: `LoweringContext.get`), not once per operand. An add of a carried add
         # carries on, one of its own signature too (a chain of adds): each linear op is taken to
-        # carry (None: sums not yet known) until an operand says otherwise.
+        # carry (None: sums not yet known) until an operand says otherwise. An operand owes
+        # the sums over the mesh axes its layout there splits no more (`reshard` settles them
+        # as it moves it: a reduce-scatter).
         maybe: dict[int, frozenset | None] = {i: None for i, feeding in tables.linear}
         progress = True
         while progress:
@@ -329,9 +331,12 @@ class Estimator:
             for i, feeding in tables.linear:
                 if i not in maybe:
                     continue
-                sources = [tables.uses[u][0] for u in feeding]
-                owed = {maybe[s] if s in maybe else runs[s].pending if s >= 0 else nothing for s in sources}
-                owed.discard(None)
+                owed = set()
+                for u in feeding:
+                    s, _, _, consumers, _ = tables.uses[u]
+                    sums = maybe[s] if s in maybe else runs[s].pending if s >= 0 else nothing
+                    if sums is not None:
+                        owed |= {sums - runs[i].operands[j].mesh_axes_used for c, j in consumers if c == i}
                 if len(owed) > 1 or nothing in owed or not all(tables.alone[u] for u in feeding):
                     del maybe[i]
                     progress = True
