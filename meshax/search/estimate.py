@@ -10,9 +10,11 @@ with. Tensors are laid out by the rules; a dim no rule names that renames one a 
 (`memory_length`, the keys' `length`) is split as that one as far as the tensor leaves its mesh
 dims free, as propagation splits it. Ops that exchange halos themselves (a pipeline's shifts,
 convolutions, pooling) say what their permutes send (`halo_sends`), and ops that owe more sums
-than their rule says (a filter gradient, over split space) say so (`owed`). What it leaves out:
-other splits propagation adds, and linear ops that pass a partial sum on instead of settling it
-(the exact trace counts those), so the search re-scores its best candidates exactly.
+than their rule says (a filter gradient, over split space) say so (`owed`). Linear ops (adds,
+negations) carry sums owed on where every op of their signature may (`_state`). What it leaves
+out: other splits propagation adds, and sums carried where other ops of the signature may not
+or through a rename (the exact trace counts those), so the search re-scores its best
+candidates exactly.
 
 The ops inside a loop's body (a pipeline's scan) and a rematerialized layer's (in its forward
 op, and again in its gradient's) are costed as often as they run, as the trace counts them; the
