@@ -159,20 +159,20 @@ class Estimator:
         self._shapes: dict[tuple, Shape] = {}
         for body, results, times in scopes:
             consumers: dict[Tensor, list[tuple]] = defaultdict(list)
-            readers: dict[Tensor, set] = defaultdict(set)  # (the ops reading it; None: the results)
+            reading: dict[Tensor, set] = defaultdict(set)  # (the ops reading it; None: the results)
             for op in body:
                 inner = _bodies(op)
                 for i, t in enumerate(op.inputs):
                     if inner is None or i < inner[0]:
                         consumers[t].append((sig_of[op], i) if inner is None else ("output",))
-                        readers[t].add(op)
+                        reading[t].add(op)
             for t in results:
                 consumers[t].append(("output",))
-                readers[t].add(None)
+                reading[t].add(None)
             for t, cs in consumers.items():
                 op = t.operation
                 source = (sig_of[op], op.outputs.index(t)) if op in sig_of else ("input", _shape_key(t))
-                alone = len(readers[t]) == 1
+                alone = len(reading[t]) == 1
                 self._uses[(source, _shape_key(t), tuple(sorted(set(cs), key=repr)), alone)] += times
                 self._shapes[_shape_key(t)] = t.shape
         from meshax.plan import _fed, recomputed_bodies, weight_reads  # (memory as the plan counts it)
@@ -335,8 +335,8 @@ class Estimator:
                     continue
                 owed = set()
                 for u in feeding:
-                    s, _, _, consumers, _ = tables.uses[u]
-                    sums = maybe[s] if s in maybe else runs[s].pending if s >= 0 else nothing
+                    source, _, _, consumers, _ = tables.uses[u]
+                    sums = maybe[source] if source in maybe else runs[source].pending if source >= 0 else nothing
                     if sums is not None:
                         owed |= {sums - runs[i].operands[j].mesh_axes_used for c, j in consumers if c == i}
                 if len(owed) > 1 or nothing in owed or not all(tables.alone[u] for u in feeding):
