@@ -165,6 +165,12 @@ def counted_and_compiled(fn) -> tuple[dict, dict]:
     return counted, {k: (v["count"], v["values"]) for k, v in compiled.items() if v["count"]}
 
 
+def moved(cost) -> list:
+    """A StepCost's collectives as (kind, mesh dims, bytes in all), sorted: the estimate's and the
+    exact trace's compare equal where they move the same."""
+    return sorted((x.kind, x.mesh_dims, x.bytes * x.count) for x in cost.collectives)
+
+
 def rand(shape, seed=0, low=-1.0, high=1.0, dtype=np.float32):
     rng = np.random.default_rng(seed)
     shape = tuple(shape.to_integer_list) if isinstance(shape, mx.Shape) else tuple(shape)

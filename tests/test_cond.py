@@ -12,6 +12,7 @@ from meshax.lower.hlo import hlo_collectives
 from meshax.ops.cond import CondOperation
 from meshax.search.program import model_of
 from meshax.search.search import _pairs
+from tests.conftest import moved
 from tests.test_loops import CASES
 
 B, D, E = mx.Dimension("batch", 4), mx.Dimension("d", 6), mx.Dimension("e", 6)
@@ -157,9 +158,6 @@ def test_the_layout_search_estimate_counts_every_branch_as_the_trace_does(layout
     est = program.estimator(mx.convert_to_layout_rules(layout))
     exact = program.exact(tuple(sorted(_pairs(layout))))
     assert {k: v for k, v in est.flops.items() if v} == exact.flops
-
-    def moved(c) -> list:
-        return sorted((x.kind, x.mesh_dims, x.bytes * x.count) for x in c.collectives)
 
     assert moved(est) == moved(exact)
 

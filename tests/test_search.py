@@ -28,6 +28,7 @@ from meshax.search.space import Space, rules_string
 from meshax.train import LmTask, MlpTask, Seq2SeqTask
 from meshax.train.loop import build
 from meshax.train.tasks import CnnTask, UNetTask
+from tests.conftest import moved
 
 # The tiny LM at one layer: its two layers' rule sets, each traced in 0.18 s instead of 0.32 s
 TINY_LM = LmTask(model=dataclasses.replace(PRESETS["tiny"], num_layers=1))
@@ -100,9 +101,6 @@ def test_estimate_equals_the_exact_trace_for_the_mlp(mesh):
         exact = exact_cost(lowering, outputs, updates)
         assert est.memory == exact.memory
         assert sum(est.flops.values()) == pytest.approx(sum(exact.flops.values()))
-
-        def moved(c):
-            return sorted((x.kind, x.mesh_dims, x.bytes * x.count) for x in c.collectives)
 
         assert moved(est) == moved(exact), rules_string(rules)
 
@@ -245,9 +243,6 @@ def test_the_estimate_counts_halo_exchanges_and_the_filter_gradients_spatial_sum
     est = program.estimator(mx.convert_to_layout_rules(layout))
     exact = program.exact(tuple(sorted(_pairs(layout))))
 
-    def moved(c: StepCost) -> list:
-        return sorted((x.kind, x.mesh_dims, x.bytes * x.count) for x in c.collectives)
-
     assert moved(est) == moved(exact) and any(kind == "permute" for kind, _, _ in moved(exact))
 
 
@@ -283,9 +278,6 @@ def test_the_estimate_settles_a_sum_of_partial_sums_once(layout):
     program = model_of(graph, [loss]).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
     exact = program.exact(tuple(sorted(_pairs(layout))))
-
-    def moved(c: StepCost) -> list:
-        return sorted((x.kind, x.mesh_dims, x.bytes * x.count) for x in c.collectives)
 
     assert moved(est) == moved(exact)
     # one allreduce over d's mesh dims (the loss's own over batch's, where batch is split)
@@ -329,9 +321,6 @@ def test_the_estimate_carries_sums_owed_where_the_lowering_does(case):
     sum still, and its reader settled it again."""
     graph, loss = _partial_sums(case)
     program = model_of(graph, [loss]).on(convert_to_mesh_shape("rows:2;cols:4"))
-
-    def moved(c: StepCost) -> list:
-        return sorted((x.kind, x.mesh_dims, x.bytes * x.count) for x in c.collectives)
 
     for layout in ["d:cols", "batch:rows;d:cols", "", "d:rows;d:cols", "e:cols;d:cols", "e:cols;d:rows", "d:cols"]:
         est = program.estimator(mx.convert_to_layout_rules(layout))
