@@ -326,7 +326,7 @@ class Estimator:
         # carry (None: sums not yet known) until an operand says otherwise. An operand owes
         # the sums over the mesh axes its layout there splits no more (`reshard` settles them
         # as it moves it: a reduce-scatter).
-        maybe: dict[int, frozenset | None] = {i: None for i, feeding in tables.linear}
+        maybe: dict[int, frozenset | None] = {i: None for i, _ in tables.linear}
         progress = True
         while progress:
             progress = False
@@ -346,8 +346,9 @@ class Estimator:
                     maybe[i] = sums
                     progress = True
         carry = {i: owed for i, owed in maybe.items() if owed is not None}
-        for i in carry.keys() ^ last.carry.keys() | {i for i in carry if carry[i] != last.carry.get(i)}:
-            uses.update(tables.uses_of_op[i])
+        for i in carry.keys() | last.carry.keys():
+            if carry.get(i) != last.carry.get(i):
+                uses.update(tables.uses_of_op[i])
         last.carry = carry
         for u in range(len(tables.uses)) if full else sorted(uses):
             source, out, k, consumers, _ = tables.uses[u]
