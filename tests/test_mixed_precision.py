@@ -202,8 +202,8 @@ def test_a_training_step_reads_kept_bfloat16_copies_of_its_weights_and_makes_the
     step, losses, weights = _copies_run(backend, mesh, layout, cast_copies=True)
     # every weight the layers read in bfloat16: all but the layer norms' (the embedding for the logits)
     read_narrow = {v for v in step.lowering.graph.trainable_variables if "norm" not in v.name}
-    assert {v for v, _ in step._copies} == read_narrow
-    assert {str(d) for _, d in step._copies} == {"bfloat16"}
+    assert {v for v, _ in step._copy_keys} == read_narrow
+    assert {str(d) for _, d in step._copy_keys} == {"bfloat16"}
     _, plain_losses, plain = _copies_run(backend, mesh, layout, cast_copies=False)
     assert losses == plain_losses
     for name in plain:
@@ -221,7 +221,7 @@ def test_a_kept_copy_is_let_go_as_soon_as_its_weight_changes_elsewhere():
     copies runs again (after a restore, an evaluation would have run beside both)."""
     step, _, _ = _copies_run("simd", "all:1", "", cast_copies=True)
     lowering, batch = step.lowering, _task(BF16).train_batch(4)
-    var, dtype = step._copies[0]
+    var, dtype = step._copy_keys[0]
     held = [weakref.ref(lowering._variables[var]), weakref.ref(lowering._copies[(var, dtype)])]
     lowering.set_variable_value(var, lowering.variable_value(var))
     gc.collect()
@@ -246,4 +246,4 @@ def test_the_step_reads_the_kept_copies_not_the_float32_weights():
         return float(step(_task(BF16).train_batch(4), seed=4)[0])
 
     assert next_loss(halved=True) != next_loss(halved=False)
-    assert not build(_task(BF16), "all:1", "", "simd", SgdOptimizer(0.1)).train_fn._copies
+    assert not build(_task(BF16), "all:1", "", "simd", SgdOptimizer(0.1)).train_fn._copy_keys

@@ -394,7 +394,7 @@ class LoweredFunction:
         self.ops, self.inputs, self._updated, copies, body = lowering._program(
             outs, updates, self.counters, cast_copies
         )
-        self._copies = list(copies)  # (variable, dtype): the kept copies it reads and writes, after the inputs
+        self._copy_keys = list(copies)  # (variable, dtype): the kept copies it reads and writes, after the inputs
         copy_specs = [lowering._spec(casts[0].outputs[0]) for casts in copies.values()]
         specs = [lowering._spec(t) for t in self.inputs] + copy_specs
         if not lowering.impl.compile_traces_once:
@@ -414,7 +414,7 @@ class LoweredFunction:
         impl = self.lowering.impl
         return sum(
             int(np.prod(impl.slice_shape(var.outputs[0].shape, self.lowering.plan[var.outputs[0]]))) * dtype.itemsize
-            for var, dtype in self._copies
+            for var, dtype in self._copy_keys
         )
 
     @property
@@ -505,7 +505,7 @@ class LoweredFunction:
                     value = op.value_on(impl) if hasattr(op, "value_on") else op.value  # (imported slices)
                     self._constants[t] = impl.put(value, self.lowering._spec(t))
                 args.append(self._constants[t])
-        return args + [self.lowering._cast_copy(var, dtype) for var, dtype in self._copies]
+        return args + [self.lowering._cast_copy(var, dtype) for var, dtype in self._copy_keys]
 
     def __call__(self, feeds: Mapping | None = None, seed: int = 0, rows: tuple[int, int] | None = None):
         """Run the program; with `rows` (from `feed_rows`), each fed array holds only those rows."""
@@ -526,11 +526,11 @@ class LoweredFunction:
     def _start(self, args: list, seed: int) -> list:
         """Run on `args`; the variables take their new values (the program's first outputs)."""
         results = self._run(args, seed)
-        k, c = len(self._updated), len(self._copies)
+        k, c = len(self._updated), len(self._copy_keys)
         for var, value in zip(self._updated, results[:k]):
             self.lowering._variables[var] = value
         self.lowering._drop_copies(self._updated)  # (copies this program does not write are stale)
-        for key, copy in zip(self._copies, results[k : k + c]):
+        for key, copy in zip(self._copy_keys, results[k : k + c]):
             self.lowering._copies[key] = copy
         return results[k + c :]
 
