@@ -9,8 +9,6 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-import numpy as np
-
 from meshax.core.graph import Operation, Tensor
 from meshax.layout.plan import weight_shapes
 from meshax.layout.sharding_rule import choose
@@ -42,15 +40,6 @@ class PlanSummary:
         d = dataclasses.asdict(self)
         d.pop("counters")
         return d
-
-
-def _slice_bytes(lowering: Lowering):
-    impl, plan = lowering.impl, lowering.plan
-
-    def slice_bytes(t, layout=None) -> int:
-        return int(np.prod(impl.slice_shape(t.shape, layout or plan[t]), dtype=np.int64)) * t.dtype.itemsize
-
-    return slice_bytes
 
 
 def recomputed_bodies(op: Operation) -> list[list[Operation]]:
@@ -111,7 +100,7 @@ def memory_per_device(lowering: Lowering, forward_outputs) -> dict[str, int]:
     once: `recomputed_bodies`; and the weights read in another layout than their own, gathered:
     `_gathered_weights`, and alone as "gathered_weights") and "inputs" (the placeholders'
     slices, the batch fed, and the imported arrays': the step's arguments besides the variables)."""
-    slice_bytes, graph = _slice_bytes(lowering), lowering.graph
+    slice_bytes, graph = lowering.slice_bytes, lowering.graph
     forward: list[Operation] = [
         op for op in _needed_ops(graph, [t.operation for t in forward_outputs]) if not getattr(op, "is_input", False)
     ]
@@ -133,7 +122,7 @@ def memory_per_device(lowering: Lowering, forward_outputs) -> dict[str, int]:
 
 
 def summarize(lowering: Lowering, counters: Counters, forward_outputs) -> PlanSummary:
-    plan, slice_bytes = lowering.plan, _slice_bytes(lowering)
+    plan, slice_bytes = lowering.plan, lowering.slice_bytes
     params = lowering.graph.trainable_variables
     memory = memory_per_device(lowering, forward_outputs)
     families: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))

@@ -327,6 +327,12 @@ class Lowering:
         """t's planned layout, as a TensorLayout (mesh axis indices per dim); `layout_of` gives it as a string."""
         return self.plan[t]
 
+    def slice_bytes(self, t: Tensor, layout=None, dtype=None) -> int:
+        """Bytes of one device's slice of `t` in `layout` (default: its planned one), at `dtype`
+        (default: t's own)."""
+        elements = int(np.prod(self.impl.slice_shape(t.shape, layout or self.plan[t]), dtype=np.int64))
+        return elements * np.dtype(dtype or t.dtype).itemsize
+
     def layout_of(self, t: Tensor) -> str:
         """t's final layout as rules, e.g. "batch:rows;d_ff:cols" ("" when replicated)."""
         from meshax.lower.explain import layout_string
@@ -411,11 +417,7 @@ class LoweredFunction:
 
     def copies_bytes(self) -> int:
         """Bytes per device of the narrower copies of its weights that it keeps between calls."""
-        impl = self.lowering.impl
-        return sum(
-            int(np.prod(impl.slice_shape(var.outputs[0].shape, self.lowering.plan[var.outputs[0]]))) * dtype.itemsize
-            for var, dtype in self._copy_keys
-        )
+        return sum(self.lowering.slice_bytes(var.outputs[0], dtype=dtype) for var, dtype in self._copy_keys)
 
     @property
     def placeholders(self) -> list[Tensor]:
