@@ -113,10 +113,11 @@ def _parser() -> argparse.ArgumentParser:
         )
         s.add_argument(
             "--dtype",
-            choices=["float32", "bfloat16"],
+            choices=["float32", "bfloat16", "float16"],
             default=None,
-            help="lm/seq2seq: the computation's dtype; bfloat16 keeps float32 master weights, optimizer "
-            "state, layer-norm statistics, softmax, logits, loss and weight-gradient sums (default float32)",
+            help="lm/seq2seq: the computation's dtype; bfloat16 and float16 keep float32 master weights, optimizer "
+            "state, layer-norm statistics, softmax, logits, loss and weight-gradient sums; float16 trains with "
+            "dynamic loss scaling (default float32)",
         )
         s.add_argument(
             "--attention",

@@ -26,6 +26,7 @@ from meshax.ops.variables import (
     assign_add,
     get_variable,
     reuse_variables,
+    updates_only_where,
 )
 
 Schedule = Callable[[Tensor], "Tensor | float"]
@@ -113,7 +114,7 @@ class Optimizer:
         )
 
     def _step(self, mesh) -> Tensor:
-        if self.step is None:
+        if self.step is None or self.step.graph is not mesh.graph:  # (an optimizer used for another graph)
             from meshax.ops.variables import global_step
 
             self.step = global_step(mesh)
@@ -122,6 +123,10 @@ class Optimizer:
     def learning_rate(self, step: Tensor):
         """The learning rate at `step` (a scalar tensor), from the schedule."""
         return self._schedule(step)
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """The loss whose gradients `apply_grads` takes: the loss itself (`LossScaleOptimizer` scales it)."""
+        return loss
 
     def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
         """The update ops of one step: each variable's from its gradient (None: left alone), and the step counter's."""
@@ -342,6 +347,83 @@ class AdafactorOptimizer(Optimizer):
         return updates
 
 
+class LossScaleOptimizer(Optimizer):
+    """Dynamic loss scaling around `optimizer`, for a model computing in float16, whose gradients
+    underflow to zero below 6e-8 and overflow above 65504: the loss is multiplied by a scale
+    before its gradients are taken (`scale_loss`), and the gradients are divided by it, in float32,
+    before `optimizer` updates with them. A step whose gradients are not all finite changes
+    nothing (weights, optimizer state and its step counter: `updates_only_where`) and halves the
+    scale (not below `min_scale`); after `growth_interval` finite steps in a row the scale
+    doubles (up to 2**127). The scale (float32, logged as "loss_scale" at every step) and the count
+    of finite steps are variables, so checkpoints keep them. Scales are powers of two: where
+    nothing overflows, the step is the unscaled step to the bit. `meshax.train` wraps its
+    optimizer in one where the model computes in float16."""
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        initial_scale: float = 2.0**15,
+        growth_interval: int = 2000,
+        min_scale: float = 1.0,
+    ):
+        if not isinstance(optimizer, Optimizer) or isinstance(optimizer, LossScaleOptimizer):
+            raise ConfigError(f"LossScaleOptimizer wraps a meshax optimizer (not a loss-scaled one), got {optimizer!r}")
+        for name, value in (("initial_scale", initial_scale), ("min_scale", min_scale)):
+            if not (math.isfinite(value) and value >= 1 and math.frexp(value)[0] == 0.5):
+                raise ConfigError(f"{name} {value!r} must be a power of two >= 1 (so that scaling is exact)")
+        if initial_scale < min_scale:
+            raise ConfigError(f"initial_scale {initial_scale!r} is below min_scale {min_scale!r}")
+        if not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ConfigError(f"growth_interval {growth_interval!r} must be a whole number of steps >= 1")
+        self.optimizer = optimizer
+        self.initial_scale, self.min_scale = float(initial_scale), float(min_scale)
+        self.growth_interval = growth_interval
+        self.scale: Tensor | None = None
+        self.finite_steps: Tensor | None = None
+
+    @property
+    def step(self) -> Tensor | None:  # type: ignore[override]
+        """The wrapped optimizer's step counter (it counts the steps that updated)."""
+        return self.optimizer.step
+
+    def learning_rate(self, step: Tensor):
+        return self.optimizer.learning_rate(step)
+
+    def scale_loss(self, loss: Tensor) -> Tensor:
+        """`loss` times the scale: take the gradients of this, then give them to `apply_grads`."""
+        from meshax import initializers
+        from meshax.ops.debug import log_scalar
+
+        if self.scale is None or self.scale.graph is not loss.graph:
+            scalar = lambda name, init, dtype: get_variable(  # noqa: E731
+                loss.mesh, f"loss_scale/{name}", [], initializer=init, dtype=dtype, trainable=False
+            )
+            self.scale = log_scalar("loss_scale", scalar("scale", initializers.constant(self.initial_scale), "float32"))
+            self.finite_steps = scalar("finite_steps", initializers.zeros(), "int32")
+        return loss * ew.cast(self.scale, loss.dtype)
+
+    def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
+        """The wrapped optimizer's updates from the gradients unscaled, where they are all finite;
+        then the scale's."""
+        if self.scale is None or self.finite_steps is None:
+            raise GraphError("LossScaleOptimizer: take the gradients of scale_loss(loss), then apply them")
+        inverse = ew.reciprocal(self.scale)
+        unscaled = [None if g is None else _wide(g) * inverse for g in grads]
+        sums = [reduce_sum(g) for g in unscaled if g is not None]
+        if not sums:
+            raise GraphError("LossScaleOptimizer: no gradients to apply")
+        # (a sum is finite where every value summed is: an inf or a NaN among them stays one)
+        finite = ew.less(ew.abs(ew.add_n(sums)), math.inf)
+        with updates_only_where(finite):
+            updates = self.optimizer.apply_grads(unscaled, variables)
+        scale, count = self.scale, self.finite_steps
+        grow = ew.greater_equal(count + 1, self.growth_interval)
+        grown = ew.where(grow, ew.minimum(scale * 2.0, 2.0**127), scale)  # (float32's largest power of two)
+        new_scale = ew.where(finite, grown, ew.maximum(scale * 0.5, self.min_scale))
+        new_count = ew.where(finite, ew.where(grow, 0, count + 1), 0)
+        return [*updates, assign(scale, new_scale), assign(count, new_count)]
+
+
 def global_norm(grads: Sequence[Tensor | None]) -> Tensor:
     """sqrt of the sum of squares of all gradients, for clipping and logging."""
     total = None
@@ -364,6 +446,7 @@ def clip_by_global_norm(grads: Sequence[Tensor | None], max_norm: float) -> list
 __all__ = [
     "AdafactorOptimizer",
     "AdamWeightDecayOptimizer",
+    "LossScaleOptimizer",
     "MomentumOptimizer",
     "Optimizer",
     "SgdOptimizer",

@@ -165,7 +165,7 @@ def test_the_fit_check_counts_the_bfloat16_copies_a_step_keeps(monkeypatch):
     without = 2 * m["parameters"] + m["optimizer_state"]
     copies = m["parameters"] // 2  # (every weight but the norms' is read in bfloat16: a little less)
     monkeypatch.setattr(loop, "_host_available_bytes", lambda: 2 * (without + copies // 4))  # (2 CPU devices)
-    with pytest.raises(mx.ConfigError, match=r"their bfloat16 copies 0\.\d+ GiB\), and there are"):
+    with pytest.raises(mx.ConfigError, match=r"their 16-bit copies 0\.\d+ GiB\), and there are"):
         loop.build(task, "all:2", "batch:all", cast_copies=True)
     assert loop.build(task, "all:2", "batch:all", cast_copies=False).train_fn.copies_bytes() == 0
 

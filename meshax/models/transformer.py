@@ -40,6 +40,7 @@ from meshax.ops.variables import get_variable
 from meshax.pipeline import pipeline
 
 NEG_INF = -1e9
+DTYPES = ("float32", "bfloat16", "float16")  # the computation's (TransformerConfig.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +74,11 @@ class TransformerConfig:
     moe_group_size: int = 0
     moe_loss_coef: float = 0.01
     # Mixed precision (Mesh-TensorFlow's variable dtypes): variables and optimizer state stay
-    # float32 (the master weights); with dtype "bfloat16" the activations and matmuls are
-    # bfloat16, the weights cast to it where used, while layer-norm statistics, softmax, logits
-    # and loss are float32 and every weight gradient is summed in float32.
+    # float32 (the master weights); with dtype "bfloat16" (or "float16") the activations and
+    # matmuls are bfloat16 (float16), the weights cast to it where used, while layer-norm
+    # statistics, softmax, logits and loss are float32 and every weight gradient is summed in
+    # float32. meshax.train trains a float16 model with dynamic loss scaling
+    # (optimize.LossScaleOptimizer), as float16's range needs.
     dtype: str = "float32"
     # "einsum": attention as two einsums and a softmax (any layout, dropout on the weights);
     # "fused": one jax.nn.dot_product_attention per device (cuDNN on a GPU, XLA elsewhere),
@@ -86,11 +89,8 @@ class TransformerConfig:
     remat: bool = False
 
     def __post_init__(self):
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(
-                f"dtype {self.dtype!r}: use 'float32' or 'bfloat16' (float16 would need loss scaling, "
-                "which meshax does not do)"
-            )
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r}: use one of {', '.join(map(repr, DTYPES))}")
         if self.attention not in ("einsum", "fused"):
             raise ConfigError(f"attention {self.attention!r}: use 'einsum' or 'fused'")
         if self.attention == "fused" and self.dropout:
@@ -248,7 +248,7 @@ class Transformer:
         self.d_kv = Dimension("d_kv", c.d_kv)
         self.d_ff = Dimension("d_ff", c.d_ff)
         self.vocab = Dimension("vocab", c.vocab_size)
-        self.dtype = np.dtype(jnp.bfloat16) if c.dtype == "bfloat16" else np.dtype(np.float32)
+        self.dtype = np.dtype(jnp.bfloat16) if c.dtype == "bfloat16" else np.dtype(c.dtype)
         self._vars: dict[str, Tensor] = {}
         if c.sharding and c.sharding not in GSPMD_SHARDINGS:
             raise ValueError(

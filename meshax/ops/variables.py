@@ -91,6 +91,26 @@ def _variable_of(var) -> VariableOperation:
 
 _STACKING: list[tuple[list, Callable[[Tensor], Tensor]]] = []
 _REUSING: list[bool] = []
+_GUARDS: list[Tensor] = []
+
+
+@contextlib.contextmanager
+def updates_only_where(condition: Tensor) -> Iterator[None]:
+    """Inside, every `assign`, `assign_add` and `assign_sub` made takes effect only where the
+    scalar bool `condition` holds when the program runs; elsewhere the variable keeps its value
+    (a loss-scaled step whose gradients overflowed: `LossScaleOptimizer`). An `assign_fn`, which
+    computes each slice itself, cannot be held back so: made inside, it is a GraphError."""
+    if not isinstance(condition, Tensor) or condition.dtype != np.bool_ or condition.shape.rank != 0:
+        raise GraphError(f"updates_only_where: give a scalar bool meshax Tensor, got {condition!r}")
+    if _GUARDS:  # (inside another: both must hold)
+        from meshax.ops.elementwise import logical_and
+
+        condition = logical_and(_GUARDS[-1], condition)
+    _GUARDS.append(condition)
+    try:
+        yield
+    finally:
+        _GUARDS.pop()
 
 
 @contextlib.contextmanager
@@ -211,6 +231,16 @@ def _assign(kind):
                 if np.ndim(value) == 0
                 else constant(v.mesh, np.asarray(value), v.shape, v.dtype)
             )
+        if _GUARDS:
+            if assign_fn is not None:
+                raise GraphError(
+                    f"assign of {v.name} with an assign_fn inside updates_only_where (a loss-scaled "
+                    "step): the assign_fn computes each slice itself and cannot be held back; "
+                    "compute the new value as a tensor and assign it"
+                )
+            from meshax.ops.elementwise import where
+
+            value = where(_GUARDS[-1], value, v.outputs[0] if kind == "assign" else 0, output_shape=value.shape)
         return AssignOperation(v, value, kind, name, assign_fn)
 
     op.__name__ = op.__qualname__ = kind

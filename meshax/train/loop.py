@@ -14,13 +14,14 @@ import time
 from collections.abc import Callable, Mapping
 
 import jax
+import numpy as np
 
 from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
 from meshax.core.errors import ConfigError
 from meshax.core.graph import Graph, Mesh
 from meshax.lower.lowering import LoweredFunction, Lowering
-from meshax.optimize import AdamWeightDecayOptimizer, Optimizer
+from meshax.optimize import AdamWeightDecayOptimizer, LossScaleOptimizer, Optimizer
 from meshax.runtime import is_main_process
 from meshax.train.metrics import MetricsWriter
 from meshax.train.tasks import Task
@@ -75,12 +76,19 @@ class Program:
 def training_graph(task: Task, optimizer: Optimizer | None = None):
     """The task's graph with gradients and optimizer updates (default Adam), on no mesh yet:
     (graph, what the task built, outputs: the loss, updates). A training step computes the loss
-    alone: its metrics (an accuracy's argmax over the logits, say) are the evaluation's."""
+    alone: its metrics (an accuracy's argmax over the logits, say) are the evaluation's. Where
+    the model computes in float16, the optimizer scales the loss dynamically (wrapped in a
+    `LossScaleOptimizer`, unless it is one)."""
     graph = Graph()
     built = task.build(Mesh(graph, "mesh"))
     params = list(graph.trainable_variables)
-    grads = gradients(built.loss, [v.value for v in params])
-    updates = (optimizer or AdamWeightDecayOptimizer(1e-3)).apply_grads(grads, params)
+    optimizer = optimizer or AdamWeightDecayOptimizer(1e-3)
+    if not isinstance(optimizer, LossScaleOptimizer) and any(
+        t.dtype == np.float16 for op in graph.operations for t in op.outputs
+    ):
+        optimizer = LossScaleOptimizer(optimizer)
+    grads = gradients(optimizer.scale_loss(built.loss), [v.value for v in params])
+    updates = optimizer.apply_grads(grads, params)
     return graph, built, [built.loss], updates
 
 
@@ -120,7 +128,7 @@ def build(
 def _check_fits(lowering: Lowering, outputs, copies: int = 0) -> None:
     """A ConfigError, before anything is allocated, where the weights, their gradients and the
     optimizer state alone (activations come on top), with the `copies` bytes the step keeps of its
-    weights in bfloat16 (on a GPU: `Lowering.function`), exceed the memory of this process's
+    weights in 16 bits (on a GPU: `Lowering.function`), exceed the memory of this process's
     devices: the host's available memory for CPU devices (they share it), each accelerator's own."""
     from meshax.plan import memory_per_device
 
@@ -134,7 +142,7 @@ def _check_fits(lowering: Lowering, outputs, copies: int = 0) -> None:
     else:
         have, where = (devices[0].memory_stats() or {}).get("bytes_limit"), f"per {devices[0].platform} device"
     if have and need > have:
-        kept = f", their bfloat16 copies {copies / 2**30:.2f} GiB" if copies else ""
+        kept = f", their 16-bit copies {copies / 2**30:.2f} GiB" if copies else ""
         raise ConfigError(
             f"the weights, gradients and optimizer state alone take {need / 2**30:.1f} GiB {where} "
             f"(parameters {m['parameters'] / 2**30:.2f} GiB and optimizer state {m['optimizer_state'] / 2**30:.2f} "

@@ -1,0 +1,157 @@
+"""float16 computation with dynamic loss scaling (`optimize.LossScaleOptimizer`), and the
+guard it holds a step's updates back with (`updates_only_where`)."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+import meshax as mx
+from meshax.models.transformer import TransformerConfig
+from meshax.optimize import AdamWeightDecayOptimizer, LossScaleOptimizer, SgdOptimizer
+from meshax.train import LmTask, train
+from meshax.train.loop import build, training_graph
+from tests.conftest import new_mesh
+
+SMALL = TransformerConfig(vocab_size=16, d_model=16, d_ff=32, num_heads=8, d_kv=4, num_layers=1)
+F16 = dataclasses.replace(SMALL, dtype="float16")
+
+
+def _task(config):
+    return LmTask(model=config, source="markov", markov_vocab=16, batch_size=8, length=8)
+
+
+def _run(config, optimizer, steps=4, mesh="all:8", layout="batch:all", backend="simd"):
+    """(losses, logged loss scales, the program) of `steps` training steps."""
+    task = _task(config)
+    program = build(task, mesh, layout, backend, optimizer)
+    out = [program.train_fn(task.train_batch(s), seed=s) for s in range(steps)]
+    scales = [float(o[1 + program.logged_names.index("loss_scale")]) for o in out] if program.logged_names else []
+    return [float(o[0]) for o in out], scales, program
+
+
+def _variables(program) -> dict[str, np.ndarray]:
+    return {v.name: np.asarray(program.lowering.variable_value(v)) for v in program.lowering.graph.all_variables}
+
+
+# ---- the guard -----------------------------------------------------------------------------------
+def test_updates_only_where_holds_back_every_update_made_inside_where_the_condition_fails():
+    graph, mesh = new_mesh()
+    w, u = (mx.get_variable(mesh, n, "a:8", initializer=mx.initializers.ones()) for n in "wu")
+    n, c = (mx.get_variable(mesh, k, [], dtype="int32", initializer=mx.initializers.zeros()) for k in "nc")
+    go, other = (mx.placeholder(mesh, k, [], dtype="bool") for k in ("go", "other"))
+    with mx.updates_only_where(go):
+        updates = [mx.assign(w, w * 3.0), mx.assign_add(n, 1)]
+        with mx.updates_only_where(other):  # (nested: both must hold)
+            updates.append(mx.assign_sub(u, mx.ones_like(u)))
+    updates.append(mx.assign_add(c, 1))  # (outside: always)
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+    step = lowering.function([], updates=updates)
+    values = lambda: [np.asarray(lowering.variable_value(v)).tolist() for v in (w, n, u, c)]  # noqa: E731
+    step({"go": np.bool_(False), "other": np.bool_(True)})
+    assert values() == [[1.0] * 8, 0, [1.0] * 8, 1]
+    step({"go": np.bool_(True), "other": np.bool_(False)})
+    assert values() == [[3.0] * 8, 1, [1.0] * 8, 2]
+    step({"go": np.bool_(True), "other": np.bool_(True)})
+    assert values() == [[9.0] * 8, 2, [0.0] * 8, 3]
+
+
+def test_updates_only_where_refuses_what_it_cannot_hold_back():
+    _, mesh = new_mesh()
+    w = mx.get_variable(mesh, "w", "a:8")
+    go = mx.placeholder(mesh, "go", [], dtype="bool")
+    with pytest.raises(mx.GraphError, match="scalar bool"), mx.updates_only_where(w > 0.0):
+        pass
+    with mx.updates_only_where(go), pytest.raises(mx.GraphError, match=r"assign_fn .* cannot be held back"):
+        mx.assign(w, w * 2.0, assign_fn=mx.assign_slice)
+
+
+# ---- the optimizer -------------------------------------------------------------------------------
+@pytest.mark.parametrize("inner,rtol", [(lambda: SgdOptimizer(0.5), 0), (lambda: AdamWeightDecayOptimizer(1e-2), 1e-6)])
+def test_a_loss_scaled_step_is_the_unscaled_step(inner, rtol):
+    """Scales are powers of two: scaling the loss and unscaling the float32 gradients is exact,
+    and SGD's steps are the unscaled ones to the bit; with Adam, XLA fuses the unscaling into
+    the update's kernels and rounds differently (4 steps: 1.5e-8 apart at most, in 7% of one
+    weight's values)."""
+    plain_losses, _, plain = _run(SMALL, inner())
+    scaled_losses, scales, scaled = _run(SMALL, LossScaleOptimizer(inner(), initial_scale=2.0**10))
+    np.testing.assert_allclose(scaled_losses, plain_losses, rtol=rtol)
+    assert scales == [2.0**10] * 4
+    want, got = _variables(plain), _variables(scaled)
+    assert {k for k in got if k.startswith("loss_scale/")} == {"loss_scale/scale", "loss_scale/finite_steps"}
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=rtol, atol=rtol * 1e-2, err_msg=name)
+
+
+@pytest.mark.parametrize("backend", ["simd", "placement"])
+def test_an_overflowing_step_changes_nothing_and_halves_the_scale(backend):
+    # float16 activation gradients scaled by 2**127 overflow: every step's gradients have infs
+    optimizer = LossScaleOptimizer(AdamWeightDecayOptimizer(1e-2), initial_scale=2.0**127, growth_interval=3)
+    task = _task(F16)
+    program = build(task, "rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols", backend, optimizer)
+    before = _variables(program)
+    outs = [program.train_fn(task.train_batch(s)) for s in range(3)]
+    after = _variables(program)
+    assert all(np.isfinite(float(o[0])) for o in outs)  # (the loss reported is the unscaled one)
+    assert [float(o[1]) for o in outs] == [2.0**127, 2.0**126, 2.0**125]  # the scale each step used
+    for name, value in before.items():  # weights, Adam's moments, the step counter
+        if not name.startswith("loss_scale/"):
+            np.testing.assert_array_equal(after[name], value, err_msg=name)
+    assert after["loss_scale/scale"] == 2.0**124 and after["loss_scale/finite_steps"] == 0
+
+
+def test_the_scale_stays_at_its_floor_and_grows_each_growth_interval():
+    optimizer = LossScaleOptimizer(SgdOptimizer(0.5), initial_scale=4.0, growth_interval=2, min_scale=4.0)
+    _, scales, _ = _run(F16, optimizer, steps=6)
+    assert scales == [4.0, 4.0, 8.0, 8.0, 16.0, 16.0]
+    floor = LossScaleOptimizer(SgdOptimizer(0.5), initial_scale=2.0**127, min_scale=2.0**127)
+    _, scales, program = _run(F16, floor, steps=2)
+    assert scales == [2.0**127] * 2 and int(_variables(program)["global_step"]) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"initial_scale": 1000.0}, "initial_scale 1000.0 must be a power of two"),
+        ({"min_scale": 0.5}, "min_scale 0.5 must be a power of two >= 1"),
+        ({"initial_scale": 2.0, "min_scale": 4.0}, "initial_scale 2.0 is below min_scale 4.0"),
+        ({"growth_interval": 0}, "growth_interval 0 must be a whole number of steps >= 1"),
+    ],
+)
+def test_loss_scale_settings_are_checked(kwargs, message):
+    with pytest.raises(mx.ConfigError, match=message):
+        LossScaleOptimizer(SgdOptimizer(0.1), **kwargs)
+
+
+def test_loss_scaling_needs_an_optimizer_and_the_scaled_loss():
+    with pytest.raises(mx.ConfigError, match="wraps a meshax optimizer"):
+        LossScaleOptimizer(LossScaleOptimizer(SgdOptimizer(0.1)))
+    _, mesh = new_mesh()
+    w = mx.get_variable(mesh, "w", "a:8")
+    with pytest.raises(mx.GraphError, match=r"take the gradients of scale_loss\(loss\)"):
+        LossScaleOptimizer(SgdOptimizer(0.1)).apply_grads(mx.gradients(mx.reduce_sum(w), [w]), [w])
+
+
+# ---- float16 training ----------------------------------------------------------------------------
+def test_a_float16_model_trains_loss_scaled_and_follows_float32():
+    graph, _, _, _ = training_graph(_task(F16), SgdOptimizer(0.5))
+    assert "loss_scale/scale" in {v.name for v in graph.all_variables}  # (wrapped: the model computes in float16)
+    assert {str(v.value.dtype) for v in graph.trainable_variables} == {"float32"}  # the master weights
+    assert "loss_scale" not in training_graph(_task(SMALL), SgdOptimizer(0.5))[0].logged_scalars
+    for mesh, layout in [("all:8", "batch:all"), ("rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols")]:
+        f32, _, _ = _run(SMALL, SgdOptimizer(0.5), steps=10, mesh=mesh, layout=layout)
+        f16, scales, _ = _run(F16, SgdOptimizer(0.5), steps=10, mesh=mesh, layout=layout)
+        assert f32[-1] < f32[0] - 0.5 and scales == [2.0**15] * 10
+        np.testing.assert_allclose(f16, f32, rtol=0.005)
+
+
+def test_a_float16_run_logs_its_loss_scale_and_checkpoints_it(tmp_path):
+    import orbax.checkpoint as ocp
+
+    metrics = tmp_path / "metrics.jsonl"
+    train(_task(F16), "all:1", "", steps=2, checkpoint_dir=str(tmp_path / "ckpt"), metrics_path=str(metrics))
+    saved = ocp.PyTreeCheckpointer().metadata(str(tmp_path / "ckpt" / "2" / "state")).item_metadata
+    assert {"loss_scale/scale", "loss_scale/finite_steps"} <= set(dict(saved))
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [line["loss_scale"] for line in lines if "loss_scale" in line] == [2.0**15] * 2
