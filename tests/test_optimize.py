@@ -367,3 +367,21 @@ def test_global_norm_of_float16_gradients_does_not_overflow():
     norm, got = lo.function([mx.optimize.global_norm(grads), clipped])({})
     np.testing.assert_allclose(float(norm), 9600.0, rtol=1e-3)
     np.testing.assert_allclose(np.asarray(got, np.float32), 1 / 32, rtol=1e-3)
+
+
+def test_one_optimizer_builds_the_training_steps_of_several_graphs():
+    """An optimizer keeps its step counter's tensor: given to a second graph, it makes that
+    graph's (it gave the first graph's: 'updates must be assign operations of this graph')."""
+    from meshax.models.transformer import TransformerConfig
+    from meshax.train import LmTask
+    from meshax.train.loop import build
+
+    config = TransformerConfig(vocab_size=16, d_model=16, d_ff=32, num_heads=8, d_kv=4, num_layers=1)
+    task = LmTask(model=config, source="markov", markov_vocab=16, batch_size=8, length=8)
+    optimizer = mx.optimize.SgdOptimizer(0.5)
+    first, second = (build(task, "all:8", "batch:all", "simd", optimizer) for _ in range(2))
+    losses = [float(p.train_fn(task.train_batch(0))[0]) for p in (first, second)]
+    assert losses[0] == losses[1]
+    for p in (first, second):
+        (counter,) = [v for v in p.lowering.graph.all_variables if v.name == "global_step"]
+        assert int(p.lowering.variable_value(counter)) == 1
