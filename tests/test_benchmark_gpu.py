@@ -115,7 +115,7 @@ def test_the_twin_reading_bf16_copies_its_update_wrote_makes_the_very_same_steps
     assert all(r["tflops"] > 0 and r["x_as_it_is"] > 0 for r in records)
 
 
-def test_the_candidates_to_time_can_be_chosen_by_name(tmp_path, monkeypatch):
+def test_the_candidates_to_time_can_be_chosen_by_name(tmp_path, monkeypatch, capsys):
     """`--only "statistics"`: the twin as it is, the two kept-statistics norms, the twin again; a
     name in no candidate is one line naming them."""
     import json
@@ -129,8 +129,13 @@ def test_the_candidates_to_time_can_be_chosen_by_name(tmp_path, monkeypatch):
     names = [r["name"] for r in json.loads(out.read_text())["records"]]
     kept = [n for n in gpu_candidates.CANDIDATES if "statistics" in n]
     assert len(kept) == 2 and names == [gpu_candidates.AS_IT_IS, *kept, gpu_candidates.AS_IT_IS]
-    with pytest.raises(SystemExit):
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
         gpu_candidates.main(["--size", TINY.name, "--only", "nothing like it"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    said = [line for line in err.splitlines() if "--only 'nothing like it' is in no candidate's name: " in line]
+    assert len(said) == 1 and all(name in said[0] for name in gpu_candidates.CANDIDATES), err
 
 
 def test_section6_records_each_size_and_a_failing_one_without_losing_the_rest(monkeypatch):
