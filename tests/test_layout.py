@@ -46,7 +46,7 @@ def test_layout_error_is_value_error():
 
 
 def test_malformed_layout_rules_raise():
-    with pytest.raises(ValueError):
+    with pytest.raises(mx.ConfigError, match="bad layout entry 'batch' in 'batch': write tensor_dim:mesh_dim pairs"):
         mx.convert_to_layout_rules("batch")
 
 
@@ -184,7 +184,7 @@ def test_split_over_two_mesh_dims_not_divisible(impl_cls):
 @impls
 def test_multi_split_conflicts_with_other_dim(impl_cls):
     impl = impl_cls("rows:2;cols:4", "b:rows;b:cols;d:cols")
-    with pytest.raises(mx.LayoutError):
+    with pytest.raises(mx.LayoutError, match="dims 'b' and 'd' are both split over mesh dim 'cols'"):
         impl.tensor_layout(mx.convert_to_shape("b:8;d:8"))
     # each dim alone is fine
     assert _axes(impl.tensor_layout(mx.convert_to_shape("b:8"))) == [(0, 1)]
