@@ -39,6 +39,8 @@ def use_cpu_devices(n: int) -> None:
 
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ConfigError(f"use_cpu_devices({n!r}): give a whole number of devices, 1 or more")
+    if n > 2**31 - 1:  # (JAX's count is a 32-bit int: more fails in its backend's setup, naming none of this)
+        raise ConfigError(f"use_cpu_devices({n!r}): JAX makes at most 2**31 - 1 devices; give fewer")
     with contextlib.suppress(RuntimeError):  # the backend is already up: checked below
         jax.config.update("jax_num_cpu_devices", int(n))
     os.environ.setdefault("JAX_NUM_CPU_DEVICES", str(n))

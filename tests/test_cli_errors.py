@@ -24,6 +24,9 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mlp", "--mesh", "rows:2;cols", "--layout", ""], "'cols'"),
     (["plan", "mlp", "--mesh", "rows:two", "--layout", ""], "'two'"),
     (["plan", "mlp", "--mesh", "rows:2.5", "--layout", ""], "a size is a whole number, not 2.5"),
+    # past JAX's 32-bit device count: it failed inside JAX with 'std::bad_cast' (plan) or on its CPU client's arguments
+    (["plan", "mlp", "--mesh", "rows:65536;cols:32768", "--layout", ""], "has 2147483648 devices; JAX's meshes hold"),
+    (["train", "mlp", "--mesh", "rows:9999999999", "--layout", ""], "JAX's meshes hold at most 2**31 - 1"),
     (["plan", "lm", "--weight-layout", "d_ff:cols except [nosuch,dims]"], "[dims,nosuch] exempts nothing"),
     (  # a dim of activations only: weight rules lay out weight-shaped tensors alone (it was accepted)
         ["plan", "mlp", "--mesh", "rows:2;cols:4", "--layout", "batch:rows", "--weight-layout", "batch:cols"],
@@ -292,6 +295,8 @@ LIBRARY = [  # (a call that builds something from a bad value, a piece of the me
     (lambda mx: mx.SimdMeshImpl("rows:2;cols:4", "batch=rows"), "tensor_dim:mesh_dim"),
     (lambda mx: mx.use_cpu_devices(0), "give a whole number of devices, 1 or more"),
     (lambda mx: mx.use_cpu_devices("8"), r"use_cpu_devices\('8'\)"),
+    (lambda mx: mx.use_cpu_devices(2**40), r"JAX makes at most 2\*\*31 - 1 devices"),
+    (lambda mx: mx.SimdMeshImpl("rows:65536;cols:65536"), "has 4294967296 devices"),
     (lambda mx: mx.dropout(mx.placeholder(mx.Mesh(mx.Graph(), "m"), "x", "b:4"), keep_prob=1.5), "keep_prob 1.5"),
     (lambda mx: mx.search.load_device(__file__), "is not one `meshax calibrate` wrote"),
     (

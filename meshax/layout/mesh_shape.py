@@ -5,9 +5,13 @@ from __future__ import annotations
 from meshax.core.errors import ConfigError
 from meshax.core.shape import Shape, _parse_pairs, convert_to_shape
 
+# JAX numbers a mesh's devices with 32-bit ints: a mesh of more fails inside it (`std::bad_cast`).
+MAX_DEVICES = 2**31 - 1
+
 
 def convert_to_mesh_shape(x) -> Shape:
     """A mesh shape from a Shape or "rows:2;cols:4": named mesh dims, each of at least one device."""
+    given = x
     if isinstance(x, str):
         pairs = _parse_pairs(x, what="mesh", integer_values=True, example="rows:2;cols:4")
         names = [n for n, _ in pairs]
@@ -23,6 +27,11 @@ def convert_to_mesh_shape(x) -> Shape:
     for d in shape:
         if d.size < 1:
             raise ConfigError(f"mesh dim {d.name!r} has size {d.size}: every mesh dim needs at least one device")
+    if shape.size > MAX_DEVICES:
+        raise ConfigError(
+            f"the mesh {given!r} has {shape.size} devices; JAX's meshes hold at most 2**31 - 1 ({MAX_DEVICES}): "
+            "give smaller mesh dims"
+        )
     return shape
 
 
