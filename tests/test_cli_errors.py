@@ -185,6 +185,33 @@ def test_plotting_a_file_with_no_losses_is_refused(tmp_path, monkeypatch, capsys
     assert os.listdir(tmp_path) == ["empty.jsonl"]
 
 
+@pytest.mark.parametrize(
+    "line,said",
+    [
+        # each of these ended `meshax plot` in a traceback (TypeError, ZeroDivisionError), or a
+        # UnicodeDecodeError that named no file; a loss that was text was drawn as a category
+        (
+            '{"step": 1, "loss": 1.0, "step_seconds": "fast"}',
+            "m.jsonl:2 is not a line of meshax metrics: its step_seconds is 'fast', not a number",
+        ),
+        ('{"step": 1, "loss": 1.0, "step_seconds": 0}', "its step_seconds is 0, not above 0"),
+        ('{"step": 1, "loss": 1.0, "eval": 5}', "its eval is 5, not an object of metrics"),
+        ('{"step": 1, "loss": 1.0, "eval": {"loss": "low"}}', "its eval loss is 'low', not a number"),
+        ('{"step": 1, "loss": "x"}', "its loss is 'x', not a number"),
+        ('{"step": 1, "loss": true}', "its loss is True, not a number"),
+        ('{"step": 1, "loss": 1.0, "tokens_per_second": null}', "its tokens_per_second is None, not a number"),
+        ("\udcff", "metrics file 'm.jsonl' is not text (not UTF-8)"),
+    ],
+)
+def test_a_metrics_line_plot_cannot_draw_is_named(line, said, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "m.jsonl").write_bytes(os.fsencode('{"step": 0, "loss": 2.0}\n' + line + "\n"))
+    assert _exit_code(["plot", "m.jsonl"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and said in err, err
+    assert os.listdir(tmp_path) == ["m.jsonl"]
+
+
 def test_a_used_checkpoint_folder_is_refused_before_training(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     run = ["train", "mlp", *MLP, "--steps", "2", "--eval-every", "0", "--no-progress", "--checkpoint-dir", "ck"]

@@ -54,19 +54,49 @@ def read_metrics(path: str) -> list[dict]:
     if not os.path.isfile(path):
         raise ConfigError(f"metrics file {path!r} does not exist (write one with meshax train --metrics FILE)")
     records = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    record = None
-                if not isinstance(record, dict) or not isinstance(record.get("step"), int):
-                    raise ConfigError(f"{path}:{number} is not a line of meshax metrics (a JSON object with a step)")
-                records.append(record)
+    with open(path, encoding="utf-8") as f:
+        try:
+            for number, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError:
+                        record = None
+                    if not isinstance(record, dict) or type(record.get("step")) is not int:
+                        raise ConfigError(
+                            f"{path}:{number} is not a line of meshax metrics (a JSON object with a step)"
+                        )
+                    bad = _not_a_number(record)
+                    if bad:
+                        raise ConfigError(f"{path}:{number} is not a line of meshax metrics: {bad}")
+                    records.append(record)
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"metrics file {path!r} is not text (not UTF-8): give the JSON-lines file meshax train --metrics wrote"
+            ) from None
     if not any("loss" in r for r in records):
         raise ConfigError(f"metrics file {path!r} has no training step's loss: nothing to plot")
     return records
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+def _not_a_number(record: dict) -> str:
+    """What of a record's values that a plot draws is no number ('' if all are): a loss, an
+    evaluation's loss, a step's seconds (above 0: its inverse is drawn) or tokens per second."""
+    for key in ("loss", "tokens_per_second", "step_seconds"):
+        if key in record and not _is_number(record[key]):
+            return f"its {key} is {record[key]!r}, not a number"
+    if "step_seconds" in record and not record["step_seconds"] > 0:
+        return f"its step_seconds is {record['step_seconds']!r}, not above 0"
+    if "eval" in record:
+        if not isinstance(record["eval"], dict):
+            return f"its eval is {record['eval']!r}, not an object of metrics"
+        if "loss" in record["eval"] and not _is_number(record["eval"]["loss"]):
+            return f"its eval loss is {record['eval']['loss']!r}, not a number"
+    return ""
 
 
 def _last_per_step(records: list[dict]) -> list[dict]:
