@@ -277,6 +277,28 @@ def test_plot_draws_a_resumed_runs_repeated_steps_once(tmp_path, monkeypatch):
     assert list(figs[0].axes[1].lines[0].get_xdata()) == list(range(1, 21))
 
 
+def test_plot_keeps_apart_runs_whose_files_share_a_name(tmp_path, monkeypatch, capsys):
+    """runs/a/m.jsonl and runs/b/m.jsonl were both labelled "m", and the second hid the first:
+    one line drawn for two runs. Each is drawn, labelled by its path; a file given twice is refused."""
+    import matplotlib.pyplot as plt
+
+    monkeypatch.chdir(tmp_path)
+    for run, loss in (("a", 2.0), ("b", 3.0)):
+        os.makedirs(f"runs/{run}")
+        (tmp_path / "runs" / run / "m.jsonl").write_text(json.dumps({"step": 1, "loss": loss}) + "\n")
+    (tmp_path / "m.jsonl").write_text(json.dumps({"step": 1, "loss": 4.0}) + "\n")
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    assert main(["plot", "runs/a/m.jsonl", "runs/b/m.jsonl", "m.jsonl", "--out", "out.png"]) == 0
+    lines = figs[0].axes[0].lines
+    assert [line.get_label() for line in lines] == ["runs/a/m.jsonl", "runs/b/m.jsonl", "m.jsonl"]
+    assert [list(line.get_ydata()) for line in lines] == [[2.0], [3.0], [4.0]]
+    capsys.readouterr()
+    assert main(["plot", "m.jsonl", "./m.jsonl", "--out", "again.png"]) == 2
+    assert "metrics file './m.jsonl' is given twice (as 'm.jsonl' too): give each run once" in capsys.readouterr().err
+    assert not os.path.exists("again.png")
+
+
 def test_plan_json_with_explain_carries_the_explanation(capsys):
     argv = ["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all", "--json"]
     assert main([*argv, "--explain"]) == 0

@@ -107,13 +107,14 @@ def _last_per_step(records: list[dict]) -> list[dict]:
 
 def plot_metrics(paths: list[str], out: str, width: float = 12.0, height: float = 4.0, dpi: int = 100) -> str:
     """Training loss (and evaluation loss, dashed) and throughput against the step, one line
-    per run (labelled by file name), side by side in a PNG of width x height inches at `dpi`."""
+    per run (labelled by file name, or by path where names repeat), side by side in a PNG of width x
+    height inches at `dpi`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {os.path.splitext(os.path.basename(p))[0]: read_metrics(p) for p in paths}
+    runs = {label: read_metrics(p) for label, p in zip(_labels(paths), paths)}
     fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(width, height), dpi=dpi)
     for name, records in runs.items():
         steps = _last_per_step([r for r in records if "loss" in r])
@@ -134,3 +135,18 @@ def plot_metrics(paths: list[str], out: str, width: float = 12.0, height: float 
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def _labels(paths: list[str]) -> list[str]:
+    """Each run's label: its file's name without the extension, or, where two files share one
+    (runs/a/m.jsonl, runs/b/m.jsonl), its path as given, so that neither run hides the other.
+    A file given twice is a ConfigError."""
+    seen: dict[str, str] = {}
+    for p in paths:
+        where = os.path.realpath(p)
+        if where in seen:
+            also = "" if seen[where] == p else f" (as {seen[where]!r} too)"
+            raise ConfigError(f"metrics file {p!r} is given twice{also}: give each run once")
+        seen[where] = p
+    names = [os.path.splitext(os.path.basename(p))[0] for p in paths]
+    return [n if names.count(n) == 1 else os.path.normpath(p) for n, p in zip(names, paths)]
