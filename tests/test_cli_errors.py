@@ -326,6 +326,12 @@ LIBRARY = [  # (a call that builds something from a bad value, a piece of the me
     (lambda mx: mx.SimdMeshImpl("rows:65536;cols:65536"), "has 4294967296 devices"),
     (lambda mx: mx.dropout(mx.placeholder(mx.Mesh(mx.Graph(), "m"), "x", "b:4"), keep_prob=1.5), "keep_prob 1.5"),
     (lambda mx: mx.search.load_device(__file__), "is not one `meshax calibrate` wrote"),
+    # a mesh that is no mx.Mesh: an AttributeError ('str' object has no attribute 'graph') where it was first used
+    (lambda mx: mx.Mesh("graph", "m"), "the graph given is 'graph' \\(str\\), not an mx.Graph"),
+    (lambda mx: mx.Mesh("m", mx.Graph()), r"the graph comes first: mx.Mesh\(graph, 'm'\)"),
+    (lambda mx: mx.Mesh(mx.Graph(), 5), "the name 5 is not a non-empty string"),
+    (lambda mx: mx.placeholder(mx.Graph(), "x", "b:4"), "the mesh given is Graph.*not an mx.Mesh"),
+    (lambda mx: mx.get_variable("m", "w", "b:4"), "get_variable 'w': the mesh given is 'm' \\(str\\), not an mx.Mesh"),
     (
         lambda mx: mx.Lowering(
             mx.placeholder(mx.Mesh(mx.Graph(), "m"), "x", "b:4").graph,

@@ -109,11 +109,32 @@ class Mesh:
     """A named mesh in a graph. Its shape and layout are given later, by a mesh implementation."""
 
     def __init__(self, graph: Graph, name: str):
+        if isinstance(name, Graph) and not isinstance(graph, Graph):
+            raise GraphError(f"mx.Mesh({graph!r}, {name!r}): the graph comes first: mx.Mesh(graph, {graph!r})")
+        if not isinstance(graph, Graph):
+            raise GraphError(
+                f"mx.Mesh: the graph given is {graph!r} ({type(graph).__name__}), not an mx.Graph: "
+                'mx.Mesh(mx.Graph(), "mesh"), one graph for all the meshes of a model'
+            )
+        if not (isinstance(name, str) and name):
+            raise GraphError(f'mx.Mesh: the name {name!r} is not a non-empty string: e.g. mx.Mesh(graph, "mesh")')
         self.graph = graph
         self.name = name
 
     def __repr__(self) -> str:
         return f"Mesh({self.name!r})"
+
+
+def check_mesh(mesh, what: str) -> None:
+    """`mesh` is an mx.Mesh, else a GraphError saying what was given (`what`: whose mesh it is)."""
+    if isinstance(mesh, Mesh):
+        return
+    jax_mesh = type(mesh).__module__.startswith("jax") and "Mesh" in type(mesh).__name__
+    hint = " (a JAX mesh's devices go to the implementation: mx.SimdMeshImpl(...))" if jax_mesh else ""
+    raise GraphError(
+        f"{what}: the mesh given is {mesh!r} ({type(mesh).__name__}), not an mx.Mesh: make one with "
+        f'mx.Mesh(graph, "mesh") and build the model\'s tensors on it{hint}'
+    )
 
 
 def _operator(fn_name: str, reflected: bool = False):
@@ -198,6 +219,8 @@ class Operation:
     name: str
 
     def __init__(self, inputs: list[Tensor], mesh: Mesh | None = None, name: str | None = None):
+        if mesh is not None:
+            check_mesh(mesh, f"{type(self).__name__} {name!r}" if name else type(self).__name__)
         inputs = list(inputs)
         for t in inputs:
             if not isinstance(t, Tensor):

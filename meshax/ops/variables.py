@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from meshax.core.errors import ConfigError, GraphError
-from meshax.core.graph import Mesh, Operation, Tensor, as_dtype
+from meshax.core.graph import Mesh, Operation, Tensor, as_dtype, check_mesh
 from meshax.core.shape import convert_to_shape
 from meshax.ops._util import also_accepts
 
@@ -22,6 +22,7 @@ class VariableOperation(Operation):
     is_variable = True
 
     def __init__(self, mesh: Mesh, name: str, shape, dtype, initializer, trainable: bool):
+        check_mesh(mesh, f"get_variable {name!r}")
         if any(v.name == name for v in mesh.graph.all_variables):
             raise GraphError(f"a variable named {name!r} already exists in this graph; variable names must be unique")
         super().__init__([], mesh=mesh, name=name)
