@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from meshax.cli import main
+from meshax.core.errors import GraphError, MeshaxError
 
 MLP = ["--mesh", "all:8", "--layout", "batch:all"]
 CASES = [  # (argv, a piece of the message)
@@ -437,3 +438,44 @@ def test_ctrl_c_says_what_the_run_keeps_in_one_line(tmp_path, monkeypatch, capsy
     assert capsys.readouterr().err == "meshax: interrupted; no checkpoint was saved in 'ck2' yet\n"
     with pytest.raises(KeyboardInterrupt):
         main([*run, "--debug"])
+
+
+def _lowered_mlp(mx):
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "batch:8;io:4")
+    w = mx.get_variable(mesh, "w", "io:4;hidden:16")
+    loss = mx.reduce_mean(mx.square(mx.einsum(x, w, output_shape="batch:8;hidden:16")))
+    return mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "batch:all")}), loss, w
+
+
+LOWERING = [  # (a call on a lowering, its loss and its variable w, the error, a piece of the message)
+    # each of these was an AttributeError or TypeError from inside meshax ("'str' object has no
+    # attribute 'shape'", "'NoneType' object is not iterable", "got 'l'": a name read letter by letter)
+    (lambda mx, lo, loss, w: lo.layout_of("w"), TypeError, r"layout_of: 'w' \(str\) is not a meshax Tensor: give the"),
+    (lambda mx, lo, loss, w: lo.layout_of(w.operation), TypeError, "give the variable's value, w.value"),
+    (lambda mx, lo, loss, w: lo.draw("w", "w.png"), TypeError, "give the tensor itself, not its name"),
+    (lambda mx, lo, loss, w: lo.function("loss"), TypeError, r"outputs: 'loss' \(str\) is not a meshax Tensor"),
+    (lambda mx, lo, loss, w: lo.function(None), TypeError, r"outputs: None \(NoneType\) is not a meshax Tensor"),
+    (lambda mx, lo, loss, w: lo.trace_step("loss"), TypeError, "give the tensor itself, not its name"),
+    (lambda mx, lo, loss, w: mx.Lowering(lo.graph, {"m": lo.impl}), GraphError, "the mesh given is 'm' \\(str\\)"),
+    (lambda mx, lo, loss, w: mx.Lowering("g", {lo.mesh: lo.impl}), GraphError, "the graph given is 'g'"),
+    # a tensor of another graph: its layout was '' (replicated) and its feed was ignored ("... was not fed")
+    (lambda mx, lo, loss, w: lo.layout_of(_lowered_mlp(mx)[1]), GraphError, "belongs to another graph"),
+    (
+        lambda mx, lo, loss, w: lo.function(loss)({_lowered_mlp(mx)[0].graph.operations[0].outputs[0]: 0}),
+        MeshaxError,
+        "feeds placeholder 'x' of another graph than the one lowered",
+    ),
+]
+
+
+@pytest.mark.parametrize("call,error,expected", LOWERING, ids=[m for _, _, m in LOWERING])
+def test_a_lowering_given_what_is_no_tensor_of_its_graph_says_so(call, error, expected, tmp_path, monkeypatch):
+    import meshax as mx
+
+    monkeypatch.chdir(tmp_path)
+    lowering, loss, w = _lowered_mlp(mx)
+    with pytest.raises(error, match=expected):
+        call(mx, lowering, loss, w)
+    assert os.listdir(tmp_path) == []

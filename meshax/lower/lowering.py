@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import warnings
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import jax
@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from meshax.core.errors import GraphError, LayoutWarning, MeshaxError, did_you_mean
-from meshax.core.graph import Graph, Mesh, Operation, Tensor
+from meshax.core.graph import Graph, Mesh, Operation, Tensor, check_mesh
 from meshax.layout.plan import make_plan, weight_shapes
 from meshax.lower.context import LoweringContext, count_reads
 from meshax.lower.counters import Counters
@@ -69,6 +69,35 @@ def _fed(t: Tensor, value) -> np.ndarray:
     if problem:
         raise MeshaxError(f"placeholder {t.name!r} is {want} {t.shape}; it was fed {problem}")
     return value.astype(want, copy=False)
+
+
+def _not_a_tensor(x, what: str) -> TypeError:
+    """The error for `x` given where `what` takes a meshax Tensor, saying what to give instead."""
+    if isinstance(x, str):
+        hint = ": give the tensor itself, not its name"
+    elif getattr(x, "is_variable", False):
+        hint = f": give the variable's value, {x.name}.value"
+    else:
+        hint = ""
+    return TypeError(f"{what}: {x!r} ({type(x).__name__}) is not a meshax Tensor{hint}")
+
+
+def _tensor_of(lowering: Lowering, t, what: str) -> Tensor:
+    """`t`, a Tensor of the lowered graph; else an error saying what it is."""
+    if not isinstance(t, Tensor):
+        raise _not_a_tensor(t, what)
+    if t.graph is not lowering.graph:
+        raise GraphError(f"{what}: tensor {t.name} belongs to another graph than the one lowered")
+    return t
+
+
+def _output_list(lowering: Lowering, outputs, what: str) -> list[Tensor]:
+    """A program's outputs (a Tensor or a sequence of them) as a list of the lowered graph's tensors."""
+    if isinstance(outputs, Tensor):
+        outputs = [outputs]
+    elif isinstance(outputs, str) or not isinstance(outputs, Iterable):
+        raise _not_a_tensor(outputs, what)
+    return [_tensor_of(lowering, t, what) for t in outputs]
 
 
 def _variable(x):
@@ -123,6 +152,12 @@ class Lowering:
                 "meshax lowers one mesh per graph"
             )
         ((self.mesh, self.impl),) = mesh_to_impl.items()
+        if not isinstance(graph, Graph):
+            raise GraphError(
+                f"mx.Lowering: the graph given is {graph!r} ({type(graph).__name__}), not an mx.Graph: "
+                "mx.Lowering(graph, {mesh: mx.SimdMeshImpl(...)})"
+            )
+        check_mesh(self.mesh, "mx.Lowering's dict {mesh: implementation}")
         if not isinstance(self.impl, MeshImpl):
             raise TypeError(f"the implementation of mesh {self.mesh.name!r} must be a MeshImpl, got {self.impl!r}")
         self.graph = graph
@@ -295,7 +330,8 @@ class Lowering:
     def trace_program(self, outputs: Sequence[Tensor] = (), updates: Sequence = ()):
         """(counters, jaxpr) of the program, traced abstractly; the jaxpr's size is the program's."""
         counters = Counters()
-        _, inputs, _, _, body = self._program(list(outputs), list(updates), counters)
+        outputs = _output_list(self, outputs, "lowering.trace_program's outputs")
+        _, inputs, _, _, body = self._program(outputs, list(updates), counters)
         jaxpr = self.impl.trace(body, [self._spec(t) for t in inputs])
         return counters, jaxpr
 
@@ -325,7 +361,7 @@ class Lowering:
 
     def tensor_layout(self, t: Tensor):
         """t's planned layout, as a TensorLayout (mesh axis indices per dim); `layout_of` gives it as a string."""
-        return self.plan[t]
+        return self.plan[_tensor_of(self, t, "lowering.tensor_layout")]
 
     def slice_bytes(self, t: Tensor, layout=None, dtype=None) -> int:
         """Bytes of one device's slice of `t` in `layout` (default: its planned one), at `dtype`
@@ -337,6 +373,7 @@ class Lowering:
         """t's final layout as rules, e.g. "batch:rows;d_ff:cols" ("" when replicated)."""
         from meshax.lower.explain import layout_string
 
+        t = _tensor_of(self, t, "lowering.layout_of")
         return layout_string(t.shape, self.plan[t], self.impl.shape)
 
     def draw(self, t: Tensor, path: str) -> str:
@@ -344,6 +381,7 @@ class Lowering:
         (`lower.draw.draw_layout`; needs matplotlib); returns the path."""
         from meshax.lower.draw import draw_layout
 
+        t = _tensor_of(self, t, "lowering.draw")
         return draw_layout(t.name, t.shape, self.plan[t], self.impl.shape, path)
 
     def explain(self, threshold: int = 1 << 20) -> str:
@@ -369,12 +407,7 @@ class LoweredFunction:
         cast_copies: bool | None = None,
     ):
         self._single = isinstance(outputs, Tensor)
-        outs = [outputs] if self._single else list(outputs)
-        for t in outs:
-            if not isinstance(t, Tensor):
-                raise TypeError(f"outputs must be meshax Tensors, got {t!r}")
-            if t.graph is not lowering.graph:
-                raise ValueError(f"tensor {t.name} belongs to another graph than the one lowered")
+        outs = _output_list(lowering, outputs, "lowering.function's outputs")
         if isinstance(updates, Tensor):
             raise TypeError(
                 f"updates take assign operations (mx.assign(variable, value)), got the tensor {updates.name}: "
@@ -466,6 +499,11 @@ class LoweredFunction:
             if isinstance(key, str):
                 t = by_name.get(key)
             elif isinstance(key, Tensor) and getattr(key.operation, "is_placeholder", False):
+                if key.graph is not self.lowering.graph:  # (was ignored: "... is needed but was not fed")
+                    raise MeshaxError(
+                        f"feeds placeholder {key.name!r} of another graph than the one lowered: feed this "
+                        f"graph's placeholder, or its name {key.name!r}"
+                    )
                 t = key if key in by_name.values() else None
             else:
                 raise ValueError(f"cannot feed {key!r}: only placeholders (or their names) can be fed")
