@@ -97,7 +97,15 @@ def _fraction(name: str, value: float) -> float:
 class Optimizer:
     """Base class: keeps a step counter and slot variables next to each parameter."""
 
+    # Whether the optimizer has a rate of its own for `learning_rate=None` (Adafactor's).
+    _own_learning_rate = False
+
     def __init__(self, learning_rate=None):
+        if learning_rate is None and not self._own_learning_rate:  # (was a TypeError at apply_grads)
+            raise ConfigError(
+                f"{type(self).__name__} needs a learning_rate: a number >= 0 or a schedule (a function of the "
+                f"step), e.g. {type(self).__name__}(1e-3)"
+            )
         self._schedule = _as_schedule(learning_rate) if learning_rate is not None else None
         self.step: Tensor | None = None
 
@@ -248,6 +256,8 @@ class AdafactorOptimizer(Optimizer):
     scale; the dims named in `stacked_dim_names` stack independent parameters, so they are never
     factored over, and the parameter scale is taken for each of their slices (the clipping, over
     the whole update, as there)."""
+
+    _own_learning_rate = True
 
     def __init__(
         self,

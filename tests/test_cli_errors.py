@@ -318,6 +318,10 @@ LIBRARY = [  # (a call that builds something from a bad value, a piece of the me
     (lambda mx: mx.optimize.SgdOptimizer("fast"), "not a number"),
     (lambda mx: mx.optimize.AdamWeightDecayOptimizer(1e-3, beta_1=1.0), "beta_1 1.0"),
     (lambda mx: mx.optimize.MomentumOptimizer(0.1, momentum=-0.5), "momentum -0.5"),
+    # (no rate: a TypeError, 'NoneType' object is not callable, when the updates were built)
+    (lambda mx: mx.optimize.SgdOptimizer(None), r"SgdOptimizer needs a learning_rate: .* SgdOptimizer\(1e-3\)"),
+    (lambda mx: mx.optimize.AdamWeightDecayOptimizer(None), "AdamWeightDecayOptimizer needs a learning_rate"),
+    (lambda mx: mx.optimize.MomentumOptimizer(None), "MomentumOptimizer needs a learning_rate"),
     (lambda mx: __import__("meshax.train", fromlist=["MlpTask"]).MlpTask(batch_size=0), "batch_size=0"),
     (lambda mx: __import__("meshax.train", fromlist=["LmTask"]).LmTask(length=-3), "length=-3"),
     (lambda mx: mx.SimdMeshImpl("rows:2;cols:4", "batch=rows"), "tensor_dim:mesh_dim"),
