@@ -243,6 +243,19 @@ def test_static_argnums_beyond_the_call_are_named():
         g(jnp.ones(8), 2.0)
 
 
+def test_an_argument_that_is_no_array_is_named():
+    """Text (or an object) given as an argument that is not static: it said "static arguments
+    must be hashable (data type 'abc' not understood)", of an argument neither static nor unhashable."""
+    g = mx.partition(lambda a, b: a * 2, MESH)
+    with pytest.raises(
+        mx.ConfigError, match=r"an argument is 'abc' \(str\), not an array or a number: pass arrays, or"
+    ):
+        g(jnp.ones(8), "abc")
+    with pytest.raises(mx.ConfigError, match=r"an argument is <object object at .*> \(object\)"):
+        g(jnp.ones(8), object())
+    assert float(mx.partition(lambda a, b: a * 2, MESH, static_argnums=(1,))(jnp.ones(8), "abc")[0]) == 2.0
+
+
 def test_one_computation_written_twice_and_laid_out_two_ways_stays_two():
     """Two equal computations in a checkpoint (where repeats are merged), each under its own
     annotation, are not merged (merged, they were one tensor with two conflicting annotations: a

@@ -55,6 +55,20 @@ def _aval_key(x) -> tuple:
     return (np.shape(x), str(jax.numpy.result_type(x)))
 
 
+def _argument_key(x) -> tuple:
+    """`_aval_key` of an argument leaf; a ConfigError where it is no array (text, an object):
+    it said "static arguments must be hashable", of a value that was neither static nor unhashable."""
+    try:
+        if isinstance(x, str | bytes):
+            raise TypeError
+        return _aval_key(x)
+    except TypeError:
+        raise ConfigError(
+            f"mx.partition: an argument is {x!r} ({type(x).__name__}), not an array or a number: pass arrays, "
+            "or name the argument in static_argnums / static_argnames"
+        ) from None
+
+
 def _user_line(error: BaseException) -> str:
     """'file:line' of the innermost frame of an exception's traceback outside JAX and meshax."""
     frames = [f for f in traceback.extract_tb(error.__traceback__) if not is_library_file(f.filename)]
@@ -125,8 +139,8 @@ class Partitioned:
         """The program for these arguments, and their leaves (flattened once per call)."""
         dynamic, dyn_kwargs, static = self._split(args, kwargs)
         leaves, tree = jax.tree_util.tree_flatten((dynamic, dyn_kwargs))
+        signature = (tree, tuple(_argument_key(x) for x in leaves), static)
         try:
-            signature = (tree, tuple(_aval_key(x) for x in leaves), static)
             hash(signature)
         except TypeError as e:
             raise ConfigError(f"mx.partition: static arguments must be hashable ({e})") from None
