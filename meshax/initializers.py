@@ -17,6 +17,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from meshax.core.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +105,24 @@ class TensorFlowDefault:
         return Glorot(fan_in, fan_out, "uniform")(key, shape, dtype)
 
 
+def _numbers(fn: str, **values) -> None:
+    """Each of `values` is a number (or numbers); else a ConfigError naming the initializer and
+    the argument (text failed inside JAX when the variable was made, and None filled it with NaN)."""
+    for name, value in values.items():
+        try:
+            kind = np.asarray(value).dtype.kind
+        except (TypeError, ValueError):
+            kind = "O"
+        if kind not in "biufc":
+            raise ConfigError(
+                f"initializers.{fn}: {name} is {value!r} ({type(value).__name__}), not a number: e.g. "
+                f"initializers.{fn}({_EXAMPLES[fn]})"
+            )
+
+
+_EXAMPLES = {"constant": "0.5", "normal": "stddev=0.02", "truncated_normal": "stddev=0.02", "uniform": "-0.1, 0.1"}
+
+
 def tensorflow_default():
     """TensorFlow's default initializer (`TensorFlowDefault`): `get_variable`'s default."""
     return TensorFlowDefault()
@@ -119,21 +140,25 @@ def ones():
 
 def constant(value):
     """Initialize every value to `value`."""
+    _numbers("constant", value=value)
     return Constant(value)
 
 
 def normal(stddev=1.0, mean=0.0):
     """Normal values with `mean` and `stddev`."""
+    _numbers("normal", stddev=stddev, mean=mean)
     return Normal(stddev, mean)
 
 
 def truncated_normal(stddev=1.0, mean=0.0):
     """Normal values with `mean` and `stddev`, cut at two standard deviations (rescaled to keep `stddev`)."""
+    _numbers("truncated_normal", stddev=stddev, mean=mean)
     return Normal(stddev, mean, truncated=True)
 
 
 def uniform(minval=0.0, maxval=1.0):
     """Uniform values in [minval, maxval)."""
+    _numbers("uniform", minval=minval, maxval=maxval)
     return Uniform(minval, maxval)
 
 

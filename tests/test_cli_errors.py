@@ -331,6 +331,10 @@ LIBRARY = [  # (a call that builds something from a bad value, a piece of the me
     (lambda mx: mx.SimdMeshImpl("rows:65536;cols:65536"), "has 4294967296 devices"),
     (lambda mx: mx.dropout(mx.placeholder(mx.Mesh(mx.Graph(), "m"), "x", "b:4"), keep_prob=1.5), "keep_prob 1.5"),
     (lambda mx: mx.search.load_device(__file__), "is not one `meshax calibrate` wrote"),
+    # (None filled the variable with NaN; text failed inside JAX when the variable was made)
+    (lambda mx: mx.initializers.constant(None), r"initializers.constant: value is None \(NoneType\), not a number"),
+    (lambda mx: mx.initializers.normal("0.02"), "initializers.normal: stddev is '0.02' \\(str\\), not a number"),
+    (lambda mx: mx.initializers.uniform(0.0, None), "initializers.uniform: maxval is None"),
     # a mesh that is no mx.Mesh: an AttributeError ('str' object has no attribute 'graph') where it was first used
     (lambda mx: mx.Mesh("graph", "m"), "the graph given is 'graph' \\(str\\), not an mx.Graph"),
     (lambda mx: mx.Mesh("m", mx.Graph()), r"the graph comes first: mx.Mesh\(graph, 'm'\)"),
