@@ -314,6 +314,7 @@ LIBRARY = [  # (a call that builds something from a bad value, a piece of the me
     (lambda mx: mx.Shape([mx.Dimension("batch", -1)]), "negative"),
     (lambda mx: mx.Shape([mx.Dimension("", 4)]), "non-empty string"),
     (lambda mx: mx.Shape([mx.Dimension(4, "batch")]), r"the name comes first: Dimension\('batch', 4\)"),
+    (lambda mx: mx.Shape("batch:8;io:4"), r"a Shape is made from a list of Dimensions; .*convert_to_shape\('batch:8"),
     (lambda mx: mx.optimize.SgdOptimizer(-0.1), "learning_rate -0.1"),
     (lambda mx: mx.optimize.SgdOptimizer("fast"), "not a number"),
     (lambda mx: mx.optimize.AdamWeightDecayOptimizer(1e-3, beta_1=1.0), "beta_1 1.0"),

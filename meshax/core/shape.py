@@ -63,6 +63,11 @@ class Shape:
     __slots__ = ("_dims",)
 
     def __init__(self, dims: Iterable = ()):
+        if isinstance(dims, str) and dims:  # (read letter by letter: "cannot make a Dimension from 'b'")
+            raise ConfigError(
+                f"mx.Shape({dims!r}): a Shape is made from a list of Dimensions; parse text with "
+                f"mx.convert_to_shape({dims!r}) (ops take the text as it is)"
+            )
         dims = tuple(_as_dimension(d) for d in dims)
         names = [d.name for d in dims]
         repeated = sorted({n for n in names if names.count(n) > 1})
