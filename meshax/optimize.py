@@ -8,6 +8,7 @@ as their parameter, so they are laid out like it: a split parameter has split sl
 from __future__ import annotations
 
 import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 
@@ -58,6 +59,12 @@ def linear_decay(learning_rate: float, warmup_steps: int, total_steps: int) -> S
     """Linear warmup to `learning_rate` at step warmup_steps - 1, then linear decay to zero at
     step total_steps: the first step (0) runs at learning_rate / warmup_steps, the last one that
     runs (total_steps - 1) at learning_rate / (total_steps - warmup_steps + 1), not at zero."""
+    if callable(learning_rate):
+        raise ConfigError(f"linear_decay: learning_rate {learning_rate!r} is a schedule; give the peak rate, a number")
+    _as_schedule(learning_rate)  # (a ConfigError for a rate that is no finite number >= 0, as optimizers give)
+    for name, steps in (("warmup_steps", warmup_steps), ("total_steps", total_steps)):
+        if isinstance(steps, bool) or not isinstance(steps, numbers.Real) or not 0 <= steps < math.inf:
+            raise ConfigError(f"linear_decay: {name} {steps!r} is not a number of steps >= 0")
     w, t = float(max(1, warmup_steps)), float(max(total_steps, warmup_steps))
 
     def schedule(step):

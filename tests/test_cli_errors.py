@@ -319,6 +319,10 @@ LIBRARY = [  # (a call that builds something from a bad value, a piece of the me
     (lambda mx: mx.optimize.SgdOptimizer("fast"), "not a number"),
     (lambda mx: mx.optimize.AdamWeightDecayOptimizer(1e-3, beta_1=1.0), "beta_1 1.0"),
     (lambda mx: mx.optimize.MomentumOptimizer(0.1, momentum=-0.5), "momentum -0.5"),
+    # (a negative rate or warmup was accepted, the rate stepping uphill; text was a TypeError from max())
+    (lambda mx: mx.optimize.linear_decay(-1e-3, 10, 100), "learning_rate -0.001 must be a finite number >= 0"),
+    (lambda mx: mx.optimize.linear_decay(1e-3, -5, 100), "linear_decay: warmup_steps -5 is not a number of steps >= 0"),
+    (lambda mx: mx.optimize.linear_decay(1e-3, 10, "100"), "linear_decay: total_steps '100' is not a number of steps"),
     # (no rate: a TypeError, 'NoneType' object is not callable, when the updates were built)
     (lambda mx: mx.optimize.SgdOptimizer(None), r"SgdOptimizer needs a learning_rate: .* SgdOptimizer\(1e-3\)"),
     (lambda mx: mx.optimize.AdamWeightDecayOptimizer(None), "AdamWeightDecayOptimizer needs a learning_rate"),
