@@ -134,7 +134,11 @@ def moe(
     if factor <= 0:
         raise GraphError(f"moe capacity_factor must be > 0, got {factor}")
     if num_experts < (2 if gating == "top_2" else 1):
-        raise GraphError(f"moe with {gating} gating needs at least {2 if gating == 'top_2' else 1} experts")
+        least = 2 if gating == "top_2" else 1
+        raise GraphError(
+            f"moe with {gating} gating needs at least {least} experts, got {num_experts}: give {least} or more"
+            + (" (or gating='top_1')" if gating == "top_2" else "")
+        )
     model = x.shape.get_dim_by_name(model_dim) if model_dim else x.shape[-1]
     tokens = [d for d in x.shape if d != model]
     if not tokens:

@@ -90,6 +90,8 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mlp", *MLP, "--moe-experts", "4"], "--moe-experts applies to lm and seq2seq"),
     (["plan", "lm", "--moe-experts", "4", "--pipeline-stages", "2"], "MoE layers inside a pipeline"),
     (["plan", "lm", "--moe-experts", "512"], "512 experts are more than a group of 64 tokens"),
+    # (it said "moe with top_2 gating needs at least 2 experts", naming neither the flag's value nor a fix)
+    (["plan", "lm", "--moe-experts", "1"], "moe_experts=1: an MoE layer's top-2 gating sends each token to 2 experts"),
     (["plan", "mlp", *MLP, "--search", "--json"], "--search prints its own table"),
     (["plan", "lm", "--weight-layout", "d_model:cols except"], "after 'except', write each weight shape"),
     # --picture's folder is made when the pictures are drawn (it was left behind, empty, by a plan that failed)

@@ -111,6 +111,11 @@ class TransformerConfig:
                     )
             if self.moe_experts:
                 raise ConfigError("MoE layers inside a pipeline are not supported: use moe_experts or pipeline_stages")
+        if self.moe_experts == 1:  # (found when the layer was built, naming the layer's gating)
+            raise ConfigError(
+                "moe_experts=1: an MoE layer's top-2 gating sends each token to 2 experts: give 2 or more "
+                "(or 0: dense feed-forward layers)"
+            )
         if self.remat and (self.pipeline_stages > 1 or self.moe_experts):
             raise ConfigError(
                 "remat is for plain layer stacks: a pipeline already recomputes each stage in its backward "
