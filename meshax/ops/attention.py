@@ -130,6 +130,10 @@ def _attend(q, k, v, implementation, **kw):
         except RuntimeError as err:  # no cuDNN; a failure of another kind (out of memory) is raised
             if "cudnn" not in str(err).lower():
                 raise
+    if q.dtype == jnp.float16 and implementation != "cudnn" and jax.default_backend() == "cpu":
+        # (XLA's attention sums float16 products in float32, a matmul XLA:CPU does not run: in float32)
+        wide = (t.astype(jnp.float32) for t in (q, k, v))
+        return jax.nn.dot_product_attention(*wide, implementation=implementation, **kw).astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kw)
 
 
