@@ -48,6 +48,7 @@ from meshax.lower import (
 )
 from meshax.ops import *  # noqa: F403 (the flat op namespace users of Mesh-TensorFlow expect)
 from meshax.ops import __all__ as _ops
+from meshax.ops.variables import updates_only_where
 from meshax.optimize import serialize_training_step
 from meshax.pipeline import pipeline
 from meshax.runtime import initialize_distributed, is_main_process, use_cpu_devices
@@ -103,6 +104,7 @@ __all__ = [
     "search_layout",
     "serialize_training_step",
     "simd_mesh_impl",
+    "updates_only_where",
     "use_cpu_devices",
     *_ops,
 ]

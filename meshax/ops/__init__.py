@@ -127,7 +127,6 @@ from meshax.ops.variables import (
     assign_sub_slice,
     get_variable,
     read_variable,
-    updates_only_where,
 )
 
 # Mesh-TensorFlow's own names of the ops that shadow Python builtins.
@@ -268,7 +267,6 @@ __all__ = [
     "top_k",
     "transpose",
     "unstack",
-    "updates_only_where",
     "where",
     "while_loop",
     "zeros",
