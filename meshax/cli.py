@@ -515,7 +515,7 @@ def _token_ids(text: str, vocab_size: int) -> list[int]:
     from meshax.core.errors import ConfigError
 
     try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+        ids = [int(t) for t in text.replace(" ", "").split(",")]  # (an empty entry, "1,,2", too)
     except ValueError:
         raise ConfigError(f"--prompt {text!r}: give token ids separated by commas, like 5,3,9,2") from None
     outside = [t for t in ids if not 0 <= t < vocab_size]

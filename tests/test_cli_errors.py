@@ -84,7 +84,10 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mnist", "--mesh", "all:8"], "no --layout given"),
     (["plot", "missing.jsonl"], "does not exist"),
     (["plan", "lm", "--pipeline-stages", "3"], "3 pipeline stages x 1 circular repeats do not divide the 2 layers"),
-    (["plan", "lm", "--pipeline-stages", "2", "--microbatches", "3"], "3 microbatches do not divide"),
+    (  # (the pipeline said so of its input, naming an internal tensor: "add's batch dim")
+        ["plan", "lm", "--pipeline-stages", "2", "--microbatches", "3"],
+        "3 microbatches do not divide the batch of 16 examples (--microbatches, --batch-size)",
+    ),
     (["plan", "lm", "--microbatches", "4"], "--microbatches needs --pipeline-stages"),
     (["plan", "lm", "--pipeline-stages", "2", "--circular-repeats", "2"], "do not divide the 2 layers"),
     (["plan", "mlp", *MLP, "--moe-experts", "4"], "--moe-experts applies to lm and seq2seq"),
@@ -494,3 +497,14 @@ def test_a_lowering_given_what_is_no_tensor_of_its_graph_says_so(call, error, ex
     with pytest.raises(error, match=expected):
         call(mx, lowering, loss, w)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_prompt_with_an_empty_entry_is_refused():
+    """`--prompt 1,,2` (it was read as 1,2: the empty entry dropped)."""
+    from meshax.cli import _token_ids
+    from meshax.core.errors import ConfigError
+
+    assert _token_ids(" 1, 2,3", 16) == [1, 2, 3]
+    for text in ("1,,2", "1,2,", ","):
+        with pytest.raises(ConfigError, match="give token ids separated by commas, like 5,3,9,2"):
+            _token_ids(text, 16)

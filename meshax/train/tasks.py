@@ -291,6 +291,16 @@ class _TransformerTask(Task):
 
     config: TransformerConfig
 
+    def _check_microbatches(self) -> None:
+        """A pipeline's microbatches divide the batch (else the pipeline said so of its input,
+        naming an internal tensor)."""
+        c = self.config
+        if c.pipeline_stages > 1 and self.batch_size % c.microbatches:
+            raise ConfigError(
+                f"{c.microbatches} microbatches do not divide the batch of {self.batch_size} examples "
+                "(--microbatches, --batch-size): choose a number of microbatches that divides the batch size"
+            )
+
     def depths(self) -> dict[str, int]:
         c = self.config
         if c.pipeline_stages > 1 or c.moe_experts:
@@ -339,6 +349,7 @@ class LmTask(_TransformerTask):
             self.markov = synthetic.MarkovSource(self.markov_vocab, self.markov_order, seed=self.seed)
         else:
             raise ValueError(f"unknown source {self.source!r}: use 'text' or 'markov'")
+        self._check_microbatches()
         self.tokens_per_batch = self.batch_size * self.length
 
     def build(self, mesh):
@@ -399,6 +410,7 @@ class Seq2SeqTask(_TransformerTask):
         )
         if self.config.vocab_size < self.vocab:
             raise ValueError(f"the task's {self.vocab} tokens do not fit the model's vocab of {self.config.vocab_size}")
+        self._check_microbatches()
         self.tokens_per_batch = self.batch_size * self.length
 
     def build(self, mesh):
