@@ -155,3 +155,21 @@ def test_a_float16_run_logs_its_loss_scale_and_checkpoints_it(tmp_path):
     assert {"loss_scale/scale", "loss_scale/finite_steps"} <= set(dict(saved))
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [line["loss_scale"] for line in lines if "loss_scale" in line] == [2.0**15] * 2
+
+
+def test_skipped_steps_keep_the_kept_float16_copies_right():
+    """A step that reads kept float16 copies of its weights (a GPU's default: forced here) and
+    skips its update writes the copies of the weights it kept: the steps are the ones without."""
+    runs = []
+    for copies in (False, True):
+        task = _task(F16)
+        optimizer = LossScaleOptimizer(AdamWeightDecayOptimizer(1e-2), initial_scale=2.0**127)
+        program = build(
+            task, "rows:2;cols:4", "batch:rows;vocab:cols;d_ff:cols;heads:cols", "simd", optimizer, cast_copies=copies
+        )
+        outs = [[float(v) for v in program.train_fn(task.train_batch(s), seed=s)] for s in range(3)]
+        runs.append((outs, _variables(program), program.train_fn.copies_bytes()))
+    (plain, plain_vars, none), (kept, kept_vars, some) = runs
+    assert none == 0 < some and plain == kept and plain[-1][1] == 2.0**125
+    for name, value in plain_vars.items():
+        np.testing.assert_array_equal(kept_vars[name], value, err_msg=name)
