@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -500,8 +501,12 @@ def test_the_same_weight_rules_in_another_order_are_no_change():
 
 
 def test_a_budget_no_layout_meets_says_what_does_not_fit():
-    with pytest.raises(mx.LayoutError, match=r"no legal layout fits.*activations do not fit.*largest per device"):
+    """The largest tensors are named with their dims and the line that made them (an op's own
+    name is often a generated one: "subtract_1")."""
+    with pytest.raises(mx.LayoutError, match=r"no legal layout fits.*activations do not fit.*largest per device") as e:
         search_layout(TINY_LM, "all:8", memory_budget="2MB")
+    largest = str(e.value).split("largest per device there: ")[1]
+    assert re.match(r"\S+ \[[a-z_, ]+\] at \w+\.py:\d+ [\d.]+[KM]?B, ", largest), largest
 
 
 def test_a_budget_between_the_estimate_and_the_plan_says_what_the_plan_needs():

@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import functools
 import itertools
-import math
 import re
 import time
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from meshax.layout import (
     convert_to_weight_rules,
 )
 from meshax.lower.lowering import Lowering
+from meshax.lower.report import _short
 from meshax.search.cost import StepCost, predict
 from meshax.search.devices import Device, load_device
 from meshax.search.program import exact_cost, model_of
@@ -653,12 +653,18 @@ def _no_fit(compared: list[Candidate], budget: int, mesh_shape, program) -> None
             "the budget; its activations do not fit: use a smaller batch or sequence, more devices, or a larger budget"
         )
     lowering = program.lowering(tuple(_pairs(least.layout)), least.weight_layout)
-    tensors = {t: None for op in lowering.graph.operations for t in op.outputs}
-    impl = lowering.impl
-    per_device = ((math.prod(impl.slice_shape(t.shape, lowering.plan[t])) * t.dtype.itemsize, t.name) for t in tensors)
-    sizes = sorted(per_device, reverse=True)[:3]
-    largest = ", ".join(f"{name} {_human(n)}B" for n, name in sizes)
+    tensors = [t for op in lowering.graph.operations for t in op.outputs]
+    sizes = sorted((-lowering.slice_bytes(t), i) for i, t in enumerate(tensors))[:3]  # (ties: the first made)
+    largest = ", ".join(f"{_described(tensors[i])} {_human(-n)}B" for n, i in sizes)
     raise LayoutError(
         f"no legal layout fits a memory budget of {_human(budget)}B per device: {cause} (largest per device "
         f"there: {largest})"
     )
+
+
+def _described(t) -> str:
+    """A tensor as a user finds it: its name, dims and the source line that made it ("relu_3
+    [batch, length, d_ff] at transformer.py:354": an op's own name is often a generated one)."""
+    source = getattr(t.operation, "source", "")
+    at = f" at {_short(source)}" if source else ""
+    return f"{t.name} [{', '.join(t.shape.dimension_names)}]{at}"
