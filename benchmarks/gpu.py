@@ -111,7 +111,7 @@ def matmul_tflops(n: int = 8192, reps: int = 20) -> float:
 
 
 # ---- meshax's step ------------------------------------------------------------------------------
-def _task(size: Lm):
+def _task(size: Lm, dtype: str = "bfloat16"):
     from meshax.models.transformer import TransformerConfig
     from meshax.train import LmTask
 
@@ -123,7 +123,7 @@ def _task(size: Lm):
         d_kv=size.d_kv,
         num_layers=size.layers,
         max_length=size.length,
-        dtype="bfloat16",
+        dtype=dtype,
         attention="fused",
     )
     return LmTask(model=config, batch_size=size.batch, length=size.length)
@@ -146,11 +146,13 @@ def optimizers(name: str, lr: float):
     return tuple(make(lr) for make in pairs[name])
 
 
-def _program(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam", cast_copies=None):
+def _program(
+    size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam", cast_copies=None, dtype="bfloat16"
+):
     """(meshax's compiled training program on one device, its initial weights by name, the task)."""
     from meshax.train.loop import build
 
-    task = _task(size)
+    task = _task(size, dtype)
     program = build(
         task,
         "all:1",
@@ -184,11 +186,14 @@ class Stepper:
         return self.fetch(self.dispatch())
 
 
-def meshax_step(size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam", cast_copies=None):
+def meshax_step(
+    size: Lm, lr: float = 1e-4, compiler_options=None, optimizer: str = "adam", cast_copies=None, dtype="bfloat16"
+):
     """(a Stepper on the task's first batch, the initial weights by variable name, the task); the
-    program compiled with XLA's `compiler_options` where given, keeping bfloat16 copies of its
-    weights as `cast_copies` says (`Lowering.function`; default: on a GPU)."""
-    program, weights, task = _program(size, lr, compiler_options, optimizer, cast_copies)
+    program compiled with XLA's `compiler_options` where given, keeping 16-bit copies of its
+    weights as `cast_copies` says (`Lowering.function`; default: on a GPU), computing in `dtype`
+    (float16: loss-scaled)."""
+    program, weights, task = _program(size, lr, compiler_options, optimizer, cast_copies, dtype)
     batch, calls = task.train_batch(0), [0]
 
     def dispatch():

@@ -3,7 +3,8 @@
 Each candidate is a set of XLA options (what `jax.jit(compiler_options=...)` takes), given to
 meshax's SIMD backend as `build(..., compiler_options=...)`, over meshax's own options for GPUs
 (`meshax.lower.mesh_impl.PLATFORM_COMPILER_OPTIONS`), or one of meshax's own choices for the
-program (`cast_copies`: `build(..., cast_copies=...)`, `Lowering.function`). meshax's step of
+program (`cast_copies`: `build(..., cast_copies=...)`, `Lowering.function`; `dtype`: the model's,
+float16 trained loss-scaled). meshax's step of
 section 6 at the size is built, compiled and timed with each candidate in turn, each freed
 before the next: meshax's defaults first and again last (the two show the run's noise), then the
 candidates that beat the defaults by more than that noise, all together. Timed as section 6
@@ -21,10 +22,12 @@ import os
 
 from benchmarks import gpu
 
-MESHAX_CHOICES = ("cast_copies",)  # a candidate's keys that are `build`'s arguments, not XLA's options
+MESHAX_CHOICES = ("cast_copies", "dtype")  # a candidate's keys that are meshax's choices, not XLA's options
 CANDIDATES = {
     # the step reads bfloat16 copies of its weights written by the update before (on a GPU, by default)
     "no bf16 weight copies": {"cast_copies": False},
+    # float16 computation with dynamic loss scaling (`optimize.LossScaleOptimizer`), for bfloat16's
+    "float16, loss-scaled": {"dtype": "float16"},
     "command buffers off": {"xla_gpu_enable_command_buffer": ""},
     "command buffers, concurrent scheduling": {"xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"},
     "command buffers, concurrent regions": {"xla_gpu_graph_enable_concurrent_region": True},

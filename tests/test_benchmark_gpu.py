@@ -396,6 +396,9 @@ def test_xla_option_candidates_are_each_timed_and_the_faster_ones_tried_together
     # meshax's own choice for the program (not an XLA option): the step with kept bf16 weight copies
     copies = gpu_options.one(tiny, "copies", {"cast_copies": True}, steps=2, warmup=1)
     assert copies["queued_s"] > 0 and copies["first_loss"] == real["first_loss"]
+    half = gpu_options.one(tiny, "float16", gpu_options.CANDIDATES["float16, loss-scaled"], steps=2, warmup=1)
+    assert half["queued_s"] > 0 and half["first_loss"] == pytest.approx(real["first_loss"], rel=1e-2)
+    assert half["first_loss"] != real["first_loss"]  # (computed in float16, not bfloat16)
 
     times = {"a": 0.0895, "b": 0.095, "c": 0.0889, "bad": None}
     defaults = iter([0.0910, 0.0905])
