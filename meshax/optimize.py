@@ -373,7 +373,8 @@ class LossScaleOptimizer(Optimizer):
     scale (not below `min_scale`); after `growth_interval` finite steps in a row the scale
     doubles (up to 2**127). The scale (float32, logged as "loss_scale" at every step) and the count
     of finite steps are variables, so checkpoints keep them. Scales are powers of two: where
-    nothing overflows, the step is the unscaled step to the bit. `meshax.train` wraps its
+    nothing overflows, scaling and unscaling are exact (with SGD the step is the unscaled one to
+    the bit; XLA may round other updates' fused kernels differently). `meshax.train` wraps its
     optimizer in one where the model computes in float16."""
 
     def __init__(
