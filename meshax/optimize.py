@@ -387,11 +387,16 @@ class LossScaleOptimizer(Optimizer):
         if not isinstance(optimizer, Optimizer) or isinstance(optimizer, LossScaleOptimizer):
             raise ConfigError(f"LossScaleOptimizer wraps a meshax optimizer (not a loss-scaled one), got {optimizer!r}")
         for name, value in (("initial_scale", initial_scale), ("min_scale", min_scale)):
-            if not (math.isfinite(value) and value >= 1 and math.frexp(value)[0] == 0.5):
-                raise ConfigError(f"{name} {value!r} must be a power of two >= 1 (so that scaling is exact)")
+            # (above 2**127 the float32 scale is inf: every step skipped, and inf halved stays inf)
+            number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+            if not (number and 1 <= value <= 2.0**127 and math.frexp(value)[0] == 0.5):
+                raise ConfigError(
+                    f"{name} {value!r} must be a power of two >= 1 and <= 2**127 (so that scaling is exact, "
+                    "and the float32 scale finite)"
+                )
         if initial_scale < min_scale:
             raise ConfigError(f"initial_scale {initial_scale!r} is below min_scale {min_scale!r}")
-        if not isinstance(growth_interval, int) or growth_interval < 1:
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
             raise ConfigError(f"growth_interval {growth_interval!r} must be a whole number of steps >= 1")
         self.optimizer = optimizer
         self.initial_scale, self.min_scale = float(initial_scale), float(min_scale)

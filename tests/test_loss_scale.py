@@ -117,6 +117,11 @@ def test_the_scale_stays_at_its_floor_and_grows_each_growth_interval():
         ({"min_scale": 0.5}, "min_scale 0.5 must be a power of two >= 1"),
         ({"initial_scale": 2.0, "min_scale": 4.0}, "initial_scale 2.0 is below min_scale 4.0"),
         ({"growth_interval": 0}, "growth_interval 0 must be a whole number of steps >= 1"),
+        # (above 2**127 the float32 scale is inf: every step skipped, and inf halved stays inf)
+        ({"initial_scale": 2.0**128}, r"initial_scale 3.4\S* must be a power of two >= 1 and <= 2\*\*127"),
+        ({"min_scale": 2**200}, r"min_scale 1606\S* must be a power of two >= 1 and <= 2"),
+        ({"initial_scale": "1024"}, "initial_scale '1024' must be a power of two"),
+        ({"growth_interval": True}, "growth_interval True must be a whole number of steps >= 1"),
     ],
 )
 def test_loss_scale_settings_are_checked(kwargs, message):
