@@ -427,7 +427,9 @@ class LossScaleOptimizer(Optimizer):
 
     def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
         """The wrapped optimizer's updates from the gradients unscaled, where they are all finite;
-        then the scale's."""
+        then the scale's. `grads` are those of `scale_loss(loss)`, times the scale: clip them by
+        global norm at max_norm times `self.scale` (`clip_by_global_norm(grads, max_norm *
+        optimizer.scale)`, the unscaled gradients clipped at max_norm), not at max_norm."""
         if self.scale is None or self.finite_steps is None:
             raise GraphError("LossScaleOptimizer: take the gradients of scale_loss(loss), then apply them")
         inverse = ew.reciprocal(self.scale)
@@ -460,8 +462,9 @@ def global_norm(grads: Sequence[Tensor | None]) -> Tensor:
     return ew.sqrt(total)
 
 
-def clip_by_global_norm(grads: Sequence[Tensor | None], max_norm: float) -> list[Tensor | None]:
-    """The gradients scaled down together so that their global norm is at most `max_norm`."""
+def clip_by_global_norm(grads: Sequence[Tensor | None], max_norm: float | Tensor) -> list[Tensor | None]:
+    """The gradients scaled down together so that their global norm is at most `max_norm`. The
+    gradients of a `LossScaleOptimizer`'s scaled loss are clipped at max_norm times its scale."""
     scale = ew.minimum(max_norm / ew.maximum(global_norm(grads), 1e-12), 1.0)
     return [None if g is None else g * ew.cast(scale, g.dtype) for g in grads]
 

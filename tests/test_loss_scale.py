@@ -138,6 +138,29 @@ def test_loss_scaling_needs_an_optimizer_and_the_scaled_loss():
         LossScaleOptimizer(SgdOptimizer(0.1)).apply_grads(mx.gradients(mx.reduce_sum(w), [w]), [w])
 
 
+def test_clipping_the_scaled_gradients_at_the_scaled_norm_is_clipping_the_unscaled_ones():
+    """apply_grads takes the gradients of scale_loss(loss), times the scale: clipped at max_norm
+    they would be clipped far below it (a gradient of norm 0.28, 2**15 times that, clipped to 1);
+    clipped at max_norm times the scale, the steps are the unscaled ones to the bit."""
+    from meshax.optimize import clip_by_global_norm
+
+    for max_norm in (1.0, 0.01):  # (the norm is 0.28: clipped by the second only)
+        runs = []
+        for scaled, at_scale in ((False, False), (True, False), (True, True)):
+            graph, mesh = new_mesh()
+            w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
+            optimizer = LossScaleOptimizer(SgdOptimizer(1.0)) if scaled else SgdOptimizer(1.0)
+            grads = mx.gradients(optimizer.scale_loss(mx.reduce_sum(mx.square(w)) * 0.05), [w])
+            limit = max_norm * optimizer.scale if at_scale else max_norm
+            updates = optimizer.apply_grads(clip_by_global_norm(grads, limit), [w])
+            lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+            lowering.function([], updates=updates)({})
+            runs.append(np.asarray(lowering.variable_value(w)))
+        plain, naive, clipped = runs
+        np.testing.assert_array_equal(clipped, plain)
+        assert np.all(np.abs(1.0 - naive) < 1e-3 * np.abs(1.0 - plain))  # (the scaled norm clipped to 1)
+
+
 # ---- float16 training ----------------------------------------------------------------------------
 def test_a_float16_model_trains_loss_scaled_and_follows_float32():
     graph, _, _, _ = training_graph(_task(F16), SgdOptimizer(0.5))
