@@ -434,11 +434,16 @@ class LossScaleOptimizer(Optimizer):
             raise GraphError("LossScaleOptimizer: take the gradients of scale_loss(loss), then apply them")
         inverse = ew.reciprocal(self.scale)
         unscaled = [None if g is None else _wide(g) * inverse for g in grads]
-        sums = [reduce_sum(g) for g in unscaled if g is not None]
-        if not sums:
+        # a sum is finite where every value summed is (an inf or a NaN among them stays one). The
+        # sums of gradients of one shape, laid out alike, owe the same partial sums: added first,
+        # they are settled together, one scalar allreduce per shape split, not per weight
+        by_shape: dict = {}
+        for g in unscaled:
+            if g is not None:
+                by_shape.setdefault(g.shape, []).append(reduce_sum(g))
+        if not by_shape:
             raise GraphError("LossScaleOptimizer: no gradients to apply")
-        # (a sum is finite where every value summed is: an inf or a NaN among them stays one)
-        finite = ew.less(ew.abs(ew.add_n(sums)), math.inf)
+        finite = ew.less(ew.abs(ew.add_n([ew.add_n(sums) for sums in by_shape.values()])), math.inf)
         with updates_only_where(finite):
             updates = self.optimizer.apply_grads(unscaled, variables)
         scale, count = self.scale, self.finite_steps
