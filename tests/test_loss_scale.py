@@ -223,3 +223,18 @@ def test_the_finiteness_check_settles_one_scalar_sum_per_split_gradient_shape(we
     extra = sites[1] - sites[0]
     assert not sites[0] - sites[1] and {values for values, _ in extra} == {1}  # (scalars only)
     assert sum(extra.values()) == len({v.value.shape for v in split}) < len(split)
+
+
+def test_a_bfloat16_checkpoint_resumes_in_float16_and_back(tmp_path):
+    """The same model in another 16-bit dtype: a bfloat16 run's checkpoint lacks the loss scale's
+    state, which the float16 run starts afresh (it was refused: 'it holds another model'); the
+    float16 checkpoint's extra state is skipped, with a warning, going back."""
+    bf16, ckpt = dataclasses.replace(F16, dtype="bfloat16"), str(tmp_path / "ckpt")
+    train(_task(bf16), "all:8", "batch:all", steps=2, checkpoint_dir=ckpt)
+    resumed = train(_task(F16), "all:8", "batch:all", steps=4, checkpoint_dir=ckpt, resume=True)
+    assert resumed.first_step == 2 and len(resumed.losses) == 2 and np.isfinite(resumed.losses).all()
+    variables = _variables(resumed)
+    assert variables["loss_scale/scale"] == 2.0**15 and variables["loss_scale/finite_steps"] == 2
+    with pytest.warns(UserWarning, match="variables the graph lacks.*loss_scale/finite_steps"):
+        back = train(_task(bf16), "all:8", "batch:all", steps=5, checkpoint_dir=ckpt, resume=True)
+    assert back.first_step == 4 and len(back.losses) == 1

@@ -139,6 +139,13 @@ def _float32_step_counter(name: str, var, saved) -> bool:
     )
 
 
+def _optional(name: str) -> bool:
+    """Whether a variable may be missing from a checkpoint, keeping the value it has: a loss
+    scale's state (`LossScaleOptimizer`), which a float16 run makes and the checkpoint of a
+    bfloat16 or float32 run of the same model lacks."""
+    return name.startswith("loss_scale/")
+
+
 def _check_same_model(directory, step: int, variables: dict, saved) -> None:
     """Every variable of the graph is in the checkpoint with its shape and dtype; else a
     ConfigError naming a few of those missing, reshaped or retyped (a checkpoint of another
@@ -147,7 +154,7 @@ def _check_same_model(directory, step: int, variables: dict, saved) -> None:
     def some(names: list[str]) -> str:
         return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
-    missing = [repr(n) for n in variables if n not in saved]
+    missing = [repr(n) for n in variables if n not in saved and not _optional(n)]
     reshaped = [
         f"{n!r} ({var.shape.to_integer_list} here, {list(saved[n].shape)} there)"
         for n, var in variables.items()
@@ -208,14 +215,16 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
 
     Returns `{"step": step, **extra}`. Each variable is laid out by this lowering's plan, whatever
     the layout it was saved under: for SIMD each device reads only its own slice from disk. Every
-    graph variable must be in the checkpoint with the same shape and dtype; checkpoint variables
-    the graph lacks are skipped with a warning.
+    graph variable must be in the checkpoint with the same shape and dtype (but a loss scale's
+    state: a bfloat16 run's checkpoint restores into a float16 one, whose scale keeps its value);
+    checkpoint variables the graph lacks are skipped with a warning.
     """
     step = _whole_step(directory, step)
     variables = {var.name: var for var in lowering.graph.all_variables}
     with _manager(directory) as manager:
         saved = manager.item_metadata(step)["state"]
         _check_same_model(directory, step, variables, saved)  # (as check_restorable, on what is read here)
+        variables = {name: var for name, var in variables.items() if name in saved}  # (else `_optional`)
         unused = sorted(set(saved) - set(variables))
         if unused:
             warnings.warn(
