@@ -12,6 +12,8 @@ import numbers
 import re
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from meshax.autodiff import gradients
 from meshax.core.errors import ConfigError, GraphError
 from meshax.core.graph import Tensor, is_floating
@@ -371,11 +373,13 @@ class LossScaleOptimizer(Optimizer):
     before `optimizer` updates with them. A step whose gradients are not all finite changes
     nothing (weights, optimizer state and its step counter: `updates_only_where`) and halves the
     scale (not below `min_scale`); after `growth_interval` finite steps in a row the scale
-    doubles (up to 2**127). The scale (float32, logged as "loss_scale" at every step) and the count
-    of finite steps are variables, so checkpoints keep them. Scales are powers of two: where
-    nothing overflows, scaling and unscaling are exact (with SGD the step is the unscaled one to
-    the bit; XLA may round other updates' fused kernels differently). `meshax.train` wraps its
-    optimizer in one where the model computes in float16."""
+    doubles, up to the largest power of two the loss's dtype holds (2**127 for a float32 loss,
+    2**15 for a float16 one: the loss's gradient is the scale, in its dtype). The scale (float32,
+    logged as "loss_scale" at every step) and the count of finite steps are variables, so
+    checkpoints keep them. Scales are powers of two: where nothing overflows, scaling and
+    unscaling are exact (with SGD the step is the unscaled one to the bit; XLA may round other
+    updates' fused kernels differently). `meshax.train` wraps its optimizer in one where the
+    model computes in float16."""
 
     def __init__(
         self,
@@ -403,6 +407,7 @@ class LossScaleOptimizer(Optimizer):
         self.growth_interval = growth_interval
         self.scale: Tensor | None = None
         self.finite_steps: Tensor | None = None
+        self._largest = 2.0**127  # (the largest scale the loss's dtype holds: `scale_loss`)
 
     @property
     def step(self) -> Tensor | None:  # type: ignore[override]
@@ -423,6 +428,8 @@ class LossScaleOptimizer(Optimizer):
             )
             self.scale = log_scalar("loss_scale", scalar("scale", initializers.constant(self.initial_scale), "float32"))
             self.finite_steps = scalar("finite_steps", initializers.zeros(), "int32")
+        if is_floating(loss.dtype):  # (the loss's gradient is the scale, in the loss's dtype)
+            self._largest = min(2.0**127, 2.0 ** math.floor(math.log2(float(np.finfo(loss.dtype).max))))
         return loss * ew.cast(self.scale, loss.dtype)
 
     def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
@@ -448,7 +455,7 @@ class LossScaleOptimizer(Optimizer):
             updates = self.optimizer.apply_grads(unscaled, variables)
         scale, count = self.scale, self.finite_steps
         grow = ew.greater_equal(count + 1, self.growth_interval)
-        grown = ew.where(grow, ew.minimum(scale * 2.0, 2.0**127), scale)  # (float32's largest power of two)
+        grown = ew.where(grow, ew.minimum(scale * 2.0, self._largest), scale)
         new_scale = ew.where(finite, grown, ew.maximum(scale * 0.5, self.min_scale))
         new_count = ew.where(finite, ew.where(grow, 0, count + 1), 0)
         return [*updates, assign(scale, new_scale), assign(count, new_count)]

@@ -238,3 +238,19 @@ def test_a_bfloat16_checkpoint_resumes_in_float16_and_back(tmp_path):
     with pytest.warns(UserWarning, match="variables the graph lacks.*loss_scale/finite_steps"):
         back = train(_task(bf16), "all:8", "batch:all", steps=5, checkpoint_dir=ckpt, resume=True)
     assert back.first_step == 4 and len(back.losses) == 1
+
+
+def test_the_scale_of_a_float16_loss_grows_no_further_than_float16_holds():
+    """A float16 loss's gradient is the scale itself, in float16: 2**16 would overflow it and
+    skip every growth interval's step; the scale stops at 2**15."""
+    graph, mesh = new_mesh()
+    w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
+    x = mx.placeholder(mesh, "x", "a:8", dtype="float16")
+    loss = mx.reduce_sum(mx.cast(w, "float16") * x)
+    optimizer = LossScaleOptimizer(SgdOptimizer(0.1), initial_scale=2.0**14, growth_interval=1)
+    updates = optimizer.apply_grads(mx.gradients(optimizer.scale_loss(loss), [w]), [w])
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+    step = lowering.function([optimizer.scale], updates=updates)
+    scales = [float(step({"x": np.full(8, 0.5, np.float16)})[0]) for _ in range(4)]
+    assert scales == [2.0**14, 2.0**15, 2.0**15, 2.0**15]
+    np.testing.assert_allclose(lowering.variable_value(w), np.full(8, 1.0 - 4 * 0.05), rtol=1e-6)  # (4 steps)
