@@ -2,6 +2,7 @@
 backends, for float32, bfloat16, int32 and bool inputs; a dtype it cannot take is a GraphError
 when the graph is built. Results follow jax.numpy's promotion, weak Python scalars included."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -268,6 +269,32 @@ def test_results_follow_jax_promotion_with_weak_scalars():
         (i32 / 2, "float32"),
     ]
     assert [str(t.dtype) for t, _ in cases] == [want for _, want in cases]
+
+
+def test_a_gradient_has_its_tensors_dtype_where_an_op_promoted_it():
+    """As jax.grad: a bfloat16 tensor's gradient is bfloat16 where an op promoted it beside a
+    float32 one (the conversion's transpose casts the float32 gradient back), summed over the dims
+    it was broadcast over first. The elementwise ops gave it float32 (found by the fuzzer)."""
+    _, mesh = new_mesh()
+    h = mx.placeholder(mesh, "h", [B], "bfloat16")
+    f = mx.placeholder(mesh, "f", [B, D], "float32")
+    builders = [
+        (lambda h, f: h * f, lambda h, f: h[:, None] * f),
+        (lambda h, f: f / (h * h + 1), lambda h, f: f / (h * h + 1)[:, None]),
+        (lambda h, f: mx.subtract(h, f), lambda h, f: h[:, None] - f),
+        (lambda h, f: mx.where(mx.less(f, 0.0), h, f), lambda h, f: jnp.where(f < 0, h[:, None], f)),
+        (lambda h, f: mx.pow(h * h + 1, f), lambda h, f: (h * h + 1)[:, None] ** f),
+    ]
+    rng = np.random.default_rng(0)
+    hv, fv = rng.uniform(-1, 1, [8]).astype(jnp.bfloat16), rng.uniform(-1, 1, [8, 8]).astype(np.float32)
+    for build, ref in builders:
+        grads = mx.gradients(mx.reduce_sum(build(h, f)), [h, f])
+        assert [str(g.dtype) for g in grads] == ["bfloat16", "float32"]
+        got = run(grads, mx.SimdMeshImpl, layout="b:rows;d:cols", feeds={h: hv, f: fv})
+        want = jax.grad(lambda a, b, ref=ref: jnp.sum(ref(a, b)), argnums=(0, 1))(jnp.asarray(hv), jnp.asarray(fv))
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype
+            np.testing.assert_allclose(g.astype(np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
 
 
 def test_refusals_say_what_to_do():
