@@ -274,7 +274,8 @@ def test_results_follow_jax_promotion_with_weak_scalars():
 def test_a_gradient_has_its_tensors_dtype_where_an_op_promoted_it():
     """As jax.grad: a bfloat16 tensor's gradient is bfloat16 where an op promoted it beside a
     float32 one (the conversion's transpose casts the float32 gradient back), summed over the dims
-    it was broadcast over first. The elementwise ops gave it float32 (found by the fuzzer)."""
+    it was broadcast over first. The elementwise ops gave it float32 (found by the fuzzer), and so
+    did concat and stack."""
     _, mesh = new_mesh()
     h = mx.placeholder(mesh, "h", [B], "bfloat16")
     f = mx.placeholder(mesh, "f", [B, D], "float32")
@@ -284,6 +285,14 @@ def test_a_gradient_has_its_tensors_dtype_where_an_op_promoted_it():
         (lambda h, f: mx.subtract(h, f), lambda h, f: h[:, None] - f),
         (lambda h, f: mx.where(mx.less(f, 0.0), h, f), lambda h, f: jnp.where(f < 0, h[:, None], f)),
         (lambda h, f: mx.pow(h * h + 1, f), lambda h, f: (h * h + 1)[:, None] ** f),
+        (
+            lambda h, f: mx.concat([mx.reshape(h, [B, mx.Dimension("d", 1)]), f], "d"),
+            lambda h, f: jnp.concatenate([h[:, None], f], 1),
+        ),
+        (
+            lambda h, f: mx.stack([h, mx.reduce_sum(f, reduced_dim=D)], "s", 1),
+            lambda h, f: jnp.stack([h, jnp.sum(f, 1)], 1),
+        ),
     ]
     rng = np.random.default_rng(0)
     hv, fv = rng.uniform(-1, 1, [8]).astype(jnp.bfloat16), rng.uniform(-1, 1, [8, 8]).astype(np.float32)

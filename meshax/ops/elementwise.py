@@ -245,21 +245,28 @@ def union_shape(*shapes: Shape) -> Shape:
     return Shape(list(dims.values()))
 
 
+def gradient_like(g: Tensor, x: Tensor) -> Tensor:
+    """g in the dtype of x's gradient: x's own, as in JAX (where an op promoted a bfloat16 x beside
+    a float32 operand, the float32 gradient is cast back, as the conversion transposes), or the
+    master dtype of a weight's narrower cast (`gradient_dtype`), which keeps a wider g as it is."""
+    if is_floating(g.dtype) and g.dtype not in (x.dtype, gradient_dtype(x)):
+        return cast(g, x.dtype)
+    return g
+
+
 def _sum_to(g: Tensor, x: Tensor) -> Tensor:
-    """Reduce a broadcast gradient back to x's shape (summing the dims x lacks), in x's dtype: a
-    bfloat16 x promoted beside a float32 operand gets a bfloat16 gradient, as JAX's conversion
-    transposes (summed in float32 first), unless x is a weight's bfloat16 cast (`gradient_dtype`)."""
+    """Reduce a broadcast gradient back to x's shape (summing the dims x lacks), in the dtype of
+    x's gradient (`gradient_like`; summed before it is narrowed)."""
     from meshax.ops.reduce import reduce_sum
     from meshax.ops.shape_ops import transpose
 
-    wide = gradient_dtype(x)
     extra = [d for d in g.shape if d not in x.shape]
     if extra:  # (a bias cast to bfloat16: its gradient sums in float32)
+        wide = gradient_dtype(x)
         if is_floating(g.dtype) and wide.itemsize > g.dtype.itemsize:
             g = cast(g, wide)
         g = reduce_sum(g, reduced_dim=extra)
-    if is_floating(g.dtype) and g.dtype not in (x.dtype, wide):
-        g = cast(g, x.dtype)
+    g = gradient_like(g, x)
     if g.shape != x.shape:
         g = transpose(g, x.shape)
     return g

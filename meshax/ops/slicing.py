@@ -19,7 +19,7 @@ from meshax.layout import slice_shape
 from meshax.lower.halo import shift_sends, shifted
 from meshax.ops._dtypes import result_type, sum_dtype
 from meshax.ops._util import also_accepts, dim_of
-from meshax.ops.elementwise import cast
+from meshax.ops.elementwise import cast, gradient_like
 
 
 def _replace_dim(shape: Shape, name: str, size: int) -> Shape:
@@ -121,9 +121,9 @@ class ConcatOperation(_OneDimOperation):
         if g is None:
             return [None] * len(self.inputs)
         grads, begin = [], 0
-        for t in self.inputs:
+        for t in self.inputs:  # (a bfloat16 piece of a float32 concat: its gradient is bfloat16)
             size = t.shape.get_dim_by_name(self.dim_name).size
-            grads.append(slice(g, begin, size, self.dim_name))
+            grads.append(gradient_like(slice(g, begin, size, self.dim_name), t))
             begin += size
         return grads
 
