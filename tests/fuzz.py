@@ -11,6 +11,16 @@ over every dim name of the graph (one tensor dim over several mesh dims included
 `mx.shard` annotations drawn while building. Random ops are checked against their definition
 (each value keyed by its global position), so they too must not depend on the layout.
 
+Mixed precision: bfloat16 placeholders, float32 variables read through bfloat16 casts (their
+gradients taken too, summed in float32), bfloat16 ops of most families. A value computed from a
+bfloat16 one is rounded differently by each layout (sums in other orders), so it is compared
+within its rounding: the reference is run again with every bfloat16 computed in float32, and the
+distance between the two references bounds the error bfloat16 makes (`_close`). Ops whose result
+jumps where their input crosses a point (comparisons, casts to integers, argmax, abs's and
+relu's gradients) never read such a value. A program that updates variables runs twice, the
+second step from the first's new values, and half of them keep their bfloat16 weight copies
+between the steps (`Lowering.function(cast_copies=True)`, on by default only on GPUs).
+
 To add an op family: write a method `_op_<family>` that appends steps with `self._emit`, and
 add it to `FAMILIES`; the coverage counter in `Program.families` reports it.
 """
@@ -30,6 +40,8 @@ from meshax.layout.propagate import Propagation
 MESHES = ["all:1", "all:2", "all:4", "all:8", "rows:2;cols:4", "rows:4;cols:2", "rows:2;cols:2", "x:2;y:2;z:2"]
 SIZES = [1, 2, 3, 4, 5, 7, 8]  # 3, 5 and 7 split unevenly (padded) over most mesh dims
 MAX_RANK = 4
+FLOATS = ("float32", "bfloat16")
+KINKS = {"abs", "relu", "sign"}  # their gradients (sign: its value) jump at 0: no rounded input
 UNARY = [
     "negative",
     "abs",
@@ -103,6 +115,14 @@ REF_REDUCE = {
 }
 
 
+_WIDE = [False]  # the reference computed with float32 in place of bfloat16 (`Program.reference`)
+
+
+def ref_dtype(dtype):
+    """The dtype the reference casts to: float32 for bfloat16 in the wide reference."""
+    return np.dtype("float32") if _WIDE[0] and np.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
+
+
 class Draws:
     """Choices from `draw_int(lo, hi)` (inclusive): hypothesis's, or a seeded RNG's."""
 
@@ -157,6 +177,11 @@ def compatible(*shapes) -> bool:
     return True
 
 
+def kin(t, x) -> bool:
+    """Whether t may join x in a concat or stack: one dtype, or two floats (promoted)."""
+    return t.dtype == x.dtype or (str(t.dtype) in FLOATS and str(x.dtype) in FLOATS)
+
+
 def union_names(*tensors) -> list[str]:
     out = []
     for t in tensors:
@@ -180,6 +205,7 @@ class Program:
         self.variables: list = []
         self.updates: list = []
         self.pool: list = []
+        self.approx: set = set()  # values computed from bfloat16 ones: rounded, layout by layout
         self.families = collections.Counter()
         self._fresh = 0
         for _ in range(r.int(1, 3)):
@@ -188,6 +214,8 @@ class Program:
             self._placeholder("int32")
         if r.coin(25):
             self._placeholder("bool")
+        if r.coin(20):
+            self._placeholder("bfloat16")
         for _ in range(length):
             family = r.pick(FAMILIES)
             if getattr(self, "_op_" + family)() is not False:
@@ -201,6 +229,8 @@ class Program:
 
     def _emit(self, outs, fn, ins, pool=True):
         outs = outs if isinstance(outs, tuple | list) else (outs,)
+        if any(t in self.approx for t in ins) or any(str(t.dtype) == "bfloat16" for t in outs):
+            self.approx.update(outs)
         self.steps.append((tuple(outs), fn, tuple(ins)))
         if pool:
             self.pool.extend(outs)
@@ -213,8 +243,8 @@ class Program:
         shape = self._shape(1, 3)
         t = mx.placeholder(self.mesh, f"p{len(self.feeds)}", shape, dtype)
         size = [d.size for d in shape]
-        if dtype == "float32":
-            value = self.rng.uniform(-1, 1, size).astype(np.float32)
+        if dtype in FLOATS:
+            value = self.rng.uniform(-1, 1, size).astype(dtype)
         elif dtype == "int32":
             value = self.rng.integers(0, 8, size).astype(np.int32)
         else:
@@ -222,16 +252,26 @@ class Program:
         self.feeds[t] = value
         self._emit(t, None, ())
 
-    def _take(self, dtypes=("float32",), where=lambda t: True):
-        """A tensor of the pool, recent ones likelier; None if none fits."""
-        fits = [t for t in self.pool if str(t.dtype) in dtypes and where(t)]
+    def _take(self, dtypes=("float32",), where=lambda t: True, exact=False):
+        """A tensor of the pool, recent ones likelier; None if none fits. `exact`: none computed
+        from a bfloat16 value (for an op whose result jumps: a rounding would change it)."""
+        fits = [t for t in self.pool if str(t.dtype) in dtypes and where(t) and not (exact and t in self.approx)]
         if not fits:
             return None
         return fits[-1 - min(self.r.int(0, 6), len(fits) - 1)]
 
-    def _partner(self, x, dtypes=("float32",)):
+    def _partner(self, x, dtypes=("float32",), exact=False):
         """A tensor that broadcasts with x (by name) within the rank limit, or None."""
-        return self._take(dtypes, lambda t: compatible(x.shape, t.shape) and len(union_names(x, t)) <= MAX_RANK)
+        return self._take(
+            dtypes, lambda t: compatible(x.shape, t.shape) and len(union_names(x, t)) <= MAX_RANK, exact=exact
+        )
+
+    def _positive(self, x, at_least=0.5):
+        """x made positive: |x| + at_least, or x * x + at_least for a rounded x (smooth: |x|'s
+        gradient flips its sign where a rounding moves x across 0)."""
+        if x in self.approx:
+            return self._emit(mx.square(x) + at_least, lambda a: jnp.square(a) + at_least, [x], pool=False)
+        return self._emit(mx.abs(x) + at_least, lambda a: jnp.abs(a) + at_least, [x], pool=False)
 
     def _legal_layout(self, shape) -> str:
         """A random layout for one tensor (an `mx.shard` annotation): legal by construction."""
@@ -246,17 +286,19 @@ class Program:
 
     # ---- op families: each emits meshax ops and their references ------------------------------
     def _op_unary(self):
-        x = self._take(("float32", "int32"))
+        x = self._take(("float32", "int32", "bfloat16"))
         if x is None:
             return False
         fn = self.r.pick(UNARY)
+        if fn in KINKS and x in self.approx:
+            return False
         if str(x.dtype) == "int32" and fn in ("gelu", "sigmoid", "softplus", "erf", "tanh", "exp", "sqrt"):
             if fn in ("exp", "sqrt"):  # keep exp finite (float32 overflows past 88) and sqrt real
                 x = self._emit(mx.minimum(mx.abs(x), 4), lambda a: jnp.minimum(jnp.abs(a), 4), [x], pool=False)
             y = getattr(mx, fn)(x)
             return self._emit(y, lambda a: REF_UNARY[fn](a.astype(jnp.float32)), [x])
-        if fn in POSITIVE_ONLY and str(x.dtype) == "float32":
-            x = self._emit(mx.abs(x) + 0.5, lambda a: jnp.abs(a) + 0.5, [x], pool=False)
+        if fn in POSITIVE_ONLY and str(x.dtype) in FLOATS:
+            x = self._positive(x)
         elif fn in POSITIVE_ONLY:
             return False
         self._emit(getattr(mx, fn)(x), REF_UNARY[fn], [x])
@@ -270,26 +312,29 @@ class Program:
         return self._emit(getattr(mx, fn)(x, y), lambda a: REF_BINARY[fn](a, y), [x])
 
     def _op_arith(self):
-        x = self._take(("float32", "int32"))
+        x = self._take(("float32", "int32", "bfloat16"))
         if x is None:
             return False
         fn = self.r.pick(ARITH)
-        y = self._partner(x, (str(x.dtype),)) if self.r.coin(70) else None
+        floating = str(x.dtype) in FLOATS
+        y = self._partner(x, FLOATS if floating else (str(x.dtype),)) if self.r.coin(70) else None
+        if fn in ("maximum", "minimum") and (x in self.approx or y in self.approx):
+            return False  # (which input the gradient goes to flips where a rounding breaks a near tie)
         if y is None:
-            y = self.r.pick([0.5, 2.0, -1.5, 3]) if str(x.dtype) == "float32" else self.r.pick([1, 2, 0.5])
+            y = self.r.pick([0.5, 2.0, -1.5, 3]) if floating else self.r.pick([1, 2, 0.5])
         if fn == "divide" and isinstance(y, mx.Tensor):
-            y = self._emit(mx.abs(y) + 1, lambda a: jnp.abs(a) + 1, [y], pool=False)
+            y = self._positive(y, 1)
         if fn == "pow":
-            if str(x.dtype) != "float32":
+            if not floating:
                 return False
-            x = self._emit(mx.abs(x) + 0.5, lambda a: jnp.abs(a) + 0.5, [x], pool=False)
+            x = self._positive(x)
         self._binary(fn, x, y)
 
     def _op_compare(self):
-        x = self._take(("float32", "int32"))
+        x = self._take(("float32", "int32"), exact=True)
         if x is None:
             return False
-        y = self._partner(x, (str(x.dtype),)) if self.r.coin(60) else self.r.pick([0.0, 0.25, 1, 3])
+        y = self._partner(x, (str(x.dtype),), exact=True) if self.r.coin(60) else self.r.pick([0.0, 0.25, 1, 3])
         self._binary(self.r.pick(COMPARE), x, y if y is not None else 0)
 
     def _op_logical(self):
@@ -305,7 +350,7 @@ class Program:
         c = self._take(("bool",))
         if c is None:
             return False
-        x = self._partner(c, ("float32", "int32"))
+        x = self._partner(c, ("float32", "int32", "bfloat16"))
         if x is None:
             return False
         y = self._partner(x, (str(x.dtype),)) if self.r.coin(50) else None
@@ -326,26 +371,35 @@ class Program:
         )
 
     def _op_cast(self):
-        x = self._take(("float32", "int32", "bool"))
+        if self.r.coin(20):  # a bfloat16 weight of a float32 master (mixed precision)
+            v = self.r.pick(self.variables) if self.variables and self.r.coin() else self._variable(self._shape(1, 2))
+            return self._emit(mx.cast(v, "bfloat16"), lambda a: a.astype(ref_dtype("bfloat16")), [v])
+        x = self._take(("float32", "int32", "bool", "bfloat16"))
         if x is None:
             return False
-        dtype = self.r.pick([d for d in ("float32", "int32") if d != str(x.dtype)])
+        targets = {"float32": ["int32", "bfloat16"], "int32": ["float32", "bfloat16"], "bfloat16": ["float32"]}
+        dtype = self.r.pick(targets.get(str(x.dtype), ["float32", "int32"]))
+        if dtype == "int32" and x in self.approx:
+            return False  # (a rounding would move a value across an integer)
         src = x
         if dtype == "int32" and str(x.dtype) == "float32":  # casts truncate: make integer-ish values
             src = self._emit(x * 4.0, lambda a: a * 4.0, [x], pool=False)
-        self._emit(mx.cast(src, dtype), lambda a: a.astype(dtype), [src])
+        self._emit(mx.cast(src, dtype), lambda a: a.astype(ref_dtype(dtype)), [src])
 
     def _op_einsum(self):
-        x = self._take(("float32", "int32"))
+        x = self._take(("float32", "int32", "bfloat16"))
         if x is None:
             return False
-        y = self._partner(x, (str(x.dtype),))
+        y = self._partner(x, FLOATS if str(x.dtype) in FLOATS else (str(x.dtype),))
         ins = [x] if y is None or self.r.coin(15) else [x, y]
         every = union_names(*ins)
         sizes = {d.name: d for t in ins for d in t.shape}
         out = self.r.order(self.r.subset(every))
         letters = {n: string.ascii_letters[i] for i, n in enumerate(every)}
         spec = ",".join("".join(letters[n] for n in names(t)) for t in ins) + "->" + "".join(letters[n] for n in out)
+        if all(str(t.dtype) == "bfloat16" for t in ins) and self.r.coin(30):  # summed into float32 (logits)
+            y_ = mx.einsum(ins, output_shape=[sizes[n] for n in out], dtype="float32")
+            return self._emit(y_, lambda *a: jnp.einsum(spec, *a, preferred_element_type=jnp.float32), ins)
         fn = mx.matmul if len(ins) == 2 and self.r.coin(20) else None
         y_ = (
             fn(*ins, output_shape=[sizes[n] for n in out])
@@ -357,7 +411,7 @@ class Program:
     def _op_reduce(self):
         kind = self.r.pick(list(REF_REDUCE))
         dtypes = ("bool", "float32", "int32") if kind in ("any", "all", "sum", "mean") else ("float32", "int32")
-        x = self._take(dtypes, lambda t: t.shape.rank > 0)
+        x = self._take((*dtypes, "bfloat16"), lambda t: t.shape.rank > 0, exact=kind in ("max", "min", "any", "all"))
         if x is None:
             return False
         reduced = self.r.subset(x.shape, at_least=1)
@@ -372,12 +426,14 @@ class Program:
         self._emit(fn(x, reduced_dim=reduced), lambda a: REF_REDUCE[kind](a, axis=axes), [x])
 
     def _op_softmax(self):
-        x = self._take(("float32",), lambda t: t.shape.rank > 0)
+        x = self._take(FLOATS, lambda t: t.shape.rank > 0)
         if x is None:
             return False
         d = self.r.pick(x.shape)
         axis = x.shape.index(d)
         kind = self.r.pick(["softmax", "log_softmax", "argmax", "top_k", "cumsum"])
+        if kind in ("argmax", "top_k") and x in self.approx:
+            return False  # (a rounding breaks near ties the other way)
         if kind == "softmax":
             return self._emit(mx.softmax(x, d), lambda a: jax.nn.softmax(a, axis=axis), [x])
         if kind == "log_softmax":
@@ -398,7 +454,7 @@ class Program:
         self._emit(mx.top_k(x, d, k), ref, [x])
 
     def _op_reshape(self):
-        x = self._take(("float32", "int32", "bool"), lambda t: t.shape.rank > 0)
+        x = self._take(("float32", "int32", "bool", "bfloat16"), lambda t: t.shape.rank > 0)
         if x is None:
             return False
         dims = list(x.shape)
@@ -432,7 +488,7 @@ class Program:
         self._emit(mx.reshape(x, new), lambda a: jnp.reshape(a, new_sizes), [x])
 
     def _op_slicing(self):
-        x = self._take(("float32", "int32", "bool"), lambda t: t.shape.rank > 0)
+        x = self._take(("float32", "int32", "bool", "bfloat16"), lambda t: t.shape.rank > 0)
         if x is None:
             return False
         d = self.r.pick(x.shape)
@@ -453,7 +509,7 @@ class Program:
             def frame(t):  # the shape with the concatenated dim's size left out
                 return [e.name if e.name == d.name else e for e in t.shape]
 
-            others = [t for t in self.pool if t.dtype == x.dtype and frame(t) == frame(x)]
+            others = [t for t in self.pool if kin(t, x) and frame(t) == frame(x)]
             ys = [x, self.r.pick(others)] + ([x] if self.r.coin(30) else [])
             return self._emit(mx.concat(ys, d.name), lambda *a: jnp.concatenate(a, axis=axis), ys)
         if how == "split":
@@ -465,7 +521,7 @@ class Program:
         if how == "stack":
             if x.shape.rank >= MAX_RANK:
                 return False
-            same = [t for t in self.pool if t.shape == x.shape and t.dtype == x.dtype]
+            same = [t for t in self.pool if t.shape == x.shape and kin(t, x)]
             ys = [x, self.r.pick(same)]
             pos = self.r.int(0, x.shape.rank)
             return self._emit(mx.stack(ys, self.fresh(2).name, pos), lambda *a: jnp.stack(a, axis=pos), ys)
@@ -489,7 +545,7 @@ class Program:
         self._emit(mx.shift(x, offset, d, wrap), ref, [x])
 
     def _op_gather(self):
-        table = self._take(("float32", "int32", "bool"), lambda t: t.shape.rank > 0)
+        table = self._take(("float32", "int32", "bool", "bfloat16"), lambda t: t.shape.rank > 0)
         if table is None:
             return False
         d = self.r.pick(table.shape)
@@ -520,7 +576,7 @@ class Program:
         shape = self._shape(1, 3)
         seed = self.r.int(0, 1000)
         if self.r.coin(40):
-            x = self._take(("float32",), lambda t: t.shape.rank > 0)
+            x = self._take(FLOATS, lambda t: t.shape.rank > 0)
             if x is not None:
                 noise = self.r.subset(x.shape, at_least=1)
                 nx, nn = names(x), [e.name for e in noise]
@@ -549,13 +605,16 @@ class Program:
         if how == "import":
             value = self.rng.uniform(-1, 1, sizes).astype(np.float32)
             return self._emit(mx.import_tensor(self.mesh, value, shape), lambda: jnp.asarray(value), [])
+        self._variable(shape)
+
+    def _variable(self, shape) -> mx.Tensor:
         v = mx.get_variable(self.mesh, f"v{len(self.variables)}", shape, initializer=mx.initializers.normal())
         self.variables.append(v)
-        self._emit(v, None, ())
+        return self._emit(v, None, ())
 
     def _unannotated(self):
         """A tensor with no annotation yet (a tensor takes one)."""
-        return self._take(("float32", "int32", "bool"), lambda t: ("annotation", t) not in self.graph.memo)
+        return self._take(("float32", "int32", "bool", "bfloat16"), lambda t: ("annotation", t) not in self.graph.memo)
 
     def _op_shard(self):
         x = self._unannotated()
@@ -635,7 +694,7 @@ class Program:
         floats = [
             t
             for t in self.pool
-            if str(t.dtype) == "float32" and t.operation.differentiable and not getattr(t.operation, "is_input", False)
+            if str(t.dtype) in FLOATS and t.operation.differentiable and not getattr(t.operation, "is_input", False)
         ]
         self.loss_terms = []
         for t in floats[-3:]:
@@ -645,7 +704,7 @@ class Program:
         for t, w in self.loss_terms:
             term = mx.reduce_sum(t * mx.import_tensor(self.mesh, w, t.shape))
             self.loss = term if self.loss is None else self.loss + term
-        self.wrt = [t for t in self.feeds if str(t.dtype) == "float32"]
+        self.wrt = [t for t in self.feeds if str(t.dtype) in FLOATS] + self.variables  # (float32 masters)
         self.grads = []  # None where no path connects: the gradient is zero
         if self.loss is not None and self.wrt:
             try:
@@ -654,6 +713,7 @@ class Program:
                 if "no gradient flows" not in str(e):
                     raise
                 self.grads = [None] * len(self.wrt)
+        self.cast_copies = bool(self.updates) and self.r.coin()  # (the copies of the weights it updates)
 
     def rules(self) -> str:
         """Layout rules over every dim name in the graph: each mesh dim splits at most one name
@@ -675,23 +735,35 @@ class Program:
     def outputs(self) -> list:
         return [t for outs, fn, _ in self.steps if fn is not None for t in outs]
 
-    def reference(self, initial: dict) -> tuple[dict, list, dict]:
-        """(value of each tensor, gradients wrt self.wrt, new variable values) by jax.numpy."""
+    def reference(self, initial: dict, wide: bool = False) -> tuple[dict, list, dict]:
+        """(value of each tensor, gradients wrt self.wrt, new variable values) by jax.numpy;
+        `wide`: every bfloat16 value computed in float32 instead."""
+        _WIDE[0] = wide
+        try:
+            return self._reference(initial)
+        finally:
+            _WIDE[0] = False
+
+    def _reference(self, initial: dict) -> tuple[dict, list, dict]:
+        feeds = {t: jnp.asarray(v, ref_dtype(v.dtype)) for t, v in self.feeds.items()}
 
         def forward(wrt_values):
             env = dict(initial)
-            env.update({t: jnp.asarray(v) for t, v in self.feeds.items()})
+            env.update(feeds)
             env.update(zip(self.wrt, wrt_values))
             for outs, fn, ins in self.steps:
                 if fn is None:
                     continue
                 got = fn(*[env[t] for t in ins])
-                env.update(zip(outs, got if isinstance(got, tuple) else (got,)))
+                # meshax's tensors are strongly typed: an int32 + 0.5 is a float32, where JAX's is
+                # weakly typed (and would be a bfloat16 beside one)
+                strong = (jax.lax.convert_element_type(a, a.dtype) for a in (got if isinstance(got, tuple) else (got,)))
+                env.update(zip(outs, strong))
             loss = sum((jnp.sum(env[t] * w) for t, w in self.loss_terms), jnp.float32(0))
             return loss, [env[t] for t in order]
 
         order = [t for outs, _, _ in self.steps for t in outs] + list(initial)
-        wrt_values = [jnp.asarray(self.feeds[t]) for t in self.wrt]
+        wrt_values = [feeds[t] if t in feeds else initial[t] for t in self.wrt]
         (_, values), grads = jax.value_and_grad(forward, has_aux=True)(wrt_values)
         env = dict(zip(order, values))
         new_vars = {}
@@ -702,7 +774,8 @@ class Program:
                 value = to_names(summed, [n for n in ns if n in nv], nv)
             else:
                 value = env[v] * 2.0
-            new_vars[v] = {"assign": value, "assign_add": env[v] + value, "assign_sub": env[v] - value}[kind]
+            new = {"assign": value, "assign_add": env[v] + value, "assign_sub": env[v] - value}[kind]
+            new_vars[v] = new.astype(v.dtype)
         return env, grads, new_vars
 
 
@@ -745,24 +818,39 @@ FAMILIES = [
 
 
 def check(program: Program, impl_cls, rules: str) -> None:
-    """Lower and run the program with `rules` on `impl_cls`; compare with the reference."""
+    """Lower and run the program with `rules` on `impl_cls`; compare with the reference. A
+    program that updates variables runs a second step, from the new values the first wrote."""
     lowering = mx.Lowering(program.graph, {program.mesh: impl_cls(program.mesh_shape, rules)})
     outputs = program.outputs()
-    initial = {v: jnp.asarray(lowering.variable_value(v)) for v in program.variables}
     grads = [g for g in program.grads if g is not None]
-    fn = lowering.function(outputs + grads, updates=[u for *_, u in program.updates])
-    got = fn({t: v for t, v in program.feeds.items()})
-    env, want_grads, new_vars = program.reference(initial)
-    for t, g in zip(outputs, got):
-        _close(f"{t.name} {t.shape}", g, env[t], t.dtype)
-    if all(np.all(np.isfinite(np.asarray(env[t]))) for t, _ in program.loss_terms):
-        got_grads = iter(got[len(outputs) :])
-        for t, g, want in zip(program.wrt, program.grads, want_grads):
-            value = next(got_grads) if g is not None else np.zeros(t.shape.to_integer_list, np.float32)
-            _close(f"gradient wrt {t.name} {t.shape}", value, want, t.dtype)
-    for v, want in new_vars.items():
-        _close(f"updated variable {v.name}", lowering.variable_value(v), want, v.dtype)
+    updates = [u for *_, u in program.updates]
+    fn = lowering.function(outputs + grads, updates=updates, cast_copies=program.cast_copies)
+    for step in range(2 if updates else 1):
+        initial = {v: jnp.asarray(lowering.variable_value(v)) for v in program.variables}
+        got = fn({t: v for t, v in program.feeds.items()})
+        _check_step(program, lowering, initial, outputs, got, "" if step == 0 else f" (step {step + 1})")
     check_annotations(lowering)
+
+
+def _check_step(program: Program, lowering, initial: dict, outputs: list, got: list, when: str) -> None:
+    env, want_grads, new_vars = program.reference(initial)
+    # the wide reference (float32 for bfloat16): how far bfloat16's roundings move each value
+    wide_env, wide_grads, wide_vars = program.reference(initial, wide=True) if program.approx else (None, None, {})
+    for t, g in zip(outputs, got):
+        _close(f"{t.name} {t.shape}{when}", g, env[t], t.dtype, None if wide_env is None else wide_env[t])
+    if all(np.all(np.isfinite(np.asarray(env[t], np.float32))) for t, _ in program.loss_terms):
+        got_grads = iter(got[len(outputs) :])
+        for k, (t, g, want) in enumerate(zip(program.wrt, program.grads, want_grads)):
+            value = next(got_grads) if g is not None else np.zeros(t.shape.to_integer_list, t.dtype)
+            _close(
+                f"gradient wrt {t.name} {t.shape}{when}",
+                value,
+                want,
+                t.dtype,
+                None if wide_grads is None else wide_grads[k],
+            )
+    for v, want in new_vars.items():
+        _close(f"updated variable {v.name}{when}", lowering.variable_value(v), want, v.dtype, wide_vars.get(v))
 
 
 class FullSweeps(Propagation):
@@ -796,21 +884,38 @@ def check_annotations(lowering) -> None:
     assert not prop.sweep(), "propagation had not reached a fixed point"
 
 
-def _close(what, got, want, dtype):
+BF16_RTOL = 2.0**-7  # two bfloat16 roundings of the value itself (8 significant bits)
+DRIFT = 4  # times the distance between the references: each layout rounds in its own order
+
+
+def _close(what, got, want, dtype, wide=None):
+    """got against the reference `want`. `wide`: the reference computed in float32 where `want`
+    was computed in bfloat16; got may be as far from want as a few times want is from wide (its
+    roundings fall elsewhere), and a bfloat16 value two of its roundings further."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == dtype, f"{what}: produced {got.dtype}, declared {dtype}"
     assert got.shape == want.shape, f"{what}: shape {got.shape}, reference {want.shape}"
     if got.dtype == np.bool_ or np.issubdtype(got.dtype, np.integer):
         np.testing.assert_array_equal(got, want.astype(got.dtype), err_msg=what)
         return
+    assert want.dtype == got.dtype, f"{what}: produced {got.dtype}, the reference (jax.numpy) {want.dtype}"
+    got, want = got.astype(np.float32), want.astype(np.float32)
     finite = np.abs(want[np.isfinite(want)])
     scale = max(1.0, float(finite.max())) if finite.size else 1.0
-    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-4 * scale, err_msg=what)
+    atol, rtol = 1e-4 * scale, 1e-3
+    if wide is not None:
+        drift = np.abs(want - np.asarray(wide, np.float32))
+        drift = drift[np.isfinite(drift)]
+        atol += DRIFT * float(drift.max()) if drift.size else 0.0
+    if dtype == jnp.bfloat16:
+        rtol = BF16_RTOL
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
 
 
 def describe(program: Program, rules: str) -> str:
     """The program as text, for a failure report."""
-    lines = [f"mesh {program.mesh_shape!r}, rules {rules!r}"]
+    copies = ", cast_copies" if program.cast_copies else ""
+    lines = [f"mesh {program.mesh_shape!r}, rules {rules!r}{copies}"]
     for op in program.graph.operations:
         ins = ", ".join(t.name for t in op.inputs)
         extra = f" annotation={list(op.annotation)}" if getattr(op, "annotation", None) is not None else ""
