@@ -7,7 +7,8 @@ The default suite runs a short, fixed profile. The long one runs in shards, in p
 
 Every case runs on the SIMD backend; every `--fuzz-placement-every`-th case also on the much
 slower placement backend. Each shard writes its cases, time and op-family coverage to
-DIR/shard-K.json when --fuzz-report is given.
+DIR/shard-K.json when --fuzz-report is given (with the cases computing in bfloat16, those that
+update variables, and those keeping bfloat16 weight copies between their two steps).
 """
 
 import collections
@@ -39,6 +40,7 @@ def _run_case(data, impls, stats):
             ) from err
         stats[impl.__name__] += 1
     stats.update(program.families)
+    stats.update(bfloat16=bool(program.approx), updates=bool(program.updates), cast_copies=program.cast_copies)
     stats["cases"] += 1
 
 
