@@ -41,6 +41,7 @@ MESHES = ["all:1", "all:2", "all:4", "all:8", "rows:2;cols:4", "rows:4;cols:2", 
 SIZES = [1, 2, 3, 4, 5, 7, 8]  # 3, 5 and 7 split unevenly (padded) over most mesh dims
 MAX_RANK = 4
 FLOATS = ("float32", "bfloat16")
+NARROW = ("bfloat16", "float16")  # rounded: compared within their rounding (`_close`)
 KINKS = {"abs", "relu", "sign"}  # their gradients (sign: its value) jump at 0: no rounded input
 UNARY = [
     "negative",
@@ -119,8 +120,8 @@ _WIDE = [False]  # the reference computed with float32 in place of bfloat16 (`Pr
 
 
 def ref_dtype(dtype):
-    """The dtype the reference casts to: float32 for bfloat16 in the wide reference."""
-    return np.dtype("float32") if _WIDE[0] and np.dtype(dtype) == jnp.bfloat16 else np.dtype(dtype)
+    """The dtype the reference casts to: float32 for bfloat16 (float16) in the wide reference."""
+    return np.dtype("float32") if _WIDE[0] and str(np.dtype(dtype)) in NARROW else np.dtype(dtype)
 
 
 class Draws:
@@ -229,7 +230,7 @@ class Program:
 
     def _emit(self, outs, fn, ins, pool=True):
         outs = outs if isinstance(outs, tuple | list) else (outs,)
-        if any(t in self.approx for t in ins) or any(str(t.dtype) == "bfloat16" for t in outs):
+        if any(t in self.approx for t in ins) or any(str(t.dtype) in NARROW for t in outs):
             self.approx.update(outs)
         self.steps.append((tuple(outs), fn, tuple(ins)))
         if pool:
@@ -371,9 +372,13 @@ class Program:
         )
 
     def _op_cast(self):
-        if self.r.coin(20):  # a bfloat16 weight of a float32 master (mixed precision)
+        if self.r.coin(20):  # a bfloat16 weight of a float32 master (mixed precision), or a float16 one
             v = self.r.pick(self.variables) if self.variables and self.r.coin() else self._variable(self._shape(1, 2))
-            return self._emit(mx.cast(v, "bfloat16"), lambda a: a.astype(ref_dtype("bfloat16")), [v])
+            narrow = self.r.pick(["bfloat16", "bfloat16", "float16"])
+            c = self._emit(mx.cast(v, narrow), lambda a: a.astype(ref_dtype(narrow)), [v], pool=narrow == "bfloat16")
+            if narrow == "float16":  # read back in float32: its gradient goes through two casts
+                self._emit(mx.cast(c, "float32"), lambda a: a.astype(jnp.float32), [c])
+            return None
         x = self._take(("float32", "int32", "bool", "bfloat16"))
         if x is None:
             return False
