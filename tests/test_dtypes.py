@@ -306,6 +306,26 @@ def test_a_gradient_has_its_tensors_dtype_where_an_op_promoted_it():
             np.testing.assert_allclose(g.astype(np.float32), np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
 
 
+def test_pow_and_divide_gradients_compute_in_the_dtype_the_op_did():
+    """x ** y and x / y of a float32 x and a bfloat16 y compute in float32 (JAX promotes y first),
+    and so must what their gradients compute from y alone: pow's gradient rounded y - 1 to
+    bfloat16 (d/dx 0.4% off on the placement backend, which runs op by op; one XLA program may
+    keep the excess precision, or not), divide's y * y. Found by the fuzzer."""
+    _, mesh = new_mesh()
+    x, y = mx.placeholder(mesh, "x", [B], "float32"), mx.placeholder(mesh, "y", [B], "bfloat16")
+    xv = np.linspace(1.5, 9.0, 8).astype(np.float32)
+    yv = np.array([-0.16796875, 0.3359375, 0.6640625, 2.015625, -1.171875, 0.4296875, 1.3203125, -0.5078125])
+    yv = yv.astype(jnp.bfloat16)
+    gx, gy = mx.gradients(mx.reduce_sum(mx.pow(x, y)), [x, y])
+    got = run([gx, gy], mx.PlacementMeshImpl, layout="b:cols", feeds={x: xv, y: yv})
+    want = jax.grad(lambda a, b: jnp.sum(a**b), argnums=(0, 1))(xv, jnp.asarray(yv))
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+    np.testing.assert_allclose(got[1].astype(np.float32), np.asarray(want[1], np.float32), rtol=2**-8)
+    mx.gradients(mx.reduce_sum(x / y), [y])
+    squares = [op for op in mesh.graph.operations if op.grad_of is not None and op.name.startswith("multiply")]
+    assert squares and all(op.outputs[0].dtype == np.float32 for op in squares)
+
+
 def test_refusals_say_what_to_do():
     _, mesh = new_mesh()
     b = mx.placeholder(mesh, "b", [B], "bool")

@@ -318,17 +318,26 @@ class ElementwiseOperation(Operation):
         elif f == "multiply":
             gx, gy = g * y, g * x
         elif f == "divide":
-            gx, gy = g / y, -g * x / (y * y)
+            yp = _promoted(y, z)
+            gx, gy = g / y, -g * x / (yp * yp)
         elif f in ("maximum", "minimum"):  # ties share the gradient equally, as in jax.grad
             wins = greater(x, y) if f == "maximum" else less(x, y)
             mask = cast(wins, g.dtype) + cast(equal(x, y), g.dtype) * 0.5
             gx, gy = g * mask, g * (1.0 - mask)
         elif f == "pow":
-            gx = g * y * pow(x, y - 1.0)
-            gy = g * z * log(where(greater(x, 0.0), x, 1.0))
+            xp, yp = _promoted(x, z), _promoted(y, z)
+            gx = g * yp * pow(xp, yp - 1.0)
+            gy = g * z * log(where(greater(xp, 0.0), xp, 1.0))
         else:  # pragma: no cover
             raise NotImplementedError(f)
         return [_sum_to(gx, x), _sum_to(gy, y)]
+
+
+def _promoted(t: Tensor, z: Tensor) -> Tensor:
+    """Operand t as the op computed with it: in its float result z's dtype (JAX promotes a bfloat16
+    operand beside a float32 one first), so that what its gradient computes from t alone (pow's
+    y - 1 and log x, divide's y * y) is not rounded to t's narrower dtype."""
+    return cast(t, z.dtype) if is_floating(z.dtype) else t
 
 
 def _binary_dtype(fn, x: Tensor, y: Tensor):
