@@ -124,6 +124,49 @@ def ref_dtype(dtype):
     return np.dtype("float32") if _WIDE[0] and str(np.dtype(dtype)) in NARROW else np.dtype(dtype)
 
 
+def rounded_sum(a, axes):
+    """jnp.sum over `axes`; a bfloat16 sum added up one term at a time in bfloat16, each partial
+    sum rounded: meshax rounds a sum over devices at each device's partial sum (in bfloat16, as a
+    device's allreduce does), which can be far larger than the result (cancellation). The narrow
+    reference's sums so round at least as often as meshax's, and its distance from the wide
+    reference covers their roundings (`_close`)."""
+    if a.dtype != jnp.bfloat16:
+        return jnp.sum(a, axis=axes)
+    axes = tuple(sorted(ax % a.ndim for ax in axes))
+    moved = jnp.moveaxis(a, axes, tuple(range(len(axes))))
+    terms = moved.reshape((-1, *moved.shape[len(axes) :]))
+    return jax.lax.scan(lambda acc, t: (acc + t, None), jnp.zeros(terms.shape[1:], a.dtype), terms)[0]
+
+
+def rounded_cumsum(a, axis):
+    """jnp.cumsum, bfloat16 partial sums rounded one term at a time (`rounded_sum`)."""
+    if a.dtype != jnp.bfloat16:
+        return jnp.cumsum(a, axis=axis)
+    _, sums = jax.lax.scan(
+        lambda acc, t: (acc + t,) * 2, jnp.zeros_like(jnp.moveaxis(a, axis, 0)[0]), jnp.moveaxis(a, axis, 0)
+    )
+    return jnp.moveaxis(sums, 0, axis)
+
+
+def rounded_einsum(spec, *xs):
+    """jnp.einsum; a bfloat16 one as its products, summed by `rounded_sum`."""
+    ins, out = spec.split("->")
+    summed = "".join(c for c in dict.fromkeys(ins.replace(",", "")) if c not in out)
+    if not summed or any(x.dtype != jnp.bfloat16 for x in xs):
+        return jnp.einsum(spec, *xs)
+    products = jnp.einsum(f"{ins}->{out}{summed}", *xs)
+    return rounded_sum(products, tuple(range(len(out), len(out) + len(summed))))
+
+
+def reduce_ref(kind, a, axes):
+    """The reference of reduce_<kind> over `axes` (sums of bfloat16: `rounded_sum`)."""
+    if kind == "sum" and a.dtype == jnp.bfloat16:
+        return rounded_sum(a, axes)
+    if kind == "mean" and a.dtype == jnp.bfloat16:
+        return rounded_sum(a, axes) / int(np.prod([a.shape[ax] for ax in axes]))
+    return REF_REDUCE[kind](a, axis=axes)
+
+
 class Draws:
     """Choices from `draw_int(lo, hi)` (inclusive): hypothesis's, or a seeded RNG's."""
 
@@ -411,7 +454,7 @@ class Program:
             if fn
             else mx.einsum(ins, output_shape=[sizes[n] for n in out])
         )
-        self._emit(y_, lambda *a: jnp.einsum(spec, *a), ins)
+        self._emit(y_, lambda *a: rounded_einsum(spec, *a), ins)
 
     def _op_reduce(self):
         kind = self.r.pick(list(REF_REDUCE))
@@ -426,9 +469,9 @@ class Program:
         if self.r.coin(40):  # output_shape, in a random order
             keep = self.r.order([d for d in x.shape if d not in reduced])
             kn = [d.name for d in keep]
-            ref = lambda a: to_names(REF_REDUCE[kind](a, axis=axes), [n for n in nx if n in kn], kn)  # noqa: E731
+            ref = lambda a: to_names(reduce_ref(kind, a, axes), [n for n in nx if n in kn], kn)  # noqa: E731
             return self._emit(fn(x, output_shape=keep), ref, [x])
-        self._emit(fn(x, reduced_dim=reduced), lambda a: REF_REDUCE[kind](a, axis=axes), [x])
+        self._emit(fn(x, reduced_dim=reduced), lambda a: reduce_ref(kind, a, axes), [x])
 
     def _op_softmax(self):
         x = self._take(FLOATS, lambda t: t.shape.rank > 0)
@@ -448,7 +491,7 @@ class Program:
         if kind == "cumsum":
             excl = self.r.coin()
             return self._emit(
-                mx.cumsum(x, d, exclusive=excl), lambda a: jnp.cumsum(a, axis=axis) - (a if excl else 0), [x]
+                mx.cumsum(x, d, exclusive=excl), lambda a: rounded_cumsum(a, axis) - (a if excl else 0), [x]
             )
         k = self.r.int(1, d.size)
 
