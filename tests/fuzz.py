@@ -885,20 +885,17 @@ def _check_step(program: Program, lowering, initial: dict, outputs: list, got: l
     # the wide reference (float32 for bfloat16): how far bfloat16's roundings move each value
     wide_env, wide_grads, wide_vars = program.reference(initial, wide=True) if program.approx else (None, None, {})
     for t, g in zip(outputs, got):
-        _close(f"{t.name} {t.shape}{when}", g, env[t], t.dtype, None if wide_env is None else wide_env[t])
+        _close(f"{t.name} {t.shape}{when}", g, env[t], t.dtype, wide_env[t] if t in program.approx else None)
     if all(np.all(np.isfinite(np.asarray(env[t], np.float32))) for t, _ in program.loss_terms):
+        rounded = any(t in program.approx for t, _ in program.loss_terms)  # (the backward computes in bfloat16)
         got_grads = iter(got[len(outputs) :])
         for k, (t, g, want) in enumerate(zip(program.wrt, program.grads, want_grads)):
             value = next(got_grads) if g is not None else np.zeros(t.shape.to_integer_list, t.dtype)
-            _close(
-                f"gradient wrt {t.name} {t.shape}{when}",
-                value,
-                want,
-                t.dtype,
-                None if wide_grads is None else wide_grads[k],
-            )
+            _close(f"gradient wrt {t.name} {t.shape}{when}", value, want, t.dtype, wide_grads[k] if rounded else None)
+    sources = {v: src for v, _, src, _ in program.updates}
     for v, want in new_vars.items():
-        _close(f"updated variable {v.name}{when}", lowering.variable_value(v), want, v.dtype, wide_vars.get(v))
+        wide = wide_vars[v] if sources[v] in program.approx else None
+        _close(f"updated variable {v.name}{when}", lowering.variable_value(v), want, v.dtype, wide)
 
 
 class FullSweeps(Propagation):
@@ -934,12 +931,18 @@ def check_annotations(lowering) -> None:
 
 BF16_RTOL = 2.0**-7  # two bfloat16 roundings of the value itself (8 significant bits)
 DRIFT = 4  # times the distance between the references: each layout rounds in its own order
+ROUNDOFF = 2.0**-6  # four bfloat16 unit roundoffs (2**-8) at the value's scale: see `_close`
 
 
 def _close(what, got, want, dtype, wide=None):
-    """got against the reference `want`. `wide`: the reference computed in float32 where `want`
-    was computed in bfloat16; got may be as far from want as a few times want is from wide (its
-    roundings fall elsewhere), and a bfloat16 value two of its roundings further."""
+    """got against the reference `want`. `wide`, for a value computed from bfloat16 ones: the
+    reference computed in float32 instead. Where the two differ, got may be as far from want as
+    a few times want is from wide (its roundings fall elsewhere), plus a few bfloat16 roundoffs
+    at the value's scale (where a difference cancels, the roundings meshax makes and the
+    reference does not, of each device's share of a sum, can move it further than the
+    reference's own: seed 7004's softmax gradient over a dim split in two was 0.0027 off the
+    float32 one at scale 1, the reference 0.0005); where they agree, no bfloat16 rounding moved
+    the value, and none may in meshax. A bfloat16 value may be two of its own roundings further."""
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == dtype, f"{what}: produced {got.dtype}, declared {dtype}"
     assert got.shape == want.shape, f"{what}: shape {got.shape}, reference {want.shape}"
@@ -954,7 +957,8 @@ def _close(what, got, want, dtype, wide=None):
     if wide is not None:
         drift = np.abs(want - np.asarray(wide, np.float32))
         drift = drift[np.isfinite(drift)]
-        atol += DRIFT * float(drift.max()) if drift.size else 0.0
+        if drift.size and drift.max() > 0:  # (none: the reference rounds nothing, nor may meshax)
+            atol += DRIFT * float(drift.max()) + ROUNDOFF * scale
     if dtype == jnp.bfloat16:
         rtol = BF16_RTOL
     np.testing.assert_allclose(got, want, rtol=rtol, atol=atol, err_msg=what)
