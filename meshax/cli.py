@@ -453,6 +453,11 @@ def _generate(args, task, console) -> int:
     beams = args.beam_size or 1
     batch = args.samples * beams
     text = args.task == "lm" and task.source == "text"
+    if args.top_k > task.config.vocab_size:  # (the decoder's own message names top_k, not the flag)
+        raise ConfigError(
+            f"--top-k {args.top_k}: the model has {task.config.vocab_size} tokens; give 1 to "
+            f"{task.config.vocab_size} (or 0: all of them)"
+        )
     if args.task == "seq2seq":
         ids = _token_ids(args.prompt or "", task.config.vocab_size)
         if len(ids) != task.length:

@@ -162,7 +162,7 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys, monkeypatch):
     for flags, message in [
         (["--samples", "2"], "--samples 2 at --temperature 0"),
         (["--top-k", "3"], "add --temperature"),
-        (["--top-k", "100000", "--temperature", "1"], "top_k 100000 must be from 0"),
+        (["--top-k", "100000", "--temperature", "1"], "--top-k 100000: the model has 16 tokens; give 1 to 16"),
         (["--beam-size", "2", "--top-k", "3"], "takes no --top-k"),
         (["--beam-size", "2", "--samples", "2"], "--samples 2 would repeat it: drop --samples"),
         (["--alpha", "0.8"], "--alpha is beam search's length penalty: give --beam-size too"),
