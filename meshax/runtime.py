@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 
 from meshax.core.errors import ConfigError
+from meshax.layout.mesh_shape import MAX_DEVICES
 
 # What `meshax launch` puts in each worker's environment (JAX itself reads JAX_COORDINATOR_ADDRESS).
 ENV_COORDINATOR = "JAX_COORDINATOR_ADDRESS"
@@ -39,7 +40,7 @@ def use_cpu_devices(n: int) -> None:
 
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
         raise ConfigError(f"use_cpu_devices({n!r}): give a whole number of devices, 1 or more")
-    if n > 2**31 - 1:  # (JAX's count is a 32-bit int: more fails in its backend's setup, naming none of this)
+    if n > MAX_DEVICES:  # (JAX's count is a 32-bit int: more fails in its backend's setup, naming none of this)
         raise ConfigError(f"use_cpu_devices({n!r}): JAX makes at most 2**31 - 1 devices; give fewer")
     with contextlib.suppress(RuntimeError):  # the backend is already up: checked below
         jax.config.update("jax_num_cpu_devices", int(n))

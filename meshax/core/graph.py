@@ -219,7 +219,7 @@ class Operation:
     name: str
 
     def __init__(self, inputs: list[Tensor], mesh: Mesh | None = None, name: str | None = None):
-        if mesh is not None:
+        if mesh is not None and not isinstance(mesh, Mesh):  # (the message made only where it is said)
             check_mesh(mesh, f"{type(self).__name__} {name!r}" if name else type(self).__name__)
         inputs = list(inputs)
         for t in inputs:

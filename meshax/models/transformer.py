@@ -15,7 +15,6 @@ import dataclasses
 import functools
 import math
 
-import jax.numpy as jnp
 import numpy as np
 
 from meshax import initializers
@@ -253,7 +252,7 @@ class Transformer:
         self.d_kv = Dimension("d_kv", c.d_kv)
         self.d_ff = Dimension("d_ff", c.d_ff)
         self.vocab = Dimension("vocab", c.vocab_size)
-        self.dtype = np.dtype(jnp.bfloat16) if c.dtype == "bfloat16" else np.dtype(c.dtype)
+        self.dtype = np.dtype(c.dtype)  # (one of DTYPES: NumPy knows "bfloat16" once JAX is imported)
         self._vars: dict[str, Tensor] = {}
         if c.sharding and c.sharding not in GSPMD_SHARDINGS:
             raise ValueError(
