@@ -8,10 +8,20 @@ the einsum over a split `batch` dim in the backward pass, not a special case.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import overload
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, is_floating
+
+_SCALE: ContextVar[Tensor | None] = ContextVar("meshax_loss_scale", default=None)
+
+
+def loss_scale() -> Tensor | None:
+    """While `gradients` builds the gradients of a scaled loss (`LossScaleOptimizer.scale_loss`),
+    its scale: they carry it, and a gradient function comparing them with a threshold (clipping)
+    compares the unscaled ones; None otherwise."""
+    return _SCALE.get()
 
 
 def _between(ops: list[Operation], xs: Sequence[Tensor], ys: Sequence[Tensor]) -> tuple[set[Operation], set[Tensor]]:
@@ -68,7 +78,12 @@ def gradients(ys, xs, grad_ys=None, operations=None):
         raise GraphError(f"gradients got {len(ys)} ys but {len(grad_ys)} grad_ys")
     graph = ys[0].graph
     ops = [op for op in (graph.operations if operations is None else operations) if not op.in_loop]
-    grads = _backward(graph, ops, ys, xs, grad_ys, False)  # (the gradient ops appended are not walked)
+    scales = {graph.loss_scales.get(y) for y in ys}
+    token = _SCALE.set(scales.pop() if len(scales) == 1 else None)  # (ys scaled differently: none)
+    try:
+        grads = _backward(graph, ops, ys, xs, grad_ys, False)  # (the gradient ops appended are not walked)
+    finally:
+        _SCALE.reset(token)
     if xs and all(g is None for g in grads):
         names = ", ".join(x.name for x in xs[:5]) + (f" and {len(xs) - 5} more" if len(xs) > 5 else "")
         raise GraphError(

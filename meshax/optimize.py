@@ -430,7 +430,9 @@ class LossScaleOptimizer(Optimizer):
             self.finite_steps = scalar("finite_steps", initializers.zeros(), "int32")
         if is_floating(loss.dtype):  # (the loss's gradient is the scale, in the loss's dtype)
             self._largest = min(2.0**127, 2.0 ** math.floor(math.log2(float(np.finfo(loss.dtype).max))))
-        return loss * ew.cast(self.scale, loss.dtype)
+        scaled = loss * ew.cast(self.scale, loss.dtype)
+        loss.graph.loss_scales[scaled] = self.scale
+        return scaled
 
     def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
         """The wrapped optimizer's updates from the gradients unscaled, where they are all finite;

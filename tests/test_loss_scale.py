@@ -162,6 +162,30 @@ def test_clipping_the_scaled_gradients_at_the_scaled_norm_is_clipping_the_unscal
         assert np.all(np.abs(1.0 - naive) < 1e-3 * np.abs(1.0 - plain))  # (the scaled norm clipped to 1)
 
 
+@pytest.mark.parametrize("dtype,recomputed", [("float16", False), ("bfloat16", False), ("float16", True)])
+def test_an_activation_gradient_clipped_in_a_scaled_loss_is_clipped_unscaled(dtype, recomputed):
+    """clip_activation_gradient sits in the backward pass, where the gradients carry the loss's
+    scale: it clips the unscaled gradient's RMS, taken in float32. It took the RMS of the scaled
+    float16 gradient in float16: its squares (2**24 here) overflowed, the RMS was inf and the
+    gradient 0, a finite step that changed nothing; in bfloat16 the scaled RMS was clipped to the
+    limit, the step 2**10 times too small. A recomputed layer's gradient is
+    built within the loss's (`body_gradients`): it sees the scale too."""
+    runs = []
+    for scaled in (False, True):
+        graph, mesh = new_mesh()
+        w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
+        optimizer = LossScaleOptimizer(SgdOptimizer(0.1), initial_scale=2.0**10) if scaled else SgdOptimizer(0.1)
+        clip = lambda v: mx.layers.clip_activation_gradient(mx.cast(v, dtype) * 2.0, clip_rms_norm=0.5)  # noqa: E731
+        h = mx.recompute_grad(clip, [w]) if recomputed else clip(w)  # (its gradient's RMS: 4)
+        loss = mx.reduce_sum(mx.cast(mx.square(h), "float32"))
+        updates = optimizer.apply_grads(mx.gradients(optimizer.scale_loss(loss), [w]), [w])
+        lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+        lowering.function([], updates=updates)({})
+        runs.append(np.asarray(lowering.variable_value(w)))
+    np.testing.assert_allclose(runs[0], 1.0 - 0.1 * 2.0 * 0.5, rtol=1e-6)  # (dh clipped from 4 to 0.5, times 2)
+    np.testing.assert_array_equal(runs[1], runs[0])
+
+
 # ---- float16 training ----------------------------------------------------------------------------
 def test_a_float16_model_trains_loss_scaled_and_follows_float32():
     graph, _, _, _ = training_graph(_task(F16), SgdOptimizer(0.5))

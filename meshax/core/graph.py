@@ -90,6 +90,7 @@ class Graph:
         self.random_ops = 0  # random ops built so far: each gets its own seed
         self.source: str | None = None  # when set, the source line of every op built (a front end's)
         self.logged_scalars: dict = {}  # name -> scalar tensor to log at every training step (`log_scalar`)
+        self.loss_scales: dict = {}  # a scaled loss -> its scale: its gradients carry it (`LossScaleOptimizer`)
 
     def unique_name(self, name: str) -> str:
         """`name`, or `name_1`, `name_2` ... if it was taken: op and tensor names are unique in a graph."""

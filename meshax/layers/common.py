@@ -115,16 +115,22 @@ def compress_mean(x: Tensor, dim: Dimension, compression_factor: int) -> Tensor:
 
 
 def clip_activation_gradient(x: Tensor, clip_rms_norm=None) -> Tensor:
-    """x, whose gradient is scaled down to an RMS of at most `clip_rms_norm` (None: unchanged)."""
+    """x, whose gradient is scaled down to an RMS of at most `clip_rms_norm` (None: unchanged).
+    The RMS is taken in float32 (a float16 gradient's squares overflow), and of the unscaled
+    gradient where the loss is scaled (`LossScaleOptimizer`)."""
+    from meshax.autodiff import loss_scale
     from meshax.ops.recompute import custom_gradient
 
     def grad_fn(explicit_inputs, all_inputs, forward_operations, outputs, output_grads):
         if not clip_rms_norm:
             return output_grads
+        scale = loss_scale()
+        limit = clip_rms_norm if scale is None else scale * float(clip_rms_norm)
         clipped = []
         for g in output_grads:
-            rms = ew.sqrt(reduce_mean(ew.square(g)))
-            clipped.append(g / ew.maximum(rms / clip_rms_norm, 1.0))
+            wide = ew.cast(g, "float32") if g.dtype.itemsize < 4 else g
+            rms = ew.sqrt(reduce_mean(ew.square(wide)))
+            clipped.append(ew.cast(wide / ew.maximum(rms / limit, 1.0), g.dtype))
         return clipped
 
     return custom_gradient(ew.identity, grad_fn, [x])
