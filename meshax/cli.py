@@ -389,12 +389,14 @@ def _check(args) -> None:
 
     if args.resume:
         last = latest_step(args.resume)
+        _check_whole_steps("--resume", args.resume, last)
         if last is None:
             raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (start with --checkpoint-dir)")
         if args.steps <= last:
             raise ConfigError(f"--resume {args.resume!r} is at step {last}: give --steps beyond it")
     elif args.checkpoint_dir:
         last = latest_step(args.checkpoint_dir)
+        _check_whole_steps("--checkpoint-dir", args.checkpoint_dir, None)
         if last is not None:
             raise ConfigError(
                 f"--checkpoint-dir {args.checkpoint_dir!r} already holds the checkpoint of step {last}: "
@@ -409,6 +411,7 @@ def _check_generate(args) -> None:
     if args.task not in ("lm", "seq2seq"):
         raise ConfigError(f"generate decodes the Transformers (lm, seq2seq), not {args.task}")
     _check_outside_step_folders("--resume", args.resume)
+    _check_whole_steps("--resume", args.resume, latest_step(args.resume))
     if latest_step(args.resume) is None:
         raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (train one with --checkpoint-dir)")
     _check_checkpoint_task(args, checkpoint_info(args.resume))
@@ -564,6 +567,27 @@ def _check_installed(module: str, message: str) -> None:
         found = False
     if not found:
         raise ConfigError(f"{message} (or {module})")
+
+
+def _check_whole_steps(flag: str, folder: str, last: int | None) -> None:
+    """No step folder in `folder` newer than `last` (its latest whole checkpoint; None: any) is a
+    checkpoint cut short: resuming passed over it for an older step, and a run that came to save
+    its step failed there, its steps lost."""
+    from meshax.core.errors import ConfigError
+    from meshax.train.checkpoint import damaged_steps
+
+    damaged = damaged_steps(folder, after=last)
+    if not damaged:
+        return
+    if flag == "--checkpoint-dir":
+        fix = "move it away, or give an empty folder"
+    else:
+        fix = (
+            f"move it away to go on from step {last}"
+            if last is not None
+            else "there is no older whole checkpoint there"
+        )
+    raise ConfigError(f"{flag} {folder!r}: the step folder {damaged[-1]} is no whole checkpoint: {fix}")
 
 
 def _check_outside_step_folders(flag: str, path: str | None) -> None:

@@ -9,7 +9,7 @@ import pytest
 
 import meshax as mx
 from meshax.models.mlp import two_layer
-from meshax.train.checkpoint import check_restorable, latest_step, restore_checkpoint, save_checkpoint
+from meshax.train.checkpoint import check_restorable, damaged_steps, latest_step, restore_checkpoint, save_checkpoint
 from tests.conftest import MESH_SHAPE, new_mesh
 
 LAYOUT = "batch:rows;hidden:cols"
@@ -179,7 +179,23 @@ def test_a_folder_of_digits_that_is_no_whole_checkpoint_is_not_one(tmp_path):
     assert latest_step(tmp_path) == 2
     with pytest.raises(FileNotFoundError, match="is not a whole checkpoint"):
         restore_checkpoint(tmp_path, lowering, step=3)
-    assert restore_checkpoint(tmp_path, lowering)["step"] == 2
+    # the latest, by default: not step 2 in silence, which would give up step 3's training
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"newest checkpoint in .* is not whole: .*3 \(no state/\); move it away to restore step 2",
+    ):
+        restore_checkpoint(tmp_path, lowering)
+    assert restore_checkpoint(tmp_path, lowering, step=2)["step"] == 2
+    assert damaged_steps(tmp_path) == [f"{tmp_path / '3'} (no state/)"] and damaged_steps(tmp_path, after=3) == []
+
+
+def test_a_run_resumed_where_the_only_step_was_cut_short_is_refused_before_it_trains(tmp_path):
+    """It started afresh, trained to that step and failed to save it (the folder was there)."""
+    from meshax.train import MlpTask, train
+
+    os.makedirs(tmp_path / "2" / "state")
+    with pytest.raises(FileNotFoundError, match=r"is not whole: .*2 \(no meta/\); there is no older whole one"):
+        train(MlpTask(), MESH_SHAPE, LAYOUT, steps=4, checkpoint_dir=str(tmp_path), resume=True)
 
 
 def test_no_checkpoint(tmp_path):

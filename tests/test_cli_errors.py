@@ -293,6 +293,31 @@ def test_a_folder_of_digits_is_no_checkpoint_to_resume(tmp_path, monkeypatch, ca
     assert "--resume 'ck': no checkpoint there" in capsys.readouterr().err
 
 
+def test_a_step_folder_cut_short_is_named_before_training(tmp_path, monkeypatch, capsys):
+    """A step folder that began as a checkpoint and lost an item: resuming passed over it for the
+    older step in silence, and a fresh run saving there trained until that step, then failed
+    ("checkpoint step 2 not saved: ... already has steps [2]")."""
+    monkeypatch.chdir(tmp_path)
+    for step, items in ((2, ("state", "meta")), (4, ("state",))):
+        for item in items:
+            os.makedirs(f"ck/{step}/{item}")
+    os.makedirs("cut/2/meta")
+    before = sorted(os.walk("."))
+    resume = ["train", "mlp", *MLP, "--steps", "6", "--resume", "ck"]
+    assert _exit_code(resume) == 2
+    assert (
+        "--resume 'ck': the step folder ck/4 (no meta/) is no whole checkpoint: move it away to go on from step 2"
+        in (capsys.readouterr().err)
+    )
+    assert _exit_code(["train", "mlp", *MLP, "--steps", "6", "--checkpoint-dir", "cut"]) == 2
+    assert "--checkpoint-dir 'cut': the step folder cut/2 (no state/) is no whole checkpoint: move it away" in (
+        capsys.readouterr().err
+    )
+    assert _exit_code(["generate", "lm", "--resume", "cut", "--prompt", "hi"]) == 2
+    assert "no whole checkpoint: there is no older whole checkpoint there" in capsys.readouterr().err
+    assert sorted(os.walk(".")) == before
+
+
 def test_a_closed_pipe_ends_the_command_quietly():
     """`meshax plan lm | head -1`: the reader goes away; no error is printed."""
     import subprocess

@@ -98,6 +98,23 @@ def _complete(directory, step: int) -> bool:
     return all(os.path.isdir(os.path.join(directory, str(step), item)) for item in ("state", "meta"))
 
 
+def damaged_steps(directory, after: int | None = None) -> list[str]:
+    """The step folders in `directory` (newer than step `after`) that began as checkpoints (Orbax's
+    files or an item are there) but are no whole one: an item deleted, a copy cut short. Each as
+    "<folder> (no meta/)". Resuming would pass over such a step for an older one, and a run saving
+    into the folder could not write that step."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for step in sorted(ocp.step.checkpoint_steps(directory)):
+        folder = os.path.join(directory, str(step))
+        items = [i for i in ("state", "meta") if os.path.isdir(os.path.join(folder, i))]
+        begun = items or os.path.exists(os.path.join(folder, "_CHECKPOINT_METADATA"))
+        if (after is None or step > after) and begun and len(items) < 2:
+            out.append(f"{folder} (no {' or '.join(f'{i}/' for i in ('state', 'meta') if i not in items)})")
+    return out
+
+
 def step_folder_around(path) -> tuple[str, int] | None:
     """(the checkpoint folder, the step) where `path` is a checkpoint's step folder or inside one;
     None elsewhere."""
@@ -180,6 +197,10 @@ def _whole_step(directory, step: int | None) -> int:
     """`step` (default: the latest), if `directory` holds its whole checkpoint; else FileNotFoundError."""
     if step is None:
         step = latest_step(directory)
+        damaged = damaged_steps(directory, after=step)
+        if damaged:
+            older = "there is no older whole one" if step is None else f"move it away to restore step {step}"
+            raise FileNotFoundError(f"the newest checkpoint in {directory} is not whole: {damaged[-1]}; {older}")
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {directory}")
     steps = _complete_steps(directory)

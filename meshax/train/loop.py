@@ -207,9 +207,9 @@ def train(
     if resume:
         if not checkpoint_dir:
             raise ValueError("resume needs a checkpoint directory")
-        from meshax.train.checkpoint import latest_step, restore_checkpoint
+        from meshax.train.checkpoint import damaged_steps, latest_step, restore_checkpoint
 
-        if latest_step(checkpoint_dir) is not None:
+        if latest_step(checkpoint_dir) is not None or damaged_steps(checkpoint_dir):  # (restore names the damage)
             first = int(restore_checkpoint(checkpoint_dir, program.lowering)["step"])
 
     if not is_main_process():
