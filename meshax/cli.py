@@ -61,6 +61,7 @@ _COUNT = _number(int, 1, 2**31, "a whole number from 1 to 2**31 - 1")
 _NATURAL = _number(int, 0, 2**31, "a whole number from 0 to 2**31 - 1")
 _SEED = _number(int, 0, 2**32, "a whole number from 0 to 2**32 - 1")
 _RATE = _number(float, 0.0, math.inf, "a number >= 0")
+_LR = _number(float, 0.0, 2.0**128, "a number from 0 to 3.4e38 (the largest float32: steps compute in it)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -180,7 +181,7 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--optimizer", choices=["adam", "adafactor"], default="adam")
         if name == "train":
             s.add_argument("--steps", type=_NATURAL, default=300)
-            s.add_argument("--lr", type=_RATE, default=None, help="peak learning rate (adam: 1e-3; adafactor: its own)")
+            s.add_argument("--lr", type=_LR, default=None, help="peak learning rate (adam: 1e-3; adafactor: its own)")
             s.add_argument("--warmup", type=_NATURAL, default=0, help="linear warmup steps, then linear decay to 0")
             s.add_argument("--eval-every", type=_NATURAL, default=100, help="0: only at the end")
             s.add_argument("--metrics", default=None, help="append metrics as JSON lines to this file")

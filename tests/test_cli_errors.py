@@ -45,6 +45,8 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "lm", "--search", "--memory-budget", "-5GB"], "memory budget '-5GB': give a size like 16GB"),
     (["train", "mlp", *MLP, "--lr", "nan"], "'nan'"),
     (["train", "mlp", *MLP, "--lr", "fast"], "'fast'"),
+    # (inf in the float32 step: NumPy's overflow warning, then a nan loss at step 2)
+    (["train", "mlp", *MLP, "--lr", "1e308"], "'1e308' is not a number from 0 to 3.4e38 (the largest float32"),
     (["train", "mlp", *MLP, "--warmup", "-1"], "--warmup"),
     (["train", "mlp", *MLP, "--steps", "100", "--warmup", "500"], "--warmup 500"),
     (["train", "mlp", *MLP, "--optimizer", "adafactor", "--warmup", "5"], "Adafactor without --lr has its own"),
@@ -347,6 +349,7 @@ LIBRARY = [  # (a call that builds something from a bad value, a piece of the me
     (lambda mx: mx.Shape("batch:8;io:4"), r"a Shape is made from a list of Dimensions; .*convert_to_shape\('batch:8"),
     (lambda mx: mx.optimize.SgdOptimizer(-0.1), "learning_rate -0.1"),
     (lambda mx: mx.optimize.SgdOptimizer("fast"), "not a number"),
+    (lambda mx: mx.optimize.SgdOptimizer(1e39), r"learning_rate 1e\+39 is more than a float32 holds"),
     (lambda mx: mx.optimize.AdamWeightDecayOptimizer(1e-3, beta_1=1.0), "beta_1 1.0"),
     (lambda mx: mx.optimize.MomentumOptimizer(0.1, momentum=-0.5), "momentum -0.5"),
     # (a negative rate or warmup was accepted, the rate stepping uphill; text was a TypeError from max())
