@@ -41,7 +41,7 @@ def format_report(lowering, counters: Counters, width: int = 132) -> str:
         shown.add(site.op_name)
         table.add_row(
             escape(_who(site)),
-            _short(site.source),
+            short_source(site.source),
             site.kind,
             ",".join(site.mesh_axes),
             _human(site.values),
@@ -98,7 +98,7 @@ def _padded_table(lowering) -> Table | None:
 _PADDED_ROWS = 12
 
 
-def _short(source: str) -> str:
+def short_source(source: str) -> str:
     path, _, line = source.rpartition(":")
     return f"{path.rsplit('/', 1)[-1]}:{line}" if path else source
 

@@ -30,7 +30,7 @@ from meshax.layout import (
     convert_to_weight_rules,
 )
 from meshax.lower.lowering import Lowering
-from meshax.lower.report import _short
+from meshax.lower.report import short_source
 from meshax.search.cost import StepCost, predict
 from meshax.search.devices import Device, load_device
 from meshax.search.program import exact_cost, model_of
@@ -666,5 +666,5 @@ def _described(t) -> str:
     """A tensor as a user finds it: its name, dims and the source line that made it ("relu_3
     [batch, length, d_ff] at transformer.py:354": an op's own name is often a generated one)."""
     source = getattr(t.operation, "source", "")
-    at = f" at {_short(source)}" if source else ""
+    at = f" at {short_source(source)}" if source else ""
     return f"{t.name} [{', '.join(t.shape.dimension_names)}]{at}"
