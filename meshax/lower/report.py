@@ -99,6 +99,7 @@ _PADDED_ROWS = 12
 
 
 def short_source(source: str) -> str:
+    """A source line as "file.py:line" (its folder left out), as the cost report shows it."""
     path, _, line = source.rpartition(":")
     return f"{path.rsplit('/', 1)[-1]}:{line}" if path else source
 
