@@ -162,19 +162,24 @@ def test_clipping_the_scaled_gradients_at_the_scaled_norm_is_clipping_the_unscal
         assert np.all(np.abs(1.0 - naive) < 1e-3 * np.abs(1.0 - plain))  # (the scaled norm clipped to 1)
 
 
-@pytest.mark.parametrize("dtype,recomputed", [("float16", False), ("bfloat16", False), ("float16", True)])
-def test_an_activation_gradient_clipped_in_a_scaled_loss_is_clipped_unscaled(dtype, recomputed):
+@pytest.mark.parametrize(
+    "dtype,recomputed,scale",
+    [("float16", False, 2**10), ("bfloat16", False, 2**10), ("float16", True, 2**10), ("float32", False, 2**100)],
+    ids=["float16", "bfloat16", "float16-recomputed", "float32-at-2**100"],
+)
+def test_an_activation_gradient_clipped_in_a_scaled_loss_is_clipped_unscaled(dtype, recomputed, scale):
     """clip_activation_gradient sits in the backward pass, where the gradients carry the loss's
     scale: it clips the unscaled gradient's RMS, taken in float32. It took the RMS of the scaled
     float16 gradient in float16: its squares (2**24 here) overflowed, the RMS was inf and the
     gradient 0, a finite step that changed nothing; in bfloat16 the scaled RMS was clipped to the
-    limit, the step 2**10 times too small. A recomputed layer's gradient is
+    limit, the step 2**10 times too small. At a scale of 2**100 a float32 gradient's squares overflow:
+    it is unscaled first. A recomputed layer's gradient is
     built within the loss's (`body_gradients`): it sees the scale too."""
     runs = []
     for scaled in (False, True):
         graph, mesh = new_mesh()
         w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
-        optimizer = LossScaleOptimizer(SgdOptimizer(0.1), initial_scale=2.0**10) if scaled else SgdOptimizer(0.1)
+        optimizer = LossScaleOptimizer(SgdOptimizer(0.1), initial_scale=float(scale)) if scaled else SgdOptimizer(0.1)
         clip = lambda v: mx.layers.clip_activation_gradient(mx.cast(v, dtype) * 2.0, clip_rms_norm=0.5)  # noqa: E731
         h = mx.recompute_grad(clip, [w]) if recomputed else clip(w)  # (its gradient's RMS: 4)
         loss = mx.reduce_sum(mx.cast(mx.square(h), "float32"))

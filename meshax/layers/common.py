@@ -125,12 +125,12 @@ def clip_activation_gradient(x: Tensor, clip_rms_norm=None) -> Tensor:
         if not clip_rms_norm:
             return output_grads
         scale = loss_scale()
-        limit = clip_rms_norm if scale is None else scale * float(clip_rms_norm)
         clipped = []
         for g in output_grads:
             wide = ew.cast(g, "float32") if g.dtype.itemsize < 4 else g
-            rms = ew.sqrt(reduce_mean(ew.square(wide)))
-            clipped.append(ew.cast(wide / ew.maximum(rms / limit, 1.0), g.dtype))
+            # (unscaled before it is squared: a float32 square overflows past 1.8e19, 2**64 times 1)
+            rms = ew.sqrt(reduce_mean(ew.square(wide if scale is None else wide / scale)))
+            clipped.append(ew.cast(wide / ew.maximum(rms / clip_rms_norm, 1.0), g.dtype))
         return clipped
 
     return custom_gradient(ew.identity, grad_fn, [x])
