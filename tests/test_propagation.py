@@ -210,6 +210,31 @@ def test_explain_names_origins_and_warns_about_replication_and_forced_reshards()
     assert "reshards z from 'A:rows' to 'C:rows'" in low2.explain()
 
 
+@pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl, mx.PlacementMeshImpl], ids=["simd", "placement"])
+def test_a_split_that_does_not_divide_passes_to_dims_of_its_size_only(impl_cls):
+    """An annotation split V=10 four ways (padded): the einsum's and softmax's V, the same size,
+    take it (their padding is the annotation's); W=6, another size, is not padded for it. The
+    split stopped at the annotation: the logits were computed whole on every device (4 times
+    the FLOPs) and the annotated weight allgathered back."""
+    _, mesh = new_mesh()
+    V, W, E = mx.Dimension("V", 10), mx.Dimension("W", 6), mx.Dimension("E", 4)
+    w = mx.mesh_split(mx.placeholder(mesh, "w", [E, V]), [None, "y"])
+    x = mx.placeholder(mesh, "x", [A, E])
+    logits = mx.einsum(x, w, output_shape=[A, V])
+    probs = mx.softmax(logits, reduced_dim=V)
+    other = mx.einsum(probs, mx.placeholder(mesh, "u", [V, W]), output_shape=[A, W])
+    low = _lowering(other, impl_cls=impl_cls)
+    assert [low.layout_of(t) for t in (logits, probs, other)] == ["V:y", "V:y", ""]
+    fn = low.function([probs, other])
+    feeds = {"w": rand([4, 10], seed=1), "x": rand([8, 4], seed=2), "u": rand([10, 6], seed=3)}
+    want = np.exp(feeds["x"] @ feeds["w"])
+    want /= want.sum(axis=1, keepdims=True)
+    got_probs, got_other = fn(feeds)
+    assert_close(got_probs, want)
+    assert_close(got_other, want @ feeds["u"])
+    assert fn.counters["allgather"].count == 0
+
+
 def test_layout_of_is_empty_for_replicated_tensors():
     _, mesh = new_mesh()
     x = mx.placeholder(mesh, "x", [A])

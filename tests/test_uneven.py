@@ -164,6 +164,18 @@ def test_values_variables_and_checkpoints_have_the_logical_shape(tmp_path):
     assert "padded tensors" in uneven.report()
 
 
+@pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl, mx.PlacementMeshImpl], ids=["simd", "placement"])
+def test_an_empty_tensor_with_a_padded_dim_comes_out_empty(impl_cls):
+    """[e=0, d=6] with d split 4 ways: taking the padding off reshaped with -1, which an empty
+    array cannot infer (a ZeroDivisionError in JAX, a ValueError in NumPy; partitioning `a[:0] * 2`
+    of a split [7, 9] met it)."""
+    g = mx.Graph()
+    mesh = mx.Mesh(g, "m")
+    x = mx.placeholder(mesh, "x", "e:0;d:6")
+    got = mx.Lowering(g, {mesh: impl_cls("all:4", "d:all")}).function(x * 2.0)({"x": np.zeros((0, 6), np.float32)})
+    assert np.asarray(got).shape == (0, 6)
+
+
 @pytest.mark.parametrize(
     "mesh_shape, layout",
     [

@@ -19,6 +19,8 @@ The passes, in the order they run (`make_plan`):
      is only ever refined (an open dim grows a longer split that extends the one it has), never
      overwritten, and fixed dims never change, so the sweeps reach a fixed point; they are
      deterministic.
+     A split that does not divide its dim passes only to dims of the same size (no padding
+     that no annotation or rule asked for).
      Splits cross a loop's boundary (`ScanOperation.propagation_links`) as through an identity.
   4. open dims that nothing reached are replicated.
 Every dim remembers where its split came from, for `Lowering.explain`.
@@ -48,12 +50,13 @@ class _Open:
 OPEN = _Open()
 
 
-def longest_split(want: Sequence[int], size: int, used, mesh_shape: Shape) -> tuple[int, ...]:
+def longest_split(want: Sequence[int], size: int, used, mesh_shape: Shape, padded: bool = False) -> tuple[int, ...]:
     """The longest prefix of the split `want` (mesh axes) that a dim of `size` can take beside
-    dims using the mesh axes `used`: axes they do not use, and a split that divides the dim."""
+    dims using the mesh axes `used`: axes they do not use, and a split that divides the dim
+    (`padded`: any split, where the padding is one the user asked for already)."""
     take: list[int] = []
     for m in want:
-        if m in used or size % (math.prod(mesh_shape[k].size for k in take) * mesh_shape[m].size):
+        if m in used or (not padded and size % (math.prod(mesh_shape[k].size for k in take) * mesh_shape[m].size)):
             break
         take.append(m)
     return tuple(take)
@@ -259,13 +262,16 @@ class Propagation:
                         continue
                     have = found.get(f)
                     if have is None or (len(a) > len(have[0]) and a[: len(have[0])] == have[0]):
-                        found[f] = (a, t)
+                        found[f] = (a, t, t.shape[i].size)
         return found
 
-    def _refine(self, t, i: int, want: tuple) -> tuple:
-        """The longest prefix of `want` that t's dim i can take (`longest_split`)."""
+    def _refine(self, t, i: int, want: tuple, size: int) -> tuple:
+        """The longest prefix of `want`, the split of a dim of `size`, that t's dim i can take
+        (`longest_split`). A split that does not divide passes to a dim of the same size: its
+        padding is the same, one the user asked for (an annotation or a rule made it); to a
+        dim of another size it would add padding no one asked for."""
         used = {m for j, a in enumerate(self.axes[t]) if j != i and a for m in a}
-        return longest_split(want, t.shape[i].size, used, self.mesh_shape)
+        return longest_split(want, t.shape[i].size, used, self.mesh_shape, padded=t.shape[i].size == size)
 
     def _through(self, op, to_results: bool, level: int) -> bool:
         rule = self._rules[op]
@@ -283,7 +289,7 @@ class Propagation:
             for i in dims:
                 f = factors[i]
                 cur = self.axes[t][i] or ()
-                new = self._refine(t, i, splits[f][0])
+                new = self._refine(t, i, splits[f][0], splits[f][2])
                 if len(new) > len(cur) and new[: len(cur)] == cur:
                     self.axes[t][i] = new
                     source = splits[f][1]

@@ -59,7 +59,8 @@ def unpad(array, shape: Shape, layout: TensorLayout, mesh_shape: Shape):
         groups = int(np.prod([mesh_shape[m].size for m in axes]))
         for m, parent in zip(reversed(axes), reversed(blocks[:-1])):
             groups //= mesh_shape[m].size
-            x = x.reshape(*lead, groups, -1)[..., :parent]
+            width = int(np.prod(x.shape[len(lead) :])) // groups  # (not -1: an empty array cannot infer it)
+            x = x.reshape(*lead, groups, width)[..., :parent]
         array = xp.moveaxis(x.reshape(*lead, shape[i].size), -1, i)
     return array
 
