@@ -6,15 +6,18 @@ op, without JAX: `sharding_rule.choose` says how each op runs under the rules' l
 `lower.reshard.reshard`, run on shapes instead of arrays (`_Meter`), says which collectives
 bring each operand from its producer's layout (and owed sums) to the one the op runs in. FLOPs
 are the op's exact FLOPs on one device (one replicated trace) divided by the splits it runs
-with. Tensors are laid out by the rules; a dim no rule names that renames one a rule splits
-(`memory_length`, the keys' `length`) is split as that one as far as the tensor leaves its mesh
-dims free, as propagation splits it. Ops that exchange halos themselves (a pipeline's shifts,
+with. Tensors are laid out by the rules; a dim no rule names that a rename ties to one a rule
+splits (`length`, the keys' `memory_length`) takes that split, and carries it on to the dims it
+meets in ops (and across a loop's boundary), as far as each tensor leaves its mesh dims free, as
+propagation splits them (`_carried`). Ops that exchange halos themselves (a pipeline's shifts,
 convolutions, pooling) say what their permutes send (`halo_sends`), and ops that owe more sums
 than their rule says (a filter gradient, over split space) say so (`owed`). Linear ops (adds,
 negations) carry sums owed on where every op of their signature may (`_state`). What it leaves
-out: other splits propagation adds, and sums carried where other ops of the signature may not
-or through a rename (the exact trace counts those), so the search re-scores its best
-candidates exactly.
+out: other splits propagation adds, the order in which propagation carries splits that want
+one mesh dim (a shape is laid out one way: where two renames split one dim two ways, as the MoE
+layer's group and the keys' memory_length split length, tensors of one shape differ), and sums
+carried where other ops of the signature may not or through a rename (the exact trace counts
+those), so the search re-scores its best candidates exactly.
 
 The ops inside a loop's body (a pipeline's scan) and a rematerialized layer's (in its forward
 op, and again in its gradient's) are costed as often as they run, as the trace counts them; the
@@ -47,7 +50,6 @@ from meshax.lower.reshard import reshard
 from meshax.ops.cond import CondOperation
 from meshax.ops.loops import ScanOperation, WhileOperation, _needed
 from meshax.ops.recompute import RecomputeOperation
-from meshax.ops.shape_ops import ReshapeOperation
 from meshax.search.cost import Collective, StepCost, affine_counts, family
 
 
@@ -175,6 +177,16 @@ class Estimator:
                 alone = len(reading[t]) == 1
                 self._uses[(source, _shape_key(t), tuple(sorted(set(cs), key=repr)), alone)] += times
                 self._shapes[_shape_key(t)] = t.shape
+        # tensors that stand for one value across a loop's, branch's or recomputed layer's
+        # boundary (`propagation_links`: a scan's carries, its slices and their stacks), as
+        # (outside shape, inside shape, the dim kept whole): propagation carries splits across
+        # them by name, as through an identity (`_carried`)
+        self._links: set[tuple] = set()
+        for body, _, _ in scopes:
+            for op in body:
+                for a, b, whole in getattr(op, "propagation_links", list)():
+                    self._links.add((_shape_key(a), _shape_key(b), whole))
+                    self._shapes.update({_shape_key(a): a.shape, _shape_key(b): b.shape})
         from meshax.plan import _fed, recomputed_bodies, weight_reads  # (memory as the plan counts it)
 
         forward = _needed_ops(graph, [t.operation for t in outputs])
@@ -205,7 +217,6 @@ class Estimator:
         self._weight_reads: dict[tuple, int] = defaultdict(int)
         for t, readers in weight_reads(kept, self._weight_shapes).items():
             self._weight_reads[_shape_key(t), frozenset((sig_of[op], i) for op, i in readers)] += 1
-        self._aliases = _renamed(sig_of)
         self._memos()
 
     def _memos(self) -> None:
@@ -238,10 +249,7 @@ class Estimator:
         out._weight_reads = combine(lambda e: e._weight_reads)
         out._memos()
         out._weight_shapes = frozenset().union(*(e._weight_shapes for e in everyone))
-        out._aliases = {
-            k: {n: frozenset().union(*(e._aliases.get(k, {}).get(n, ()) for e in everyone)) for n in base._aliases[k]}
-            for k in base._aliases
-        }
+        out._links = set().union(*(e._links for e in everyone))
         return out
 
     def __call__(self, rules: LayoutRules, weight_rules: LayoutRules | None = None) -> StepCost:
@@ -304,7 +312,7 @@ class Estimator:
             moved = changed_weight_dims if weight else changed_dims
             if moved is None or not moved.isdisjoint(deps):
                 ruled[k] = self._layout(by_weight_dim if weight else by_dim, dims)
-        carried = ruled if by_weight_dim is by_dim else self._carried(ruled, by_dim, by_weight_dim, weight_shaped)
+        carried = self._carried(ruled, by_dim, by_weight_dim, weight_shaped)
         changed = {k for k, new in enumerate(carried) if new is not lay[k]}
         for k in changed:
             lay[k] = carried[k]
@@ -370,75 +378,64 @@ class Estimator:
             self._indexed = _Tables(self)
         return self._indexed
 
-    def _layout(self, use: dict[str, tuple[int, ...]], dims: tuple[tuple[str, int], ...], carried=None) -> TensorLayout:
-        """A tensor's layout by the rules `use` (or the splits `carried`, per dim: `_carried`); a dim
-        unsplit that no rule names, renamed from or to one a rule splits (of its size), is split as
-        that one as far as the tensor leaves its mesh dims free and the split divides it, as
-        propagation splits it (memory_length, the keys' length: their projections run split as the
-        queries')."""
-        axes = list(carried) if carried is not None else [use.get(n, ()) for n, _ in dims]
-        taken = {m for a in axes for m in a}
-        for i, (n, size) in enumerate(dims):
-            if n in use or axes[i] or (n, size) not in self._aliases:
-                continue
-            for other, gates in sorted(self._aliases[n, size].items()):
-                want = use.get(other, ())
-                take = max(
-                    (
-                        longest_split(want, size, taken | {m for d in gate for m in use.get(d, ())}, self.mesh_shape)
-                        for gate in gates
-                    ),
-                    key=len,
-                )
-                if take:
-                    axes[i] = tuple(take)
-                    taken.update(take)
-                    break
-        key = tuple(axes)
-        if key not in self._interned:
-            self._interned[key] = self._intern(TensorLayout(key))
-        return self._interned[key]
+    def _layout(self, use: dict[str, tuple[int, ...]], dims: tuple[tuple[str, int], ...]) -> TensorLayout:
+        """A tensor's layout by the rules `use` alone (`_carried` adds what propagation carries)."""
+        return self._layout_of(tuple(use.get(n, ()) for n, _ in dims))
+
+    def _layout_of(self, axes: tuple[tuple[int, ...], ...]) -> TensorLayout:
+        """The one TensorLayout of these per-dim mesh axes (`_intern`)."""
+        if axes not in self._interned:
+            self._interned[axes] = TensorLayout(axes)
+        return self._interned[axes]
 
     def _carried(self, ruled: list, by_dim: dict, by_weight_dim: dict, weight_shaped: frozenset) -> list:
-        """The layouts `ruled` with the splits propagation carries between weights and activations.
-        A dim that its own rules leave open (the weight rules for a weight-shaped tensor, the
-        layout rules for the rest) takes the split of that dim in a tensor it meets in an op,
-        where that tensor's own rules split it or a split was carried to it, as far as it leaves
-        the mesh dims free: a weight's d_ff split reaches the hidden activations, and the queries'
-        heads split by the weight rules reaches the attention logits only where the queries left
-        it room. Before that, a dim of a tensor renamed to one that its rules split there (the
-        queries' length, split as the keys' memory_length) takes that split; after, a dim still
-        unsplit is split as one it is renamed from or to anywhere (`_layout`)."""
+        """The layouts `ruled` with the splits propagation carries to dims their own rules leave
+        open (the weight rules for a weight-shaped tensor, the layout rules for the rest). Such a
+        dim takes the split of the dim it shares a factor with in a tensor it meets in an op, as
+        far as it leaves the mesh dims free. First through renames (a reshape that keeps its dims
+        in place) from the dims their rules split: the queries' length takes the split of the
+        keys' memory_length, an MoE layer's batch that of batch_unsplit, as propagation carries a
+        split through an identity before any einsum carries one. Then, with weight rules, from
+        the tensors of the other kind: a weight's d_ff split reaches the hidden activations, and
+        the queries' heads split by the weight rules reaches the attention logits only where the
+        queries left it room. Last, the renamed splits go on from where they reached, as far as
+        the splits before left room: only where data flows from the rename, as propagation
+        carries them (the attention logits of an MoE model take no batch split from its
+        batch_unsplit where the queries' d_kv holds the mesh dim)."""
         tables = self._tables()
-        own = [by_weight_dim if s in weight_shaped else by_dim for _, s in tables.names]
-        axes = [[own[k].get(n, ()) for n, _ in dims] for k, (dims, _) in enumerate(tables.names)]
-        carries = [{i for i, a in enumerate(row) if a} for row in axes]  # (the splits a dim may pass on)
-        # first, a dim renamed in an op from or to one its rules split takes that split, as
-        # propagation carries it through the rename (an identity) before any einsum carries one
-        into: set[int] = set()  # (the shapes a split was renamed or carried to)
-        for k, i, n, size, other in tables.renames:
-            if not axes[k][i] and n not in own[k]:
-                taken = {m for a in axes[k] for m in a}
-                axes[k][i] = longest_split(own[k].get(other, ()), size, taken, self.mesh_shape)
-                if axes[k][i]:
-                    into.add(k)
-        slots = [(k, i, size, meets) for k, i, n, size, meets in tables.slots if n not in own[k]]
+        plain = by_weight_dim is by_dim  # (one set of rules: a dim is named alike in every tensor)
+        own = [by_dim] * len(ruled)
+        if not plain:
+            own = [by_weight_dim if s in weight_shaped else by_dim for _, s in tables.names]
+        carried: dict[int, list] = {}  # (the shapes a split was renamed or carried to: their dims' splits)
+        renamed = self._spread(tables.renames, ruled, own, carried, carried)
+        if not plain:  # (with one set of rules a dim no rule names meets none a rule names but in a rename)
+            self._spread(tables.slots, ruled, own, carried, {})
+        if renamed:
+            self._spread(tables.slots, ruled, own, carried, carried)
+        return [self._layout_of(tuple(carried[k])) if k in carried else layout for k, layout in enumerate(ruled)]
+
+    def _spread(self, slots: list, ruled: list, own: list, carried: dict, passing: dict) -> list[tuple[int, int]]:
+        """Carries splits (`_carried`) to the open dims of `slots` from the dims they meet, in
+        passes over the slots in order, to a fixed point: of the splits carried before, those in
+        `passing` pass on (and those carried now). The splits taken go into `carried`; returns
+        the dims that took them."""
+        took = []
         progress = True
         while progress:
             progress = False
-            for k, i, size, meets in slots:
-                if axes[k][i]:
+            for k, i, n, size, meets in slots:
+                row = carried[k] if k in carried else ruled[k].axes
+                if row[i] or n in own[k]:
                     continue
-                want = max((axes[j][p] for j, p in meets if p in carries[j]), key=len, default=())
-                take = longest_split(want, size, {m for a in axes[k] for m in a}, self.mesh_shape)
+                want = max(((passing[j] if j in passing else ruled[j].axes)[p] for j, p in meets), key=len)
+                take = longest_split(want, size, {m for a in row for m in a}, self.mesh_shape)
                 if take:
-                    axes[k][i] = take
-                    carries[k].add(i)
-                    into.add(k)
+                    carried.setdefault(k, list(row))[i] = take
+                    passing.setdefault(k, list(ruled[k].axes))[i] = take
+                    took.append((k, i))
                     progress = True
-        return [
-            self._layout(own[k], tables.names[k][0], axes[k]) if k in into else layout for k, layout in enumerate(ruled)
-        ]
+        return took
 
     def _intern(self, layout: TensorLayout) -> TensorLayout:
         """One object per layout (the memos below hash and compare layouts millions of times)."""
@@ -552,35 +549,38 @@ class _Tables:
         self.halos = [
             (i, e._runs_of[sig]) for i, (sig, op) in enumerate(zip(sigs, self.reps)) if hasattr(op, "halo_sends")
         ]
-        # each dim of each shape (k, its index, its name and size) with the dims of that name it
-        # meets in an op (`Estimator._carried`)
+        # each dim of each shape (k, its index, its name and size) with the dims it shares a factor
+        # with in an op (`Estimator._carried`; a factor kept whole carries nothing), and those of
+        # them renamed (another name: a rename's other side)
         meets: dict[tuple[int, int], set[tuple[int, int]]] = defaultdict(set)
-        for _, _, operands, results in self.ops:
-            for k in {*operands, *results}:
-                for j in {*operands, *results} - {k}:
-                    where = {n: p for p, (n, _) in enumerate(self.names[j][0])}
-                    for i, (n, _) in enumerate(self.names[k][0]):
-                        if n in where:
-                            meets[k, i].add((j, where[n]))
-        self.slots = [(k, i, *self.names[k][0][i], sorted(js)) for (k, i), js in sorted(meets.items())]
-        # each dim of each shape (k, its index, name and size) with a name it is renamed from or to
-        # where the shape renamed so is one too (the two sides of a rename), in order
-        shapes = {dims for dims, _ in self.names}
+        for sig, (_, _, operands, results) in zip(sigs, self.ops):
+            rule = sig[1]
+            where: dict[str, set[tuple[int, int]]] = defaultdict(set)
+            for k, factors in zip([*operands, *results], [*rule.operands, *rule.results]):
+                for i, f in enumerate(factors):
+                    if f is not None and f not in rule.whole:
+                        where[f].add((k, i))
+            for dims in where.values():
+                for k, i in dims:
+                    meets[k, i].update((j, p) for j, p in dims if j != k)
+        for a, b, whole in e._links:  # (by name: one value on both sides of a loop's boundary)
+            ka, kb = number[a], number[b]
+            inside = {n: p for p, (n, _) in enumerate(self.names[kb][0])}
+            for i, (n, _) in enumerate(self.names[ka][0]):
+                if n in inside and n != whole and ka != kb:
+                    meets[ka, i].add((kb, inside[n]))
+                    meets[kb, inside[n]].add((ka, i))
+        self.slots = [(k, i, *self.names[k][0][i], sorted(js)) for (k, i), js in sorted(meets.items()) if js]
         self.renames = [
-            (k, i, n, size, other)
-            for k, (dims, _) in enumerate(self.names)
-            for i, (n, size) in enumerate(dims)
-            for other in sorted(e._aliases.get((n, size), ()))
-            if (*dims[:i], (other, size), *dims[i + 1 :]) in shapes
+            (k, i, n, size, renamed)
+            for k, i, n, size, js in self.slots
+            if (renamed := [(j, p) for j, p in js if self.names[j][0][p][0] != n])
         ]
-        # what depends on what, for `Estimator._state`: a shape's layout on its dims' rules (and
-        # on those of the dims they are renamed from or to, and of their renames' gates); an op's
-        # run on its tensors' layouts; a use's moves on its tensor's layout and on the runs of its
-        # producer and consumers (with weight rules, `_carried` works every layout out again)
-        self.deps = [
-            names | {x for d in dims for a, gates in e._aliases.get(d, {}).items() for x in {a}.union(*gates)}
-            for dims, names in self.names
-        ]
+        # what depends on what, for `Estimator._state`: a shape's layout by its own rules on its
+        # dims' rules; an op's run on its tensors' layouts; a use's moves on its tensor's layout
+        # and on the runs of its producer and consumers (`_carried` works every carried split out
+        # again)
+        self.deps = [names for _, names in self.names]
         self.ops_of: list[list[int]] = [[] for _ in self.keys]
         for i, (_, _, operands, results) in enumerate(self.ops):
             for k in dict.fromkeys([*operands, *results]):
@@ -634,22 +634,3 @@ def _scopes(ops: list[Operation], outputs: list[Tensor]) -> list[tuple[list[Oper
             inner = _bodies(op, read)
             scopes += [(b, results, times * n) for b, results, n in (inner[1] if inner else [])]
     return scopes
-
-
-def _renamed(ops) -> dict[tuple[str, int], dict[str, frozenset[frozenset[str]]]]:
-    """(dim name, size) -> the names that dim is renamed to or from somewhere in the ops (a
-    reshape that keeps every size in place: `rename_dimension`), each with the other dims of the
-    tensors the rename reads or writes on the first name's side (its gates: a split crosses the
-    rename only as far as one of them leaves it free)."""
-    aliases: dict[tuple[str, int], dict[str, set[frozenset[str]]]] = defaultdict(lambda: defaultdict(set))
-    for op in ops:
-        if not isinstance(op, ReshapeOperation):
-            continue
-        old, new = op.inputs[0].shape, op.outputs[0].shape
-        if old.to_integer_list != new.to_integer_list:
-            continue
-        for a, b in zip(old, new):
-            if a.name != b.name:
-                aliases[a.name, a.size][b.name].add(frozenset(old.dimension_names) - {a.name})
-                aliases[b.name, b.size][a.name].add(frozenset(new.dimension_names) - {b.name})
-    return {k: {n: frozenset(gates) for n, gates in v.items()} for k, v in aliases.items()}
