@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import heapq
 import math
 from collections import Counter, defaultdict
 from collections.abc import Sequence
@@ -408,23 +409,30 @@ class Estimator:
         if not plain:
             own = [by_weight_dim if s in weight_shaped else by_dim for _, s in tables.names]
         carried: dict[int, list] = {}  # (the shapes a split was renamed or carried to: their dims' splits)
-        renamed = self._spread(tables.renames, ruled, own, carried, carried)
+        renamed = self._spread(tables.renames, range(len(tables.renames)), ruled, own, carried, carried)
         if not plain:  # (with one set of rules a dim no rule names meets none a rule names but in a rename)
-            self._spread(tables.slots, ruled, own, carried, {})
-        if renamed:
-            self._spread(tables.slots, ruled, own, carried, carried)
+            self._spread(tables.slots, range(len(tables.slots)), ruled, own, carried, {})
+        # (only a slot that meets a renamed split may take something new)
+        due = {s for d in renamed for s in tables.meeting.get(d, ())}
+        self._spread(tables.slots, due, ruled, own, carried, carried)
         return [self._layout_of(tuple(carried[k])) if k in carried else layout for k, layout in enumerate(ruled)]
 
-    def _spread(self, slots: list, ruled: list, own: list, carried: dict, passing: dict) -> list[tuple[int, int]]:
-        """Carries splits (`_carried`) to the open dims of `slots` from the dims they meet, in
-        passes over the slots in order, to a fixed point: of the splits carried before, those in
-        `passing` pass on (and those carried now). The splits taken go into `carried`; returns
-        the dims that took them."""
-        took = []
-        progress = True
-        while progress:
-            progress = False
-            for k, i, n, size, meets in slots:
+    def _spread(self, slots: list, due, ruled: list, own: list, carried: dict, passing: dict) -> list[tuple[int, int]]:
+        """Carries splits (`_carried`) to the open dims of `slots` from the dims they meet, to a
+        fixed point: of the splits carried before, those in `passing` pass on (and those carried
+        now). As passes over the slots in order would, but a slot is visited again only once a
+        dim it meets took a split (one that took nothing takes nothing while its meets stay as
+        they are: the mesh dims its tensor leaves free only shrink), in this pass where it comes
+        later, else in the next; at first only those `due`. The splits taken go into `carried`;
+        returns the dims that took them."""
+        tables, took = self._tables(), []
+        meeting = tables.meeting if slots is tables.slots else tables.renamed
+        due = set(due)
+        while due:
+            heap, queued, due = sorted(due), set(due), set()  # (a sorted list is a heap)
+            while heap:
+                s = heapq.heappop(heap)
+                k, i, n, size, meets = slots[s]
                 row = carried[k] if k in carried else ruled[k].axes
                 if row[i] or n in own[k]:
                     continue
@@ -434,7 +442,12 @@ class Estimator:
                     carried.setdefault(k, list(row))[i] = take
                     passing.setdefault(k, list(ruled[k].axes))[i] = take
                     took.append((k, i))
-                    progress = True
+                    for t in meeting.get((k, i), ()):
+                        if t <= s:
+                            due.add(t)
+                        elif t not in queued:
+                            queued.add(t)
+                            heapq.heappush(heap, t)
         return took
 
     def _intern(self, layout: TensorLayout) -> TensorLayout:
@@ -576,6 +589,13 @@ class _Tables:
             for k, i, n, size, js in self.slots
             if (renamed := [(j, p) for j, p in js if self.names[j][0][p][0] != n])
         ]
+        # each dim (k, its index) -> the slots (and renames) that meet it, by index (`_spread`)
+        self.meeting: dict[tuple[int, int], list[int]] = defaultdict(list)
+        self.renamed: dict[tuple[int, int], list[int]] = defaultdict(list)
+        for found, slots in ((self.meeting, self.slots), (self.renamed, self.renames)):
+            for s, (*_, js) in enumerate(slots):
+                for d in js:
+                    found[d].append(s)
         # what depends on what, for `Estimator._state`: a shape's layout by its own rules on its
         # dims' rules; an op's run on its tensors' layouts; a use's moves on its tensor's layout
         # and on the runs of its producer and consumers (`_carried` works every carried split out
