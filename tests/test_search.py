@@ -178,6 +178,21 @@ def test_a_renamed_split_goes_where_data_flows_from_the_rename(layout, weights):
 
 
 @pytest.mark.parametrize(
+    "mesh, layout", [("all:3", "memory_length:all"), ("rows:3;cols:2", "memory_length:rows;d_ff:cols")]
+)
+def test_a_split_that_does_not_divide_is_carried_through_a_rename_as_propagation_carries_it(mesh, layout):
+    """The keys' memory_length split 3 ways (padded) reaches the queries' length, the same
+    size, through the rename, as propagation carries it: the estimate's FLOPs and activations
+    are the trace's (they were 2.4 x: the estimate carried only splits that divide)."""
+    program = costed(TINY_LM).on(convert_to_mesh_shape(mesh))
+    est = program.estimator(mx.convert_to_layout_rules(layout))
+    exact = program.exact(tuple(sorted(_pairs(layout))), None)
+    for family in ("Einsum", "Elementwise", "Reduce"):
+        assert est.flops[family] == pytest.approx(exact.flops[family], rel=1e-6), family
+    assert est.memory["activations"] == pytest.approx(exact.memory["activations"], rel=1e-6)
+
+
+@pytest.mark.parametrize(
     "task, layout, weights",
     [
         # the weights' splits carried into the activations, which no rule splits (before: the

@@ -436,8 +436,11 @@ class Estimator:
                 row = carried[k] if k in carried else ruled[k].axes
                 if row[i] or n in own[k]:
                     continue
-                want = max(((passing[j] if j in passing else ruled[j].axes)[p] for j, p in meets), key=len)
-                take = longest_split(want, size, {m for a in row for m in a}, self.mesh_shape)
+                want, source = max(
+                    (((passing[j] if j in passing else ruled[j].axes)[p], tables.names[j][0][p][1]) for j, p in meets),
+                    key=lambda w: len(w[0]),
+                )  # (a split that does not divide passes to a dim of its size: propagation's `_refine`)
+                take = longest_split(want, size, {m for a in row for m in a}, self.mesh_shape, padded=source == size)
                 if take:
                     carried.setdefault(k, list(row))[i] = take
                     passing.setdefault(k, list(ruled[k].axes))[i] = take
