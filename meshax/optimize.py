@@ -430,11 +430,25 @@ class LossScaleOptimizer(Optimizer):
             )
             self.scale = log_scalar("loss_scale", scalar("scale", initializers.constant(self.initial_scale), "float32"))
             self.finite_steps = scalar("finite_steps", initializers.zeros(), "int32")
+        elif self._read_scale([loss])[0]:  # (its gradients would be scale**2 times, unscaled once)
+            raise GraphError(
+                f"LossScaleOptimizer.scale_loss: {loss.name} is scaled already (it is computed from the loss "
+                "scale): scale the loss once, and take the gradients of that"
+            )
         if is_floating(loss.dtype):  # (the loss's gradient is the scale, in the loss's dtype)
             self._largest = min(2.0**127, 2.0 ** math.floor(math.log2(float(np.finfo(loss.dtype).max))))
         scaled = loss * ew.cast(self.scale, loss.dtype)
         loss.graph.loss_scales[scaled] = self.scale
         return scaled
+
+    def _read_scale(self, tensors: Sequence[Tensor]) -> list[bool]:
+        """Whether each tensor is computed from the scale (tensors of another graph are not)."""
+        assert self.scale is not None
+        reading = {self.scale.operation}
+        for op in self.scale.graph.operations:
+            if op not in reading and any(t.operation in reading for t in op.inputs):
+                reading.add(op)
+        return [t.operation in reading for t in tensors]
 
     def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
         """The wrapped optimizer's updates from the gradients unscaled, where they are all finite;
@@ -443,6 +457,17 @@ class LossScaleOptimizer(Optimizer):
         optimizer.scale)`, the unscaled gradients clipped at max_norm), not at max_norm."""
         if self.scale is None or self.finite_steps is None:
             raise GraphError("LossScaleOptimizer: take the gradients of scale_loss(loss), then apply them")
+        given = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        unread = [v for (_, v), read in zip(given, self._read_scale([g for g, _ in given])) if not read]
+        if unread:  # (gradients of the loss itself: unscaled, they would be the scale times too small)
+            names = ", ".join(_variable_of(v).name for v in unread[:3]) + (
+                f" and {len(unread) - 3} more" if len(unread) > 3 else ""
+            )
+            raise GraphError(
+                f"LossScaleOptimizer.apply_grads: the gradients of {names} are not those of scale_loss(loss) "
+                "(they are not computed from the loss scale), and unscaled they would be the scale times too "
+                "small: take them of the scaled loss, mx.gradients(optimizer.scale_loss(loss), variables)"
+            )
         inverse = ew.reciprocal(self.scale)
         unscaled = [None if g is None else _wide(g) * inverse for g in grads]
         # a sum is finite where every value summed is (an inf or a NaN among them stays one). The

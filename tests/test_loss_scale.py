@@ -139,6 +139,29 @@ def test_loss_scaling_needs_an_optimizer_and_the_scaled_loss():
         LossScaleOptimizer(SgdOptimizer(0.1)).apply_grads(mx.gradients(mx.reduce_sum(w), [w]), [w])
 
 
+def test_gradients_of_the_loss_unscaled_or_scaled_twice_are_refused():
+    """Gradients of the loss itself (scale_loss called, its result not differentiated) were
+    unscaled all the same: the step was the scale times too small (w 1 - 3e-5 where 0 was due);
+    a loss scaled twice gave gradients scale**2 times, unscaled once (4 times the step)."""
+    for mistake in ("unscaled", "twice", "another graph"):
+        _, mesh = new_mesh()
+        w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
+        loss = mx.reduce_sum(mx.square(w)) * 0.5
+        optimizer = LossScaleOptimizer(SgdOptimizer(1.0), initial_scale=4.0)
+        scaled = optimizer.scale_loss(loss)
+        if mistake == "unscaled":
+            with pytest.raises(mx.GraphError, match=r"gradients of w are not those of scale_loss\(loss\)"):
+                optimizer.apply_grads(mx.gradients(loss, [w]), [w])
+        elif mistake == "twice":
+            with pytest.raises(mx.GraphError, match=r"scale_loss: multiply_\d+ is scaled already"):
+                optimizer.scale_loss(scaled)
+        else:  # (the scale is the first graph's)
+            _, other = new_mesh()
+            v = mx.get_variable(other, "v", "a:8")
+            with pytest.raises(mx.GraphError, match="gradients of v are not those of scale_loss"):
+                optimizer.apply_grads(mx.gradients(mx.reduce_sum(v), [v]), [v])
+
+
 def test_clipping_the_scaled_gradients_at_the_scaled_norm_is_clipping_the_unscaled_ones():
     """apply_grads takes the gradients of scale_loss(loss), times the scale: clipped at max_norm
     they would be clipped far below it (a gradient of norm 0.28, 2**15 times that, clipped to 1);
