@@ -468,8 +468,8 @@ class LossScaleOptimizer(Optimizer):
                 "(they are not computed from the loss scale), and unscaled they would be the scale times too "
                 "small: take them of the scaled loss, mx.gradients(optimizer.scale_loss(loss), variables)"
             )
-        inverse = ew.reciprocal(self.scale)
-        unscaled = [None if g is None else _wide(g) * inverse for g in grads]
+        # divided, not multiplied by 1 / scale: 2**-127 is a float32 subnormal, which XLA flushes to 0
+        unscaled = [None if g is None else _wide(g) / self.scale for g in grads]
         # a sum is finite where every value summed is (an inf or a NaN among them stays one). The
         # sums of gradients of one shape, laid out alike, owe the same partial sums: added first,
         # they are settled together, one scalar allreduce per shape split, not per weight

@@ -306,3 +306,19 @@ def test_the_scale_of_a_float16_loss_grows_no_further_than_float16_holds():
     scales = [float(step({"x": np.full(8, 0.5, np.float16)})[0]) for _ in range(4)]
     assert scales == [2.0**14, 2.0**15, 2.0**15, 2.0**15]
     np.testing.assert_allclose(lowering.variable_value(w), np.full(8, 1.0 - 4 * 0.05), rtol=1e-6)  # (4 steps)
+
+
+@pytest.mark.parametrize("backend", [mx.SimdMeshImpl, mx.PlacementMeshImpl])
+def test_gradients_scaled_at_the_largest_scale_are_unscaled_not_zeroed(backend):
+    """A float32 loss's scale grows up to 2**127. Multiplying by 1 / 2**127, a float32 subnormal
+    XLA flushes to zero, made every gradient 0 there: each step counted as finite and taken, and
+    no weight moved (w stayed 1.0, 0.9 due); the gradients are divided by the scale."""
+    graph, mesh = new_mesh()
+    w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
+    optimizer = LossScaleOptimizer(SgdOptimizer(0.1), initial_scale=2.0**127)
+    loss = mx.reduce_sum(mx.square(w)) * 0.5
+    updates = optimizer.apply_grads(mx.gradients(optimizer.scale_loss(loss), [w]), [w])
+    lowering = mx.Lowering(graph, {mesh: backend("all:8", "a:all")})
+    lowering.function([], updates=updates)({})
+    np.testing.assert_array_equal(lowering.variable_value(w), np.full(8, 0.9, np.float32))
+    assert float(lowering.variable_value(optimizer.scale)) == 2.0**127
