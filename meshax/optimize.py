@@ -505,8 +505,12 @@ def global_norm(grads: Sequence[Tensor | None]) -> Tensor:
 
 def clip_by_global_norm(grads: Sequence[Tensor | None], max_norm: float | Tensor) -> list[Tensor | None]:
     """The gradients scaled down together so that their global norm is at most `max_norm`. The
-    gradients of a `LossScaleOptimizer`'s scaled loss are clipped at max_norm times its scale."""
-    scale = ew.minimum(max_norm / ew.maximum(global_norm(grads), 1e-12), 1.0)
+    gradients of a `LossScaleOptimizer`'s scaled loss are clipped at max_norm times its scale.
+    Where the norm overflows float32 (squares past 3e38: gradients times a scale past 2**64), the
+    gradients are NaN, not 0: a `LossScaleOptimizer` skips the step and halves its scale."""
+    norm = global_norm(grads)
+    scale = ew.minimum(max_norm / ew.maximum(norm, 1e-12), 1.0)
+    scale = ew.where(ew.less(norm, math.inf), scale, math.nan)  # (0 took an empty step, and the scale grew on)
     return [None if g is None else g * ew.cast(scale, g.dtype) for g in grads]
 
 

@@ -214,6 +214,24 @@ def test_an_activation_gradient_clipped_in_a_scaled_loss_is_clipped_unscaled(dty
     np.testing.assert_array_equal(runs[1], runs[0])
 
 
+def test_clipped_gradients_whose_norm_overflows_skip_the_step_and_halve_the_scale():
+    """At a scale past 2**64 the squares of the scaled gradients overflow float32: the norm was
+    inf and the gradients clipped to 0, so every step was taken and moved nothing while the scale
+    grew on (w stayed 1.0 at 2**70, 2**71, 2**72); now the step is skipped and the scale halves."""
+    from meshax.optimize import clip_by_global_norm
+
+    graph, mesh = new_mesh()
+    w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
+    optimizer = LossScaleOptimizer(SgdOptimizer(0.1), initial_scale=2.0**70, growth_interval=1)
+    grads = mx.gradients(optimizer.scale_loss(mx.reduce_sum(mx.square(w)) * 0.5), [w])
+    updates = optimizer.apply_grads(clip_by_global_norm(grads, 1.0 * optimizer.scale), [w])
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+    step = lowering.function([optimizer.scale], updates=updates)
+    assert [float(step({})[0]) for _ in range(9)] == [2.0**e for e in (70, 69, 68, 67, 66, 65, 64, 63, 62)]
+    assert float(lowering.variable_value(optimizer.scale)) == 2.0**63  # (the step at 2**62 was taken)
+    np.testing.assert_allclose(lowering.variable_value(w), np.full(8, 1.0 - 0.1 / np.sqrt(8)), rtol=1e-6)
+
+
 # ---- float16 training ----------------------------------------------------------------------------
 def test_a_float16_model_trains_loss_scaled_and_follows_float32():
     graph, _, _, _ = training_graph(_task(F16), SgdOptimizer(0.5))
