@@ -424,6 +424,14 @@ class LossScaleOptimizer(Optimizer):
         from meshax import initializers
         from meshax.ops.debug import log_scalar
 
+        if is_floating(loss.dtype):  # (the loss's gradient is the scale, in the loss's dtype)
+            self._largest = min(2.0**127, 2.0 ** math.floor(math.log2(float(np.finfo(loss.dtype).max))))
+            if self.min_scale > self._largest:  # (every step's gradient would overflow, and be skipped)
+                raise ConfigError(
+                    f"min_scale {self.min_scale!r} is above 2**{math.log2(self._largest):.0f}, the largest scale a "
+                    f"{loss.dtype} loss holds (its gradient is the scale, in {loss.dtype}), so every step would be "
+                    f"skipped: give a min_scale of at most {self._largest!r}, or compute the loss in float32"
+                )
         if self.scale is None or self.scale.graph is not loss.graph:
             scalar = lambda name, init, dtype: get_variable(  # noqa: E731
                 loss.mesh, f"loss_scale/{name}", [], initializer=init, dtype=dtype, trainable=False
@@ -435,8 +443,6 @@ class LossScaleOptimizer(Optimizer):
                 f"LossScaleOptimizer.scale_loss: {loss.name} is scaled already (it is computed from the loss "
                 "scale): scale the loss once, and take the gradients of that"
             )
-        if is_floating(loss.dtype):  # (the loss's gradient is the scale, in the loss's dtype)
-            self._largest = min(2.0**127, 2.0 ** math.floor(math.log2(float(np.finfo(loss.dtype).max))))
         scaled = loss * ew.cast(self.scale, loss.dtype)
         loss.graph.loss_scales[scaled] = self.scale
         return scaled

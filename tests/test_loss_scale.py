@@ -340,3 +340,17 @@ def test_gradients_scaled_at_the_largest_scale_are_unscaled_not_zeroed(backend):
     lowering.function([], updates=updates)({})
     np.testing.assert_array_equal(lowering.variable_value(w), np.full(8, 0.9, np.float32))
     assert float(lowering.variable_value(optimizer.scale)) == 2.0**127
+
+
+def test_a_min_scale_above_what_a_float16_loss_holds_is_refused():
+    """min_scale 2**16 with a float16 loss: its gradient, the scale in float16, was inf at every
+    step, each skipped, the scale held at its floor: nothing ever trained, and nothing said so."""
+    for min_scale in (2.0**16, 2.0**15):  # (2**15: the largest it holds)
+        _, mesh = new_mesh()
+        loss = mx.reduce_sum(mx.cast(mx.get_variable(mesh, "w", "a:8"), "float16"))
+        optimizer = LossScaleOptimizer(SgdOptimizer(0.1), initial_scale=min_scale, min_scale=min_scale)
+        if min_scale > 2.0**15:
+            with pytest.raises(mx.ConfigError, match=r"min_scale 65536.0 is above 2\*\*15, the largest scale a"):
+                optimizer.scale_loss(loss)
+        else:
+            optimizer.scale_loss(loss)
