@@ -12,7 +12,7 @@ import numbers
 import re
 from collections.abc import Callable, Sequence
 
-import numpy as np
+import ml_dtypes
 
 from meshax.autodiff import gradients
 from meshax.core.errors import ConfigError, GraphError
@@ -425,7 +425,7 @@ class LossScaleOptimizer(Optimizer):
         from meshax.ops.debug import log_scalar
 
         if is_floating(loss.dtype):  # (the loss's gradient is the scale, in the loss's dtype)
-            self._largest = min(2.0**127, 2.0 ** math.floor(math.log2(float(np.finfo(loss.dtype).max))))
+            self._largest = min(2.0**127, 2.0 ** math.floor(math.log2(float(ml_dtypes.finfo(loss.dtype).max))))
             if self.min_scale > self._largest:  # (every step's gradient would overflow, and be skipped)
                 raise ConfigError(
                     f"min_scale {self.min_scale!r} is above 2**{math.log2(self._largest):.0f}, the largest scale a "

@@ -354,3 +354,17 @@ def test_a_min_scale_above_what_a_float16_loss_holds_is_refused():
                 optimizer.scale_loss(loss)
         else:
             optimizer.scale_loss(loss)
+
+
+def test_a_bfloat16_loss_is_scaled_up_to_what_bfloat16_holds():
+    """The largest scale of a bfloat16 loss was looked up with np.finfo, which knows no bfloat16:
+    scale_loss of a bfloat16 loss failed ('data type bfloat16 not inexact'). It is 2**127."""
+    graph, mesh = new_mesh()
+    w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
+    loss = mx.reduce_sum(mx.cast(w, "bfloat16")) * 0.5
+    optimizer = LossScaleOptimizer(SgdOptimizer(0.1), initial_scale=2.0**126, growth_interval=1)
+    updates = optimizer.apply_grads(mx.gradients(optimizer.scale_loss(loss), [w]), [w])
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+    step = lowering.function([optimizer.scale], updates=updates)
+    assert [float(step({})[0]) for _ in range(3)] == [2.0**126, 2.0**127, 2.0**127]
+    np.testing.assert_allclose(lowering.variable_value(w), np.full(8, 1.0 - 3 * 0.05), rtol=1e-6)  # (3 steps taken)
