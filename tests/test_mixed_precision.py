@@ -248,3 +248,38 @@ def test_the_step_reads_the_kept_copies_not_the_float32_weights():
 
     assert next_loss(halved=True) != next_loss(halved=False)
     assert not build(_task(BF16), "all:1", "", "simd", SgdOptimizer(0.1)).train_fn._copy_keys
+
+
+@pytest.mark.parametrize("impl", [mx.SimdMeshImpl, mx.PlacementMeshImpl])
+def test_float16_attention_masks_are_finite_and_zero_where_attention_is_allowed(impl):
+    """The masks were bool * -1e9 in float16: -inf where masked (a row masked whole: softmax NaN)
+    and 0 * -inf, NaN, where allowed (op by op, the placement backend; XLA's whole program folded it
+    to 0). In float16 they are -65504; local attention, which masks in its input's dtype, follows
+    float32."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    batch, length, io = mx.Dimension("batch", 2), mx.Dimension("length", 8), mx.Dimension("io", 8)
+    ids = mx.placeholder(mesh, "ids", [batch, length], dtype="int32")
+    masks = [
+        mx.layers.attention_mask_ignore_padding(ids, dtype="float16"),
+        mx.layers.attention_mask_autoregressive(mx.range(mesh, length, "int32"), dtype="float16"),
+        mx.layers.attention_mask_same_segment(ids, dtype="float16"),
+    ]
+    x = mx.placeholder(mesh, "x", [batch, length, io])
+    heads, kv = mx.Dimension("heads", 2), mx.Dimension("d_kv", 4)
+    weights = mx.layers.multihead_attention_params(mesh, heads, io, kv, name="local")
+    local = [
+        mx.layers.masked_local_attention_1d(
+            mx.cast(x, dtype), kv, heads, window_size=2, params=[mx.cast(w, dtype) for w in weights]
+        )
+        for dtype in ("float32", "float16")
+    ]
+    lowering = mx.Lowering(graph, {mesh: impl("all:2", "batch:all")})
+    feeds = {
+        "ids": np.array([[1, 2, 0, 3, 0, 0, 5, 5], [0] * 8], np.int32),
+        "x": np.linspace(-1, 1, 128).reshape(2, 8, 8),
+    }
+    *got, wide, narrow = lowering.function(masks + local)(feeds)
+    for mask in got:
+        assert set(np.unique(np.asarray(mask, np.float32))) == {-65504.0, 0.0}
+    np.testing.assert_allclose(np.asarray(narrow, np.float32), wide, atol=2e-3)

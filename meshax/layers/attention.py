@@ -10,9 +10,11 @@ kernel (cuDNN on a GPU) for the same computation with a 1/sqrt(d) scale.
 
 from __future__ import annotations
 
+import ml_dtypes
+
 from meshax import initializers
 from meshax.core.errors import GraphError
-from meshax.core.graph import Tensor
+from meshax.core.graph import Tensor, as_dtype, is_floating
 from meshax.core.shape import Dimension, Shape
 from meshax.ops import elementwise as ew
 from meshax.ops._util import as_dims
@@ -32,20 +34,27 @@ def rename_length_to_memory_length(x: Tensor, length_name="length", memory_lengt
     return rename_dimension(x, length_name, memory_length_name)
 
 
+def _bias(masked: Tensor, dtype) -> Tensor:
+    """-1e9 where `masked` holds, else 0, in `dtype`; in float16, whose -1e9 is -inf (and 0 times
+    it NaN), its most negative value, -65504."""
+    dtype = as_dtype(dtype)
+    return ew.cast(masked, dtype) * (max(-1e9, float(ml_dtypes.finfo(dtype).min)) if is_floating(dtype) else -1e9)
+
+
 def attention_mask_ignore_padding(inputs: Tensor, dtype="float32") -> Tensor:
     """-1e9 where the (memory) token id is 0, padding: [..., memory_length]."""
-    return ew.cast(ew.equal(rename_length_to_memory_length(inputs), 0), dtype) * -1e9
+    return _bias(ew.equal(rename_length_to_memory_length(inputs), 0), dtype)
 
 
 def attention_mask_autoregressive(query_pos: Tensor, dtype="float32") -> Tensor:
     """-1e9 where a position would attend to a later one: [..., length, memory_length]."""
-    return ew.cast(ew.less(query_pos, rename_length_to_memory_length(query_pos)), dtype) * -1e9
+    return _bias(ew.less(query_pos, rename_length_to_memory_length(query_pos)), dtype)
 
 
 def attention_mask_same_segment(query_segment: Tensor, memory_segment=None, dtype="float32") -> Tensor:
     """-1e9 between positions of different segments: [..., length, memory_length]."""
     memory = rename_length_to_memory_length(query_segment if memory_segment is None else memory_segment)
-    return ew.cast(ew.not_equal(query_segment, memory), dtype) * -1e9
+    return _bias(ew.not_equal(query_segment, memory), dtype)
 
 
 def _dropout_of(x: Tensor, is_training: bool, rate: float, broadcast_dims) -> Tensor:
@@ -232,8 +241,8 @@ def masked_local_attention_1d(
     padded = Dimension("memory_block_length", window_size + block)
     mpos = mtf_range(x.mesh, padded, "float32")
     qpos = mtf_range(x.mesh, query_block, "float32") + float(window_size)
-    mask = ew.cast(ew.greater(mpos, qpos), x.dtype) * -1e9  # not forward
-    mask = mask + ew.cast(ew.less_equal(mpos, qpos - float(block)), x.dtype) * -1e9  # not a block back or more
+    mask = _bias(ew.greater(mpos, qpos), x.dtype)  # not forward
+    mask = mask + _bias(ew.less_equal(mpos, qpos - float(block)), x.dtype)  # not a block back or more
     o = dot_product_attention(q, k, v, mask=mask, is_training=is_training)
     o = reshape(o, [*batch_dims, heads, length, kv_channels])
     return einsum([o, wo], output_shape=Shape([*batch_dims, length, io_channels]))
@@ -268,7 +277,7 @@ def multihead_self_attention_memory_compressed(
     if mask_right:
         query_pos = mtf_range(x.mesh, length, "int32")
         memory_pos = mtf_range(x.mesh, memory_length, "int32") * compression_factor + (compression_factor - 1)
-        mask = ew.cast(ew.greater(memory_pos, query_pos), x.dtype) * -1e9
+        mask = _bias(ew.greater(memory_pos, query_pos), x.dtype)
     o = dot_product_attention(q, k, v, mask, is_training, dropout, dropout_broadcast_dims, extra_logit=0.0)
     return einsum([o, wo], output_shape=Shape([*batch_dims, length, io_channels]))
 
@@ -301,7 +310,7 @@ def multihead_self_attention_incremental(
     here = one_hot(step, memory_length, dtype=prev_k.dtype)
     k = prev_k + ew.multiply(k, here, output_shape=prev_k.shape)
     v = prev_v + ew.multiply(v, here, output_shape=prev_v.shape)
-    mask = ew.cast(ew.greater(mtf_range(mesh, memory_length, "int32"), step), q.dtype) * -1e9
+    mask = _bias(ew.greater(mtf_range(mesh, memory_length, "int32"), step), q.dtype)
     o = dot_product_attention(q, k, v, mask, is_training=False)
     return einsum([o, wo], output_shape=query_antecedent.shape), k, v
 
