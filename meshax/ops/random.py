@@ -115,7 +115,9 @@ def sample_with_temperature(logits: Tensor, dim, temperature=1.0, name=None) -> 
     from meshax.ops.reduce import argmax
 
     if temperature != 0.0:
-        if not is_floating(logits.dtype):  # (the noise is a float)
+        if not is_floating(logits.dtype) or logits.dtype.itemsize < 4:
+            # (the noise is a float32 one: bfloat16's uniform draws, 2**-8 apart, cut the Gumbel tails
+            # and tie, and the argmax takes the first: the first of 6 was drawn 2x its probability)
             logits = ew.cast(logits, "float32")
         u = random_uniform(logits.mesh, logits.shape, minval=1e-9, maxval=1.0, dtype=logits.dtype)
         logits = logits + ew.negative(ew.log(ew.negative(ew.log(u)))) * temperature
