@@ -225,3 +225,22 @@ def test_nth_smallest_element_of_integers_at_the_ends_of_their_range(dtype, n):
         np.testing.assert_array_equal(small, np.sort(xv, axis=1)[:, n])
         np.testing.assert_array_equal(large, np.sort(xv, axis=1)[:, -1 - n])
         assert small.dtype == dtype
+
+
+@pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl, mx.PlacementMeshImpl])
+@pytest.mark.parametrize("layout", ["", "a:all"])
+def test_the_mean_of_float16_values_is_summed_in_float32_as_jnp_mean(impl_cls, layout):
+    """reduce_mean summed float16 values in float16 and divided after: the mean of 80,000
+    ones was inf (the sum past 65504), where jnp.mean sums in float32: 1.0. It stays float16,
+    its gradient too."""
+    graph, mesh = new_mesh()
+    a = mx.Dimension("a", 80_000)
+    x = mx.placeholder(mesh, "x", [a], dtype="float16")
+    mean = mx.reduce_mean(x)
+    (grad,) = mx.gradients(mx.cast(mean, "float32"), [x])
+    assert mean.dtype == grad.dtype == np.float16
+    lowering = mx.Lowering(graph, {mesh: impl_cls("all:8", layout)})
+    values = np.linspace(0.5, 1.5, 80_000).astype(np.float16)
+    got, dx = lowering.function([mean, grad])({"x": values})
+    assert float(got) == float(jax.numpy.mean(values)) == 1.0
+    np.testing.assert_array_equal(np.asarray(dx), np.full(80_000, 1 / 80_000, np.float16))

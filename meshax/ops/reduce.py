@@ -142,6 +142,8 @@ def reduce_mean(x: Tensor, reduced_dim=None, output_shape=None, name=None) -> Te
     reduced, output_shape = _reduced_dims(x, reduced_dim, output_shape)
     if not reduced:
         return _in_order(_floating(x), output_shape)
+    if x.dtype == np.float16:  # summed in float32, as jnp.mean: a float16 sum past 65504 is inf
+        return _in_order(ew.cast(reduce_mean(ew.cast(x, "float32"), reduced, name=name), x.dtype), output_shape)
     count = int(np.prod([d.size for d in reduced], dtype=np.int64))
     total = ew.cast(reduce_sum(x, reduced_dim=reduced, name=name), inexact(sum_dtype(x.dtype)))
     return _in_order(total * (1.0 / count), output_shape)
