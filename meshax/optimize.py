@@ -404,6 +404,10 @@ class LossScaleOptimizer(Optimizer):
             raise ConfigError(f"initial_scale {initial_scale!r} is below min_scale {min_scale!r}")
         if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
             raise ConfigError(f"growth_interval {growth_interval!r} must be a whole number of steps >= 1")
+        if growth_interval > 2**31 - 1:  # (an int32 in the step: 2**31 wrapped to -2**31, growing every step)
+            raise ConfigError(
+                f"growth_interval {growth_interval!r} must be at most 2**31 - 1 (the count of finite steps is an int32)"
+            )
         self.optimizer = optimizer
         self.initial_scale, self.min_scale = float(initial_scale), float(min_scale)
         self.growth_interval = growth_interval

@@ -123,6 +123,8 @@ def test_the_scale_stays_at_its_floor_and_grows_each_growth_interval():
         ({"min_scale": 2**200}, r"min_scale 1606\S* must be a power of two >= 1 and <= 2"),
         ({"initial_scale": "1024"}, "initial_scale '1024' must be a power of two"),
         ({"growth_interval": True}, "growth_interval True must be a whole number of steps >= 1"),
+        # (the count is an int32: 2**31 wrapped to -2**31, and the scale doubled at every step)
+        ({"growth_interval": 2**31}, r"growth_interval 2147483648 must be at most 2\*\*31 - 1"),
     ],
 )
 def test_loss_scale_settings_are_checked(kwargs, message):
