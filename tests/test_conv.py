@@ -320,3 +320,17 @@ def test_a_filter_larger_than_the_padded_input_is_refused():
     f = mx.placeholder(m, "f", "fh:5;fw:3;i:3;o:4")
     with pytest.raises(mx.GraphError, match="the window spans 5 values of h but the padded input has 4"):
         mx.conv2d(x, f, (1, 1), "VALID")
+
+
+@pytest.mark.parametrize("layer", ["conv1d", "conv2d", "conv3d", "conv2d_transpose", "conv3d_transpose"])
+def test_conv_layers_take_variable_dtype_none_as_mesh_tensorflow_s_default(layer):
+    """variable_dtype=None (Mesh-TensorFlow's default: a float32 kernel read in x's dtype) was
+    given to get_variable as a dtype, np.dtype(None) = float64: 'dtype float64 needs JAX's
+    64-bit mode'. The kernel is float32, used in x's dtype (float16 here)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    k = int(layer[4])
+    x = mx.placeholder(mesh, "x", _dims([("b", 2), *zip(SPATIAL[:k], [4] * k), ("ch", 3)]), dtype="float16")
+    y = getattr(mx.layers, layer)(x, mx.Dimension("o", 4), variable_dtype=None)
+    assert y.dtype == np.float16
+    assert {str(v.value.dtype) for v in graph.trainable_variables} == {"float32"}

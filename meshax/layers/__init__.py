@@ -188,6 +188,7 @@ def _conv_layer(
     window = [Dimension(f"{d.name}_filter", int(f)) for d, f in zip(x.shape.dims[-k - 1 : -1], filter_size)]
     channels = [output_dim, x.shape[-1]] if transpose else [x.shape[-1], output_dim]
     taps = math.prod(filter_size)
+    variable_dtype = variable_dtype or "float32"  # (None, Mesh-TensorFlow's default: a float32 master read as x's)
     kernel = get_variable(
         x.mesh,
         f"{name}/kernel",
