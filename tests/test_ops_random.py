@@ -198,3 +198,19 @@ def test_sampling_16_bit_logits_draws_float32_gumbel_noise():
     np.testing.assert_array_equal(samples["float16"], samples["float32"])
     first = np.mean(samples["float32"] == 0)
     assert abs(first - np.exp(0.0) / np.exp(logits).sum()) < 3e-4  # (0.00094 due)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_uniform_values_stay_below_maxval(dtype):
+    """Uniform draws are made in float32 and cast: those past the 16-bit dtype's last value below
+    maxval rounded up to maxval itself (of 1,000,000 in [0, 1): 1,923 ones in bfloat16, 243 in
+    float16), outside [minval, maxval) (so -log(1 - u) was inf). Now at most that last value."""
+    graph, mesh = new_mesh()
+    n = mx.Dimension("n", 1_000_000)
+    ranges = [(0.0, 1.0), (-2.0, 3.0)]
+    outs = [mx.random_uniform(mesh, [n], lo, hi, dtype=dtype) for lo, hi in ranges]
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")})
+    for (lo, hi), u in zip(ranges, lowering.function(outs)({}, seed=3)):
+        u = np.asarray(u, np.float32)
+        assert lo <= u.min() and u.max() < hi
+        assert np.mean(u) == pytest.approx((lo + hi) / 2, abs=0.01 * (hi - lo))

@@ -56,7 +56,10 @@ class RandomOperation(Operation):
                 x = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(keys) * (b - a) + a
             else:
                 x = jax.vmap(lambda k: jax.random.normal(k, (), jnp.float32))(keys) * b + a
-            return x.reshape(local).astype(out.dtype)
+            x = x.reshape(local).astype(out.dtype)
+            if kind == "uniform" and a < b:  # [a, b): in 16 bits the draws past b's last value round to b
+                x = jnp.minimum(x, jnp.nextafter(jnp.asarray(b, out.dtype), jnp.asarray(a, out.dtype)))
+            return x
 
         ctx.add_flops(ctx.local_size(out))
         ctx.set_output(out, ctx.slicewise(draw, ctx.rng_seed, *begins), layout)
