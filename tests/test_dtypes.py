@@ -376,3 +376,17 @@ def test_feeds_are_refused_where_a_name_is_unknown_or_the_cast_would_change_them
         mx.Lowering(graph, mx.SimdMeshImpl("all:1", ""))  # (before: 'object of type 'SimdMeshImpl' has no len()')
     mx.placeholder(mesh, "later", [B])  # the graph grows after the first call: its placeholders are known
     np.testing.assert_array_equal(f({"x": xs, "i": ids, "later": xs}), 2 * xs)
+
+
+def test_feeds_past_a_narrower_float_range_are_refused_not_made_inf():
+    """Finite values fed to a float16 placeholder past 65504 (float32 70000, int32 100000) were
+    cast to inf without a word, as integers outside int32's range are refused; infs fed stay
+    infs, and 65519 rounds to 65504, finite."""
+    graph, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [mx.Dimension("a", 4)], "float16")
+    f = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function(x * 1.0)
+    got = f({"x": np.array([1.0, 65519.0, np.inf, -np.inf], np.float32)})
+    np.testing.assert_array_equal(got, np.array([1.0, 65504.0, np.inf, -np.inf], np.float16))
+    for fed, shown in [(np.array([1, -70000, 2, 3], np.float32), "70000.0"), (np.arange(4) * 100_000, "300000")]:
+        with pytest.raises(mx.MeshaxError, match=rf"'x' is float16 .* fed \w+ values up to {shown}, which are inf"):
+            f({"x": fed})

@@ -50,7 +50,8 @@ def _needed_ops(graph: Graph, roots: Sequence[Operation]) -> list[Operation]:
 
 def _fed(t: Tensor, value) -> np.ndarray:
     """A fed value as an array of placeholder t's dtype; refused where the cast would change it:
-    floats fed to integers or bools, integers outside the dtype's range, text."""
+    floats fed to integers or bools, integers outside the dtype's range, finite values past a
+    float dtype's (float32 past 65504 fed as float16: inf), text."""
     value = np.asarray(value)
     have, want = value.dtype, t.dtype
     if have == want:
@@ -68,7 +69,16 @@ def _fed(t: Tensor, value) -> np.ndarray:
             problem = f"values from {value.min()} to {value.max()}, outside {want}'s {low}..{high}"
     if problem:
         raise MeshaxError(f"placeholder {t.name!r} is {want} {t.shape}; it was fed {problem}")
-    return value.astype(want, copy=False)
+    with np.errstate(over="ignore"):
+        out = value.astype(want, copy=False)
+    if want_kind == "f" and have_kind in "iuf" and value.size and np.isinf(out).any():
+        overflowed = np.isinf(out) & ~np.isinf(value)  # (finite values past a narrower float's range)
+        if overflowed.any():
+            raise MeshaxError(
+                f"placeholder {t.name!r} is {want} {t.shape}; it was fed {have} values up to "
+                f"{np.abs(value[overflowed]).max()}, which are inf in {want} (largest {float(jnp.finfo(want).max)})"
+            )
+    return out
 
 
 def _not_a_tensor(x, what: str) -> TypeError:
