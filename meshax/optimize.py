@@ -402,7 +402,8 @@ class LossScaleOptimizer(Optimizer):
                 )
         if initial_scale < min_scale:
             raise ConfigError(f"initial_scale {initial_scale!r} is below min_scale {min_scale!r}")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+        whole = isinstance(growth_interval, numbers.Integral) and not isinstance(growth_interval, bool)
+        if not whole or growth_interval < 1:
             raise ConfigError(f"growth_interval {growth_interval!r} must be a whole number of steps >= 1")
         if growth_interval > 2**31 - 1:  # (an int32 in the step: 2**31 wrapped to -2**31, growing every step)
             raise ConfigError(
@@ -410,7 +411,7 @@ class LossScaleOptimizer(Optimizer):
             )
         self.optimizer = optimizer
         self.initial_scale, self.min_scale = float(initial_scale), float(min_scale)
-        self.growth_interval = growth_interval
+        self.growth_interval = int(growth_interval)  # (a NumPy integer too)
         self.scale: Tensor | None = None
         self.finite_steps: Tensor | None = None
         self._largest = 2.0**127  # (the largest scale the loss's dtype holds: `scale_loss`)

@@ -132,6 +132,14 @@ def test_loss_scale_settings_are_checked(kwargs, message):
         LossScaleOptimizer(SgdOptimizer(0.1), **kwargs)
 
 
+def test_a_numpy_integer_growth_interval_is_a_whole_number():
+    """np.int64(100) (read from a config array, say) was refused: 'growth_interval np.int64(100)
+    must be a whole number of steps >= 1'."""
+    assert LossScaleOptimizer(SgdOptimizer(0.1), growth_interval=np.int64(100)).growth_interval == 100
+    with pytest.raises(mx.ConfigError, match=r"growth_interval 2\.5 must be a whole number"):
+        LossScaleOptimizer(SgdOptimizer(0.1), growth_interval=2.5)
+
+
 def test_loss_scaling_needs_an_optimizer_and_the_scaled_loss():
     with pytest.raises(mx.ConfigError, match="wraps a meshax optimizer"):
         LossScaleOptimizer(LossScaleOptimizer(SgdOptimizer(0.1)))
