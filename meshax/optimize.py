@@ -470,7 +470,9 @@ class LossScaleOptimizer(Optimizer):
             raise GraphError("LossScaleOptimizer: take the gradients of scale_loss(loss), then apply them")
         given = [(g, v) for g, v in zip(grads, variables) if g is not None]
         unread = [v for (_, v), read in zip(given, self._read_scale([g for g, _ in given])) if not read]
-        if unread:  # (gradients of the loss itself: unscaled, they would be the scale times too small)
+        # gradients of the loss itself, none computed from the scale: unscaled, they would be the
+        # scale times too small (one made otherwise beside scaled ones, a frozen weight's zeros, passes)
+        if given and len(unread) == len(given):
             names = ", ".join(_variable_of(v).name for v in unread[:3]) + (
                 f" and {len(unread) - 3} more" if len(unread) > 3 else ""
             )

@@ -170,6 +170,12 @@ def test_gradients_of_the_loss_unscaled_or_scaled_twice_are_refused():
             v = mx.get_variable(other, "v", "a:8")
             with pytest.raises(mx.GraphError, match="gradients of v are not those of scale_loss"):
                 optimizer.apply_grads(mx.gradients(mx.reduce_sum(v), [v]), [v])
+    # a gradient made otherwise beside those of the scaled loss (a frozen weight's zeros) passes
+    _, mesh = new_mesh()
+    w, u = (mx.get_variable(mesh, n, "a:8") for n in "wu")
+    optimizer = LossScaleOptimizer(SgdOptimizer(1.0))
+    (gw,) = mx.gradients(optimizer.scale_loss(mx.reduce_sum(w * u)), [w])
+    optimizer.apply_grads([gw, mx.zeros_like(u)], [w, u])
 
 
 def test_clipping_the_scaled_gradients_at_the_scaled_norm_is_clipping_the_unscaled_ones():
