@@ -87,7 +87,7 @@ def _as_schedule(lr) -> Schedule:
         raise ConfigError(f"learning_rate {lr!r} is not a number or a schedule (a function of the step)") from None
     if not math.isfinite(value) or value < 0:
         raise ConfigError(f"learning_rate {lr!r} must be a finite number >= 0")
-    if value > float(np.finfo(np.float32).max):  # (it became inf in the step: a NumPy warning, then nan losses)
+    if value > float(ml_dtypes.finfo("float32").max):  # (it became inf in the step: a NumPy warning, then nan losses)
         raise ConfigError(f"learning_rate {lr!r} is more than a float32 holds (3.4e38): the step computes in float32")
     return constant_schedule(value)
 
