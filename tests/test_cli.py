@@ -277,6 +277,30 @@ def test_plot_draws_a_resumed_runs_repeated_steps_once(tmp_path, monkeypatch):
     assert list(figs[0].axes[1].lines[0].get_xdata()) == list(range(1, 21))
 
 
+def test_plot_draws_the_loss_scale_of_a_float16_run(tmp_path, monkeypatch):
+    """A run that logs a loss scale (float16) gets a third panel with it, on a log scale; a run
+    without one keeps its two panels."""
+    import matplotlib.pyplot as plt
+
+    from meshax.train import metrics as metrics_module
+
+    scales = [2.0**15, 2.0**14, 2.0**14, 2.0**15]
+    path = tmp_path / "f16.jsonl"
+    path.write_text(
+        "".join(json.dumps({"step": s + 1, "loss": 1.0, "loss_scale": v}) + "\n" for s, v in enumerate(scales))
+    )
+    plain = tmp_path / "f32.jsonl"
+    plain.write_text(json.dumps({"step": 1, "loss": 1.0}) + "\n")
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    metrics_module.plot_metrics([str(path), str(plain)], str(tmp_path / "out.png"))
+    scale_ax = figs[0].axes[2]
+    assert list(scale_ax.lines[0].get_ydata()) == scales and len(scale_ax.lines) == 1
+    assert scale_ax.get_yscale() == "log"
+    metrics_module.plot_metrics([str(plain)], str(tmp_path / "out.png"))
+    assert len(figs[1].axes) == 2
+
+
 def test_plot_keeps_apart_runs_whose_files_share_a_name(tmp_path, monkeypatch, capsys):
     """runs/a/m.jsonl and runs/b/m.jsonl were both labelled "m", and the second hid the first:
     one line drawn for two runs. Each is drawn, labelled by its path; a file given twice is refused."""

@@ -108,14 +108,17 @@ def _last_per_step(records: list[dict]) -> list[dict]:
 def plot_metrics(paths: list[str], out: str, width: float = 12.0, height: float = 4.0, dpi: int = 100) -> str:
     """Training loss (and evaluation loss, dashed) and throughput against the step, one line
     per run (labelled by file name, or by path where names repeat), side by side in a PNG of width x
-    height inches at `dpi`."""
+    height inches at `dpi`; where a run logs a loss scale (float16: `LossScaleOptimizer`), a third
+    panel draws it on a log scale (each drop is a step skipped for non-finite gradients)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     runs = {label: read_metrics(p) for label, p in zip(_labels(paths), paths)}
-    fig, (loss_ax, speed_ax) = plt.subplots(1, 2, figsize=(width, height), dpi=dpi)
+    scaled = any("loss_scale" in r for records in runs.values() for r in records)
+    fig, axes = plt.subplots(1, 3 if scaled else 2, figsize=(width, height), dpi=dpi)
+    loss_ax, speed_ax = axes[:2]
     for name, records in runs.items():
         steps = _last_per_step([r for r in records if "loss" in r])
         line = loss_ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], label=name)[0]
@@ -126,9 +129,14 @@ def plot_metrics(paths: list[str], out: str, width: float = 12.0, height: float 
         values = [r[key] if key == "tokens_per_second" else 1.0 / r[key] for r in steps if key in r]
         speed_ax.plot([r["step"] for r in steps if key in r], values, label=name, color=line.get_color())
         speed_ax.set_ylabel("tokens / s" if key == "tokens_per_second" else "steps / s")
+        kept = [r for r in steps if _is_number(r.get("loss_scale"))]
+        if kept:
+            axes[2].plot([r["step"] for r in kept], [r["loss_scale"] for r in kept], label=name, color=line.get_color())
     loss_ax.set(xlabel="step", ylabel="loss (dashed: evaluation)", title="loss")
     speed_ax.set(xlabel="step", title="throughput")
-    for ax in (loss_ax, speed_ax):
+    if scaled:
+        axes[2].set(xlabel="step", title="loss scale (drops: steps skipped)", yscale="log")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
