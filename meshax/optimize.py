@@ -438,6 +438,11 @@ class LossScaleOptimizer(Optimizer):
                     f"skipped: give a min_scale of at most {self._largest!r}, or compute the loss in float32"
                 )
         if self.scale is None or self.scale.graph is not loss.graph:
+            if any(v.name == "loss_scale/scale" for v in loss.graph.all_variables):
+                raise GraphError(  # (it failed making the variable: "'loss_scale/scale' already exists")
+                    "LossScaleOptimizer.scale_loss: another LossScaleOptimizer scales a loss of this graph "
+                    "already (one loss scale per graph): use that one, or add the losses and scale their sum"
+                )
             scalar = lambda name, init, dtype: get_variable(  # noqa: E731
                 loss.mesh, f"loss_scale/{name}", [], initializer=init, dtype=dtype, trainable=False
             )

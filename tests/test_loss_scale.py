@@ -140,6 +140,15 @@ def test_a_numpy_integer_growth_interval_is_a_whole_number():
         LossScaleOptimizer(SgdOptimizer(0.1), growth_interval=2.5)
 
 
+def test_a_second_loss_scale_optimizer_in_one_graph_is_refused_by_name():
+    """It failed as "a variable named 'loss_scale/scale' already exists"."""
+    _, mesh = new_mesh()
+    w, u = (mx.get_variable(mesh, n, "a:4") for n in "wu")
+    LossScaleOptimizer(SgdOptimizer(0.1)).scale_loss(mx.reduce_sum(w * w))
+    with pytest.raises(mx.GraphError, match="another LossScaleOptimizer scales a loss of this graph already"):
+        LossScaleOptimizer(SgdOptimizer(0.1)).scale_loss(mx.reduce_sum(u * u))
+
+
 def test_loss_scaling_needs_an_optimizer_and_the_scaled_loss():
     with pytest.raises(mx.ConfigError, match="wraps a meshax optimizer"):
         LossScaleOptimizer(LossScaleOptimizer(SgdOptimizer(0.1)))
