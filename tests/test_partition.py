@@ -625,6 +625,24 @@ def test_one_value_laid_out_two_ways_as_jax_jit_allows():
             mx.partition(lambda x, p=priority: mx.mesh_split(x * 2, ["x", None], priority=p), MESH)(a)
 
 
+def test_a_result_split_unevenly_is_gathered_in_the_step_and_counted():
+    """w [8, 13] annotated split 4 ways (padded): propagation carries the split to the logits and
+    the gradient, dims of its size. A jax.Array's shards must divide it, so they come back
+    replicated along it; that allgather ran in a program of its own after the step, counted
+    nowhere (0 values, where the logits' 6 x 4 and the gradient's 8 x 4 are moved)."""
+    w, x = jnp.arange(104.0).reshape(8, 13) / 50, jnp.arange(48.0).reshape(6, 8) / 40
+
+    def f(w, x):
+        logits = x @ w
+        return logits, jax.grad(lambda w: jnp.sum(jax.nn.softmax(x @ w) ** 2))(w)
+
+    partitioned = mx.partition(f, "x:4", in_shardings=(P(None, "x"), None))
+    assert_trees_close(partitioned(w, x), one_device(f, w, x))
+    program = partitioned.lower(w, x)
+    assert sorted(s.values for s in program.counters["allgather"].sites) == [6 * 4, 8 * 4]
+    assert_counters_equal_hlo(program, w, x)
+
+
 def test_a_weights_gradient_keeps_the_weights_split_where_the_batch_wants_its_mesh_dim():
     """The gradient of a 2-layer MLP, w split on its hidden dim over x and x on its batch over x,
     no out_shardings. The forward x @ w takes w's split (w is the larger), so the batch is

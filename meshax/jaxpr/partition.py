@@ -28,6 +28,7 @@ from meshax.jaxpr.flatten import Flat, is_library_file
 from meshax.jaxpr.names import Names
 from meshax.jaxpr.roles import is_key
 from meshax.lower import Counters, Lowering
+from meshax.lower.padding import padded_dims
 from meshax.ops.inputs import placeholder
 
 
@@ -263,9 +264,32 @@ class PartitionedProgram:
             self.outputs.append(t)
         self.graph.source = None
         self.lowering = Lowering(self.graph, {mesh: impl})
+        if self._gather_padded_results(impl):
+            self.lowering = Lowering(self.graph, {mesh: impl})
         donated = {i for i, (p, _) in enumerate(path_leaves) if self._argnum(p) in owner.donate_argnums}
         self._function = self.lowering.function(self.outputs, donate=[self.placeholders[i] for i in sorted(donated)])
         self.counters = self._function.counters
+
+    def _gather_padded_results(self, impl) -> bool:
+        """Results the plan splits unevenly gathered in the program; whether any were.
+
+        A jax.Array's shards must divide its dims, so a result whose planned layout pads a dim
+        comes back replicated along it (`MeshImpl.global_sharding`). Left to the call, that
+        allgather ran in a program of its own after the step, which the counters, the report and
+        `compiled_text` never saw (a [64, 1001] gradient split 4 ways: 16,064 values a device,
+        counted 0). An annotation with the layout the result comes back in puts it in the step."""
+        plan, names = self.lowering.plan, list(impl.axis_names)
+        changed = False
+        for i, t in enumerate(self.outputs):
+            layout = plan[t]
+            padded = padded_dims(t.shape, layout, impl.shape)
+            if not padded:
+                continue
+            spec = [None if j in padded else tuple(names[m] for m in a) for j, a in enumerate(layout.axes)]
+            where = f"result {i} of mx.partition at {self.owner._where}, replicated along its uneven split"
+            self.outputs[i] = annotate(t, PartitionSpec(*spec), (), 0, names, where)
+            changed = True
+        return changed
 
     # ---- arguments ----------------------------------------------------------------------------
     def _argnum(self, path) -> int | None:
