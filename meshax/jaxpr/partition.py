@@ -280,6 +280,7 @@ class PartitionedProgram:
         counted 0). An annotation with the layout the result comes back in puts it in the step."""
         plan, names = self.lowering.plan, list(impl.axis_names)
         changed = False
+        self.graph.source = self.owner._where  # (as the out_shardings' annotations: the partition call)
         for i, t in enumerate(self.outputs):
             layout = plan[t]
             padded = padded_dims(t.shape, layout, impl.shape)
@@ -289,6 +290,7 @@ class PartitionedProgram:
             where = f"result {i} of mx.partition at {self.owner._where}, replicated along its uneven split"
             self.outputs[i] = annotate(t, PartitionSpec(*spec), (), 0, names, where)
             changed = True
+        self.graph.source = None
         return changed
 
     # ---- arguments ----------------------------------------------------------------------------
