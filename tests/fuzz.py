@@ -38,6 +38,7 @@ import meshax as mx
 from meshax.layout.propagate import Propagation
 
 MESHES = ["all:1", "all:2", "all:4", "all:8", "rows:2;cols:4", "rows:4;cols:2", "rows:2;cols:2", "x:2;y:2;z:2"]
+MESHES += ["all:3", "all:6", "rows:3;cols:2"]  # (a 3-way split pads every size in SIZES but 3)
 SIZES = [1, 2, 3, 4, 5, 7, 8]  # 3, 5 and 7 split unevenly (padded) over most mesh dims
 MAX_RANK = 4
 FLOATS = ("float32", "bfloat16")
