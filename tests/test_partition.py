@@ -643,6 +643,28 @@ def test_a_result_split_unevenly_is_gathered_in_the_step_and_counted():
     assert_counters_equal_hlo(program, w, x)
 
 
+@pytest.mark.parametrize("vocab", [1000, 1001])
+def test_a_gradients_sum_is_settled_on_its_slices_before_they_are_gathered(vocab):
+    """The gradient of w [64, vocab] split y, the batch split x, returned replicated: its sum over
+    the batch is owed over x and carried through the gradient's transpose (a linear op), which
+    the result's gather reads. It was gathered over y first and its sum settled on the gathered
+    tensor: an allreduce of 64 x vocab values a device, 4 times the slice's, where XLA settles
+    first. Now the slice's sum is settled, then gathered (vocab 1001: padded slices of 251)."""
+    x, w, ids = jnp.ones((16, 64)), jnp.ones((64, vocab)) / 100, jnp.arange(16) % vocab
+
+    def loss(x, w, ids):
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(x @ w), ids[:, None], axis=1))
+
+    grad = jax.grad(loss, argnums=1)
+    partitioned = mx.partition(grad, MESH, (P("x", None), P(None, "y"), P("x")), P())
+    assert_trees_close(partitioned(x, w, ids), one_device(grad, x, w, ids))
+    program = partitioned.lower(x, w, ids)
+    slice_values = 64 * -(-vocab // Y)
+    big = sorted((s.kind, s.mesh_axes, s.values) for s in program.counters.sites() if s.values > 1000)
+    assert big == [("allgather", ("y",), slice_values), ("allreduce", ("x",), slice_values)]
+    assert_counters_equal_hlo(program, x, w, ids)
+
+
 def test_a_weights_gradient_keeps_the_weights_split_where_the_batch_wants_its_mesh_dim():
     """The gradient of a 2-layer MLP, w split on its hidden dim over x and x on its batch over x,
     no out_shardings. The forward x @ w takes w's split (w is the larger), so the batch is

@@ -3,7 +3,8 @@
 Per tensor dim, a layout is a tuple of mesh axes, major to minor. Going from `cur` to
 `target`:
   1. settle owed sums: a pending axis that the target adds as the next (minor) split of some
-     dim becomes a reduce-scatter; the rest are one allreduce;
+     dim becomes a reduce-scatter; the rest are one allreduce (a linear reader may carry them
+     on, but not through a gather: settled on the slices, before it);
   2. axes to drop from a dim leave it minor-first: an axis that another dim is ready to take
      next moves there with one alltoall, otherwise it is allgathered;
   3. axes to add to a dim are taken with allsplit, which is free.
@@ -42,6 +43,10 @@ def _settle(ctx, x: LaidOutTensor, target: TensorLayout, keep_partial: bool) -> 
     # 1. Owed sums. Partial sums may travel through gathers and splits (they are linear), but a
     # pending axis cannot also split a dim, so settle those; settle all unless keep_partial.
     must_settle = pending if not keep_partial else pending & target.mesh_axes_used
+    if x.layout.mesh_axes_used - target.mesh_axes_used:
+        # the move gathers: a sum carried through it would be settled on the gathered tensor (a
+        # gradient's sum over the batch allreduced after its vocab's allgather, 4 times the values)
+        must_settle = pending
     for m in sorted(must_settle):
         for i in range(len(cur)):
             if _next_axis(tuple(cur[i]), want[i]) == m:
