@@ -40,7 +40,7 @@ def _settle(ctx, x: LaidOutTensor, target: TensorLayout, keep_partial: bool) -> 
     want = list(target.axes)
     slices = x.slices
     pending = set(x.pending)
-    # 1. Owed sums. Partial sums may travel through gathers and splits (they are linear), but a
+    # 1. Owed sums. Partial sums may travel through splits and moves (they are linear), but a
     # pending axis cannot also split a dim, so settle those; settle all unless keep_partial.
     must_settle = pending if not keep_partial else pending & target.mesh_axes_used
     if x.layout.mesh_axes_used - target.mesh_axes_used:
