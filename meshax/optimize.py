@@ -92,13 +92,6 @@ def _as_schedule(lr) -> Schedule:
     return constant_schedule(value)
 
 
-def _wide(g: Tensor) -> Tensor:
-    """g in float32 where it is a narrower float (a bfloat16 or float16 variable's gradient): the
-    optimizer's statistics (squares, moments, norms) are taken in float32, as its slots are kept,
-    not in a dtype whose squares underflow or overflow (float16: 1e-4 squared is 0, 300 squared inf)."""
-    return ew.cast(g, "float32") if is_floating(g.dtype) and g.dtype.itemsize < 4 else g
-
-
 def _fraction(name: str, value: float) -> float:
     if not 0.0 <= value < 1.0:
         raise ConfigError(f"{name} {value!r} must be in [0, 1)")
@@ -216,7 +209,7 @@ class AdamWeightDecayOptimizer(Optimizer):
 
     def apply_grad(self, grad, var, lr, step):
         m, v = self._slot(var, "adam_m"), self._slot(var, "adam_v")
-        grad = _wide(grad)
+        grad = ew.widened(grad)
         new_m = m * self.beta_1 + grad * (1.0 - self.beta_1)
         new_v = v * self.beta_2 + ew.square(grad) * (1.0 - self.beta_2)
         m_hat, v_hat = new_m, new_v
@@ -333,7 +326,7 @@ class AdafactorOptimizer(Optimizer):
     def apply_grad(self, grad, var, lr, step):
         from meshax.core.shape import Shape
 
-        grad = _wide(grad)
+        grad = ew.widened(grad)
         decay = self.decay_rate(step)
         gsq = ew.square(grad) + self.epsilon1
         updates = []
@@ -366,6 +359,9 @@ class AdafactorOptimizer(Optimizer):
             updates.append(assign(m, subtrahend))
         updates.append(assign(var, var.value - ew.cast(subtrahend, var.dtype)))
         return updates
+
+
+LOSS_SCALE_SCOPE = "loss_scale"  # LossScaleOptimizer's variables: the scale and the count of finite steps
 
 
 class LossScaleOptimizer(Optimizer):
@@ -438,13 +434,13 @@ class LossScaleOptimizer(Optimizer):
                     f"skipped: give a min_scale of at most {self._largest!r}, or compute the loss in float32"
                 )
         if self.scale is None or self.scale.graph is not loss.graph:
-            if any(v.name == "loss_scale/scale" for v in loss.graph.all_variables):
+            if any(v.name.startswith(f"{LOSS_SCALE_SCOPE}/") for v in loss.graph.all_variables):
                 raise GraphError(  # (it failed making the variable: "'loss_scale/scale' already exists")
                     "LossScaleOptimizer.scale_loss: another LossScaleOptimizer scales a loss of this graph "
                     "already (one loss scale per graph): use that one, or add the losses and scale their sum"
                 )
             scalar = lambda name, init, dtype: get_variable(  # noqa: E731
-                loss.mesh, f"loss_scale/{name}", [], initializer=init, dtype=dtype, trainable=False
+                loss.mesh, f"{LOSS_SCALE_SCOPE}/{name}", [], initializer=init, dtype=dtype, trainable=False
             )
             self.scale = log_scalar("loss_scale", scalar("scale", initializers.constant(self.initial_scale), "float32"))
             self.finite_steps = scalar("finite_steps", initializers.zeros(), "int32")
@@ -487,7 +483,7 @@ class LossScaleOptimizer(Optimizer):
                 "small: take them of the scaled loss, mx.gradients(optimizer.scale_loss(loss), variables)"
             )
         # divided, not multiplied by 1 / scale: 2**-127 is a float32 subnormal, which XLA flushes to 0
-        unscaled = [None if g is None else _wide(g) / self.scale for g in grads]
+        unscaled = [None if g is None else ew.widened(g) / self.scale for g in grads]
         # a sum is finite where every value summed is (an inf or a NaN among them stays one). The
         # sums of gradients of one shape, laid out alike, owe the same partial sums: added first,
         # they are settled together, one scalar allreduce per shape split, not per weight
@@ -514,7 +510,7 @@ def global_norm(grads: Sequence[Tensor | None]) -> Tensor:
     for g in grads:
         if g is None:
             continue
-        s = reduce_sum(ew.square(_wide(g)))
+        s = reduce_sum(ew.square(ew.widened(g)))
         total = s if total is None else total + s
     if total is None:
         raise ValueError("global_norm of no gradients")

@@ -110,8 +110,7 @@ def layer_norm(x: Tensor, dim, epsilon: float = 1e-6, name: str | None = None) -
     name = _name(x, name, "layer_norm")
     scale = get_variable(x.mesh, f"{name}/scale", [d], initializer=initializers.ones())
     bias = get_variable(x.mesh, f"{name}/bias", [d], initializer=initializers.zeros())
-    narrow = is_floating(x.dtype) and x.dtype.itemsize < 4  # bfloat16: the statistics in float32
-    xf = ew.cast(x, "float32") if narrow else x
+    xf = ew.widened(x)  # bfloat16: the statistics in float32
     centered = xf - _kept(reduce_mean(xf, reduced_dim=d))
     rstd = _kept(ew.rsqrt(reduce_mean(ew.square(centered), reduced_dim=d) + epsilon))
     out = centered * rstd * ew.cast(scale, xf.dtype) + ew.cast(bias, xf.dtype)

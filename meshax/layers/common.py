@@ -127,7 +127,7 @@ def clip_activation_gradient(x: Tensor, clip_rms_norm=None) -> Tensor:
         scale = loss_scale()
         clipped = []
         for g in output_grads:
-            wide = ew.cast(g, "float32") if g.dtype.itemsize < 4 else g
+            wide = ew.widened(g)
             # (unscaled before it is squared: a float32 square overflows past 1.8e19, 2**64 times 1)
             rms = ew.sqrt(reduce_mean(ew.square(wide if scale is None else wide / scale)))
             clipped.append(ew.cast(wide / ew.maximum(rms / clip_rms_norm, 1.0), g.dtype))

@@ -463,6 +463,13 @@ def to_float(x: Tensor, name=None) -> Tensor:
     return cast(x, "float32", name)
 
 
+def widened(x: Tensor) -> Tensor:
+    """x in float32 where it is a narrower float (bfloat16, float16), else x: statistics (squares,
+    means, norms) of 16-bit values are taken in float32, where float16's squares neither underflow
+    (1e-4 squared is 0) nor overflow (300 squared is inf)."""
+    return cast(x, "float32") if is_floating(x.dtype) and x.dtype.itemsize < 4 else x
+
+
 def to_bfloat16(x: Tensor, name=None) -> Tensor:
     """x as bfloat16."""
     return cast(x, "bfloat16", name)

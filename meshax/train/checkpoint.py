@@ -19,6 +19,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from meshax.core.errors import ConfigError
+from meshax.optimize import LOSS_SCALE_SCOPE
 
 
 class _NoReadOnlyNotes(logging.Filter):
@@ -160,7 +161,7 @@ def _optional(name: str) -> bool:
     """Whether a variable may be missing from a checkpoint, keeping the value it has: a loss
     scale's state (`LossScaleOptimizer`), which a float16 run makes and the checkpoint of a
     bfloat16 or float32 run of the same model lacks."""
-    return name.startswith("loss_scale/")
+    return name.startswith(f"{LOSS_SCALE_SCOPE}/")
 
 
 def _check_same_model(directory, step: int, variables: dict, saved) -> None:
