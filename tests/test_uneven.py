@@ -244,3 +244,38 @@ def test_an_alltoall_of_a_padded_transpose_compiles_and_is_counted_as_run():
         k: (fn.counters[k].count, fn.counters[k].values) for k in hlo
     }
     assert "alltoall" in hlo
+
+
+@pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl, mx.PlacementMeshImpl], ids=["simd", "placement"])
+def test_call_global_gathers_a_result_split_unevenly_in_the_step_and_counts_it(impl_cls, monkeypatch):
+    """y [b=8, d=6] with d split 4 ways (padded). A jax.Array's shards must divide its dims, so
+    call_global returns y replicated along d; that allgather ran in a program of its own after the
+    step (`MeshImpl._unpad_global`), which no counters saw. Now the program call_global runs
+    (`global_function`) gathers it at the end of the step and counts it (8 x 2 values a device);
+    a host call (`fn(...)`), which fetches the slices, runs no allgather."""
+    from meshax.lower.mesh_impl import MeshImpl
+
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;d:6")
+    y = x * 2.0
+    fn = mx.Lowering(graph, {mesh: impl_cls("all:4", "d:all")}).function([y, mx.reduce_sum(y)])
+    a = np.arange(48.0, dtype=np.float32).reshape(8, 6)
+
+    def outside(*_):
+        raise AssertionError("a result of call_global was gathered by a program of its own, after the step")
+
+    monkeypatch.setattr(MeshImpl, "_unpad_global", outside)
+    got, total = fn.call_global({x: jnp.asarray(a)})
+    np.testing.assert_array_equal(np.asarray(got), a * 2)
+    np.testing.assert_array_equal(np.asarray(total), (a * 2).sum())
+    assert got.sharding.is_fully_replicated
+    program = fn.global_function
+    assert [s.values for s in program.counters["allgather"].sites] == [8 * 2]
+    assert fn.counters["allgather"].count == 0
+    if impl_cls is mx.SimdMeshImpl:
+        hlo = mx.hlo_collectives(program.compiled_text())
+        assert {k: (v["count"], v["values"]) for k, v in hlo.items()} == {
+            k: (program.counters[k].count, program.counters[k].values) for k in hlo
+        }
+    np.testing.assert_array_equal(fn({x: a})[0], a * 2)

@@ -110,6 +110,15 @@ def _output_list(lowering: Lowering, outputs, what: str) -> list[Tensor]:
     return [_tensor_of(lowering, t, what) for t in outputs]
 
 
+def _output_slices(ctx: LoweringContext, t: Tensor, layout) -> list:
+    """An output's slices in `layout`; what moving it there costs is blamed on the op that made
+    it, so that the report names the line the output comes from."""
+    if layout == ctx.plan[t]:
+        return ctx.get(t).slices
+    with ctx.blame(t.operation):
+        return ctx.get(t, layout).slices
+
+
 def _variable(x):
     op = x.operation if isinstance(x, Tensor) else x
     if not getattr(op, "is_variable", False):
@@ -282,11 +291,13 @@ class Lowering:
                     copies.setdefault((x.operation, out.dtype), []).append(op)
         return copies
 
-    def _body(self, ops, inputs, outputs, updated, counters: Counters, copies=None):
+    def _body(self, ops, inputs, outputs, updated, counters: Counters, copies=None, out_layouts=None):
         """The program on slice lists; every collective it emits is recorded in `counters`. With
         `copies` (`_cast_copies`), the casts read the copies that follow the inputs' slices, and
-        the program returns the next copies after the variables' new values."""
+        the program returns the next copies after the variables' new values. The outputs come
+        out in `out_layouts` (default: their planned ones), moved there at the end of the step."""
         impl, plan, copies = self.impl, self.plan, copies or {}
+        out_layouts = out_layouts or [plan[t] for t in outputs]
         copied = {op for casts in copies.values() for op in casts}
 
         def body(input_slices: list[list], seed_slices: list) -> list[list]:
@@ -308,19 +319,24 @@ class Lowering:
             # forces XLA to copy every variable in and out)
             new = [ctx.updates[v] for v in updated]
             new_copies = [ctx.slicewise(lambda a, d=d: a.astype(d), ctx.updates[v]) for v, d in copies]
-            return new + new_copies + [ctx.get(t).slices for t in outputs]
+            return new + new_copies + [_output_slices(ctx, t, layout) for t, layout in zip(outputs, out_layouts)]
 
         return body
 
     def _program(
-        self, outputs: list[Tensor], updates: list[AssignOperation], counters: Counters, cast_copies: bool = False
+        self,
+        outputs: list[Tensor],
+        updates: list[AssignOperation],
+        counters: Counters,
+        cast_copies: bool = False,
+        out_layouts=None,
     ):
         ops = _needed_ops(self.graph, [*(t.operation for t in outputs), *updates])
         inputs = self._inputs_of(ops)
         position = {t.operation: i for i, t in enumerate(inputs)}
         updated = sorted((u.variable for u in updates), key=lambda v: position.get(v, len(inputs)))
         copies = self._cast_copies(ops, updated) if cast_copies else {}
-        return ops, inputs, updated, copies, self._body(ops, inputs, outputs, updated, counters, copies)
+        return ops, inputs, updated, copies, self._body(ops, inputs, outputs, updated, counters, copies, out_layouts)
 
     @property
     def counters(self) -> Counters:
@@ -415,6 +431,7 @@ class LoweredFunction:
         updates=(),
         donate: Sequence[Tensor] = (),
         cast_copies: bool | None = None,
+        gather_padded: bool = False,
     ):
         self._single = isinstance(outputs, Tensor)
         outs = _output_list(lowering, outputs, "lowering.function's outputs")
@@ -434,29 +451,40 @@ class LoweredFunction:
         self.lowering = lowering
         self.outputs = outs
         self.updates = updates
+        self._options = (list(donate), cast_copies)  # (`global_function` is built with the same)
         self.counters = Counters()
+        # With `gather_padded`, an output whose layout pads a dim comes out replicated along it,
+        # gathered at the end of the step, as a jax.Array's shards must divide it (`call_global`)
+        impl = lowering.impl
+        self._out_layouts = [
+            impl.global_layout(t.shape, lowering.plan[t]) if gather_padded else lowering.plan[t] for t in outs
+        ]
         # The counters are filled before anything runs: by the trace of the program itself where
         # the backend compiles one trace (SIMD), else by an abstract trace of the same code, which
         # emits exactly the collectives the program runs.
         if cast_copies is None:
             cast_copies = lowering.impl.devices[0].platform == "gpu"
         self.ops, self.inputs, self._updated, copies, body = lowering._program(
-            outs, updates, self.counters, cast_copies
+            outs, updates, self.counters, cast_copies, self._out_layouts
         )
         self._copy_keys = list(copies)  # (variable, dtype): the kept copies it reads and writes, after the inputs
         copy_specs = [lowering._spec(casts[0].outputs[0]) for casts in copies.values()]
         specs = [lowering._spec(t) for t in self.inputs] + copy_specs
         if not lowering.impl.compile_traces_once:
             lowering.impl.trace(body, specs)
-            body = lowering._body(self.ops, self.inputs, outs, self._updated, Counters(), copies)
+            body = lowering._body(self.ops, self.inputs, outs, self._updated, Counters(), copies, self._out_layouts)
         out_specs = [lowering._spec(v.outputs[0]) for v in self._updated] + copy_specs
-        out_specs += [lowering._spec(t) for t in outs]
+        out_specs += [self._out_spec(t, i) for i, t in enumerate(outs)]
         donated = set(donate)
         consumed = [i for i, t in enumerate(self.inputs) if t.operation in self._updated or t in donated]
         consumed += range(len(self.inputs), len(specs))  # (each copy's buffer takes the next copy)
         self._run = lowering.impl.compile(body, specs, out_specs, consumed)
         self._constants: dict[Tensor, object] = {}  # imported arrays, put on the devices once
         self._placeholder_names: tuple[int, set[str]] = (-1, set())  # (graph size, names): `_graph_placeholders`
+
+    def _out_spec(self, t: Tensor, i: int) -> tuple:
+        """The spec of output i (t), in the layout it comes out in."""
+        return (t.shape, t.dtype, self._out_layouts[i])
 
     def copies_bytes(self) -> int:
         """Bytes per device of the narrower copies of its weights that it keeps between calls."""
@@ -569,8 +597,8 @@ class LoweredFunction:
 
     def fetch(self, values: list):
         """`dispatch`'s outputs as full NumPy arrays (waiting for the program to finish)."""
-        impl, spec = self.lowering.impl, self.lowering._spec
-        outs = [impl.fetch(r, spec(t)) for r, t in zip(values, self.outputs)]
+        impl = self.lowering.impl
+        outs = [impl.fetch(r, self._out_spec(t, i)) for i, (r, t) in enumerate(zip(values, self.outputs))]
         return outs[0] if self._single else outs
 
     def _start(self, args: list, seed: int) -> list:
@@ -587,13 +615,26 @@ class LoweredFunction:
     def call_global(self, feeds: Mapping[Tensor, jax.Array], seed: int = 0) -> list[jax.Array]:
         """Run with every placeholder fed a global jax.Array (its logical value, any sharding:
         arrays not laid out as the plan says are moved there first); the outputs come back as
-        logical global jax.Arrays with their layouts' shardings, nothing fetched to the host."""
-        results = self._start(self._global_arguments(feeds), seed)
-        impl, spec = self.lowering.impl, self.lowering._spec
-        return [
-            impl.to_global(r, spec(t)) if t in self._padded else impl.to_padded(r, spec(t))
-            for r, t in zip(results, self.outputs)
-        ]
+        logical global jax.Arrays with their layouts' shardings, nothing fetched to the host.
+        An output split unevenly comes back replicated along that dim, gathered in the step by
+        the program `global_function` (whose counters count it), not by one of its own after."""
+        fn = self.global_function
+        results = fn._start(fn._global_arguments(feeds), seed)
+        impl = self.lowering.impl
+        return [impl.to_padded(r, fn._out_spec(t, i)) for i, (r, t) in enumerate(zip(results, self.outputs))]
+
+    @functools.cached_property
+    def global_function(self) -> LoweredFunction:
+        """The program `call_global` runs: this one, unless an output's layout pads a dim. A
+        jax.Array's shards must divide its dims, so such an output is returned replicated along
+        it; gathered after the step, by a program of its own, that allgather was counted nowhere
+        (a [64, 1001] gradient split 4 ways: 16,064 values a device). That program (built on
+        first use) gathers it at the end of the step, where its counters, `report` and
+        `compiled_text` see it; a host call (`fn(feeds)`) fetches the slices and needs no gather."""
+        if not any(t in self._padded for t in self.outputs):
+            return self
+        outputs = self.outputs[0] if self._single else self.outputs
+        return LoweredFunction(self.lowering, outputs, self.updates, *self._options, gather_padded=True)
 
     @functools.cached_property
     def _variable_ops(self) -> list:
@@ -601,7 +642,8 @@ class LoweredFunction:
 
     @functools.cached_property
     def _padded(self) -> set[Tensor]:
-        """Inputs and outputs whose layout pads them (uneven splits): converted on every call."""
+        """Inputs and outputs whose layout pads them (uneven splits): such inputs are converted
+        on every `call_global`, such outputs gathered in its program (`global_function`)."""
         mesh_shape = self.lowering.impl.shape
         return {t for t in (*self.inputs, *self.outputs) if padded_dims(t.shape, self.lowering.plan[t], mesh_shape)}
 

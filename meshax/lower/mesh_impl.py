@@ -264,11 +264,15 @@ class MeshImpl:
         """The `jax.sharding.NamedSharding` of a tensor laid out as `layout` on this mesh."""
         return NamedSharding(self.jax_mesh, self.partition_spec(layout))
 
-    def global_sharding(self, shape: Shape, layout: TensorLayout) -> NamedSharding:
-        """The sharding of a tensor's logical global array (`to_global`): the layout's, except
-        that dims whose split does not divide are replicated (a jax.Array's shards divide it)."""
+    def global_layout(self, shape: Shape, layout: TensorLayout) -> TensorLayout:
+        """The layout of a tensor's logical global array (`to_global`): `layout`, except that
+        dims whose split does not divide are replicated (a jax.Array's shards divide it)."""
         padded = padded_dims(shape, layout, self.shape)
-        return self.named_sharding(TensorLayout(() if i in padded else a for i, a in enumerate(layout.axes)))
+        return TensorLayout(() if i in padded else a for i, a in enumerate(layout.axes))
+
+    def global_sharding(self, shape: Shape, layout: TensorLayout) -> NamedSharding:
+        """The sharding of a tensor's logical global array: that of its `global_layout`."""
+        return self.named_sharding(self.global_layout(shape, layout))
 
     def padded_shape(self, spec: tuple) -> tuple[int, ...]:
         """The shape of the padded global array a tensor's slices tile (its shape, if even)."""
