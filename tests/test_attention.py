@@ -95,7 +95,7 @@ def test_fused_attention_errors_name_the_problem():
 
 def test_fused_attention_asks_for_cudnn_on_a_gpu_and_falls_back_to_xla(monkeypatch):
     """On a GPU, 16-bit attention asks for cuDNN (JAX's own default runs XLA's, 5x slower on an
-    H100); where cuDNN refuses, XLA's runs. Float32, and any other backend, go to JAX as given."""
+    H100); where cuDNN refuses, XLA's runs. Float32, and any other platform, go to JAX as given."""
     import jax
     import jax.numpy as jnp
 
@@ -113,26 +113,69 @@ def test_fused_attention_asks_for_cudnn_on_a_gpu_and_falls_back_to_xla(monkeypat
     monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
     q = jnp.ones((1, 4, 2, 8), jnp.bfloat16)
     expected = real(q, q, q, is_causal=True)
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    out = attention._attend(q, q, q, None, is_causal=True)
+    out = attention._attend(q, q, q, None, "gpu", is_causal=True)
     assert asked == ["cudnn", None] and jnp.array_equal(out, expected)
     asked.clear()
     f = q.astype(jnp.float32)
-    attention._attend(f, f, f, None)
-    attention._attend(q, q, q, "xla")
+    attention._attend(f, f, f, None, "gpu")
+    attention._attend(q, q, q, "xla", "gpu")
     assert asked == [None, "xla"]
-    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     asked.clear()
-    attention._attend(q, q, q, None)
+    attention._attend(q, q, q, None, "cpu")
     assert asked == [None]
 
     def out_of_memory(q, k, v, implementation=None, **kw):
         raise RuntimeError("RESOURCE_EXHAUSTED: Out of memory")
 
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(jax.nn, "dot_product_attention", out_of_memory)
     with pytest.raises(RuntimeError, match="RESOURCE_EXHAUSTED"):  # not hidden by a second try
-        attention._attend(q, q, q, None)
+        attention._attend(q, q, q, None, "gpu")
+
+
+def test_the_attention_path_is_chosen_by_the_platform_given():
+    """cuDNN for 16 bits on a GPU, float16 widened to float32 on the CPU, else as given: by the
+    platform of the devices the program runs on, passed in, not JAX's default backend."""
+    import jax.numpy as jnp
+
+    from meshax.ops.attention import _path
+
+    assert [_path(jnp.float16, None, p) for p in ("gpu", "cpu", "tpu")] == ["cudnn", "float32", "as given"]
+    assert [_path(jnp.bfloat16, None, p) for p in ("gpu", "cpu")] == ["cudnn", "as given"]
+    assert [_path(jnp.float32, None, p) for p in ("gpu", "cpu")] == ["as given", "as given"]
+    assert _path(jnp.float16, "xla", "gpu") == "as given" and _path(jnp.float16, "xla", "cpu") == "float32"
+    assert _path(jnp.float16, "cudnn", "cpu") == "as given"
+
+
+@pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl, mx.PlacementMeshImpl])
+def test_a_cpu_mesh_takes_the_cpu_path_where_jax_defaults_to_a_gpu(monkeypatch, impl_cls):
+    """A mesh of CPU devices in a process whose default backend is a GPU: float16 attention
+    (forward and gradient) runs as on the CPU, widened to float32, and never asks for cuDNN.
+    The path followed `jax.default_backend()`, so such a mesh asked the CPU for cuDNN."""
+    import jax
+
+    asked = []
+    real = jax.nn.dot_product_attention
+
+    def spy(q, k, v, implementation=None, **kw):
+        asked.append((implementation, str(q.dtype)))
+        return real(q, k, v, implementation=implementation, **kw)
+
+    monkeypatch.setattr(jax.nn, "dot_product_attention", spy)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    q = mx.placeholder(mesh, "q", [BATCH, LENGTH, HEADS, D_KV], "float16")
+    k = mx.placeholder(mesh, "k", [BATCH, MEMORY, HEADS, D_KV], "float16")
+    out = mx.fused_attention(q, k, k, D_KV, HEADS, causal=True)
+    grads = mx.gradients(mx.reduce_sum(mx.cast(out, "float32")), [q, k])
+    run(
+        [out, *grads],
+        impl_cls,
+        "rows:2;cols:4",
+        "b:rows;heads:cols",
+        {q: rand([4, 8, 4, 8], 1), k: rand([4, 8, 4, 8], 2)},
+    )
+    assert asked and set(asked) == {(None, "float32")}
 
 
 @pytest.mark.parametrize("impl_cls", [mx.SimdMeshImpl, mx.PlacementMeshImpl])

@@ -22,6 +22,7 @@ statistics as flash attention does, which the count leaves out.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -98,10 +99,11 @@ class _Dims:
 
 
 def _kernel(dims: _Dims, names: list[list[str]], causal: bool, scale: float, implementation):
-    """The per-device function of the local q, k, v (and mask) slices -> the output slice."""
+    """The per-device function of the platform of the devices it runs on (`_platform`) and the
+    local q, k, v (and mask) slices -> the output slice."""
     qn, kn = names[0], names[1]
 
-    def run(q, k, v, mask=None):
+    def run(platform, q, k, v, mask=None):
         sizes = {n: q.shape[qn.index(n)] for n in dims.others}
         m = dims.mask_to_kernel(mask, names[3], sizes) if mask is not None else None
         out = _attend(
@@ -112,17 +114,38 @@ def _kernel(dims: _Dims, names: list[list[str]], causal: bool, scale: float, imp
             scale=scale,
             is_causal=causal,
             implementation=implementation,
+            platform=platform,
         )
         return dims.from_kernel(out, qn, q.shape)
 
     return run
 
 
-def _attend(q, k, v, implementation, **kw):
-    """`jax.nn.dot_product_attention`, choosing cuDNN on a GPU where JAX would not: with
-    implementation=None, jax 0.11 runs XLA's attention (5x slower than cuDNN's on an H100, forward
-    and backward at 125M). cuDNN takes 16-bit inputs; where it refuses these shapes, XLA's."""
-    if implementation is None and q.dtype in (jnp.bfloat16, jnp.float16) and jax.default_backend() == "gpu":
+def _platform(ctx) -> str:
+    """The platform of the devices the program runs on ("cpu", "gpu", "tpu"): the mesh's, which
+    need not be JAX's default backend (a CPU mesh in a process whose default is a GPU)."""
+    return ctx.impl.devices[0].platform
+
+
+def _path(dtype, implementation, platform: str) -> str:
+    """How `_attend` runs attention of `dtype` inputs on `platform`'s devices: "cudnn" (asked
+    for first, on a GPU, in 16 bits), "float32" (float16 on the CPU, widened: XLA's attention
+    sums float16 products in float32, a matmul XLA:CPU does not run) or "as given" (JAX's
+    choice, or the caller's `implementation`)."""
+    if implementation is None and dtype in (jnp.bfloat16, jnp.float16) and platform == "gpu":
+        return "cudnn"
+    if dtype == jnp.float16 and implementation != "cudnn" and platform == "cpu":
+        return "float32"
+    return "as given"
+
+
+def _attend(q, k, v, implementation, platform: str, **kw):
+    """`jax.nn.dot_product_attention` on `platform`'s devices, choosing cuDNN on a GPU where JAX
+    would not: with implementation=None, jax 0.11 runs XLA's attention (5x slower than cuDNN's on
+    an H100, forward and backward at 125M). cuDNN takes 16-bit inputs; where it refuses these
+    shapes, XLA's."""
+    path = _path(q.dtype, implementation, platform)
+    if path == "cudnn":
         try:
             return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
         except (ValueError, NotImplementedError):
@@ -130,8 +153,7 @@ def _attend(q, k, v, implementation, **kw):
         except RuntimeError as err:  # no cuDNN; a failure of another kind (out of memory) is raised
             if "cudnn" not in str(err).lower():
                 raise
-    if q.dtype == jnp.float16 and implementation != "cudnn" and jax.default_backend() == "cpu":
-        # (XLA's attention sums float16 products in float32, a matmul XLA:CPU does not run: in float32)
+    if path == "float32":
         wide = (t.astype(jnp.float32) for t in (q, k, v))
         return jax.nn.dot_product_attention(*wide, implementation=implementation, **kw).astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, implementation=implementation, **kw)
@@ -148,7 +170,7 @@ class AttentionOperation(SlicewiseOperation):
         keys = k.shape.get_dim_by_name(dims.memory_length).size
         super().__init__(
             inputs,
-            lambda _local, *xs: kernel(*xs),
+            kernel,  # (called with the devices' platform, not the local shapes: `_fn_slices`)
             [q.shape],
             [q.dtype],
             rule=rule,
@@ -162,11 +184,12 @@ class AttentionOperation(SlicewiseOperation):
     def _fn_slices(self, ctx, local, vals):
         """The output; where the graph has this op's gradient, as `jax.vjp` of the kernel, its
         pullback kept for the gradient op (elsewhere, decoding say, the forward-only kernel)."""
+        kernel = functools.partial(self._kernel, _platform(ctx))
         if not self._differentiated:
-            return super()._fn_slices(ctx, local, vals)
+            return [ctx.slicewise(kernel, *vals)]
 
         def forward(q, k, v, *mask):
-            return jax.vjp(lambda q, k, v: self._kernel(q, k, v, *mask), q, k, v)
+            return jax.vjp(lambda q, k, v: kernel(q, k, v, *mask), q, k, v)
 
         out, pulls = ctx.slicewise(forward, *vals)
         ctx.remember("attention", _slices(vals), pulls)
@@ -191,13 +214,13 @@ class AttentionGradOperation(SlicewiseOperation):
         rule = ShardingRule.by_name([t.shape for t in inputs], [q.shape, k.shape, v.shape], whole=dims.whole)
         keys = k.shape.get_dim_by_name(dims.memory_length).size
 
-        def grads(_local, q, k, v, g, *mask):
-            _, vjp = jax.vjp(lambda q, k, v: kernel(q, k, v, *mask), q, k, v)
+        def grads(platform, q, k, v, g, *mask):
+            _, vjp = jax.vjp(lambda q, k, v: kernel(platform, q, k, v, *mask), q, k, v)
             return vjp(g)
 
         super().__init__(
             inputs,
-            grads,
+            grads,  # (called with the devices' platform, not the local shapes: `_fn_slices`)
             [q.shape, k.shape, v.shape],
             [q.dtype, k.dtype, v.dtype],
             rule=rule,
@@ -209,7 +232,7 @@ class AttentionGradOperation(SlicewiseOperation):
         q, k, v, g, *mask = vals
         pulls = ctx.recall("attention", _slices([q, k, v, *mask]))
         if pulls is None:  # not the forward's slices: its kernel runs again
-            return super()._fn_slices(ctx, local, vals)
+            return list(ctx.slicewise(functools.partial(self._fn, _platform(ctx)), *vals))
         return list(ctx.slicewise(lambda pull, g: tuple(pull(g)), pulls, g))
 
 
