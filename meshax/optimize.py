@@ -98,6 +98,40 @@ def _fraction(name: str, value: float) -> float:
     return value
 
 
+def _names(variables: Sequence) -> str:
+    """The names of the variables, the first three and how many more."""
+    more = f" and {len(variables) - 3} more" if len(variables) > 3 else ""
+    return ", ".join(_variable_of(v).name for v in variables[:3]) + more
+
+
+def _computed_from(scale: Tensor, tensors: Sequence) -> list[bool]:
+    """Whether each tensor is computed from `scale` (tensors of another graph are not)."""
+    reading = {scale.operation}
+    for op in scale.graph.operations:
+        if op not in reading and any(t.operation in reading for t in op.inputs):
+            reading.add(op)
+    return [t.operation in reading for t in tensors]
+
+
+def _refuse_scaled(optimizer, grads: Sequence, variables: Sequence) -> None:
+    """Gradients of a loss scaled by a `LossScaleOptimizer` (`scale_loss`) given to an optimizer
+    directly, the one it wraps say: they carry the scale, so the step would be the scale times too
+    far. They are told by being computed from a scale of their graph (`graph.loss_scales`), as no
+    gradient of an unscaled loss is; the LossScaleOptimizer hands its unscaled ones on by
+    `_apply_grads`. (So are gradients unscaled by hand: that skips its overflow check and its scale's
+    changes, so they are refused as well.)"""
+    given = [(g, v) for g, v in zip(grads, variables) if isinstance(g, Tensor)]
+    scales = {s for g, _ in given for s in g.graph.loss_scales.values()}
+    scaled = [v for s in scales for (_, v), read in zip(given, _computed_from(s, [g for g, _ in given])) if read]
+    if scaled:
+        raise GraphError(
+            f"{type(optimizer).__name__}.apply_grads: the gradients of {_names(scaled)} are those of a loss scaled "
+            "by a LossScaleOptimizer (scale_loss(loss)): they carry its scale, and a step with them would be the "
+            "scale times too far: apply them with the LossScaleOptimizer (its apply_grads unscales them, skips "
+            "the steps that overflow and adjusts the scale)"
+        )
+
+
 class Optimizer:
     """Base class: keeps a step counter and slot variables next to each parameter."""
 
@@ -141,7 +175,13 @@ class Optimizer:
         return loss
 
     def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
-        """The update ops of one step: each variable's from its gradient (None: left alone), and the step counter's."""
+        """The update ops of one step: each variable's from its gradient (None: left alone), and
+        the step counter's. Gradients of a loss-scaled loss are refused (`_refuse_scaled`)."""
+        _refuse_scaled(self, grads, variables)
+        return self._apply_grads(grads, variables)
+
+    def _apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
+        """`apply_grads`, on gradients known to be unscaled (a `LossScaleOptimizer` unscaled them)."""
         variables = [_variable_of(v) for v in variables]
         if len(grads) != len(variables):
             raise ValueError(f"apply_grads got {len(grads)} gradients for {len(variables)} variables")
@@ -456,11 +496,7 @@ class LossScaleOptimizer(Optimizer):
     def _read_scale(self, tensors: Sequence[Tensor]) -> list[bool]:
         """Whether each tensor is computed from the scale (tensors of another graph are not)."""
         assert self.scale is not None
-        reading = {self.scale.operation}
-        for op in self.scale.graph.operations:
-            if op not in reading and any(t.operation in reading for t in op.inputs):
-                reading.add(op)
-        return [t.operation in reading for t in tensors]
+        return _computed_from(self.scale, tensors)
 
     def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
         """The wrapped optimizer's updates from the gradients unscaled, where they are all finite;
@@ -474,11 +510,8 @@ class LossScaleOptimizer(Optimizer):
         # gradients of the loss itself, none computed from the scale: unscaled, they would be the
         # scale times too small (one made otherwise beside scaled ones, a frozen weight's zeros, passes)
         if given and len(unread) == len(given):
-            names = ", ".join(_variable_of(v).name for v in unread[:3]) + (
-                f" and {len(unread) - 3} more" if len(unread) > 3 else ""
-            )
             raise GraphError(
-                f"LossScaleOptimizer.apply_grads: the gradients of {names} are not those of scale_loss(loss) "
+                f"LossScaleOptimizer.apply_grads: the gradients of {_names(unread)} are not those of scale_loss(loss) "
                 "(they are not computed from the loss scale), and unscaled they would be the scale times too "
                 "small: take them of the scaled loss, mx.gradients(optimizer.scale_loss(loss), variables)"
             )
@@ -495,7 +528,7 @@ class LossScaleOptimizer(Optimizer):
             raise GraphError("LossScaleOptimizer: no gradients to apply")
         finite = ew.less(ew.abs(ew.add_n([ew.add_n(sums) for sums in by_shape.values()])), math.inf)
         with updates_only_where(finite):
-            updates = self.optimizer.apply_grads(unscaled, variables)
+            updates = self.optimizer._apply_grads(unscaled, variables)  # (unscaled: not refused)
         scale, count = self.scale, self.finite_steps
         grow = ew.greater_equal(count + 1, self.growth_interval)
         grown = ew.where(grow, ew.minimum(scale * 2.0, self._largest), scale)

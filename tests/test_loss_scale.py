@@ -187,6 +187,31 @@ def test_gradients_of_the_loss_unscaled_or_scaled_twice_are_refused():
     optimizer.apply_grads([gw, mx.zeros_like(u)], [w, u])
 
 
+def test_the_wrapped_optimizer_refuses_the_gradients_of_the_scaled_loss():
+    """The gradients of scale_loss(loss) given to the wrapped optimizer itself (or to any other)
+    carry the scale: the step was the scale times too far (w 1 - 4 where 1 - 1 was due). They are
+    computed from the scale, as no gradient of an unscaled loss is: refused, clipped or not. The
+    LossScaleOptimizer's own apply_grads, which unscales them, still hands them on."""
+    from meshax.optimize import clip_by_global_norm
+
+    graph, mesh = new_mesh()
+    w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
+    u = mx.get_variable(mesh, "u", "a:8", initializer=mx.initializers.ones())
+    optimizer = LossScaleOptimizer(SgdOptimizer(1.0), initial_scale=4.0)
+    grads = mx.gradients(optimizer.scale_loss(mx.reduce_sum(mx.square(w)) * 0.5), [w])
+    message = r"Optimizer.apply_grads: the gradients of w are those of a loss scaled by a LossScaleOptimizer"
+    for given in (grads, clip_by_global_norm(grads, 1.0)):
+        with pytest.raises(mx.GraphError, match=message):
+            optimizer.optimizer.apply_grads(given, [w])
+        with pytest.raises(mx.GraphError, match=message):
+            AdamWeightDecayOptimizer(1e-3).apply_grads([*given, mx.zeros_like(u)], [w, u])
+    SgdOptimizer(1.0).apply_grads(mx.gradients(mx.reduce_sum(u), [u]), [u])  # (an unscaled loss's: taken)
+    updates = optimizer.apply_grads(grads, [w])
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+    lowering.function([], updates=updates)({})
+    np.testing.assert_array_equal(lowering.variable_value(w), np.zeros(8))
+
+
 def test_clipping_the_scaled_gradients_at_the_scaled_norm_is_clipping_the_unscaled_ones():
     """apply_grads takes the gradients of scale_loss(loss), times the scale: clipped at max_norm
     they would be clipped far below it (a gradient of norm 0.28, 2**15 times that, clipped to 1);
