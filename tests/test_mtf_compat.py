@@ -1176,3 +1176,26 @@ def test_log_scalar_is_written_with_the_training_metrics(tmp_path):
     x = mx.placeholder(mesh, "x", [B])
     with pytest.raises(mx.GraphError, match="scalar"):
         mx.log_scalar("x", x)
+
+
+def test_corr_holds_in_float16():
+    """corr's epsilon (1e-20) is 0 in float16 and its sums of squares overflow past 65504: a
+    constant entry's correlations were 0 / 0, NaN, and those of an entry of values in the
+    hundreds 0 (its norm inf). Taken in float32, as reduce_mean sums float16, and returned in
+    float16, they are float32's: np.corrcoef's, 0 for the constant entry (its own NaN in both:
+    epsilon squared, 1e-40, is a float32 subnormal, which XLA flushes to 0)."""
+    x = np.random.default_rng(0).normal(size=(8, 4)).astype(np.float32)
+    x[:, 1], x[:, 2] = 3.0, x[:, 2] * 300
+    got = {}
+    for dtype in ("float32", "float16"):
+        _, mesh = new_mesh()
+        p = mx.layers.corr(
+            mx.placeholder(mesh, "x", [mx.Dimension("b", 8), mx.Dimension("d", 4)], dtype), mx.Dimension("d", 4)
+        )
+        got[dtype] = run([p], mx.SimdMeshImpl, "all:2", "b:all", {"x": x})[0]
+    assert got["float16"].dtype == np.float16
+    np.testing.assert_allclose(got["float16"].astype(np.float32), got["float32"], atol=2e-3)
+    with np.errstate(invalid="ignore"):  # (the constant entry's: 0 / 0)
+        expected = np.nan_to_num(np.corrcoef(x.T.astype(np.float64)))
+    expected[1, 1] = np.nan
+    np.testing.assert_allclose(got["float32"], expected, atol=1e-5)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from meshax import initializers
 from meshax.core.errors import GraphError
 from meshax.core.graph import Tensor
@@ -163,11 +165,13 @@ def dense_product(x: Tensor, reduced_dims, new_dims, activation_functions=None, 
 
 def corr(x: Tensor, dim: Dimension, epsilon: float = 1e-20, name="pearson_correlation") -> Tensor:
     """The Pearson correlations between the entries of `dim` (x's last dim) over x's other dims:
-    [dim_1, dim_2], as Mesh-TensorFlow's."""
+    [dim_1, dim_2], as Mesh-TensorFlow's. Float16 is taken in float32 and returned in float16."""
     from meshax.ops.einsum import matmul
     from meshax.ops.reduce import reduce_sum
     from meshax.ops.shape_ops import rename_dimension
 
+    if x.dtype == np.float16:  # (as reduce_mean sums it: epsilon is 0 in float16, sums of squares past 65504 inf)
+        return ew.cast(corr(ew.cast(x, "float32"), dim, epsilon, name), x.dtype)
     centered = x - reduce_mean(x, output_shape=[dim])
     x1 = rename_dimension(centered, dim.name, f"{dim.name}_1")
     x2 = rename_dimension(centered, dim.name, f"{dim.name}_2")
