@@ -390,3 +390,26 @@ def test_feeds_past_a_narrower_float_range_are_refused_not_made_inf():
     for fed, shown in [(np.array([1, -70000, 2, 3], np.float32), "70000.0"), (np.arange(4) * 100_000, "300000")]:
         with pytest.raises(mx.MeshaxError, match=rf"'x' is float16 .* fed \w+ values up to {shown}, which are inf"):
             f({"x": fed})
+
+
+def test_variable_values_past_a_narrower_float_range_are_refused_not_made_inf():
+    """set_variable_value casts to the variable's dtype as a feed is cast to its placeholder's:
+    float32 70000 set to a float16 variable was inf without a word, where fed it is refused (the
+    same check now, its other refusals too: fractions to an integer variable). A jax.Array of another
+    dtype is checked on its least and greatest finite values, never gathered to the host."""
+    graph, mesh = new_mesh()
+    v = mx.get_variable(mesh, "v", [mx.Dimension("a", 4)], "float16", initializer=mx.initializers.zeros())
+    n = mx.get_variable(mesh, "n", [], "int32", initializer=mx.initializers.zeros(), trainable=False)
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")})
+    too_big = [(np.array([1, -70000, 2, 3], np.float32), "70000.0"), ([1e5, 0, 0, 0], "100000.0")]
+    for value, shown in [*too_big, (jnp.array([1, -70000, 2, 3], jnp.float32), "70000.0")]:  # (a jax.Array too)
+        with pytest.raises(
+            mx.MeshaxError, match=rf"variable 'v' is float16 .* set to \w+ values up to {shown}, which are inf"
+        ):
+            lowering.set_variable_value(v, value)
+    with pytest.raises(mx.MeshaxError, match=r"variable 'n' is int32 .* set to float64 values \(cast them yourself"):
+        lowering.set_variable_value(n, 2.5)
+    lowering.set_variable_value(v, np.array([1.0, 65519.0, np.inf, -np.inf], np.float32))
+    np.testing.assert_array_equal(lowering.variable_value(v), np.array([1.0, 65504.0, np.inf, -np.inf], np.float16))
+    lowering.set_variable_value(n, 7)
+    assert lowering.variable_value(n) == 7

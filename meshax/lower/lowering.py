@@ -48,10 +48,12 @@ def _needed_ops(graph: Graph, roots: Sequence[Operation]) -> list[Operation]:
     return [op for op in graph.operations if op in needed]
 
 
-def _fed(t: Tensor, value) -> np.ndarray:
-    """A fed value as an array of placeholder t's dtype; refused where the cast would change it:
-    floats fed to integers or bools, integers outside the dtype's range, finite values past a
-    float dtype's (float32 past 65504 fed as float16: inf), text."""
+def _fed(t: Tensor, value, who: str = "", verb: str = "fed") -> np.ndarray:
+    """A value fed to placeholder t (or, `who` and `verb` saying so, set to a variable whose value t
+    is) as an array of t's dtype; refused where the cast would change it: floats given to integers
+    or bools, integers outside the dtype's range, finite values past a float dtype's (float32 past
+    65504 given as float16: inf), text."""
+    who = who or f"placeholder {t.name!r}"
     value = np.asarray(value)
     have, want = value.dtype, t.dtype
     if have == want:
@@ -68,17 +70,27 @@ def _fed(t: Tensor, value) -> np.ndarray:
         if value.min() < low or value.max() > high:
             problem = f"values from {value.min()} to {value.max()}, outside {want}'s {low}..{high}"
     if problem:
-        raise MeshaxError(f"placeholder {t.name!r} is {want} {t.shape}; it was fed {problem}")
+        raise MeshaxError(f"{who} is {want} {t.shape}; it was {verb} {problem}")
     with np.errstate(over="ignore"):
         out = value.astype(want, copy=False)
     if want_kind == "f" and have_kind in "iuf" and value.size and np.isinf(out).any():
         overflowed = np.isinf(out) & ~np.isinf(value)  # (finite values past a narrower float's range)
         if overflowed.any():
             raise MeshaxError(
-                f"placeholder {t.name!r} is {want} {t.shape}; it was fed {have} values up to "
+                f"{who} is {want} {t.shape}; it was {verb} {have} values up to "
                 f"{np.abs(value[overflowed]).max()}, which are inf in {want} (largest {float(jnp.finfo(want).max)})"
             )
     return out
+
+
+def _extremes(array: jax.Array) -> np.ndarray:
+    """The least and the greatest finite value of a jax.Array, on the host: what decides whether
+    `_fed` refuses its cast (where its dtype's kind alone does not), for an array left on the
+    devices. A complex array's kind decides alone: none of its values."""
+    if jnp.issubdtype(array.dtype, jnp.complexfloating):
+        return np.empty(0, array.dtype)
+    finite = jnp.where(jnp.isfinite(array), array, 0) if jnp.issubdtype(array.dtype, jnp.floating) else array
+    return np.asarray(jnp.stack([jnp.min(finite), jnp.max(finite)]))
 
 
 def _not_a_tensor(x, what: str) -> TypeError:
@@ -225,7 +237,9 @@ class Lowering:
 
     def set_variable_value(self, var, value) -> None:
         """Set the variable from a full array, split onto the devices by its layout. A jax.Array
-        (e.g. restored from a checkpoint) is resharded on the devices, never gathered to the host."""
+        (e.g. restored from a checkpoint) is resharded on the devices, never gathered to the host.
+        Values the cast to the variable's dtype would change are refused, as a feed's are (70000
+        to a float16 variable: inf; 2.5 to an int32 one)."""
         var = _variable(var)
         t = var.outputs[0]
         if list(np.shape(value)) != t.shape.to_integer_list:
@@ -234,13 +248,15 @@ class Lowering:
             )
         spec = self._spec(t)
         if isinstance(value, jax.Array):
+            if value.dtype != t.dtype and value.size:  # (checked as a feed is, on two values: never gathered)
+                _fed(t, _extremes(value), f"variable {var.name!r}", "set to")
             # Always a copy (may_alias=False): the next step donates the variable's buffer, which
             # must never be the caller's array (another Lowering's state, a restored checkpoint).
             sharding = self.impl.global_sharding(t.shape, spec[2])  # (the layout's, where its splits divide)
             array = jax.device_put(value.astype(t.dtype), sharding, may_alias=False)
             self._variables[var] = self.impl.from_global(array, spec)
-        else:
-            self._variables[var] = self.impl.put(np.asarray(value).astype(t.dtype, copy=False), spec)
+        else:  # (cast as a feed is: values it would change, 70000 to float16 say, are refused)
+            self._variables[var] = self.impl.put(_fed(t, value, f"variable {var.name!r}", "set to"), spec)
         self._drop_copies([var])
 
     def _drop_copies(self, variables) -> None:
