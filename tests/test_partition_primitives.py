@@ -310,7 +310,7 @@ def test_where_xla_keeps_a_checkpoints_recomputation_so_does_partition(monkeypat
     want = jax.jit(step)(w, x)
     counted = {}
     for keep in (False, True):
-        monkeypatch.setattr(flatten, "_keeps_recomputation", lambda keep=keep: keep)
+        monkeypatch.setattr(flatten, "_keeps_recomputation", lambda platform, keep=keep: keep)
         g = mx.partition(step, MESH, in_shardings=(P(None, "y"), P("x", None)))
         assert_trees_close(g(w, x), want, rtol=1e-5, atol=1e-5)
         program = g.lower(w, x)
@@ -319,6 +319,21 @@ def test_where_xla_keeps_a_checkpoints_recomputation_so_does_partition(monkeypat
         assert_counters_equal_hlo(program, w, x)
         counted[keep] = (program.counters.total_flops, program.counters["allgather"].count)
     assert counted[True][0] > counted[False][0] and counted[True][1] == counted[False][1] + 1
+
+
+def test_a_cpu_mesh_merges_a_checkpoints_recomputation_where_jax_defaults_to_a_gpu(monkeypatch):
+    """Whether a checkpoint's recomputation is kept apart is XLA's choice for the devices the
+    program runs on: a CPU mesh's, though JAX's default backend is a GPU. It followed the
+    default backend: a barrier was put in that XLA:CPU would not have kept."""
+    w, x = jax.random.normal(jax.random.key(12), (16, 16)) * 0.3, jax.random.normal(jax.random.key(13), (8, 16))
+    step = jax.grad(lambda w, x: jnp.sum(jax.checkpoint(lambda w, x: jnp.tanh(x @ w) @ w)(w, x) ** 2))
+    want = jax.jit(step)(w, x)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    g = mx.partition(step, MESH, in_shardings=(P(None, "y"), P("x", None)))
+    assert_trees_close(g(w, x), want, rtol=1e-5, atol=1e-5)
+    program = g.lower(w, x)
+    assert not [op for op in program.graph.operations if op.name.startswith("optimization_barrier")]
+    assert_counters_equal_hlo(program, w, x)
 
 
 def test_a_checkpoints_memory_under_partition_follows_jax_jit_where_the_recomputation_is_kept(monkeypatch, tmp_path):
@@ -334,7 +349,7 @@ def test_a_checkpoints_memory_under_partition_follows_jax_jit_where_the_recomput
     jit = [remat_memory.peak_bytes("jax.jit", **size, checkpoint=c) for c in (False, True)]
     merged = [remat_memory.peak_bytes("mx.partition", **size, checkpoint=c) for c in (False, True)]
     assert merged[1] == merged[0] and jit[1] != jit[0]  # (the CPU's jax.jit keeps what its barrier held apart)
-    monkeypatch.setattr(flatten, "_keeps_recomputation", lambda: True)
+    monkeypatch.setattr(flatten, "_keeps_recomputation", lambda platform: True)
     assert [remat_memory.peak_bytes("mx.partition", **size, checkpoint=c) for c in (False, True)] == jit
     records = remat_memory.main(["--layers", "2", "--width", "32", "--batch", "64", "--out", str(tmp_path / "r.json")])
     assert [r["front_end"] for r in records] == ["jax.jit", "mx.partition"] and all(r["ratio"] > 0 for r in records)

@@ -101,9 +101,15 @@ def is_var(atom) -> bool:
 
 
 class Flat:
-    """The flattened program: `eqns`, `invars`, `outvars` (resolved atoms), `consts` (var -> value)."""
+    """The flattened program: `eqns`, `invars`, `outvars` (resolved atoms), `consts` (var -> value).
+    `platform`: that of the devices it will run on ("cpu", "gpu", "tpu"; default: JAX's default
+    backend's), which decides a platform-dependent branch and whether a checkpoint's
+    recomputation is kept apart, as XLA for those devices decides."""
 
-    def __init__(self, closed: jcore.ClosedJaxpr, replicated: bool = False, source: str = "<unknown>"):
+    def __init__(
+        self, closed: jcore.ClosedJaxpr, replicated: bool = False, source: str = "<unknown>", platform: str = ""
+    ):
+        self.platform = platform or jax.default_backend()
         self.eqns: list[Eqn] = []
         self.consts: dict = dict(zip(closed.jaxpr.constvars, closed.consts))
         self._defined: set = set()
@@ -142,7 +148,7 @@ class Flat:
                 for v, c in zip(body.constvars, consts):
                     self.consts[v] = c
                 checkpoint = e.primitive.name in _CHECKPOINTS
-                kept = checkpoint and e.params.get("prevent_cse", True) and _keeps_recomputation()
+                kept = checkpoint and e.params.get("prevent_cse", True) and _keeps_recomputation(self.platform)
                 operands = [_read(env, a) for a in operands]
                 if kept:  # its operands pass a barrier, as jax.jit lowers it: nothing merges across
                     operands = self._barrier(operands, source, replicated or scope)
@@ -158,13 +164,17 @@ class Flat:
             eqn = Eqn(e.primitive, ins, outs, dict(e.params), source, replicated or scope, effects=bool(e.effects))
             eqn.recomputed = recomputed
             if e.primitive.name == "scan":  # a loop stays a loop (mx.scan), its body flattened too
-                eqn.body = Flat(e.params["jaxpr"], replicated or scope, source)
+                eqn.body = self._inner(e.params["jaxpr"], replicated or scope, source)
             elif e.primitive.name == "while":  # likewise (mx.while_loop), its condition too
-                eqn.body = Flat(e.params["body_jaxpr"], replicated or scope, source)
-                eqn.cond = Flat(e.params["cond_jaxpr"], replicated or scope, source)
+                eqn.body = self._inner(e.params["body_jaxpr"], replicated or scope, source)
+                eqn.cond = self._inner(e.params["cond_jaxpr"], replicated or scope, source)
             elif e.primitive.name == "cond":  # a branch stays a branch (mx.switch), each flattened
-                eqn.branches = [Flat(b, replicated or scope, source) for b in e.params["branches"]]
+                eqn.branches = [self._inner(b, replicated or scope, source) for b in e.params["branches"]]
             self.eqns.append(eqn)
+
+    def _inner(self, closed: jcore.ClosedJaxpr, replicated: bool, source: str) -> Flat:
+        """A loop's body or condition, or a branch, flattened for the same devices."""
+        return Flat(closed, replicated, source, self.platform)
 
     def _barrier(self, atoms: list, source: str, replicated: bool) -> list:
         """`atoms` with each variable passed through one `optimization_barrier` equation."""
@@ -187,8 +197,7 @@ class Flat:
             self._defined.add(v)
         return v
 
-    @staticmethod
-    def _body(e):
+    def _body(self, e):
         """(inner jaxpr, its consts, the operands it is called with) of a call-like equation, or
         of a cond that chooses its branch by platform (`lax.platform_dependent`, as in
         `jnp.diagonal`): the branch of the platform meshax runs on. Else None."""
@@ -200,7 +209,10 @@ class Flat:
             body, skip = e.params["jaxprs"].solve, n.matvec + n.vecmat
             operands = [*e.invars[skip : skip + n.solve], *e.invars[sum(n) :]]
         if e.primitive.name == "cond" and e.params.get("branches_platforms") is not None:
-            body, operands = e.params["branches"][_platform_branch(e.params["branches_platforms"])], e.invars[1:]
+            body, operands = (
+                e.params["branches"][_platform_branch(e.params["branches_platforms"], self.platform)],
+                e.invars[1:],
+            )
         if isinstance(body, jcore.ClosedJaxpr):
             return body.jaxpr, body.consts, operands
         if isinstance(body, jcore.Jaxpr):
@@ -218,12 +230,14 @@ def _moves_between_memories(e) -> bool:
 
 
 @functools.cache
-def _platform_branch(platforms: tuple) -> int:
+def _platform_branch(platforms: tuple, platform: str) -> int:
     """The branch a cond whose branches are for `platforms` (per branch, platform names, or None:
-    the default) takes on JAX's default backend: asked of `lax.platform_dependent` itself."""
+    the default) takes on a device of `platform`: asked of `lax.platform_dependent` itself, run
+    there (its names are the compilers', "cuda" or "rocm" for a "gpu")."""
     per_platform = {p: functools.partial(int, i) for i, ps in enumerate(platforms) if ps for p in ps}
     default = next((functools.partial(int, i) for i, ps in enumerate(platforms) if ps is None), None)
-    return int(jax.jit(lambda: jax.lax.platform_dependent(default=default, **per_platform))())
+    there = jax.sharding.SingleDeviceSharding(jax.devices(platform)[0])
+    return int(jax.jit(lambda: jax.lax.platform_dependent(default=default, **per_platform), out_shardings=there)())
 
 
 def _merge_repeats(eqns: list[Eqn], outvars: list) -> tuple[list[Eqn], list]:
@@ -285,15 +299,15 @@ def _repeat_key(e: Eqn, constant: dict):
 _CHECKPOINTS = {"checkpoint", "remat", "remat2"}
 
 
-def _keeps_recomputation() -> bool:
-    """Whether XLA on JAX's backend keeps a `jax.checkpoint`'s recomputation apart from the
+def _keeps_recomputation(platform: str) -> bool:
+    """Whether XLA for `platform`'s devices keeps a `jax.checkpoint`'s recomputation apart from the
     forward. XLA's GPU compiler removes the optimization barriers `jax.jit` puts before it only
     after scheduling: the recomputation stays, and so does the memory it saves. XLA's CPU
     compiler removes them before its last merge of equal instructions, which merges what the
     recomputation repeats (its collectives among them) into the forward. `flatten` does as XLA
-    will on JAX's backend: a barrier and the recomputation (not the CPU), or the repeats merged
+    will on those devices: a barrier and the recomputation (not the CPU), or the repeats merged
     (the CPU), so that the counters count what the compiled program runs."""
-    return jax.default_backend() != "cpu"
+    return platform != "cpu"
 
 
 #: Annotations: kept where their value is not read, for the splits they propagate to others.
