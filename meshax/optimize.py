@@ -579,12 +579,15 @@ __all__ = [
 ]
 
 
-def serialize_training_step(features: dict, model_fn, batch_dim, num_splits: int):
+def serialize_training_step(features: dict, model_fn, batch_dim, num_splits: int, scale_loss=None):
     """Gradient accumulation, as Mesh-TensorFlow's: `model_fn(features)` (a dict with a "loss")
     on each of `num_splits` microbatches of `batch_dim` (rows m, m + num_splits, ...), sharing
     its variables; returns (the gradients of the loss for `graph.trainable_variables`, summed
     over the microbatches; model_fn's outputs, those with the batch dim put back together, the
-    rest summed). The microbatches run one after another in one program, unrolled."""
+    rest summed). The microbatches run one after another in one program, unrolled.
+    `scale_loss`: a function of each microbatch's loss whose gradients are taken instead
+    (`LossScaleOptimizer.scale_loss`: float16 training; give the gradients to its `apply_grads`);
+    the outputs keep the loss itself."""
     if batch_dim.size % num_splits:
         raise GraphError(f"serialize_training_step: {num_splits} microbatches do not divide {batch_dim}")
     micro = Dimension("microbatch", num_splits)
@@ -599,7 +602,8 @@ def serialize_training_step(features: dict, model_fn, batch_dim, num_splits: int
             with reuse_variables():
                 outputs = model_fn(mine)
         variables = [v.value for v in graph.trainable_variables]
-        grads = gradients([outputs["loss"]], variables)
+        loss = outputs["loss"] if scale_loss is None else scale_loss(outputs["loss"])
+        grads = gradients([loss], variables)
         grads_sum = (
             grads
             if grads_sum is None

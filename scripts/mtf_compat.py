@@ -76,6 +76,8 @@ ARGUMENT_NOTES = {
         f"reduce_{k}": "`disable_positional_args` is not needed: meshax also takes `reduced_dim` second"
         for k in ("sum", "mean", "max", "min", "all", "any")
     },
+    "serialize_training_step": "also `scale_loss=optimizer.scale_loss`: each microbatch's loss scaled (float16, "
+    "`LossScaleOptimizer`)",
 }
 EXEMPT_ARGUMENTS = {f"reduce_{k}": {"disable_positional_args"} for k in ("sum", "mean", "max", "min", "all", "any")}
 

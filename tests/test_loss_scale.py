@@ -212,6 +212,36 @@ def test_the_wrapped_optimizer_refuses_the_gradients_of_the_scaled_loss():
     np.testing.assert_array_equal(lowering.variable_value(w), np.zeros(8))
 
 
+def test_accumulated_microbatches_are_loss_scaled_each_and_unscaled_once():
+    """serialize_training_step(scale_loss=optimizer.scale_loss) takes the gradients of each
+    microbatch's scaled loss, as a float16 model needs (unscaled, its small gradients underflow):
+    the LossScaleOptimizer's step is the unscaled float32 step, and the outputs keep the loss
+    itself. It had no way to scale the loss but model_fn's, which scaled the loss returned too."""
+    x0 = np.linspace(-1.0, 1.0, 32, dtype=np.float32).reshape(8, 4)
+    runs = []
+    for dtype, optimizer in (("float32", SgdOptimizer(0.1)), ("float16", LossScaleOptimizer(SgdOptimizer(0.1)))):
+        graph, mesh = new_mesh()
+        batch, d = mx.Dimension("batch", 8), mx.Dimension("d", 4)
+        x = mx.cast(mx.import_fully_replicated(mesh, x0, [batch, d]), dtype)
+        w = mx.get_variable(mesh, "w", [d], initializer=mx.initializers.constant(0.5))
+
+        def model_fn(features, dtype=dtype, w=w, d=d):
+            y = mx.reduce_sum(features["x"] * mx.cast(w, dtype), reduced_dim=d)
+            return {"loss": mx.cast(mx.reduce_sum(mx.square(y)), "float32") * 1e-3}
+
+        grads, outputs = mx.serialize_training_step(
+            {"x": x}, model_fn, batch, num_splits=2, scale_loss=optimizer.scale_loss
+        )
+        updates = optimizer.apply_grads(grads, [w])
+        lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "batch:all")})
+        loss = lowering.function(outputs["loss"], updates=updates)({})
+        runs.append((float(loss), np.asarray(lowering.variable_value(w))))
+    (loss32, w32), (loss16, w16) = runs
+    np.testing.assert_allclose(loss16, loss32, rtol=2e-3)  # (the loss, not the scaled loss)
+    np.testing.assert_allclose(w16, w32, rtol=2e-3)
+    assert np.all(w32 != 0.5)
+
+
 def test_clipping_the_scaled_gradients_at_the_scaled_norm_is_clipping_the_unscaled_ones():
     """apply_grads takes the gradients of scale_loss(loss), times the scale: clipped at max_norm
     they would be clipped far below it (a gradient of norm 0.28, 2**15 times that, clipped to 1);
