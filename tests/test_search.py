@@ -317,6 +317,18 @@ def test_the_estimate_counts_the_padded_slices_of_uneven_splits(layout):
     assert {k: v for k, v in est.flops.items() if v} == pytest.approx(exact.flops)
 
 
+@pytest.mark.parametrize("layout", ["vocab:rows", "vocab:rows;vocab:cols", "batch:rows;vocab:cols"])
+def test_the_estimate_counts_an_embeddings_gradient_on_a_split_table_as_the_trace_does(layout):
+    """The embedding's gradient adds each device's rows of the upstream gradient into its slice
+    of the table: a split table (vocab) divides no work (each device reads all its rows and
+    drops those it does not hold). The estimate divided it by the table's split too: 1/2 to
+    1/8 of the trace's FLOPs."""
+    program = costed(TINY_LM).on(convert_to_mesh_shape("rows:2;cols:4"))
+    est = program.estimator(mx.convert_to_layout_rules(layout))
+    exact = program.exact(tuple(sorted(_pairs(layout))))
+    assert exact.flops["GatherGrad"] and est.flops["GatherGrad"] == exact.flops["GatherGrad"]
+
+
 @pytest.mark.parametrize("layout", ["d:cols", "d:rows;d:cols", "batch:rows;d:cols"])
 def test_the_estimate_settles_a_sum_of_partial_sums_once(layout):
     """Two einsums contracting a split dim each owe a sum; their add carries both on and the sum

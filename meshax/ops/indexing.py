@@ -161,6 +161,11 @@ class GatherGradOperation(Operation):
             (tuple(rows if d == self.dim else d.name for d in self.table_shape),),
         )
 
+    def flops_factors(self) -> set[str]:
+        """The factors its FLOPs divide by (for the search's estimate): the upstream gradient's,
+        whose local rows each device adds (`lower`); a split table's rows divide none of them."""
+        return {f for f in self.sharding_rule().operands[0] if f is not None}
+
     def lower(self, ctx):
         (g, idx), (out,) = self.inputs, self.outputs
         run = ctx.layouts(self)

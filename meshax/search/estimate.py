@@ -465,7 +465,8 @@ class Estimator:
             op = self._tables().reps[i]
             run = choose(op, list(operands), list(results), self.mesh_shape)
             sizes = {d.name: d.size for t in [*op.inputs, *op.outputs] for d in t.shape}
-            splits = math.prod(self._split(sizes.get(f), a) for f, a in run.assign.items())
+            counted = op.flops_factors() if hasattr(op, "flops_factors") else run.assign  # (most: all)
+            splits = math.prod(self._split(sizes.get(f), a) for f, a in run.assign.items() if f in counted)
             owed = getattr(op, "owed", None)  # (an op whose lowering owes more sums than its rule says)
             run = run._replace(
                 operands=list(map(self._intern, run.operands)),
