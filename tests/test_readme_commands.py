@@ -1,5 +1,10 @@
 """Every command in the README's code blocks runs (fast variants: fewer steps), or is listed
-here with the reason it is not; a command added to a code block without either fails here."""
+here with the reason it is not; a command added to a code block without either fails here.
+
+The docs pages' shell blocks too: a command the README has as well runs with the README's, and
+the others of a page run here in the page's order from one folder (later ones read what earlier
+ones write), their step counts divided by 100, unless their block is marked
+`<!-- not run: REASON -->` (tests/test_docs.py's marker)."""
 
 import shlex
 import subprocess
@@ -25,29 +30,38 @@ NOT_RUN = {  # command prefix -> why it is not run here
 }
 
 
-def readme_commands() -> list[str]:
-    """Each shell command in the README's non-Python code blocks (continuations joined, the
-    parts of `a && b` apart, comments dropped)."""
-    shell = ("", "console", "bash", "sh")
-    blocks = [code for language, code, _ in fenced_blocks((ROOT / "README.md").read_text()) if language in shell]
+SHELL = ("", "console", "bash", "sh")  # the languages of a shell block
+
+
+def block_commands(code: str) -> list[str]:
+    """Each shell command of a block (continuations joined, the parts of `a && b` apart,
+    comments dropped)."""
     commands = []
-    for block in blocks:
-        for line in block.replace("\\\n", " ").splitlines():
-            line = line.split("  #")[0].strip()
-            commands += [part.strip() for part in line.split("&&") if part.strip()]
+    for line in code.replace("\\\n", " ").splitlines():
+        line = line.split("  #")[0].strip()
+        commands += [part.strip() for part in line.split("&&") if part.strip()]
     return commands
 
 
-def _fast(argv: list[str]) -> list[str]:
-    """Fewer steps and no progress bar; everything else as written."""
+def readme_commands() -> list[str]:
+    """Each shell command in the README's non-Python code blocks."""
+    blocks = [code for language, code, _ in fenced_blocks((ROOT / "README.md").read_text()) if language in SHELL]
+    return [command for block in blocks for command in block_commands(block)]
+
+
+def _fast(argv: list[str], steps=lambda n: 2) -> list[str]:
+    """Fewer steps (`steps` of the steps written, 300 if none) and no progress bar; everything
+    else as written."""
     argv = list(argv)
     if argv[0] == "launch":  # meshax launch ... -- meshax train ...
         cut = argv.index("--") + 2
-        return argv[:cut] + _fast(argv[cut:])
+        return argv[:cut] + _fast(argv[cut:], steps)
     if argv[0] == "train":
+        written = 300
         if "--steps" in argv:
+            written = int(argv[argv.index("--steps") + 1])
             del argv[argv.index("--steps") : argv.index("--steps") + 2]
-        argv += ["--steps", "2", "--no-progress", "--eval-every", "0"]
+        argv += ["--steps", str(steps(written)), "--no-progress", "--eval-every", "0"]
     return argv
 
 
@@ -97,3 +111,47 @@ def test_python_m_meshax_trains_and_a_redirected_plan_keeps_whole_names(tmp_path
     )
     assert plan.returncode == 0, plan.stderr[-2000:]
     assert "transformer/decoder/0/self_attention/q" in plan.stdout and "…" not in plan.stdout
+
+
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
+IN_README = {tuple(_fast(shlex.split(c)[1:])) for c in COMMANDS if c.startswith("meshax ")}
+
+
+def docs_commands(page: Path) -> tuple[list[str], list[str], list[str]]:
+    """A docs page's shell commands: (those to run here, in order; those no one runs or says
+    why not; the reasons of its blocks marked not run)."""
+    run, unaccounted, reasons = [], [], []
+    for language, code, reason in fenced_blocks(page.read_text()):
+        if language not in SHELL:
+            continue
+        if reason is not None:
+            reasons.append(reason)
+            continue
+        for command in block_commands(code):
+            if any(command.startswith(prefix) for prefix in NOT_RUN):
+                continue
+            if not command.startswith("meshax "):
+                unaccounted.append(command)
+            elif tuple(_fast(shlex.split(command)[1:])) not in IN_README:  # (else it runs with the README's)
+                run.append(command)
+    return run, unaccounted, reasons
+
+
+RUN_HERE = {page: run for page in DOCS if (run := docs_commands(page)[0])}
+
+
+def test_every_docs_command_is_run_or_said_why_not():
+    for page in DOCS:
+        _, unaccounted, reasons = docs_commands(page)
+        assert unaccounted == [], f"{page.name}: neither run nor marked not run"
+        assert all(reasons), f"{page.name}: a shell block marked not run gives no reason"
+    assert {"checkpoints.md", "decoding.md"} <= {page.name for page in RUN_HERE}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", list(RUN_HERE), ids=[str(p.relative_to(ROOT)) for p in RUN_HERE])
+def test_docs_commands_run(page, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for command in RUN_HERE[page]:
+        argv = _fast(shlex.split(command)[1:], steps=lambda n: max(2, n // 100))
+        assert main(argv) == 0, f"{page.name}: {command}\n{capsys.readouterr().err}"
