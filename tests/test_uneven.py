@@ -279,3 +279,19 @@ def test_call_global_gathers_a_result_split_unevenly_in_the_step_and_counts_it(i
             k: (program.counters[k].count, program.counters[k].values) for k in hlo
         }
     np.testing.assert_array_equal(fn({x: a})[0], a * 2)
+
+
+def test_the_program_call_global_runs_is_its_own_global_function():
+    """`global_function`, the program that gathers the padded outputs, already returns them as
+    jax.Arrays take them: its own call_global runs it, where it built (and compiled) a third
+    program, the same again, since its outputs' planned layouts still pad."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;d:6")
+    y = x * 2.0
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:4", "d:all")}).function(y)
+    program = fn.global_function
+    assert program is not fn and program.global_function is program
+    a = np.arange(48.0, dtype=np.float32).reshape(8, 6)
+    (got,) = program.call_global({x: jnp.asarray(a)})
+    np.testing.assert_array_equal(np.asarray(got), a * 2)

@@ -468,6 +468,7 @@ class LoweredFunction:
         self.outputs = outs
         self.updates = updates
         self._options = (list(donate), cast_copies)  # (`global_function` is built with the same)
+        self._gathers_padded = gather_padded  # (then it is its own `global_function`)
         self.counters = Counters()
         # With `gather_padded`, an output whose layout pads a dim comes out replicated along it,
         # gathered at the end of the step, as a jax.Array's shards must divide it (`call_global`)
@@ -647,7 +648,7 @@ class LoweredFunction:
         (a [64, 1001] gradient split 4 ways: 16,064 values a device). That program (built on
         first use) gathers it at the end of the step, where its counters, `report` and
         `compiled_text` see it; a host call (`fn(feeds)`) fetches the slices and needs no gather."""
-        if not any(t in self._padded for t in self.outputs):
+        if self._gathers_padded or not any(t in self._padded for t in self.outputs):
             return self
         outputs = self.outputs[0] if self._single else self.outputs
         return LoweredFunction(self.lowering, outputs, self.updates, *self._options, gather_padded=True)
