@@ -587,3 +587,28 @@ def test_without_the_launcher_a_dead_process_stops_the_other(tmp_path):
         for p in procs:
             p.kill()
             p.wait()
+
+
+@pytest.mark.slow
+def test_a_platform_dependent_branch_is_chosen_in_every_process_of_a_job(tmp_path):
+    """mx.partition asks `lax.platform_dependent` which branch runs on the mesh's platform, on a
+    device of that platform: the first of the job's (`jax.devices`), which in process 1 is
+    process 0's, so that asking failed there ("Fetching value for `jax.Array` that spans
+    non-addressable ... devices"). It asks on one of the process's own devices."""
+    script = tmp_path / "branch.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp, numpy as np, meshax as mx\n"
+        "mx.initialize_distributed()\n"
+        "from jax.sharding import PartitionSpec as P\n"
+        "def f(a):\n"
+        "    return jax.lax.platform_dependent(a, cpu=jnp.sin, cuda=jnp.cos, rocm=jnp.cos, default=jnp.tanh) * 2.0\n"
+        "g = mx.partition(f, 'x:2;y:4', in_shardings=(P('x', 'y'),))\n"
+        "program = g.lower(np.zeros((4, 8), np.float32))\n"
+        "ops = [op.name for op in program.graph.operations]\n"
+        "print('process', jax.process_index(), 'lowered', ops, flush=True)\n"
+    )
+    result = _launch([sys.executable, str(script)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if "lowered" in line)
+    assert len(lines) == 2 and lines[0].startswith("[0] process 0") and lines[1].startswith("[1] process 1")
+    assert all("'sin'" in line for line in lines), lines  # (the CPU's branch)

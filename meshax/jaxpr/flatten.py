@@ -233,10 +233,11 @@ def _moves_between_memories(e) -> bool:
 def _platform_branch(platforms: tuple, platform: str) -> int:
     """The branch a cond whose branches are for `platforms` (per branch, platform names, or None:
     the default) takes on a device of `platform`: asked of `lax.platform_dependent` itself, run
-    there (its names are the compilers', "cuda" or "rocm" for a "gpu")."""
+    there (its names are the compilers', "cuda" or "rocm" for a "gpu"), on a device of this
+    process (in a job of many, another's device runs nothing here, and its answer is not read)."""
     per_platform = {p: functools.partial(int, i) for i, ps in enumerate(platforms) if ps for p in ps}
     default = next((functools.partial(int, i) for i, ps in enumerate(platforms) if ps is None), None)
-    there = jax.sharding.SingleDeviceSharding(jax.devices(platform)[0])
+    there = jax.sharding.SingleDeviceSharding(jax.local_devices(backend=platform)[0])
     return int(jax.jit(lambda: jax.lax.platform_dependent(default=default, **per_platform), out_shardings=there)())
 
 
