@@ -295,3 +295,21 @@ def test_the_program_call_global_runs_is_its_own_global_function():
     a = np.arange(48.0, dtype=np.float32).reshape(8, 6)
     (got,) = program.call_global({x: jnp.asarray(a)})
     np.testing.assert_array_equal(np.asarray(got), a * 2)
+
+
+def test_call_global_and_a_host_call_share_the_imported_arrays_on_the_devices():
+    """The program call_global runs (`global_function`) takes the same inputs as the host's: an
+    imported array is put on the devices once for both, where each program put its own copy
+    (twice the devices' memory for a large imported table)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;d:6")
+    c = mx.import_tensor(mesh, np.full((8, 6), 3.0, np.float32), "b:8;d:6")
+    y = x * c
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:4", "d:all")}).function(y)
+    a = np.arange(48.0, dtype=np.float32).reshape(8, 6)
+    np.testing.assert_array_equal(fn({x: a}), a * 3)
+    (got,) = fn.call_global({x: jnp.asarray(a)})
+    np.testing.assert_array_equal(np.asarray(got), a * 3)
+    assert fn.global_function is not fn
+    assert fn.global_function._constants[c] is fn._constants[c]

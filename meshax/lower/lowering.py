@@ -651,7 +651,9 @@ class LoweredFunction:
         if self._gathers_padded or not any(t in self._padded for t in self.outputs):
             return self
         outputs = self.outputs[0] if self._single else self.outputs
-        return LoweredFunction(self.lowering, outputs, self.updates, *self._options, gather_padded=True)
+        program = LoweredFunction(self.lowering, outputs, self.updates, *self._options, gather_padded=True)
+        program._constants = self._constants  # (the same inputs: imported arrays put on the devices once, not twice)
+        return program
 
     @functools.cached_property
     def _variable_ops(self) -> list:
