@@ -7,6 +7,7 @@ as their parameter, so they are laid out like it: a split parameter has split sl
 
 from __future__ import annotations
 
+import contextvars
 import math
 import numbers
 import re
@@ -113,12 +114,17 @@ def _computed_from(scale: Tensor, tensors: Sequence) -> list[bool]:
     return [t.operation in reading for t in tensors]
 
 
+# Whether the gradients given to apply_grads are a LossScaleOptimizer's, unscaled (set while it
+# hands them on to the optimizer it wraps, whose apply_grads a subclass may override)
+_handing_on: contextvars.ContextVar[bool] = contextvars.ContextVar("meshax_unscaled_gradients", default=False)
+
+
 def _refuse_scaled(optimizer, grads: Sequence, variables: Sequence) -> None:
     """Gradients of a loss scaled by a `LossScaleOptimizer` (`scale_loss`) given to an optimizer
     directly, the one it wraps say: they carry the scale, so the step would be the scale times too
     far. They are told by being computed from a scale of their graph (`graph.loss_scales`), as no
-    gradient of an unscaled loss is; the LossScaleOptimizer hands its unscaled ones on by
-    `_apply_grads`. (So are gradients unscaled by hand: that skips its overflow check and its scale's
+    gradient of an unscaled loss is; the LossScaleOptimizer hands its unscaled ones on
+    (`_handing_on`). (So are gradients unscaled by hand: that skips its overflow check and its scale's
     changes, so they are refused as well.)"""
     given = [(g, v) for g, v in zip(grads, variables) if isinstance(g, Tensor)]
     scales = {s for g, _ in given for s in g.graph.loss_scales.values()}
@@ -176,12 +182,10 @@ class Optimizer:
 
     def apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
         """The update ops of one step: each variable's from its gradient (None: left alone), and
-        the step counter's. Gradients of a loss-scaled loss are refused (`_refuse_scaled`)."""
-        _refuse_scaled(self, grads, variables)
-        return self._apply_grads(grads, variables)
-
-    def _apply_grads(self, grads: Sequence[Tensor | None], variables: Sequence) -> list:
-        """`apply_grads`, on gradients known to be unscaled (a `LossScaleOptimizer` unscaled them)."""
+        the step counter's. Gradients of a loss-scaled loss are refused (`_refuse_scaled`), but
+        those a `LossScaleOptimizer` hands on, unscaled."""
+        if not _handing_on.get():
+            _refuse_scaled(self, grads, variables)
         variables = [_variable_of(v) for v in variables]
         if len(grads) != len(variables):
             raise ValueError(f"apply_grads got {len(grads)} gradients for {len(variables)} variables")
@@ -528,7 +532,11 @@ class LossScaleOptimizer(Optimizer):
             raise GraphError("LossScaleOptimizer: no gradients to apply")
         finite = ew.less(ew.abs(ew.add_n([ew.add_n(sums) for sums in by_shape.values()])), math.inf)
         with updates_only_where(finite):
-            updates = self.optimizer._apply_grads(unscaled, variables)  # (unscaled: not refused)
+            token = _handing_on.set(True)  # (unscaled, though computed from the scale: not refused)
+            try:
+                updates = self.optimizer.apply_grads(unscaled, variables)
+            finally:
+                _handing_on.reset(token)
         scale, count = self.scale, self.finite_steps
         grow = ew.greater_equal(count + 1, self.growth_interval)
         grown = ew.where(grow, ew.minimum(scale * 2.0, self._largest), scale)

@@ -212,6 +212,27 @@ def test_the_wrapped_optimizer_refuses_the_gradients_of_the_scaled_loss():
     np.testing.assert_array_equal(lowering.variable_value(w), np.zeros(8))
 
 
+def test_the_wrapped_optimizers_own_apply_grads_is_the_one_called():
+    """A subclass that overrides apply_grads (to add updates of its own, say) is called by the
+    LossScaleOptimizer with the unscaled gradients, and takes them. It was bypassed: the
+    LossScaleOptimizer called the base class's private body."""
+    calls = []
+
+    class Recording(SgdOptimizer):
+        def apply_grads(self, grads, variables):
+            calls.append(len(grads))
+            return super().apply_grads(grads, variables)
+
+    graph, mesh = new_mesh()
+    w = mx.get_variable(mesh, "w", "a:8", initializer=mx.initializers.ones())
+    optimizer = LossScaleOptimizer(Recording(1.0), initial_scale=4.0)
+    updates = optimizer.apply_grads(mx.gradients(optimizer.scale_loss(mx.reduce_sum(mx.square(w)) * 0.5), [w]), [w])
+    assert calls == [1]
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "a:all")})
+    lowering.function([], updates=updates)({})
+    np.testing.assert_array_equal(lowering.variable_value(w), np.zeros(8))
+
+
 def test_accumulated_microbatches_are_loss_scaled_each_and_unscaled_once():
     """serialize_training_step(scale_loss=optimizer.scale_loss) takes the gradients of each
     microbatch's scaled loss, as a float16 model needs (unscaled, its small gradients underflow):
