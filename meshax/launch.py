@@ -77,9 +77,52 @@ _PIECES = re.compile(
 )
 
 
-def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock) -> None:
+# meshax's one line for an error: every process of a job checks the same flags and the same model,
+# so each says the same line; the launcher writes the first and drops the others' copies of it.
+_ERROR = "meshax: error: "
+# What a process prints when it loses JAX's distributed service because the job failed (process 0,
+# which hosts the service, ended: its error, or its exit after one): absl's lines from the
+# coordination client (a preemption notice it could not fetch, an error it polled, the fatal one
+# that ends the process), gRPC's details and a stack trace of the C++ code, dozens of lines that
+# only say "another process ended". The launcher writes one line for them all. (Not the notice of
+# a SIGTERM caught, "preemption_notifier.cc:90] SIGTERM caught at ...": no failure.)
+_JAX_LOG = re.compile(
+    r"^[IWEF]\d{4} [\d:.]+ +\d+ (?:coordination_\w+\.cc:\d+\] |preemption_sync_manager\.cc:\d+\] Failed "
+    r"|client\.h:\d+\] Terminating )"
+    r"|^Additional GRPC error information from remote target coordination_service"
+    r"|^:UNKNOWN:Error received from peer"
+)
+_FATAL = "Terminating process because the JAX distributed service detected fatal errors"
+_LOST_JAX = (
+    "(this process lost JAX's distributed service: the job failed elsewhere, most likely another process "
+    "ended; its lines say why)\n"
+)
+
+
+def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock, said: set[str] | None = None) -> None:
+    """Write each line of `stream` to `out` after `prefix`, but gloo's connection notes, a copy of
+    an error line another process wrote (`said`: the error lines written so far, shared by all
+    streams), and JAX's lines on losing its distributed service (`_JAX_LOG`; after its fatal one,
+    the rest of the stream: a stack trace), written as the one line `_LOST_JAX`."""
     owed = 0  # newlines still to come of gloo messages whose heads shared a line
+    said = set() if said is None else said
+    lost = ended = False  # (JAX's service lost: said; the rest of this stream is JAX's fatal teardown)
     for line in iter(stream.readline, ""):
+        if ended:
+            continue
+        if _JAX_LOG.search(line):
+            ended = _FATAL in line
+            if not lost:
+                lost = True
+                with lock:
+                    out.write(prefix + _LOST_JAX)
+                    out.flush()
+            continue
+        if line.startswith(_ERROR):
+            with lock:
+                if line in said:
+                    continue
+                said.add(line)
         text = _PIECES.sub("", line)
         rest = text.strip(" \n0123456789")
         if text != line and (not rest or _OWN.search(line)):
@@ -119,6 +162,7 @@ def launch(
         )
     address = f"localhost:{port or free_port()}"
     lock = threading.Lock()
+    said: set[str] = set()  # (the error lines written: `_forward`)
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     for i in range(num_processes):
@@ -135,7 +179,7 @@ def launch(
             raise ValueError(f"meshax launch: cannot start {command[0]!r}: {e.strerror or e}") from None
         procs.append(proc)
         for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
-            t = threading.Thread(target=_forward, args=(stream, f"[{i}] ", out, lock), daemon=True)
+            t = threading.Thread(target=_forward, args=(stream, f"[{i}] ", out, lock, said), daemon=True)
             t.start()
             threads.append(t)
     with lock:

@@ -69,6 +69,72 @@ def test_launch_drops_a_gloo_count_left_alone_on_its_line():
     assert out.getvalue().splitlines() == ["[0] user line"]
 
 
+def test_an_error_every_process_says_is_written_once():
+    """Every process of a job checks the same flags (and model), so each says the same
+    `meshax: error:` line: the launcher wrote one per process. It writes the first; an error
+    line of another text is kept."""
+    out, err = io.StringIO(), io.StringIO()
+    code = _python(
+        "import os, sys, time; i = os.environ['MESHAX_PROCESS_ID']\n"
+        "time.sleep(0.2 * int(i))\n"
+        "print('meshax: error: layout rule batch:nosuch names mesh dim nosuch', file=sys.stderr)\n"
+        "if i == '2': print('meshax: error: only mine', file=sys.stderr)\n"
+        "sys.exit(2 if i == '0' else 0)"
+    )
+    assert launch(code, 3, grace=1.0, stdout=out, stderr=err) == 2
+    lines = [line for line in err.getvalue().splitlines() if "meshax: error:" in line]
+    assert len(lines) in (1, 2) and lines[0].endswith("meshax: error: layout rule batch:nosuch names mesh dim nosuch")
+    assert all("only mine" in line for line in lines[1:])  # (process 2's, when it came before the stop)
+
+
+def test_jax_ending_a_process_after_the_job_failed_is_one_line():
+    """A process that loses JAX's distributed service when process 0 (its host) is gone printed
+    absl's lines, gRPC's details and a C++ stack trace, ~40 lines saying that another process
+    ended: one line, saying so."""
+    out, err = io.StringIO(), io.StringIO()
+    fatal = [
+        "W1128 15:28:17.817413    9297 preemption_sync_manager.cc:147] Failed to retrieve preemption notice from "
+        "coordination service: UNAVAILABLE: Socket closed",
+        "Additional GRPC error information from remote target coordination_service while calling /x/GetKeyValue:",
+        ":UNKNOWN:Error received from peer  {grpc_status:14}. This is only expected if one of the tasks is unhealthy.",
+        "E1128 15:25:21.155787    6337 coordination_service_agent.cc:289] Polled an error from coordination "
+        "service (this can be an error from this or another task).",
+        "F1128 15:25:21.155824    6337 client.h:80] Terminating process because the JAX distributed service "
+        "detected fatal errors. This most likely indicates that another task died; see the other task logs",
+        "Additional GRPC error information from remote target coordination_service while calling /x/PollForError:",
+        ':UNKNOWN:Error received from peer  {grpc_message:"Socket closed", grpc_status:14}',
+        "*** Check failure stack trace: ***",
+        "    @     0x7f715dc40634  absl::lts_20260107::log_internal::LogMessage::SendToLog()",
+    ]
+    sigterm = "W1128 16:10:54.895909   29832 preemption_notifier.cc:90] SIGTERM caught at 2026-11-28T16:10:54"
+    code = _python(f"import sys; print({sigterm!r}, file=sys.stderr); print('\\n'.join({fatal!r}), file=sys.stderr)")
+    assert launch(code, 1, stdout=out, stderr=err) == 0
+    lines = [line for line in err.getvalue().splitlines() if line.startswith("[0] ")]
+    # (a SIGTERM's notice is no failure: kept)
+    assert lines == ["[0] " + sigterm, "[0] " + __import__("meshax.launch").launch._LOST_JAX.strip()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--layout", "batch:nosuch"], "names mesh dim 'nosuch'"),  # (before the job is joined)
+        (["--resume", "no-such-folder"], "--resume 'no-such-folder': no checkpoint there"),  # (after)
+    ],
+)
+def test_a_bad_flag_in_a_job_is_one_error(flags, said):
+    """`meshax launch -n 2 -- meshax train ...` with a flag every process refuses: one line says
+    so (each process said it; and a process that JAX's distributed service ended once process 0
+    had, after its error, printed a C++ stack trace), and the launcher exits 2 at once."""
+    start = time.monotonic()
+    result = _launch([*CLI, "train", "mnist", "--steps", "2", *flags], timeout=120)
+    assert time.monotonic() - start < 30
+    assert result.returncode == 2, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and said in errors[0], result.stderr[-3000:]
+    assert "stack trace" not in result.stderr and "\n[1]     @ " not in result.stderr
+
+
 def test_a_one_process_command_under_launch_runs_once():
     """`meshax launch -n 2 -- meshax plan ...`: process 0 prints the plan, the other exits quietly
     (each printed it)."""
