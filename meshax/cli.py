@@ -905,6 +905,8 @@ def _run(args) -> int:
         from meshax.runtime import is_main_process
 
         console = _console(quiet=not is_main_process())  # one process speaks for all
+        if not is_main_process():  # (and its warnings: each process warned the same; LayoutWarning: an error below)
+            warnings.simplefilter("ignore")
     else:
         console = _console()
     with warnings.catch_warnings():

@@ -678,3 +678,26 @@ def test_a_platform_dependent_branch_is_chosen_in_every_process_of_a_job(tmp_pat
     lines = sorted(line for line in result.stdout.splitlines() if "lowered" in line)
     assert len(lines) == 2 and lines[0].startswith("[0] process 0") and lines[1].startswith("[1] process 1")
     assert all("'sin'" in line for line in lines), lines  # (the CPU's branch)
+
+
+@pytest.mark.slow
+def test_a_warning_in_a_job_is_written_once(tmp_path):
+    """Restoring a checkpoint with variables the graph lacks (here a loss scale's: a float16 run's
+    checkpoint resumed without one) warns; every process of `meshax train` warned, one copy per
+    process. Process 0 speaks for all, as it does for the rest of the output."""
+    from meshax.optimize import AdamWeightDecayOptimizer, LossScaleOptimizer
+
+    ckpt = tmp_path / "ckpt"
+    scaled = LossScaleOptimizer(AdamWeightDecayOptimizer(1e-3))
+    loop.train(
+        worker.make_task("mnist-2d"),
+        "rows:2;cols:4",
+        "batch:rows;hidden:cols",
+        steps=1,
+        optimizer=scaled,
+        checkpoint_dir=str(ckpt),
+    )
+    result = _launch([*CLI, "train", *TRAIN, "--resume", str(ckpt), "--steps", "2"], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warned = [line for line in result.stderr.splitlines() if "has variables the graph lacks" in line]
+    assert len(warned) == 1 and warned[0].startswith("[0] "), result.stderr[-3000:]
