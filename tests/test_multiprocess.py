@@ -701,3 +701,33 @@ def test_a_warning_in_a_job_is_written_once(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     warned = [line for line in result.stderr.splitlines() if "has variables the graph lacks" in line]
     assert len(warned) == 1 and warned[0].startswith("[0] "), result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_feeding_rows_where_one_process_holds_the_first_and_the_last(tmp_path):
+    """10 rows split over cols (4) and then rows (2) of "rows:2;cols:4": process 0's slices hold
+    rows 0-1, 3-4, 6-7 and 9, so its feed_rows() is every row (0..10), process 1's only 2..9. Fed
+    every row, process 0 took the whole array's path, JAX's check that every process passed the
+    same (a collective), which process 1, feeding a part, never joined: the job hung until gloo's
+    30 s timeout."""
+    script = tmp_path / "rows.py"
+    script.write_text(
+        "import jax, numpy as np, meshax as mx\n"
+        "mx.initialize_distributed()\n"
+        "graph = mx.Graph(); mesh = mx.Mesh(graph, 'mesh')\n"
+        "b, d = mx.Dimension('b', 10), mx.Dimension('d', 8)\n"
+        "x = mx.placeholder(mesh, 'x', [b, d])\n"
+        "lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl('rows:2;cols:4', 'b:cols;b:rows')})\n"
+        "fn = lowering.function([mx.reduce_sum(x * 2.0, reduced_dim=d), x + 1.0])\n"
+        "lo, hi = fn.feed_rows()\n"
+        "xv = np.arange(80, dtype=np.float32).reshape(10, 8)\n"
+        "total, plus = fn({x: xv[lo:hi]}, rows=(lo, hi))\n"
+        "np.testing.assert_array_equal(total, (2 * xv).sum(1)); np.testing.assert_array_equal(plus, xv + 1)\n"
+        "print('process', jax.process_index(), 'rows', lo, hi, 'ok', flush=True)\n"
+    )
+    start = time.monotonic()
+    result = _launch([sys.executable, str(script)], timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert time.monotonic() - start < 25
+    lines = sorted(line for line in result.stdout.splitlines() if " ok" in line)
+    assert lines == ["[0] process 0 rows 0 10 ok", "[1] process 1 rows 2 9 ok"], result.stdout

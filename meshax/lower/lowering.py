@@ -589,7 +589,11 @@ class LoweredFunction:
                         f"placeholder {t.name!r} expects shape {want}{part} ({t.shape}), "
                         f"got an array of shape {list(value.shape)}"
                     )
-                if rows is not None and want and tuple(rows) != (0, t.shape[0].size):  # a part: this process's
+                # a part: this process's rows. In a multi-process run always so, even where they are every
+                # row (a process whose slices hold the first and the last of a dim split unevenly): the whole
+                # array takes another path, JAX's check that every process passed the same, a collective the
+                # processes feeding a part do not join, so the job hung
+                if rows is not None and want and (tuple(rows) != (0, t.shape[0].size) or jax.process_count() > 1):
                     value = self.lowering.impl.put_rows(value, rows[0], self.lowering._spec(t))
                 args.append(value)
             elif getattr(op, "is_variable", False):
