@@ -221,7 +221,7 @@ class PartitionedProgram:
         self._out_tree = jax.tree_util.tree_structure(out_shape)
         self._n_out = len(closed.jaxpr.outvars)
         self._outvars = list(closed.jaxpr.outvars)
-        flat = Flat(closed, platform=impl.devices[0].platform)
+        flat = Flat(closed, platform=impl.platform)
         arg_paths = {v: p for v, p in zip(closed.jaxpr.invars, self.paths)}
         self.names = Names(flat, arg_paths)
         self.graph = Graph()

@@ -480,7 +480,7 @@ class LoweredFunction:
         # the backend compiles one trace (SIMD), else by an abstract trace of the same code, which
         # emits exactly the collectives the program runs.
         if cast_copies is None:
-            cast_copies = lowering.impl.devices[0].platform == "gpu"
+            cast_copies = lowering.impl.platform == "gpu"
         self.ops, self.inputs, self._updated, copies, body = lowering._program(
             outs, updates, self.counters, cast_copies, self._out_layouts
         )

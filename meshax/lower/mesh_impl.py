@@ -197,7 +197,13 @@ class MeshImpl:
         """The XLA options every program of this backend is compiled with: meshax's own for the
         devices' platform, overridden by `compiler_options` (worked out once: the placement
         backend asks for every op's kernel)."""
-        return compiler_options_for(self.devices[0].platform, self.compiler_options)
+        return compiler_options_for(self.platform, self.compiler_options)
+
+    @property
+    def platform(self) -> str:
+        """The platform of the mesh's devices ("cpu", "gpu", "tpu"), which need not be JAX's default
+        backend's (a mesh of CPU devices in a process whose default is a GPU)."""
+        return self.devices[0].platform
 
     # ---- geometry -------------------------------------------------------------------------
     @property

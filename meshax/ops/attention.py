@@ -99,7 +99,7 @@ class _Dims:
 
 
 def _kernel(dims: _Dims, names: list[list[str]], causal: bool, scale: float, implementation):
-    """The per-device function of the platform of the devices it runs on (`_platform`) and the
+    """The per-device function of the platform of the devices it runs on (`MeshImpl.platform`) and the
     local q, k, v (and mask) slices -> the output slice."""
     qn, kn = names[0], names[1]
 
@@ -119,12 +119,6 @@ def _kernel(dims: _Dims, names: list[list[str]], causal: bool, scale: float, imp
         return dims.from_kernel(out, qn, q.shape)
 
     return run
-
-
-def _platform(ctx) -> str:
-    """The platform of the devices the program runs on ("cpu", "gpu", "tpu"): the mesh's, which
-    need not be JAX's default backend (a CPU mesh in a process whose default is a GPU)."""
-    return ctx.impl.devices[0].platform
 
 
 def _path(dtype, implementation, platform: str) -> str:
@@ -184,7 +178,7 @@ class AttentionOperation(SlicewiseOperation):
     def _fn_slices(self, ctx, local, vals):
         """The output; where the graph has this op's gradient, as `jax.vjp` of the kernel, its
         pullback kept for the gradient op (elsewhere, decoding say, the forward-only kernel)."""
-        kernel = functools.partial(self._kernel, _platform(ctx))
+        kernel = functools.partial(self._kernel, ctx.impl.platform)
         if not self._differentiated:
             return [ctx.slicewise(kernel, *vals)]
 
@@ -232,7 +226,7 @@ class AttentionGradOperation(SlicewiseOperation):
         q, k, v, g, *mask = vals
         pulls = ctx.recall("attention", _slices([q, k, v, *mask]))
         if pulls is None:  # not the forward's slices: its kernel runs again
-            return list(ctx.slicewise(functools.partial(self._fn, _platform(ctx)), *vals))
+            return list(ctx.slicewise(functools.partial(self._fn, ctx.impl.platform), *vals))
         return list(ctx.slicewise(lambda pull, g: tuple(pull(g)), pulls, g))
 
 
