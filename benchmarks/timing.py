@@ -76,23 +76,6 @@ def round_robin(fns: dict[str, Callable[[], object]], reps: int, warmup: int = 1
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def in_blocks(fns: dict[str, Callable[[], object]], rounds: int, block: int) -> dict[str, float]:
-    """Median seconds of each of many callables (compiled programs), each run `block` times in a
-    row after one warm-up call, `rounds` times in rotating order: a program is timed warm, not
-    right after another one evicted its data, as it runs in a training loop."""
-    names = list(fns)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        k = r % len(names)
-        for n in names[k:] + names[:k]:
-            fns[n]()
-            for _ in range(block):
-                t0 = time.perf_counter()
-                fns[n]()
-                times[n].append(time.perf_counter() - t0)
-    return {n: statistics.median(t) for n, t in times.items()}
-
-
 def _iqr(xs: list[float]) -> float:
     if len(xs) < 4:
         return 0.0

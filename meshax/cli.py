@@ -267,6 +267,14 @@ def _parser() -> argparse.ArgumentParser:
             )
             g.add_argument("--pin", default="", metavar="RULES", help='rules every candidate keeps, e.g. "batch:rows"')
             g.add_argument(
+                "--measure",
+                type=_NATURAL,
+                default=0,
+                metavar="K",
+                help="also compile and time the K best layouts (and --layout's) on this machine's devices, and rank "
+                "those K by measured step time (settles what the cost model predicts as near ties)",
+            )
+            g.add_argument(
                 "--picture",
                 default=None,
                 metavar="DIR",
@@ -362,6 +370,7 @@ def _check(args) -> None:
                 ("--search-weights", args.search_weights),
                 ("--pin", args.pin),
                 ("--top", args.top != 5),
+                ("--measure", args.measure),
             )
             if value
         ]
@@ -896,7 +905,7 @@ def _run(args) -> int:
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
         _start_devices(args, mesh_shape.size)
-    if args.command == "generate":
+    if args.command == "generate" or getattr(args, "measure", 0):  # (plan --measure runs steps)
         from meshax.runtime import use_cpu_devices
 
         use_cpu_devices(mesh_shape.size)
@@ -1100,6 +1109,14 @@ def _search(args, task) -> int:
         baseline=baseline,
         search_weights=args.search_weights,
     )
+    if args.measure:
+        from meshax.search import measure_layouts
+
+        mine = " and --layout's" if result.baseline is not None else ""
+        k = min(args.measure, len(result.ranked))
+        print(f"measuring the {k} best layouts{mine} ...", file=sys.stderr, flush=True)
+        annotated = None if searched is task else task  # (what runs the layout given beside: its annotations)
+        result = measure_layouts(result, searched, args.measure, yours=annotated, backend=args.backend)
     print(result.format(), end="", flush=True)
     if args.picture:
         os.makedirs(args.picture, exist_ok=True)

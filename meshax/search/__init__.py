@@ -1,11 +1,13 @@
 """Layout search: a cost model of a step's time and memory, and the search over layout rules.
 
-`search_layout` chooses layout rules; `cost` predicts time and memory from a plan; `devices`
-holds the device table and `calibrate`; `draw` draws layouts and the search's comparison.
+`search_layout` chooses layout rules, and `measure_layouts` times the best of them on the
+devices; `cost` predicts time and memory from a plan; `devices` holds the device table and
+`calibrate`; `draw` draws layouts and the search's comparison.
 """
 
 from meshax.search.cost import Collective, Prediction, StepCost, predict
 from meshax.search.devices import KNOWN_DEVICES, Device, Link, calibrate, load_device
+from meshax.search.measure import measure_layouts
 from meshax.search.search import (
     Candidate,
     SearchResult,
@@ -29,6 +31,7 @@ __all__ = [
     "evaluate",
     "exact_cost",
     "load_device",
+    "measure_layouts",
     "mesh_shapes",
     "predict",
     "search_layout",

@@ -50,6 +50,7 @@ class Candidate:
     mesh: str = ""  # the mesh it is for, as --mesh takes it
     weight_layout: str | None = None  # rules of the weight-shaped tensors, as --weight-layout takes them
     label: str | None = None  # what the report calls it, where not its rules (annotations, say)
+    measured_s: float | None = None  # its step's median time where run (`measure_layouts`)
 
     @property
     def memory_bytes(self) -> int:
@@ -67,6 +68,10 @@ class Candidate:
 def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape, weight_layout=None) -> Candidate:
     p = predict(cost, device, mesh_shape)
     return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, p.by_link, mesh_text(mesh_shape), weight_layout)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
 
 def _count(n: int, one: str, many: str = "") -> str:
@@ -106,6 +111,7 @@ class SearchResult:
     compared: list[Candidate]  # every candidate costed (estimates where not exact), in order
     meshes: int = 1  # how many meshes were searched (`search_mesh_and_layout`)
     every: bool = True  # whether every legal rule set was costed (else `legal` is a lower bound)
+    measured: str = ""  # how the best were run and timed, where they were (`measure_layouts`)
 
     @property
     def best(self) -> Candidate:
@@ -134,8 +140,10 @@ class SearchResult:
             return (f"{c.mesh!s:<{mesh_width}}  " if meshes else "") + c.name
 
         width = max(len(name(c)) for _, c in rows)
+        timed = [("measured ms", 13, [_ms(c.measured_s) for _, c in rows])] if self.measured else []
         columns = [  # (header, width at least, each row's cell)
             ("step ms", 10, [f"{c.step_s * 1e3:.3f}" for _, c in rows]),
+            *timed,
             ("compute", 10, [f"{c.compute_s * 1e3:.3f}" for _, c in rows]),
             *((k, 15, [f"{c.comm_s[k] * 1e3:.3f}" for _, c in rows]) for k in kinds),
             ("memory", 10, [_human(c.memory_bytes) + "B" for _, c in rows]),
@@ -148,6 +156,7 @@ class SearchResult:
             f"{self.method}, "
             f"{self.seconds:.1f} s; "
             f"device {self.device.name}; memory budget {_human(self.memory_budget)}B per device",
+            *([f"{self.measured}; ranked by it"] if self.measured else []),
             head,
         ]
         for i, (tag, c) in enumerate(rows):
@@ -183,7 +192,11 @@ class SearchResult:
         if other.label:  # (annotations, or rules beside them: the rules alone are not the layout)
             rule_diff = [f"{other.label} -> {self.best.name}"]
         changes = "; ".join(rule_diff) or "nothing"
-        return f"{other.step_s / self.best.step_s:.2f}x the best's time; best changes {changes}; {said or 'same costs'}"
+        times = f"{other.step_s / self.best.step_s:.2f}x the best's time"
+        if other.measured_s is not None and self.best.measured_s is not None:
+            ratio = other.measured_s / self.best.measured_s
+            times = f"measured {ratio:.2f}x the best's time (predicted {other.step_s / self.best.step_s:.2f}x)"
+        return f"{times}; best changes {changes}; {said or 'same costs'}"
 
 
 class _TooMany(Exception):
@@ -300,6 +313,13 @@ def _weight_rules(c: Candidate):
         return None
     rules = convert_to_weight_rules(c.weight_layout)
     return dict(_by_dim(rules)), rules.exempt
+
+
+def same_layout(a: Candidate, b: Candidate) -> bool:
+    """Whether two candidates are one layout (the same rules and weight rules, in any order, on one mesh)."""
+    if a.label or b.label or a.mesh != b.mesh:
+        return a is b
+    return _rules(a.layout) == _rules(b.layout) and _weight_rules(a) == _weight_rules(b)
 
 
 def _by_dim(rules) -> list[tuple[str, tuple[str, ...]]]:

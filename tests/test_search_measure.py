@@ -1,0 +1,108 @@
+"""`measure_layouts` and `meshax plan --search --measure K`: a search's best layouts timed on the devices."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import meshax as mx
+import meshax.search.measure as measure
+import meshax.train.loop as loop
+from meshax.cli import main
+from meshax.search import measure_layouts, search_layout
+from meshax.train import MlpTask
+
+MLP = MlpTask(hidden=128)
+MESH = "rows:2;cols:4"
+
+
+def test_the_best_and_yours_are_run_and_the_best_ranked_by_their_measured_time(monkeypatch):
+    result = search_layout(MLP, MESH, top=4, baseline="batch:rows;hidden:cols")
+    built, losses, real = [], [], loop.build
+
+    def build(task, mesh, layout, backend, weight_layout=None):
+        built.append((task, mesh, layout, weight_layout))
+        return real(task, mesh, layout, backend, weight_layout=weight_layout)
+
+    def in_blocks(fns, rounds, block):  # each step run once; the predicted order's times reversed
+        losses.extend(float(np.asarray(fns[i]()[0])) for i in fns)
+        return {i: 1.0 + len(fns) - i for i in fns}
+
+    monkeypatch.setattr(loop, "build", build)
+    monkeypatch.setattr(measure, "in_blocks", in_blocks)
+    timed = measure_layouts(result, MLP, k=3, yours=MLP)
+    assert built == [(MLP, MESH, c.layout, c.weight_layout) for c in [*result.ranked[:3], result.baseline]]
+    assert np.isfinite(losses).all() and len(losses) == 4
+    assert [c.layout for c in timed.ranked] == [c.layout for c in result.ranked[2::-1] + result.ranked[3:]]
+    assert [c.measured_s for c in timed.ranked] == [3.0, 4.0, 5.0, None]
+    assert timed.baseline is not None and timed.baseline.measured_s == 2.0
+    assert result.ranked[0].measured_s is None and not result.measured  # (the search's own result is kept)
+    text = timed.format()
+    assert "measured ms" in text and "the 3 best and yours measured on 8 cpu devices" in text
+    assert "2: measured 1.33x the best's time (predicted" in text
+
+
+def test_yours_is_run_once_where_it_is_one_of_the_best(monkeypatch):
+    best = search_layout(MLP, MESH, top=3).ranked
+    result = search_layout(MLP, MESH, top=3, baseline=best[1].layout)
+    runs = []
+    monkeypatch.setattr(
+        measure, "in_blocks", lambda fns, rounds, block: runs.append(len(fns)) or {i: 1.0 + i for i in fns}
+    )
+    timed = measure_layouts(result, MLP, k=3)
+    assert runs == [3] and timed.baseline is not None and timed.baseline.measured_s == 2.0
+    assert timed.ranked[1].layout == best[1].layout and "yours: measured 2.00x the best's time" in timed.format()
+
+
+def test_measured_times_are_real_steps():
+    result = search_layout(MLP, MESH, top=2)
+    timed = measure_layouts(result, MLP, k=2, rounds=1, block=2)
+    assert all(c.measured_s is not None and 0 < c.measured_s < 10 for c in timed.ranked)
+    assert timed.ranked[0].measured_s <= timed.ranked[1].measured_s
+    assert {c.layout for c in timed.ranked} == {c.layout for c in result.ranked}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"k": 0}, r"k=0\): give how many of the best layouts to time"),
+        ({"rounds": 0}, r"rounds=0\): give a whole number"),
+        ({"task": "graph"}, "times training steps: give the training task the search was given"),
+    ],
+)
+def test_bad_arguments_say_what_to_give(change, message):
+    result = search_layout(MLP, MESH, top=2)
+    args = {"task": MLP, "k": 2, **change}
+    with pytest.raises(mx.ConfigError, match=message):
+        measure_layouts(result, **args)
+
+
+def test_a_mesh_larger_than_the_devices_and_layouts_that_do_not_fit_together_are_named():
+    big = search_layout(MLP, "rows:4;cols:4", top=2)
+    with pytest.raises(mx.ConfigError, match=r"the mesh needs 16, this process has 8 .*JAX_NUM_CPU_DEVICES=16"):
+        measure_layouts(big, MLP)
+    result = search_layout(MLP, MESH, top=2)
+    tight = dataclasses.replace(result, memory_budget=result.ranked[0].memory_bytes + result.ranked[1].memory_bytes - 1)
+    with pytest.raises(mx.ConfigError, match=r"the 2 layouts to measure are predicted to need .* measure fewer"):
+        measure_layouts(tight, MLP, k=2)
+    labelled = dataclasses.replace(result, baseline=dataclasses.replace(result.ranked[1], label="annotations 2d"))
+    with pytest.raises(mx.ConfigError, match="'annotations 2d': give yours="):
+        measure_layouts(labelled, MLP, k=1)
+
+
+def test_plan_search_measure_prints_the_measured_ranking(capsys):
+    assert main(["plan", "mlp", "--mesh", MESH, "--search", "--top", "3", "--measure", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "measuring the 2 best layouts and --layout's" in err
+    lines = out.splitlines()
+    assert "the 2 best and yours measured on 8 cpu devices" in lines[1] and "measured ms" in lines[2]
+    measured = [line.split()[3] for line in lines[3:7]]  # (#, layout, step ms, measured ms)
+    assert measured[2] == "-" and all(float(m) > 0 for m in measured[:2] + measured[3:])
+    assert float(measured[0]) <= float(measured[1])
+
+
+def test_measure_without_a_search_is_refused(capsys):
+    assert main(["plan", "mlp", "--mesh", MESH, "--measure", "2"]) == 2
+    assert "--measure applies to a layout search: add --search" in capsys.readouterr().err
