@@ -84,10 +84,13 @@ def measure_layouts(
         )
     together = sum(c.memory_bytes for c in timed)
     if together > result.memory_budget:
+        from meshax.lower.report import _human
+
+        which = f"the {len(chosen)} best" + (" and yours" if len(timed) > len(chosen) else "")
         raise ConfigError(
-            f"the {len(timed)} layouts to measure are predicted to need {together} bytes per device together, over "
-            f"the budget of {result.memory_budget}: each holds its weights on the devices while the others run; "
-            "measure fewer"
+            f"the layouts to measure ({which}) are predicted to need {_human(together)}B per device together, over "
+            f"the memory budget of {_human(result.memory_budget)}B: each holds its weights and optimizer state on "
+            "the devices while the others run; measure fewer, or give a larger budget"
         )
     start = time.perf_counter()
     steps: dict[int, Callable[[], object]] = {}
