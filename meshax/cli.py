@@ -1087,13 +1087,13 @@ def _search(args, task) -> int:
     # Costed once, at small depths where the model is deep: the search's candidates and the
     # layout given beside them (or the task's default, where it fits the mesh), annotations and all
     searched = dataclasses.replace(task, sharding="") if getattr(task, "sharding", "") else task
-    model = model_of(searched)
+    model = model_of(searched, optimizer=_optimizer(args))
     baseline = None
     if not getattr(args, "no_baseline", False):
         label = None
         if args.sharding:  # the annotations are the user's layout: name them
             label = f"{args.layout} + annotations {args.sharding}" if args.layout else f"annotations {args.sharding}"
-        yours = model if searched is task else model_of(task)
+        yours = model if searched is task else model_of(task, optimizer=_optimizer(args))
         baseline = evaluate(
             yours, mesh=args.mesh, layout=args.layout, weight_layout=args.weight_layout, device=args.device, label=label
         )
@@ -1116,7 +1116,9 @@ def _search(args, task) -> int:
         k = min(args.measure, len(result.ranked))
         print(f"measuring the {k} best layouts{mine} ...", file=sys.stderr, flush=True)
         annotated = None if searched is task else task  # (what runs the layout given beside: its annotations)
-        result = measure_layouts(result, searched, args.measure, yours=annotated, backend=args.backend)
+        result = measure_layouts(
+            result, searched, args.measure, yours=annotated, backend=args.backend, optimizer=_optimizer(args)
+        )
     print(result.format(), end="", flush=True)
     if args.picture:
         os.makedirs(args.picture, exist_ok=True)

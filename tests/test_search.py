@@ -1004,3 +1004,29 @@ def test_a_search_of_one_mesh_and_one_rule_set_reads_as_english(capsys):
     assert main(["plan", "mlp", "--mesh", "all:7", "--search", "--search-mesh", "--top", "1"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("layout search: 1 legal rule set, 1 mesh searched, every one traced exactly, ")
+
+
+def test_the_search_costs_the_optimizer_given():
+    """`meshax plan --search --optimizer adafactor` costed Adam's step (its memory and collectives)."""
+    from meshax.search import evaluate
+
+    adafactor, mesh = mx.optimize.AdafactorOptimizer(), "rows:2;cols:4"
+    mine = search_layout(TINY_LM, mesh, optimizer=adafactor, top=1).best
+    layout = mine.layout
+    lowering, outputs, updates = build(TINY_LM, mesh, layout, optimizer=adafactor, compile=False)
+    truth = evaluate(lowering, outputs, updates)
+    assert _same(mine.cost, truth.cost) and mine.step_s == pytest.approx(truth.step_s)
+    adam = evaluate(TINY_LM, mesh=mesh, layout=layout)
+    assert evaluate(TINY_LM, mesh=mesh, layout=layout, optimizer=adafactor).memory_bytes == truth.memory_bytes
+    assert adam.memory_bytes != truth.memory_bytes
+    with pytest.raises(mx.ConfigError, match="optimizer= applies to a training task"):
+        search_layout(costed(TINY_LM), mesh, optimizer=adafactor)
+
+
+def test_plan_search_costs_the_optimizer_flag(capsys):
+    runs = {}
+    for name in ("adam", "adafactor"):
+        assert main(["plan", "lm", "--mesh", "rows:2;cols:4", "--search", "--top", "1", "--optimizer", name]) == 0
+        runs[name] = capsys.readouterr().out.splitlines()[2]  # (the best's row)
+    best = search_layout(LmTask(model="tiny"), "rows:2;cols:4", optimizer=mx.optimize.AdafactorOptimizer()).best
+    assert runs["adam"] != runs["adafactor"] and f"{best.step_s * 1e3:.3f}" in runs["adafactor"]

@@ -22,9 +22,9 @@ def test_the_best_and_yours_are_run_and_the_best_ranked_by_their_measured_time(m
     result = search_layout(MLP, MESH, top=4, baseline="batch:rows;hidden:cols")
     built, losses, real = [], [], loop.build
 
-    def build(task, mesh, layout, backend, weight_layout=None):
-        built.append((task, mesh, layout, weight_layout))
-        return real(task, mesh, layout, backend, weight_layout=weight_layout)
+    def build(task, mesh, layout, backend, optimizer, weight_layout=None):
+        built.append((task, mesh, layout, weight_layout, optimizer))
+        return real(task, mesh, layout, backend, optimizer, weight_layout=weight_layout)
 
     def in_blocks(fns, rounds, block):  # each step run once; the predicted order's times reversed
         losses.extend(float(np.asarray(fns[i]()[0])) for i in fns)
@@ -32,8 +32,9 @@ def test_the_best_and_yours_are_run_and_the_best_ranked_by_their_measured_time(m
 
     monkeypatch.setattr(loop, "build", build)
     monkeypatch.setattr(measure, "in_blocks", in_blocks)
-    timed = measure_layouts(result, MLP, k=3, yours=MLP)
-    assert built == [(MLP, MESH, c.layout, c.weight_layout) for c in [*result.ranked[:3], result.baseline]]
+    sgd = mx.optimize.SgdOptimizer(0.1)  # (the search's: each layout's step runs it)
+    timed = measure_layouts(result, MLP, k=3, yours=MLP, optimizer=sgd)
+    assert built == [(MLP, MESH, c.layout, c.weight_layout, sgd) for c in [*result.ranked[:3], result.baseline]]
     assert np.isfinite(losses).all() and len(losses) == 4
     assert [c.layout for c in timed.ranked] == [c.layout for c in result.ranked[2::-1] + result.ranked[3:]]
     assert [c.measured_s for c in timed.ranked] == [3.0, 4.0, 5.0, None]

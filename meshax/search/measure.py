@@ -48,6 +48,7 @@ def measure_layouts(
     rounds: int = 3,
     block: int = 3,
     backend: str = "simd",
+    optimizer=None,
 ) -> SearchResult:
     """`result` with its `k` best layouts (and the user's, where it shows one) compiled and timed
     on this process's devices, each a training step of `task` (the training task searched), run
@@ -55,7 +56,8 @@ def measure_layouts(
     The k are ranked by their median step time (`Candidate.measured_s`), ahead of the rest, which
     stay in their predicted order. All k programs hold their weights and optimizer state on the
     devices at once, so their predicted memory together must fit the search's budget.
-    `yours`: the task the user's layout runs (its GSPMD annotations, say) where it is not `task`."""
+    `yours`: the task the user's layout runs (its GSPMD annotations, say) where it is not `task`;
+    `optimizer`: the one the search costed (default Adam)."""
     import jax
 
     from meshax.train.loop import build
@@ -95,9 +97,8 @@ def measure_layouts(
     start = time.perf_counter()
     steps: dict[int, Callable[[], object]] = {}
     for i, c in enumerate(timed):
-        program = build(
-            yours if c is mine and yours is not None else task, c.mesh, c.layout, backend, weight_layout=c.weight_layout
-        )
+        runs = yours if c is mine and yours is not None else task
+        program = build(runs, c.mesh, c.layout, backend, optimizer, weight_layout=c.weight_layout)
         rows = program.train_fn.feed_rows()
         feeds = task.train_batch(0, rows)
         steps[i] = functools.partial(_step, program.train_fn, feeds, rows)

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
+from meshax.core.errors import ConfigError
 from meshax.core.graph import Graph, Tensor
 from meshax.core.shape import Shape
 from meshax.lower.lowering import Lowering
@@ -155,10 +156,14 @@ class Model:
         return f"; costed at depths {PROBE_DEPTH} and {PROBE_DEPTH + 1}, extrapolated to {depths}"
 
 
-def model_of(graph, outputs: Sequence[Tensor] = (), updates: Sequence = ()) -> Model:
+def model_of(graph, outputs: Sequence[Tensor] = (), updates: Sequence = (), optimizer=None) -> Model:
     """The Model of a graph (with its outputs and updates), or of a training task (`meshax.train`
-    tasks: loss, metrics and Adam updates), extrapolated where its stacks are deeper than the
-    probes."""
+    tasks: the loss and `optimizer`'s updates, default Adam's), extrapolated where its stacks are
+    deeper than the probes."""
+    if optimizer is not None and isinstance(graph, Model | Graph):
+        raise ConfigError(
+            "optimizer= applies to a training task: a graph's updates (or a Model's) are its own optimizer's"
+        )
     if isinstance(graph, Model):
         return graph
     if isinstance(graph, Graph):
@@ -168,17 +173,17 @@ def model_of(graph, outputs: Sequence[Tensor] = (), updates: Sequence = ()) -> M
         raise TypeError(f"search_layout takes a Graph (with outputs and updates) or a training task, got {task!r}")
     depths = task.depths()
     if not depths or max(depths.values()) <= PROBE_DEPTH + 1:
-        return Model(_build(task))
+        return Model(_build(task, optimizer))
     shallow = {k: min(v, PROBE_DEPTH) for k, v in depths.items()}
     terms = []
     for depth in sorted({v for v in depths.values() if v > PROBE_DEPTH}):
         deeper = {k: PROBE_DEPTH + 1 if v == depth else shallow[k] for k, v in depths.items()}
-        terms.append((float(depth - PROBE_DEPTH), _build(task.at_depths(deeper))))
-    return Model(_build(task.at_depths(shallow)), terms, depths)
+        terms.append((float(depth - PROBE_DEPTH), _build(task.at_depths(deeper), optimizer)))
+    return Model(_build(task.at_depths(shallow), optimizer), terms, depths)
 
 
-def _build(task) -> Step:
+def _build(task, optimizer=None) -> Step:
     from meshax.train.loop import training_graph
 
-    graph, _, outputs, updates = training_graph(task)
+    graph, _, outputs, updates = training_graph(task, optimizer)
     return Step(graph, outputs, updates)

@@ -356,12 +356,13 @@ def search_layout(
     rescore_margin: float = 0.1,
     baseline: Candidate | str | None = None,
     search_weights: bool = False,
+    optimizer=None,
 ) -> SearchResult:
     """The layout rules for `graph` on `mesh_shape` that minimise the predicted step time of the
     program computing `outputs` and applying `updates`, within `memory_budget` per device
     (default: the device's memory). `graph` may be a training task (`meshax.train` tasks): its
-    loss, metrics and Adam updates are the program, and a deep one is costed at small depths and
-    extrapolated, exactly (`program.Extrapolated`). `layout`: rules the user pins (kept in every
+    loss and `optimizer`'s updates (default Adam's) are the program, and a deep one is costed at
+    small depths and extrapolated, exactly (`program.Extrapolated`). `layout`: rules the user pins (kept in every
     candidate). `device`: a known device name or a `meshax calibrate` file (default: the CPU's
     entry, or $MESHAX_DEVICE). Spaces of at most `exact_limit` rule sets are costed exactly;
     larger ones by the estimate, and the best that fit re-costed exactly: `top` of them (at least
@@ -378,7 +379,7 @@ def search_layout(
     start = time.perf_counter()
     breadth = max(top, 5)  # (how many the search looks at closely: listing fewer changes nothing)
     mesh_shape = convert_to_mesh_shape(mesh_shape)
-    model = model_of(graph, outputs, updates)
+    model = model_of(graph, outputs, updates, optimizer)
     if not model.base.outputs and not model.base.updates:
         raise ConfigError("search_layout needs the program to cost: give its outputs (the loss) and updates")
     dev = load_device(device)
@@ -570,7 +571,7 @@ def search_mesh_and_layout(
     """`search_layout` over every mesh of `devices` devices (`mesh_shapes`): the best layouts of
     all of them together. Pinned rules (`layout=`) keep to the meshes whose dims they name."""
     start = time.perf_counter()
-    model = model_of(graph, outputs, updates)  # (built once, for every mesh)
+    model = model_of(graph, outputs, updates, kw.pop("optimizer", None))  # (built once, for every mesh)
     pinned = convert_to_layout_rules(kw.get("layout", ""))
     results = []
     for mesh in mesh_shapes(devices):
@@ -618,13 +619,15 @@ def evaluate(
     mesh=None,
     layout: str = "",
     weight_layout: str | None = None,
+    optimizer=None,
 ) -> Candidate:
     """The exact Candidate of a layout, to compare with; `label` names it in the report (default:
     its rules). `what`: a Lowering, costed under its own layout (rules, weight rules and
     annotations) with `outputs` and `updates`; or, as `search_layout` takes it, a training task
-    or a graph with `outputs` and `updates`, costed on `mesh` under `layout` and `weight_layout`
-    as the search costs its candidates: a deep model at two small depths, extrapolated exactly
-    (and on the search's own Model, `program.model_of`, a rule set is traced once for both)."""
+    (with `optimizer`'s updates) or a graph with `outputs` and `updates`, costed on `mesh` under
+    `layout` and `weight_layout` as the search costs its candidates: a deep model at two small
+    depths, extrapolated exactly (and on the search's own Model, `program.model_of`, a rule set is
+    traced once for both)."""
     dev = load_device(device)
     if isinstance(what, Lowering):
         impl = what.impl
@@ -635,7 +638,7 @@ def evaluate(
             raise ConfigError("evaluate(task, ...) needs the mesh to cost it on: evaluate(task, mesh=..., layout=...)")
         mesh_shape = convert_to_mesh_shape(mesh)
         weights = None if weight_layout is None else str(convert_to_weight_rules(weight_layout))
-        program = model_of(what, outputs, updates).on(mesh_shape)
+        program = model_of(what, outputs, updates, optimizer).on(mesh_shape)
         cost = program.exact(_rules(layout), weights)
         candidate = _candidate(str(convert_to_layout_rules(layout)), cost, dev, mesh_shape, weights)
     candidate.label = label
