@@ -272,7 +272,7 @@ def _parser() -> argparse.ArgumentParser:
                 default=0,
                 metavar="K",
                 help="also compile and time the K best layouts (and --layout's) on this machine's devices, and rank "
-                "those K by measured step time (settles what the cost model predicts as near ties)",
+                "those K by measured step time (settles what the cost model predicts as near ties; lists at least K)",
             )
             g.add_argument(
                 "--picture",
@@ -1105,7 +1105,7 @@ def _search(args, task) -> int:
         layout=args.pin,
         memory_budget=args.memory_budget,
         device=args.device,
-        top=args.top,
+        top=max(args.top, args.measure),  # (--measure 8 lists the 8 it measures)
         baseline=baseline,
         search_weights=args.search_weights,
     )

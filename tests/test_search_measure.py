@@ -105,6 +105,16 @@ def test_plan_search_measure_prints_the_measured_ranking(capsys):
     assert float(measured[0]) <= float(measured[1])
 
 
+def test_plan_lists_every_layout_it_measures(capsys):
+    assert main(["plan", "mlp", "--mesh", MESH, "--search", "--top", "1", "--measure", "2", "--layout", ""]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "the 2 best and yours measured" in lines[1] and [line.split()[0] for line in lines[3:6]] == [
+        "1",
+        "2",
+        "yours",
+    ]
+
+
 def test_measure_without_a_search_is_refused(capsys):
     assert main(["plan", "mlp", "--mesh", MESH, "--measure", "2"]) == 2
     assert "--measure applies to a layout search: add --search" in capsys.readouterr().err
