@@ -190,6 +190,9 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--resume", default=None, metavar="DIR", help="continue from the latest checkpoint in DIR")
             s.add_argument("--tensorboard", default=None, metavar="DIR", help="also write TensorBoard event files here")
             s.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
+            _add_search_flags(
+                s, "train with the layout rules of least predicted step time (the table is printed first)"
+            )
             g = s.add_argument_group(
                 "many processes", "join a multi-process job (meshax launch sets these itself; see docs/guides)"
             )
@@ -236,43 +239,8 @@ def _parser() -> argparse.ArgumentParser:
                 action="store_true",
                 help="also list every tensor's layout and where it came from, with warnings",
             )
-            g = s.add_argument_group("layout search", "choose the layout rules (docs/guides/layout-search.md)")
-            g.add_argument(
-                "--search",
-                action="store_true",
-                help="search the layout rules of least predicted step time; --layout, if given, is shown beside",
-            )
-            g.add_argument(
-                "--memory-budget",
-                default=None,
-                metavar="SIZE",
-                help="per device, e.g. 16GB (powers of 1000) or 16GiB (default: the device's)",
-            )
-            g.add_argument("--top", type=_COUNT, default=5, metavar="K", help="how many layouts to list (default 5)")
-            g.add_argument(
-                "--device",
-                default=None,
-                help="the device to predict for: a known name (h100, a100, tpu-v3, tpu-v4, tpu-v5e, cpu) or a file "
-                "`meshax calibrate` wrote (default: $MESHAX_DEVICE, else cpu)",
-            )
-            g.add_argument(
-                "--search-mesh",
-                action="store_true",
-                help="also choose the mesh: every factorisation of --mesh's device count into 1-3 dims",
-            )
-            g.add_argument(
-                "--search-weights",
-                action="store_true",
-                help="also give weights, their gradients and optimizer state rules of their own (--weight-layout)",
-            )
-            g.add_argument("--pin", default="", metavar="RULES", help='rules every candidate keeps, e.g. "batch:rows"')
-            g.add_argument(
-                "--measure",
-                type=_NATURAL,
-                default=0,
-                metavar="K",
-                help="also compile and time the K best layouts (and --layout's) on this machine's devices, and rank "
-                "those K by measured step time (settles what the cost model predicts as near ties; lists at least K)",
+            g = _add_search_flags(
+                s, "search the layout rules of least predicted step time; --layout, if given, is shown beside"
             )
             g.add_argument(
                 "--picture",
@@ -301,6 +269,45 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # Flags that only some tasks read: giving one to another task is a mistake, not a no-op.
+def _add_search_flags(s, search_help: str):
+    """The layout search's flags (`plan` and `train`), in a group of their own; returns the group."""
+    g = s.add_argument_group("layout search", "choose the layout rules (docs/guides/layout-search.md)")
+    g.add_argument("--search", action="store_true", help=search_help)
+    g.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="SIZE",
+        help="per device, e.g. 16GB (powers of 1000) or 16GiB (default: the device's)",
+    )
+    g.add_argument("--top", type=_COUNT, default=5, metavar="K", help="how many layouts to list (default 5)")
+    g.add_argument(
+        "--device",
+        default=None,
+        help="the device to predict for: a known name (h100, a100, tpu-v3, tpu-v4, tpu-v5e, cpu) or a file "
+        "`meshax calibrate` wrote (default: $MESHAX_DEVICE, else cpu)",
+    )
+    g.add_argument(
+        "--search-mesh",
+        action="store_true",
+        help="also choose the mesh: every factorisation of --mesh's device count into 1-3 dims",
+    )
+    g.add_argument(
+        "--search-weights",
+        action="store_true",
+        help="also give weights, their gradients and optimizer state rules of their own (--weight-layout)",
+    )
+    g.add_argument("--pin", default="", metavar="RULES", help='rules every candidate keeps, e.g. "batch:rows"')
+    g.add_argument(
+        "--measure",
+        type=_NATURAL,
+        default=0,
+        metavar="K",
+        help="also compile and time the K best layouts (and --layout's) on this machine's devices, and rank "
+        "those K by measured step time (settles what the cost model predicts as near ties; lists at least K)",
+    )
+    return g
+
+
 _ONLY_FOR = {
     "source": ("lm",),
     "problem": ("seq2seq",),
@@ -360,7 +367,7 @@ def _check(args) -> None:
             raise ConfigError(f"--{flag.replace('_', '-')} needs --pipeline-stages S")
     if args.data and not os.path.isdir(args.data):
         raise ConfigError(f"--data {args.data!r} is not a folder: give the folder with the four MNIST IDX files")
-    if args.command == "plan" and not args.search:
+    if args.command in ("plan", "train") and not args.search:
         given = [
             flag
             for flag, value in (
@@ -381,6 +388,11 @@ def _check(args) -> None:
     if args.command != "train":
         return
     _check_paths(args)
+    if args.search and args.sharding:
+        raise ConfigError(
+            f"--search chooses the layout rules to train with, and --sharding {args.sharding} annotates the layout "
+            "yourself: give one of them (meshax plan --search --sharding compares the two)"
+        )
     if args.warmup > args.steps:
         raise ConfigError(f"--warmup {args.warmup} is longer than --steps {args.steps}")
     if args.warmup and args.optimizer == "adafactor" and args.lr is None:
@@ -905,7 +917,7 @@ def _run(args) -> int:
     _quiet_dependencies()
     if args.command == "train":  # before anything starts JAX (checking --resume reads with Orbax)
         _start_devices(args, mesh_shape.size)
-    if args.command == "generate" or getattr(args, "measure", 0):  # (plan --measure runs steps)
+    if args.command == "generate" or (args.command == "plan" and args.measure):  # (plan --measure runs steps)
         from meshax.runtime import use_cpu_devices
 
         use_cpu_devices(mesh_shape.size)
@@ -925,6 +937,8 @@ def _run(args) -> int:
             return _plan(args, task, console)
         if args.command == "generate":
             return _generate(args, task, console)
+        if args.search:
+            _train_searched(args, task, console)
         program = build(
             task, args.mesh, args.layout, args.backend, _optimizer(args), args.seed, weight_layout=args.weight_layout
         )
@@ -1078,9 +1092,54 @@ def _calibrate(args) -> int:
 
 
 def _search(args, task) -> int:
+    """`meshax plan --search`: the table, and with --picture the comparison and the chosen layouts drawn."""
+    from meshax.search.draw import draw_comparison
+
+    result, searched = _searched(args, task)
+    print(result.format(), end="", flush=True)
+    if args.picture:
+        os.makedirs(args.picture, exist_ok=True)
+        from meshax.train.loop import build
+
+        print(f"wrote {draw_comparison(result, os.path.join(args.picture, 'search.png'))}")
+        best = result.best
+        chosen = build(
+            searched,
+            best.mesh,
+            best.layout,
+            args.backend,
+            _optimizer(args),
+            compile=False,
+            weight_layout=best.weight_layout,
+        )
+        _draw_parameters(chosen[0], args.picture)
+    return 0
+
+
+def _train_searched(args, task, console) -> None:
+    """`meshax train --search`: the search's table printed, and its best mesh, rules and weight
+    rules put in `args` to train with. Every process searches (the same, by the cost model);
+    timed (--measure), each process's times differ, and process 0's choice is taken."""
+    import jax
+
+    result, _ = _searched(args, task, say=not console.quiet)
+    if not console.quiet:
+        print(result.format(), end="", flush=True)
+    best = result.best
+    if args.measure and jax.process_count() > 1:
+        import numpy as np
+        from jax.experimental import multihost_utils
+
+        same_order = sorted(result.ranked, key=lambda c: (c.mesh, c.name))
+        i = int(multihost_utils.broadcast_one_to_all(np.int32(same_order.index(best))))
+        best = same_order[i]
+    args.mesh, args.layout, args.weight_layout = best.mesh, best.layout, best.weight_layout
+
+
+def _searched(args, task, say: bool = True):
+    """The layout search the flags ask for (timed with --measure), and the task it searched."""
     from meshax.layout import convert_to_mesh_shape
     from meshax.search import SearchResult, evaluate, search_layout
-    from meshax.search.draw import draw_comparison
     from meshax.search.program import model_of
     from meshax.search.search import search_mesh_and_layout
 
@@ -1113,22 +1172,14 @@ def _search(args, task) -> int:
         from meshax.search import measure_layouts
 
         mine = " and --layout's" if result.baseline is not None else ""
-        k = min(args.measure, len(result.ranked))
-        print(f"measuring the {k} best layouts{mine} ...", file=sys.stderr, flush=True)
+        if say:
+            k = min(args.measure, len(result.ranked))
+            print(f"measuring the {k} best layouts{mine} ...", file=sys.stderr, flush=True)
         annotated = None if searched is task else task  # (what runs the layout given beside: its annotations)
         result = measure_layouts(
             result, searched, args.measure, yours=annotated, backend=args.backend, optimizer=_optimizer(args)
         )
-    print(result.format(), end="", flush=True)
-    if args.picture:
-        os.makedirs(args.picture, exist_ok=True)
-        from meshax.train.loop import build
-
-        print(f"wrote {draw_comparison(result, os.path.join(args.picture, 'search.png'))}")
-        best = result.best
-        chosen = build(searched, best.mesh, best.layout, args.backend, compile=False, weight_layout=best.weight_layout)
-        _draw_parameters(chosen[0], args.picture)
-    return 0
+    return result, searched
 
 
 def _draw_parameters(lowering, folder: str) -> None:

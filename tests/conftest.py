@@ -35,6 +35,10 @@ if _FLAGS not in os.environ.get("XLA_FLAGS", ""):  # (a worker inherits them set
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Started now, with 8: else a worker whose first test runs the command line on a 1-device mesh
+# (`main(["plan", ..., "--mesh", "all:1"])`) starts it with 1 (`use_cpu_devices(1)`), and every
+# later test of that worker that needs 8 fails ("JAX sees 1 cpu device(s)").
+jax.devices()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -731,3 +731,31 @@ def test_feeding_rows_where_one_process_holds_the_first_and_the_last(tmp_path):
     assert time.monotonic() - start < 25
     lines = sorted(line for line in result.stdout.splitlines() if " ok" in line)
     assert lines == ["[0] process 0 rows 0 10 ok", "[1] process 1 rows 2 9 ok"], result.stdout
+
+
+@pytest.mark.slow
+def test_train_search_measured_in_a_job_trains_process_0s_choice(tmp_path):
+    """`meshax train --search --measure K` in a job: each process times the K best itself, and
+    their rankings may differ (here made to: process 1's times are reversed), so that processes
+    would build different programs and wait for each other in collectives that never match.
+    Every process trains process 0's choice."""
+    script = tmp_path / "searched.py"
+    script.write_text(
+        "import sys, jax\n"
+        "import meshax.search.measure as measure\n"
+        "real = measure.in_blocks\n"
+        "def in_blocks(fns, rounds, block):\n"
+        "    got = real(fns, 1, 1)\n"  # (every process runs the same steps, in the same order)
+        "    flip = -1 if jax.process_index() else 1\n"
+        "    return {i: 1.0 + flip * i for i in got}\n"
+        "measure.in_blocks = in_blocks\n"
+        "from meshax.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    args = ["mnist", "--mesh", "rows:2;cols:4", "--steps", "2", "--no-progress", "--search", "--measure", "2"]
+    result = _launch([sys.executable, str(script), "train", *args], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("[0] 1 ")]
+    trained = re.search(r"layout '([^']*)'", result.stdout)
+    assert len(table) == 1 and trained and table[0].split()[2] == trained.group(1)
+    assert "[1] layout search" not in result.stdout  # (process 0 speaks for all)

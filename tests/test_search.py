@@ -1030,3 +1030,26 @@ def test_plan_search_costs_the_optimizer_flag(capsys):
         runs[name] = capsys.readouterr().out.splitlines()[2]  # (the best's row)
     best = search_layout(LmTask(model="tiny"), "rows:2;cols:4", optimizer=mx.optimize.AdafactorOptimizer()).best
     assert runs["adam"] != runs["adafactor"] and f"{best.step_s * 1e3:.3f}" in runs["adafactor"]
+
+
+def test_train_search_trains_the_searchs_best(capsys):
+    assert main(["train", "mnist", "--mesh", "rows:2;cols:4", "--search", "--steps", "2", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    best = next(line for line in out.splitlines() if line.startswith("1 ")).split()[1]
+    assert out.startswith("layout search: ") and f"mesh 'rows:2;cols:4', layout '{best}'" in out
+    assert "eval after step 2" in out
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--mesh", "rows:2;cols:4", "--measure", "2"], "--measure applies to a layout search: add --search"),
+        (
+            ["--mesh", "x:2;y:4", "--search", "--sharding", "gspmd-2d-finalized"],
+            "--search chooses the layout rules to train with, and",
+        ),
+    ],
+)
+def test_train_search_flags_that_contradict_are_refused(flags, said, capsys):
+    assert main(["train", "lm", "--steps", "2", *flags]) == 2
+    assert said in capsys.readouterr().err
