@@ -1171,10 +1171,9 @@ def _searched(args, task, say: bool = True):
     if args.measure:
         from meshax.search import measure_layouts
 
-        mine = " and --layout's" if result.baseline is not None else ""
         if say:
             k = min(args.measure, len(result.ranked))
-            print(f"measuring the {k} best layouts{mine} ...", file=sys.stderr, flush=True)
+            print(f"measuring the {k} best layout{'s' if k > 1 else ''} ...", file=sys.stderr, flush=True)
         annotated = None if searched is task else task  # (what runs the layout given beside: its annotations)
         result = measure_layouts(
             result, searched, args.measure, yours=annotated, backend=args.backend, optimizer=_optimizer(args)

@@ -80,15 +80,11 @@ def test_bad_arguments_say_what_to_give(change, message):
         measure_layouts(result, **args)
 
 
-def test_a_mesh_larger_than_the_devices_and_layouts_that_do_not_fit_together_are_named():
+def test_a_mesh_larger_than_the_devices_and_annotations_without_their_task_are_named():
     big = search_layout(MLP, "rows:4;cols:4", top=2)
     with pytest.raises(mx.ConfigError, match=r"the mesh needs 16, this process has 8 .*JAX_NUM_CPU_DEVICES=16"):
         measure_layouts(big, MLP)
     result = search_layout(MLP, MESH, top=2)
-    tight = dataclasses.replace(result, memory_budget=result.ranked[0].memory_bytes + result.ranked[1].memory_bytes - 1)
-    together = r"to measure \(the 2 best\) are predicted to need .*B per device together, over the memory budget"
-    with pytest.raises(mx.ConfigError, match=together + ".* measure fewer"):
-        measure_layouts(tight, MLP, k=2)
     labelled = dataclasses.replace(result, baseline=dataclasses.replace(result.ranked[1], label="annotations 2d"))
     with pytest.raises(mx.ConfigError, match="'annotations 2d': give yours="):
         measure_layouts(labelled, MLP, k=1)
@@ -97,7 +93,7 @@ def test_a_mesh_larger_than_the_devices_and_layouts_that_do_not_fit_together_are
 def test_plan_search_measure_prints_the_measured_ranking(capsys):
     assert main(["plan", "mlp", "--mesh", MESH, "--search", "--top", "3", "--measure", "2"]) == 0
     out, err = capsys.readouterr()
-    assert "measuring the 2 best layouts and --layout's" in err
+    assert "measuring the 2 best layouts ..." in err
     lines = out.splitlines()
     assert "the 2 best and yours measured on 8 cpu devices" in lines[1] and "measured ms" in lines[2]
     measured = [line.split()[3] for line in lines[3:7]]  # (#, layout, step ms, measured ms)
@@ -118,3 +114,41 @@ def test_plan_lists_every_layout_it_measures(capsys):
 def test_measure_without_a_search_is_refused(capsys):
     assert main(["plan", "mlp", "--mesh", MESH, "--measure", "2"]) == 2
     assert "--measure applies to a layout search: add --search" in capsys.readouterr().err
+
+
+def test_layouts_measured_together_need_all_their_weights_and_one_steps_activations(monkeypatch):
+    result = search_layout(MLP, MESH, top=2)
+    kept = [c.cost.memory["parameters"] + c.cost.memory["optimizer_state"] for c in result.ranked]
+    need = sum(kept) + max(c.memory_bytes - k for c, k in zip(result.ranked, kept))
+    assert need < sum(c.memory_bytes for c in result.ranked)  # (each step's activations are freed after it)
+    monkeypatch.setattr(measure, "in_blocks", lambda fns, rounds, block: dict.fromkeys(fns, 1.0))
+    assert measure_layouts(dataclasses.replace(result, memory_budget=need), MLP, k=2).measured
+    together = r"to measure \(the 2 best\) are predicted to need .*B per device together, over the memory budget"
+    with pytest.raises(mx.ConfigError, match=together + ".* measure fewer"):
+        measure_layouts(dataclasses.replace(result, memory_budget=need - 1), MLP, k=2)
+
+
+def test_yours_over_the_budget_alone_is_shown_not_run(monkeypatch, capsys):
+    result = search_layout(MLP, MESH, top=2, baseline="batch:rows;hidden:cols")
+    best = result.ranked[0]
+    big = {**result.baseline.cost.memory, "activations": best.memory_bytes}  # (over the budget alone)
+    mine = dataclasses.replace(result.baseline, cost=dataclasses.replace(result.baseline.cost, memory=big))
+    lean = dataclasses.replace(result, memory_budget=best.memory_bytes, baseline=mine)
+    runs = []
+    monkeypatch.setattr(
+        measure, "in_blocks", lambda fns, rounds, block: runs.append(len(fns)) or dict.fromkeys(fns, 1.0)
+    )
+    timed = measure_layouts(lean, MLP, k=1)
+    assert runs == [1] and timed.ranked[0].measured_s == 1.0 and timed.baseline.measured_s is None
+    assert "the 1 best (not yours, over the memory budget) measured on 8 cpu devices" in timed.format()
+    assert main(["plan", "lm", "--mesh", MESH, "--search", "--measure", "1", "--memory-budget", "8MB"]) == 0
+    out, err = capsys.readouterr()
+    assert "measuring the 1 best layout ..." in err and "(not yours, over the memory budget)" in out
+
+
+def test_a_search_for_an_accelerator_is_not_ranked_by_the_cpus_times(capsys):
+    result = search_layout(MLP, MESH, top=2, device="h100")
+    with pytest.raises(mx.ConfigError, match="predicted for NVIDIA H100 SXM, and this process's devices are CPUs"):
+        measure_layouts(result, MLP, k=2)
+    assert main(["plan", "mlp", "--mesh", MESH, "--search", "--measure", "1", "--device", "tpu-v4"]) == 2
+    assert "search for these (device cpu" in capsys.readouterr().err

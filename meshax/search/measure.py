@@ -17,6 +17,7 @@ from typing import TypeVar
 
 from meshax.core.errors import ConfigError
 from meshax.layout import convert_to_mesh_shape
+from meshax.search.devices import KNOWN_DEVICES
 from meshax.search.search import SearchResult, same_layout
 
 K = TypeVar("K")
@@ -55,7 +56,9 @@ def measure_layouts(
     `block` times in a row after a warm-up step, `rounds` times, the layouts in rotating order.
     The k are ranked by their median step time (`Candidate.measured_s`), ahead of the rest, which
     stay in their predicted order. All k programs hold their weights and optimizer state on the
-    devices at once, so their predicted memory together must fit the search's budget.
+    devices at once (and one step's gradients and activations at a time), so that much of their
+    predicted memory must fit the search's budget; the user's layout is not run where it alone
+    is over the budget. A search for an accelerator is not measured on CPUs.
     `yours`: the task the user's layout runs (its GSPMD annotations, say) where it is not `task`;
     `optimizer`: the one the search costed (default Adam)."""
     import jax
@@ -74,17 +77,25 @@ def measure_layouts(
         )
     chosen = result.ranked[:k]
     mine = result.baseline
-    if mine is not None and mine.label and yours is None:  # (annotations: not a layout of `task`)
-        raise ConfigError(f"the layout shown beside the search is {mine.label!r}: give yours=, the task that runs it")
     again = next((i for i, c in enumerate(chosen) if mine is not None and same_layout(c, mine)), None)
-    timed = chosen + ([mine] if mine is not None and again is None else [])  # (yours once, where it is one of them)
+    over = mine is not None and again is None and mine.memory_bytes > result.memory_budget  # (shown, not run)
+    if mine is not None and mine.label and yours is None and not over:  # (annotations: not a layout of `task`)
+        raise ConfigError(f"the layout shown beside the search is {mine.label!r}: give yours=, the task that runs it")
+    timed = chosen + ([mine] if mine is not None and again is None and not over else [])  # (yours once, where it fits)
+    platform = jax.devices()[0].platform
+    if platform == "cpu" and result.device in KNOWN_DEVICES.values() and result.device != KNOWN_DEVICES["cpu"]:
+        raise ConfigError(
+            f"the search predicted for {result.device.name}, and this process's devices are CPUs: measured here, the "
+            f"layouts would be ranked by the CPUs' step times, not the {result.device.name}'s; measure on the devices "
+            "predicted for, or search for these (device cpu, or a file `meshax calibrate` wrote here)"
+        )
     need = max(convert_to_mesh_shape(c.mesh).size for c in timed)
     if need > jax.device_count():
         raise ConfigError(
             f"measuring runs the layouts on this process's devices: the mesh needs {need}, this process has "
             f"{jax.device_count()} (on a CPU, meshax.use_cpu_devices({need}) or JAX_NUM_CPU_DEVICES={need} first)"
         )
-    together = sum(c.memory_bytes for c in timed)
+    together = sum(map(_kept, timed)) + max(c.memory_bytes - _kept(c) for c in timed)  # (one step runs at a time)
     if together > result.memory_budget:
         from meshax.lower.report import _human
 
@@ -105,14 +116,19 @@ def measure_layouts(
     seconds = in_blocks(steps, rounds, block)
     done = [dataclasses.replace(c, measured_s=seconds[i]) for i, c in enumerate(timed)]
     ranked = [done[i] for i in sorted(range(len(chosen)), key=seconds.__getitem__)] + result.ranked[k:]
-    if mine is not None:
+    if mine is not None and not over:
         mine = dataclasses.replace(mine, measured_s=seconds[len(chosen) if again is None else again])
-    platform = jax.devices()[0].platform
+    also = " (not yours, over the memory budget)" if over else " and yours" if mine is not None else ""
     how = (
-        f"the {len(chosen)} best{' and yours' if mine is not None else ''} measured on {need} {platform} devices: "
-        f"median of {rounds} x {block} steps, in rotating order, {time.perf_counter() - start:.1f} s"
+        f"the {len(chosen)} best{also} measured on {need} {platform} devices: median of {rounds} x {block} steps, "
+        f"in rotating order, {time.perf_counter() - start:.1f} s"
     )
     return dataclasses.replace(result, ranked=ranked, baseline=mine, measured=how)
+
+
+def _kept(c) -> int:
+    """The bytes a built layout holds between its steps: its weights and optimizer state."""
+    return c.cost.memory["parameters"] + c.cost.memory["optimizer_state"]
 
 
 def _step(fn, feeds, rows):
