@@ -268,7 +268,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-# Flags that only some tasks read: giving one to another task is a mistake, not a no-op.
 def _add_search_flags(s, search_help: str):
     """The layout search's flags (`plan` and `train`), in a group of their own; returns the group."""
     g = s.add_argument_group("layout search", "choose the layout rules (docs/guides/layout-search.md)")
@@ -308,6 +307,7 @@ def _add_search_flags(s, search_help: str):
     return g
 
 
+# Flags that only some tasks read: giving one to another task is a mistake, not a no-op.
 _ONLY_FOR = {
     "source": ("lm",),
     "problem": ("seq2seq",),
@@ -1146,13 +1146,14 @@ def _searched(args, task, say: bool = True):
     # Costed once, at small depths where the model is deep: the search's candidates and the
     # layout given beside them (or the task's default, where it fits the mesh), annotations and all
     searched = dataclasses.replace(task, sharding="") if getattr(task, "sharding", "") else task
-    model = model_of(searched, optimizer=_optimizer(args))
+    optimizer = _optimizer(args)  # (the search costs its steps, and --measure runs them)
+    model = model_of(searched, optimizer=optimizer)
     baseline = None
     if not getattr(args, "no_baseline", False):
         label = None
         if args.sharding:  # the annotations are the user's layout: name them
             label = f"{args.layout} + annotations {args.sharding}" if args.layout else f"annotations {args.sharding}"
-        yours = model if searched is task else model_of(task, optimizer=_optimizer(args))
+        yours = model if searched is task else model_of(task, optimizer=optimizer)
         baseline = evaluate(
             yours, mesh=args.mesh, layout=args.layout, weight_layout=args.weight_layout, device=args.device, label=label
         )
@@ -1176,7 +1177,7 @@ def _searched(args, task, say: bool = True):
             print(f"measuring the {k} best layout{'s' if k > 1 else ''} ...", file=sys.stderr, flush=True)
         annotated = None if searched is task else task  # (what runs the layout given beside: its annotations)
         result = measure_layouts(
-            result, searched, args.measure, yours=annotated, backend=args.backend, optimizer=_optimizer(args)
+            result, searched, args.measure, yours=annotated, backend=args.backend, optimizer=optimizer
         )
     return result, searched
 
