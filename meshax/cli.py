@@ -233,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
                 help="first print the decoding step's layout and what each token costs on the mesh (its collectives)",
             )
         else:
-            s.add_argument("--json", action="store_true", help="print the plan as JSON")
+            s.add_argument("--json", action="store_true", help="print the plan (with --search: the search) as JSON")
             s.add_argument(
                 "--explain",
                 action="store_true",
@@ -1096,12 +1096,13 @@ def _search(args, task) -> int:
     from meshax.search.draw import draw_comparison
 
     result, searched = _searched(args, task)
-    print(result.format(), end="", flush=True)
+    print(json.dumps(result.as_dict(), indent=1) if args.json else result.format(), end="\n" if args.json else "")
     if args.picture:
         os.makedirs(args.picture, exist_ok=True)
         from meshax.train.loop import build
 
-        print(f"wrote {draw_comparison(result, os.path.join(args.picture, 'search.png'))}")
+        said = sys.stderr if args.json else sys.stdout  # (stdout is the JSON's alone)
+        print(f"wrote {draw_comparison(result, os.path.join(args.picture, 'search.png'))}", file=said)
         best = result.best
         chosen = build(
             searched,
@@ -1112,7 +1113,7 @@ def _search(args, task) -> int:
             compile=False,
             weight_layout=best.weight_layout,
         )
-        _draw_parameters(chosen[0], args.picture)
+        _draw_parameters(chosen[0], args.picture, said)
     return 0
 
 
@@ -1182,15 +1183,16 @@ def _searched(args, task, say: bool = True):
     return result, searched
 
 
-def _draw_parameters(lowering, folder: str) -> None:
-    """One picture per parameter shape (the first variable of each), in `folder`."""
+def _draw_parameters(lowering, folder: str, said=None) -> None:
+    """One picture per parameter shape (the first variable of each), in `folder`; each file
+    written is said on `said` (default stdout)."""
     seen = set()
     for var in lowering.graph.trainable_variables:
         t = var.value
         if tuple(t.shape.dimension_names) in seen:
             continue
         seen.add(tuple(t.shape.dimension_names))
-        print(f"wrote {lowering.draw(t, os.path.join(folder, var.name.replace('/', '.') + '.png'))}")
+        print(f"wrote {lowering.draw(t, os.path.join(folder, var.name.replace('/', '.') + '.png'))}", file=said)
 
 
 def _plan(args, task, console) -> int:
@@ -1206,8 +1208,6 @@ def _plan(args, task, console) -> int:
         _check_can_create("--picture", args.picture)
         _check_can_make_folder("--picture", args.picture)  # (made when the pictures are drawn: none if it fails first)
     if args.search:
-        if args.json:
-            raise ConfigError("--json prints the cost report; --search prints its own table: give one of them")
         return _search(args, task)
     lowering, outputs, updates = build(
         task,
@@ -1223,7 +1223,7 @@ def _plan(args, task, console) -> int:
     summary = summarize(lowering, counters, outputs)
     if args.picture:
         os.makedirs(args.picture, exist_ok=True)
-        _draw_parameters(lowering, args.picture)
+        _draw_parameters(lowering, args.picture, sys.stderr if args.json else None)  # (stdout: the JSON's alone)
     if args.json:
         explained = {"explain": lowering.explain()} if args.explain else {}
         print(json.dumps({**summary.as_dict(), **explained}, indent=1))

@@ -334,7 +334,8 @@ def test_plan_json_with_explain_carries_the_explanation(capsys):
 
 def test_plan_costs_the_optimizer_asked_for_and_json_still_draws_pictures(capsys, tmp_path):
     """`plan --optimizer adafactor` costs Adafactor (plan refused the flag, so it costed Adam's
-    state and collectives while train ran Adafactor's); `--json --picture` draws the pictures too."""
+    state and collectives while train ran Adafactor's); `--json --picture` draws the pictures too,
+    and says so on stderr (its 'wrote ...' lines went before the JSON, which no reader then parsed)."""
     argv = ["plan", "lm", "--model", "small", "--mesh", "rows:2;cols:4", "--json"]  # (dims of 128 and up: factored)
     state = {}
     for name in ("adam", "adafactor"):
@@ -342,7 +343,9 @@ def test_plan_costs_the_optimizer_asked_for_and_json_still_draws_pictures(capsys
         state[name] = json.loads(capsys.readouterr().out)["optimizer_state_bytes_per_device"]
     assert state["adafactor"] < state["adam"] / 4  # (factored second moments, no first)
     assert main([*argv, "--picture", str(tmp_path / "pics")]) == 0
-    assert os.listdir(tmp_path / "pics")
+    out, err = capsys.readouterr()
+    assert json.loads(out)["optimizer_state_bytes_per_device"] == state["adam"]
+    assert os.listdir(tmp_path / "pics") and err.count("wrote ") == len(os.listdir(tmp_path / "pics"))
 
 
 def test_the_command_tunes_its_garbage_collector_and_a_python_caller_keeps_its_own(monkeypatch, capsys):

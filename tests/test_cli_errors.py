@@ -97,7 +97,6 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "lm", "--moe-experts", "512"], "512 experts are more than a group of 64 tokens"),
     # (it said "moe with top_2 gating needs at least 2 experts", naming neither the flag's value nor a fix)
     (["plan", "lm", "--moe-experts", "1"], "moe_experts=1: an MoE layer's top-2 gating sends each token to 2 experts"),
-    (["plan", "mlp", *MLP, "--search", "--json"], "--search prints its own table"),
     (["plan", "lm", "--weight-layout", "d_model:cols except"], "after 'except', write each weight shape"),
     # --picture's folder is made when the pictures are drawn (it was left behind, empty, by a plan that failed)
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;hidden:all", "--picture", "pics"], "both split"),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 
 import numpy as np
 import pytest
@@ -152,3 +154,18 @@ def test_a_search_for_an_accelerator_is_not_ranked_by_the_cpus_times(capsys):
         measure_layouts(result, MLP, k=2)
     assert main(["plan", "mlp", "--mesh", MESH, "--search", "--measure", "1", "--device", "tpu-v4"]) == 2
     assert "search for these (device cpu" in capsys.readouterr().err
+
+
+def test_plan_search_json_is_the_result_as_data_and_pictures_say_so_on_stderr(capsys, tmp_path):
+    """`plan --search --json` was refused ("--search prints its own table")."""
+    pictures = tmp_path / "pictures"
+    argv = ["plan", "mlp", "--mesh", MESH, "--search", "--top", "2", "--measure", "1", "--json"]
+    assert main([*argv, "--picture", str(pictures)]) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(out)
+    best, second, yours = data["ranked"][0], data["ranked"][1], data["baseline"]
+    assert data["legal"] == 16 and data["measured"].startswith("the 1 best and yours measured on 8 cpu devices")
+    assert best["measured_ms"] > 0 and second["measured_ms"] is None and yours["measured_ms"] > 0
+    assert best["mesh"] == MESH and best["step_ms"] <= second["step_ms"] and yours["layout"] == "batch:rows;hidden:cols"
+    assert best["memory_bytes"] == sum(best["memory"].values()) and set(best["communication_ms"]) >= {"allreduce"}
+    assert err.count("wrote ") == len(os.listdir(pictures)) >= 2

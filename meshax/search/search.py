@@ -70,6 +70,21 @@ def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape, weight_l
     return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, p.by_link, mesh_text(mesh_shape), weight_layout)
 
 
+def _as_dict(c: Candidate) -> dict:
+    return {
+        "mesh": c.mesh,
+        "layout": c.layout,
+        "weight_layout": c.weight_layout,
+        "label": c.label,
+        "step_ms": c.step_s * 1e3,
+        "measured_ms": None if c.measured_s is None else c.measured_s * 1e3,
+        "compute_ms": c.compute_s * 1e3,
+        "communication_ms": {k: v * 1e3 for k, v in c.comm_s.items()},
+        "memory_bytes": c.memory_bytes,
+        "memory": dict(c.cost.memory),
+    }
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f}"
 
@@ -166,6 +181,23 @@ class SearchResult:
         for tag, c in rows[1:]:
             lines.append(f"{tag}: {self.why(c)}")
         return "\n".join(lines) + "\n"
+
+    def as_dict(self) -> dict:
+        """The result as JSON data (`meshax plan --search --json`): how the layouts were searched
+        (and measured), and each one listed, best first, and the user's, with its predicted step
+        and its parts in ms, its measured step (None where not run) and its memory per device."""
+        return {
+            "legal": self.legal,
+            "every": self.every,
+            "method": self.method,
+            "seconds": self.seconds,
+            "meshes": self.meshes,
+            "device": self.device.name,
+            "memory_budget_bytes": self.memory_budget,
+            "measured": self.measured or None,
+            "ranked": [_as_dict(c) for c in self.ranked],
+            "baseline": None if self.baseline is None else _as_dict(self.baseline),
+        }
 
     def why(self, other: Candidate) -> str:
         """How `other` differs from the best: its rules and the biggest time differences."""
