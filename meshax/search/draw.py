@@ -9,8 +9,9 @@ from meshax.lower.draw import check_picture_path, pyplot
 
 
 def draw_comparison(result, path: str) -> str:
-    """Stacked bars of each layout's predicted step time (compute, each collective kind) and its
-    memory per device against the budget, for the layouts a search ranked (and the user's)."""
+    """Stacked bars of each layout's predicted step time (compute, each collective kind; a
+    diamond at its measured step where it was run) and its memory per device against the budget,
+    for the layouts a search ranked (and the user's)."""
     check_picture_path(path)
     plt = pyplot()
     rows = [(f"#{i + 1}", c) for i, c in enumerate(result.ranked)]
@@ -24,7 +25,12 @@ def draw_comparison(result, path: str) -> str:
         ms = [1e3 * (c.compute_s if k == "compute" else c.comm_s[k]) for _, c in rows]
         left.barh(labels, ms, left=lefts, label=k, color=colour)
         lefts = [a + b for a, b in zip(lefts, ms)]
-    left.set_xlabel("predicted step time per device (ms)")
+    timed = [(label, 1e3 * c.measured_s) for label, (_, c) in zip(labels, rows) if c.measured_s is not None]
+    if timed:  # (`measure_layouts`: each step as run, beside its prediction)
+        left.scatter(
+            [ms for _, ms in timed], [label for label, _ in timed], marker="D", color="black", label="measured"
+        )
+    left.set_xlabel("predicted step time per device (ms)" + (", and measured" if timed else ""))
     left.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=3)
     left.invert_yaxis()
     most = max(max(c.memory_bytes for _, c in rows), 1)
