@@ -31,6 +31,8 @@ HEARTBEAT_TIMEOUT = 10
 BARRIER_TIMEOUT = 60
 JOIN_TIMEOUT = 120
 
+_coordinator: str | None = None  # the address this process joined its job at (`initialize_distributed`)
+
 
 def use_cpu_devices(n: int) -> None:
     """Ask JAX for `n` virtual CPU devices. Call before anything touches a JAX backend.
@@ -106,6 +108,8 @@ def initialize_distributed(
     _check_coordinator(coordinator, "coordinator")
     if coordinator is None:
         _check_coordinator(os.environ.get(ENV_COORDINATOR) or None, f"environment variable {ENV_COORDINATOR}")
+    global _coordinator
+    _coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator,
@@ -127,6 +131,19 @@ def initialize_distributed(
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     if cpu_devices_per_process is not None:
         jax.config.update("jax_num_cpu_devices", int(cpu_devices_per_process))
+
+
+def processes_on_this_host() -> int:
+    """How many processes of this job share this machine (and its memory): all of them where the
+    job's coordinator is at this machine's loopback address (`meshax launch`, or processes started
+    with --coordinator localhost:PORT: no process elsewhere could reach it), else this one alone,
+    as far as this process knows."""
+    import jax
+
+    if jax.process_count() == 1 or _coordinator is None:
+        return 1
+    host = _coordinator.rpartition(":")[0].strip("[]")
+    return jax.process_count() if host in ("localhost", "::1") or host.startswith("127.") else 1
 
 
 def _check_coordinator(address: str | None, what: str) -> None:

@@ -759,3 +759,26 @@ def test_train_search_measured_in_a_job_trains_process_0s_choice(tmp_path):
     trained = re.search(r"layout '([^']*)'", result.stdout)
     assert len(table) == 1 and trained and table[0].split()[2] == trained.group(1)
     assert "[1] layout search" not in result.stdout  # (process 0 speaks for all)
+
+
+@pytest.mark.parametrize(
+    ("coordinator", "processes", "sharing"),
+    [
+        ("localhost:1234", 2, 2),
+        ("127.0.0.1:1234", 4, 4),
+        ("[::1]:1234", 2, 2),
+        ("node7:1234", 2, 1),  # (others may be elsewhere: each host has its own memory)
+        (None, 2, 1),  # (a cluster JAX detected)
+        ("localhost:1234", 1, 1),
+    ],
+)
+def test_processes_on_this_host_are_all_of_a_job_coordinated_at_its_loopback(
+    coordinator, processes, sharing, monkeypatch
+):
+    import jax
+
+    from meshax import runtime
+
+    monkeypatch.setattr(runtime, "_coordinator", coordinator)
+    monkeypatch.setattr(jax, "process_count", lambda: processes)
+    assert runtime.processes_on_this_host() == sharing

@@ -149,6 +149,22 @@ def test_a_model_whose_weights_do_not_fit_is_refused_before_anything_is_allocate
         loop.build(MlpTask(), "all:2", "batch:all")
 
 
+def test_the_fit_check_counts_the_devices_of_every_process_on_this_host(monkeypatch):
+    """`meshax launch -n 2` runs its processes on one host: each process's 2 CPU devices fitting
+    its memory, the job's 4 may not (each process checked its own, and together they ran out)."""
+    from meshax.plan import memory_per_device
+    from meshax.train import loop
+
+    lowering, outputs, _ = loop.build(MlpTask(), "all:2", "batch:all", compile=False)
+    m = memory_per_device(lowering, outputs)
+    per_device = 2 * m["parameters"] + m["optimizer_state"]
+    monkeypatch.setattr(loop, "_host_available_bytes", lambda: 3 * per_device)
+    assert loop.build(MlpTask(), "all:2", "batch:all").train_fn  # (one process: 2 devices' worth fits)
+    monkeypatch.setattr(loop, "processes_on_this_host", lambda: 2)
+    with pytest.raises(mx.ConfigError, match=r"alone take .* on this host's 4 CPU devices \(2 processes\)"):
+        loop.build(MlpTask(), "all:2", "batch:all")
+
+
 def test_the_fit_check_counts_the_bfloat16_copies_a_step_keeps(monkeypatch):
     """A step that keeps bfloat16 copies of its weights (a GPU's default) needs their bytes too:
     where the weights, gradients and optimizer state fit and the copies tip it over, the build is

@@ -22,7 +22,7 @@ from meshax.core.errors import ConfigError
 from meshax.core.graph import Graph, Mesh
 from meshax.lower.lowering import LoweredFunction, Lowering
 from meshax.optimize import AdamWeightDecayOptimizer, LossScaleOptimizer, Optimizer
-from meshax.runtime import is_main_process
+from meshax.runtime import is_main_process, processes_on_this_host
 from meshax.train.metrics import MetricsWriter
 from meshax.train.tasks import Task
 
@@ -129,7 +129,8 @@ def _check_fits(lowering: Lowering, outputs, copies: int = 0) -> None:
     """A ConfigError, before anything is allocated, where the weights, their gradients and the
     optimizer state alone (activations come on top), with the `copies` bytes the step keeps of its
     weights in 16 bits (on a GPU: `Lowering.function`), exceed the memory of this process's
-    devices: the host's available memory for CPU devices (they share it), each accelerator's own."""
+    devices: the host's available memory for CPU devices (they share it, with the job's other
+    processes on this host: `processes_on_this_host`), each accelerator's own."""
     from meshax.plan import memory_per_device
 
     m = memory_per_device(lowering, outputs)
@@ -137,8 +138,11 @@ def _check_fits(lowering: Lowering, outputs, copies: int = 0) -> None:
     devices = [d for d in lowering.impl.devices if d.process_index == jax.process_index()]
     if not devices:
         return
-    if devices[0].platform == "cpu":
-        need, have, where = need * len(devices), _host_available_bytes(), f"on this host's {len(devices)} CPU devices"
+    if devices[0].platform == "cpu":  # (the host's memory: every process of the job on it needs its share)
+        processes = processes_on_this_host()
+        hosted = len(devices) * processes
+        where = f"on this host's {hosted} CPU devices" + (f" ({processes} processes)" if processes > 1 else "")
+        need, have = need * hosted, _host_available_bytes()
     else:
         have, where = (devices[0].memory_stats() or {}).get("bytes_limit"), f"per {devices[0].platform} device"
     if have and need > have:
