@@ -191,7 +191,9 @@ def _parser() -> argparse.ArgumentParser:
             s.add_argument("--tensorboard", default=None, metavar="DIR", help="also write TensorBoard event files here")
             s.add_argument("--no-progress", action="store_true", help="no progress bar (e.g. in logs)")
             _add_search_flags(
-                s, "train with the layout rules of least predicted step time (the table is printed first)"
+                s,
+                "train with the layout rules of least predicted step time (the table is printed first); "
+                "--layout and --weight-layout, if given, are shown beside, and trained where faster",
             )
             g = s.add_argument_group(
                 "many processes", "join a multi-process job (meshax launch sets these itself; see docs/guides)"
@@ -1119,19 +1121,30 @@ def _search(args, task) -> int:
 
 def _train_searched(args, task, console) -> None:
     """`meshax train --search`: the search's table printed, and its best mesh, rules and weight
-    rules put in `args` to train with. Every process searches (the same, by the cost model);
-    timed (--measure), each process's times differ, and process 0's choice is taken."""
+    rules put in `args` to train with; or yours (--layout, --weight-layout) where the table has it
+    faster, within the budget and keeping --pin (weight rules of your own, say, which the search
+    did not try). Every process searches (the same, by the cost model); timed (--measure), each
+    process's times differ, and process 0's choice is taken."""
     import jax
+
+    from meshax.layout import convert_to_layout_rules
 
     result, _ = _searched(args, task, say=not console.quiet)
     if not console.quiet:
         print(result.format(), end="", flush=True)
-    best = result.best
+    best, mine = result.best, result.baseline
+    pinned, yours = convert_to_layout_rules(args.pin), convert_to_layout_rules(mine.layout if mine else "")
+    keeps = all(yours.mesh_dims_for(d) == pinned.mesh_dims_for(d) for d in pinned.tensor_dim_names)
+    if mine is not None and keeps and mine.memory_bytes <= result.memory_budget:  # (over it, shown, not run)
+        said, key = ("measured", lambda c: c.measured_s) if result.measured else ("predicted", lambda c: c.step_s)
+        if key(mine) < key(best):
+            best = mine
+            console.print(f"training yours, {said} faster than the search's best", markup=False, highlight=False)
     if args.measure and jax.process_count() > 1:
         import numpy as np
         from jax.experimental import multihost_utils
 
-        same_order = sorted(result.ranked, key=lambda c: (c.mesh, c.name))
+        same_order = sorted([*result.ranked, *([mine] if mine else [])], key=lambda c: (c.mesh, c.name))
         i = int(multihost_utils.broadcast_one_to_all(np.int32(same_order.index(best))))
         best = same_order[i]
     args.mesh, args.layout, args.weight_layout = best.mesh, best.layout, best.weight_layout

@@ -1053,3 +1053,24 @@ def test_train_search_trains_the_searchs_best(capsys):
 def test_train_search_flags_that_contradict_are_refused(flags, said, capsys):
     assert main(["train", "lm", "--steps", "2", *flags]) == 2
     assert said in capsys.readouterr().err
+
+
+def test_train_search_trains_yours_where_the_table_has_it_faster(capsys):
+    """Weight rules of your own (outside a search without --search-weights) can beat the search's
+    best: the table says so, and training takes the faster, yours, not the search's slower best."""
+    mine = ["--layout", "batch:rows;batch:cols", "--weight-layout", "d_ff:cols;d_model:rows;heads:cols"]
+    assert main(["train", "lm", "--mesh", "rows:2;cols:4", "--search", "--steps", "1", "--no-progress", *mine]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^yours: 0\.\d\dx the best's time", out, re.M)  # (the case: yours predicted faster)
+    assert "training yours, predicted faster than the search's best" in out
+    assert "mesh 'rows:2;cols:4', layout 'batch:rows;batch:cols'" in out
+
+
+def test_train_search_keeps_the_pinned_rules_where_yours_is_faster(capsys):
+    """--pin is a rule every candidate keeps: yours (mlp's default, batch:rows), predicted faster
+    than the pinned search's best, is not trained in its place."""
+    flags = ["--mesh", "rows:2;cols:4", "--search", "--pin", "batch:cols", "--steps", "1", "--no-progress"]
+    assert main(["train", "mlp", *flags]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^yours: 0\.\d\dx the best's time", out, re.M)  # (the case: yours predicted faster)
+    assert "mesh 'rows:2;cols:4', layout 'batch:cols;hidden:rows'" in out and "training yours" not in out

@@ -169,3 +169,14 @@ def test_plan_search_json_is_the_result_as_data_and_pictures_say_so_on_stderr(ca
     assert best["mesh"] == MESH and best["step_ms"] <= second["step_ms"] and yours["layout"] == "batch:rows;hidden:cols"
     assert best["memory_bytes"] == sum(best["memory"].values()) and set(best["communication_ms"]) >= {"allreduce"}
     assert err.count("wrote ") == len(os.listdir(pictures)) >= 2
+
+
+def test_train_search_measured_trains_yours_where_it_ran_fastest(monkeypatch, capsys):
+    """`meshax train --search --measure 1`: the best and yours (mlp's default) timed, yours the
+    faster here, so yours is trained, as the table's measured column has it."""
+    monkeypatch.setattr(measure, "in_blocks", lambda fns, rounds, block: {i: 2.0 - i for i in fns})
+    flags = ["--mesh", MESH, "--search", "--measure", "1", "--steps", "1", "--no-progress"]
+    assert main(["train", "mlp", *flags]) == 0
+    out = capsys.readouterr().out
+    assert "yours: measured 0.50x the best's time" in out and "training yours, measured faster" in out
+    assert f"mesh '{MESH}', layout 'batch:rows;hidden:cols'" in out
