@@ -1074,3 +1074,13 @@ def test_train_search_keeps_the_pinned_rules_where_yours_is_faster(capsys):
     out = capsys.readouterr().out
     assert re.search(r"^yours: 0\.\d\dx the best's time", out, re.M)  # (the case: yours predicted faster)
     assert "mesh 'rows:2;cols:4', layout 'batch:cols;hidden:rows'" in out and "training yours" not in out
+
+
+def test_train_search_weights_cost_report_names_the_weight_rules_trained(capsys):
+    """The search's best has weight rules of its own, which the user never typed: the cost report
+    names them beside the layout rules, as the table's row does."""
+    flags = ["--mesh", "rows:2;cols:4", "--search", "--search-weights", "--top", "1", "--steps", "1", "--no-progress"]
+    assert main(["train", "lm", *flags]) == 0
+    out = capsys.readouterr().out
+    layout, weights = next(line for line in out.splitlines() if line.startswith("1 "))[6:].split(" | weights ")
+    assert f"layout '{layout.strip()}', weight layout '{weights.split()[0]}'," in out

@@ -29,8 +29,11 @@ def _who(site) -> str:
 def format_report(lowering, counters: Counters, width: int = 132) -> str:
     impl = lowering.impl
     mesh = ";".join(f"{d.name}:{d.size}" for d in impl.shape)
+    weights = "" if impl.weight_rules is None else f", weight layout {str(impl.weight_rules)!r}"
     table = Table(
-        title=escape(f"meshax cost report: mesh {mesh!r}, layout {str(impl.layout_rules)!r}, per device and run"),
+        title=escape(
+            f"meshax cost report: mesh {mesh!r}, layout {str(impl.layout_rules)!r}{weights}, per device and run"
+        ),
         title_justify="left",
     )
     for col in ("op", "where", "collective", "mesh dims", "values", "bytes", "FLOPs"):
