@@ -180,3 +180,20 @@ def test_train_search_measured_trains_yours_where_it_ran_fastest(monkeypatch, ca
     out = capsys.readouterr().out
     assert "yours: measured 0.50x the best's time" in out and "training yours, measured faster" in out
     assert f"mesh '{MESH}', layout 'batch:rows;hidden:cols'" in out
+
+
+def test_measure_runs_the_optimizer_the_search_costed(monkeypatch):
+    """A search costed SGD's step: measuring its best runs SGD's too, not Adam's, unless told."""
+    from meshax.search.search import search_mesh_and_layout
+
+    sgd, used, real = mx.optimize.SgdOptimizer(0.1), [], loop.build
+
+    def build(task, mesh, layout, backend, optimizer, weight_layout=None):
+        used.append(optimizer)
+        return real(task, mesh, layout, backend, optimizer, weight_layout=weight_layout)
+
+    monkeypatch.setattr(loop, "build", build)
+    monkeypatch.setattr(measure, "in_blocks", lambda fns, rounds, block: {i: 1.0 + i for i in fns})
+    result = search_layout(MLP, MESH, top=1, optimizer=sgd)
+    measure_layouts(result, MLP, k=1)
+    assert used == [sgd] and search_mesh_and_layout(MLP, 8, top=1, optimizer=sgd).optimizer is sgd

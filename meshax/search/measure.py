@@ -60,7 +60,7 @@ def measure_layouts(
     predicted memory must fit the search's budget; the user's layout is not run where it alone
     is over the budget. A search for an accelerator is not measured on CPUs.
     `yours`: the task the user's layout runs (its GSPMD annotations, say) where it is not `task`;
-    `optimizer`: the one the search costed (default Adam)."""
+    `optimizer`: the one each step runs (default: the one the search costed, `result.optimizer`)."""
     import jax
 
     from meshax.train.loop import build
@@ -75,6 +75,7 @@ def measure_layouts(
             f"measure_layouts times training steps: give the training task the search was given (a meshax.train "
             f"task), not {type(task).__name__}"
         )
+    optimizer = result.optimizer if optimizer is None else optimizer
     chosen = result.ranked[:k]
     mine = result.baseline
     again = next((i for i, c in enumerate(chosen) if mine is not None and same_layout(c, mine)), None)

@@ -139,6 +139,7 @@ class Model:
     base: Step
     terms: list[tuple[float, Step]] = dataclasses.field(default_factory=list)
     depths: dict[str, int] = dataclasses.field(default_factory=dict)
+    optimizer: object = None  # the one a task's steps run (None: Adam's, or a graph's own updates)
     _programs: dict[Shape, Program | Extrapolated] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def on(self, mesh_shape: Shape) -> Program | Extrapolated:
@@ -173,13 +174,13 @@ def model_of(graph, outputs: Sequence[Tensor] = (), updates: Sequence = (), opti
         raise TypeError(f"search_layout takes a Graph (with outputs and updates) or a training task, got {task!r}")
     depths = task.depths()
     if not depths or max(depths.values()) <= PROBE_DEPTH + 1:
-        return Model(_build(task, optimizer))
+        return Model(_build(task, optimizer), optimizer=optimizer)
     shallow = {k: min(v, PROBE_DEPTH) for k, v in depths.items()}
     terms = []
     for depth in sorted({v for v in depths.values() if v > PROBE_DEPTH}):
         deeper = {k: PROBE_DEPTH + 1 if v == depth else shallow[k] for k, v in depths.items()}
         terms.append((float(depth - PROBE_DEPTH), _build(task.at_depths(deeper), optimizer)))
-    return Model(_build(task.at_depths(shallow), optimizer), terms, depths)
+    return Model(_build(task.at_depths(shallow), optimizer), terms, depths, optimizer)
 
 
 def _build(task, optimizer=None) -> Step:

@@ -127,6 +127,7 @@ class SearchResult:
     meshes: int = 1  # how many meshes were searched (`search_mesh_and_layout`)
     every: bool = True  # whether every legal rule set was costed (else `legal` is a lower bound)
     measured: str = ""  # how the best were run and timed, where they were (`measure_layouts`)
+    optimizer: object = None  # the one the steps costed run (None: Adam's, or a graph's own updates)
 
     @property
     def best(self) -> Candidate:
@@ -522,7 +523,9 @@ def search_layout(
         baseline = evaluate(model, mesh=mesh_shape, layout=baseline, device=dev)
     legal = len(rule_sets) if every else enumerate_limit
     seconds = time.perf_counter() - start
-    return SearchResult(ranked, baseline, legal, method, seconds, budget, dev, compared, every=every)
+    return SearchResult(
+        ranked, baseline, legal, method, seconds, budget, dev, compared, every=every, optimizer=model.optimizer
+    )
 
 
 def _local_search(
@@ -638,6 +641,7 @@ def search_mesh_and_layout(
         [c for r in results for c in r.compared],
         len(results),
         every=all(r.every for r in results),
+        optimizer=model.optimizer,
     )
 
 
