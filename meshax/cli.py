@@ -409,7 +409,7 @@ def _check(args) -> None:
             f"--resume {args.resume!r} and --checkpoint-dir {args.checkpoint_dir!r} differ: a resumed run "
             "keeps saving where it resumed from; give one of them"
         )
-    from meshax.train.checkpoint import latest_step
+    from meshax.train.checkpoint import checkpoint_info, latest_step
 
     if args.resume:
         last = latest_step(args.resume)
@@ -418,6 +418,7 @@ def _check(args) -> None:
             raise ConfigError(f"--resume {args.resume!r}: no checkpoint there (start with --checkpoint-dir)")
         if args.steps <= last:
             raise ConfigError(f"--resume {args.resume!r} is at step {last}: give --steps beyond it")
+        _check_checkpoint_task(args, checkpoint_info(args.resume))  # (before --search spends its time)
     elif args.checkpoint_dir:
         last = latest_step(args.checkpoint_dir)
         _check_whole_steps("--checkpoint-dir", args.checkpoint_dir, None)
@@ -957,8 +958,7 @@ def _check_resume(args, task, program) -> str:
     run's (its --batch-size, --seed, --length, data ...)."""
     from meshax.train.checkpoint import check_restorable, checkpoint_info
 
-    info = checkpoint_info(args.resume)
-    _check_checkpoint_task(args, info)
+    info = checkpoint_info(args.resume)  # (its task checked before: `_check`)
     check_restorable(args.resume, program.lowering, info["step"])
     line = f"resuming from step {info['step']} of {args.resume}"
     saved, now = info.get("data", {}), task.data_settings()

@@ -1084,3 +1084,17 @@ def test_train_search_weights_cost_report_names_the_weight_rules_trained(capsys)
     out = capsys.readouterr().out
     layout, weights = next(line for line in out.splitlines() if line.startswith("1 "))[6:].split(" | weights ")
     assert f"layout '{layout.strip()}', weight layout '{weights.split()[0]}'," in out
+
+
+def test_train_search_checks_the_checkpoints_task_before_searching(tmp_path, capsys):
+    """--resume with another task's checkpoint is refused before the search (and --measure's
+    runs) spends its time, not after its table."""
+    ck = str(tmp_path / "ck")
+    assert (
+        main(["train", "mlp", "--steps", "1", "--checkpoint-dir", ck, "--checkpoint-every", "1", "--no-progress"]) == 0
+    )
+    capsys.readouterr()
+    assert main(["train", "mnist", "--search", "--measure", "1", "--steps", "2", "--resume", ck, "--no-progress"]) == 2
+    out, err = capsys.readouterr()
+    assert "holds a checkpoint of the task mlp, not mnist" in err and "layout search" not in out + err
+    assert "measuring" not in err
