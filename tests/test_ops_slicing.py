@@ -360,3 +360,20 @@ def test_a_roll_by_whole_turns_is_the_tensor_itself(offset):
     np.testing.assert_allclose(got_grad, 8 * np.tanh(xv) * (1 - np.tanh(xv) ** 2), rtol=1e-5, atol=1e-6)
     counted, compiled = counted_and_compiled(fn)
     assert counted == compiled
+
+
+def test_an_axis_number_for_a_dim_is_refused_naming_the_dims():
+    """Dims are named: an axis number (as NumPy takes it) for the dim of cumsum, shift, unstack,
+    softmax, ... is refused naming the tensor's dims (it was an AttributeError: 'int' object has
+    no attribute 'name')."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:2;t:8")
+    for make in (
+        lambda: mx.cumsum(x, 1),
+        lambda: mx.shift(x, 1, 0, wrap=True),
+        lambda: mx.unstack(x, 0),
+        lambda: mx.softmax(x, 1),
+    ):
+        with pytest.raises(mx.GraphError, match=r"names no dimension of x .*\['b', 't'\].*not an axis number"):
+            make()

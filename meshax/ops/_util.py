@@ -78,6 +78,12 @@ def shape_of_names(spec, inputs: Sequence[Tensor]) -> Shape:
 
 def dim_of(x: Tensor, dim) -> Dimension:
     """The Dimension of x named by `dim` (a Dimension or a name), with a clear error."""
+    if not isinstance(dim, str | Dimension):  # (an axis number, as NumPy takes: dims are named here)
+        axis = ", not an axis number" if isinstance(dim, numbers.Integral) else ""
+        raise GraphError(
+            f"{dim!r} ({type(dim).__name__}) names no dimension of {x.name} {x.shape}: give a dim's name "
+            f"(one of {x.shape.dimension_names}) or the Dimension itself{axis}"
+        )
     name = dim if isinstance(dim, str) else dim.name
     if name not in x.shape:
         raise GraphError(f"tensor {x.name} {x.shape} has no dimension {name!r}")
