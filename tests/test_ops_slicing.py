@@ -377,3 +377,28 @@ def test_an_axis_number_for_a_dim_is_refused_naming_the_dims():
     ):
         with pytest.raises(mx.GraphError, match=r"names no dimension of x .*\['b', 't'\].*not an axis number"):
             make()
+
+
+def test_bad_paddings_split_counts_and_pool_sizes_are_named():
+    """pad's paddings that are no pair [before, after] (an int, three numbers) or hold a fraction,
+    split into 0 pieces or 2.0 pieces, and a pool size of 0 are refused naming the argument: they
+    were a ValueError from unpacking, a TypeError ('int' object is not iterable), ZeroDivisionErrors,
+    and a fraction of a padding was dropped silently (pad(x, [1.5, 1], 'b') padded 1 and 1)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;c:2")
+    with pytest.raises(mx.GraphError, match=r"pad: paddings must be a pair \[before, after\].*got 2"):
+        mx.pad(x, 2, "b")
+    with pytest.raises(mx.GraphError, match=r"pad: paddings must be a pair \[before, after\].*got \[1, 1, 1\]"):
+        mx.pad(x, [1, 1, 1], "b")
+    with pytest.raises(mx.GraphError, match=r"pad: paddings' before 1.5 \(float\) is not a whole number"):
+        mx.pad(x, [1.5, 1], "b")
+    with pytest.raises(mx.GraphError, match=r"cannot split Dimension\('b', 8\) into 0 equal pieces"):
+        mx.split(x, "b", 0)
+    with pytest.raises(mx.GraphError, match=r"split: the number of pieces 2.0 \(float\) is not a whole number"):
+        mx.split(x, "b", 2.0)
+    for pool in (lambda: mx.pool_tensor_1d(x, "b", mx.reduce_max, 0), lambda: mx.stride_tensor_1d(x, "b", 0)):
+        with pytest.raises(mx.GraphError, match=r"pool_size 0 does not divide Dimension\('b', 8\)"):
+            pool()
+    assert mx.pad(x, (np.int32(1), 2), "b").shape == mx.convert_to_shape("b:11;c:2")
+    assert [t.shape for t in mx.split(x, "b", np.int64(2))] == [mx.convert_to_shape("b:4;c:2")] * 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numbers
+import operator
 import re
 from collections.abc import Sequence
 
@@ -91,6 +92,17 @@ def dim_of(x: Tensor, dim) -> Dimension:
     if not isinstance(dim, str) and d != dim:
         raise GraphError(f"tensor {x.name} has {d}, not {dim}")
     return d
+
+
+def whole_number(value, what: str) -> int:
+    """`value` as an int where an op takes a count, an offset or a size (an int, NumPy's or a
+    0-d integer array), refusing a fraction, which int() would drop silently."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise GraphError(
+            f"{what} {value!r} ({type(value).__name__}) is not a whole number: give an int (e.g. n // 2, not n / 2)"
+        ) from None
 
 
 def also_accepts(**old_names: str):

@@ -18,7 +18,7 @@ from meshax.core.shape import Dimension, Shape
 from meshax.layout import slice_shape
 from meshax.lower.halo import shift_sends, shifted
 from meshax.ops._dtypes import result_type, sum_dtype
-from meshax.ops._util import also_accepts, dim_of
+from meshax.ops._util import also_accepts, dim_of, whole_number
 from meshax.ops.elementwise import cast, gradient_like
 
 
@@ -73,7 +73,13 @@ class PadOperation(_OneDimOperation):
     def __init__(self, x: Tensor, paddings, dim_name: str, name=None):
         super().__init__([x], name=name or "pad")
         d = dim_of(x, dim_name)
-        before, after = (int(p) for p in paddings)
+        try:
+            before, after = paddings
+        except (TypeError, ValueError):
+            raise GraphError(
+                f"pad: paddings must be a pair [before, after] (the entries added at each end of {d}), got {paddings!r}"
+            ) from None
+        before, after = whole_number(before, "pad: paddings' before"), whole_number(after, "pad: paddings' after")
         if before < 0 or after < 0:
             raise GraphError(f"pad amounts must be >= 0, got {list(paddings)}")
         self.before, self.after, self.dim_name = before, after, dim_name
@@ -289,8 +295,9 @@ def concat(xs: list[Tensor], concat_dim_name: str, name=None) -> Tensor:
 def split(x: Tensor, split_dim, num_or_size_splits, name=None) -> list[Tensor]:
     """Split x along `split_dim` into pieces of the given sizes (an int n: n equal pieces)."""
     d, sizes = dim_of(x, split_dim), num_or_size_splits
-    if isinstance(sizes, int):
-        if d.size % sizes:
+    if not hasattr(sizes, "__iter__"):
+        sizes = whole_number(sizes, "split: the number of pieces")
+        if sizes < 1 or d.size % sizes:
             raise GraphError(f"cannot split {d} into {sizes} equal pieces")
         sizes = [d.size // sizes] * sizes
     if sum(sizes) != d.size:
@@ -382,8 +389,8 @@ def pool_tensor_1d(tensor: Tensor, pool_dim, reduce_fn, pool_size: int) -> Tenso
     shrinks to pool_dim.size // pool_size."""
     from meshax.ops.shape_ops import replace_dimensions
 
-    d = dim_of(tensor, pool_dim)
-    if d.size % pool_size:
+    d, pool_size = dim_of(tensor, pool_dim), whole_number(pool_size, "pool_size")
+    if pool_size < 1 or d.size % pool_size:
         raise GraphError(f"pool_size {pool_size} does not divide {d}")
     window = Dimension(d.name + "_pool", pool_size)
     split = replace_dimensions(tensor, d, [Dimension(d.name, d.size // pool_size), window])
@@ -395,8 +402,8 @@ def stride_tensor_1d(tensor: Tensor, pool_dim, pool_size: int) -> Tensor:
     pool_dim.size // pool_size."""
     from meshax.ops.shape_ops import replace_dimensions
 
-    d = dim_of(tensor, pool_dim)
-    if d.size % pool_size:
+    d, pool_size = dim_of(tensor, pool_dim), whole_number(pool_size, "pool_size")
+    if pool_size < 1 or d.size % pool_size:
         raise GraphError(f"pool_size {pool_size} does not divide {d}")
     window = Dimension(d.name + "_stride", pool_size)
     return entry(replace_dimensions(tensor, d, [Dimension(d.name, d.size // pool_size), window]), 0, window)
