@@ -402,3 +402,22 @@ def test_bad_paddings_split_counts_and_pool_sizes_are_named():
             pool()
     assert mx.pad(x, (np.int32(1), 2), "b").shape == mx.convert_to_shape("b:11;c:2")
     assert [t.shape for t in mx.split(x, "b", np.int64(2))] == [mx.convert_to_shape("b:4;c:2")] * 2
+
+
+def test_a_fraction_for_a_slice_shift_halo_or_top_k_count_is_refused():
+    """slice's begin and size, shift's offset, halo_exchange's halo_size and top_k's k take whole
+    numbers: a fraction (n / 3 for n // 3) was dropped silently by int(), slice(x, 0.5, 2, 'b')
+    reading entries 0 and 1, halo_exchange by 1.5 growing the block by 2 of 3."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;c:4")
+    for make, what in (
+        (lambda: mx.slice(x, 0.5, 2, "b"), r"slice: begin 0.5"),
+        (lambda: mx.slice(x, 0, 8 / 3, "b"), r"slice: size 2.6+5"),
+        (lambda: mx.shift(x, 1.5, "b", wrap=False), r"shift: offset 1.5"),
+        (lambda: mx.halo_exchange(x, "b", "c", 1.5), r"halo_size 1.5"),
+        (lambda: mx.top_k(x, "c", 1.5), r"top_k: k 1.5"),
+    ):
+        with pytest.raises(mx.GraphError, match=what + r" \(float\) is not a whole number"):
+            make()
+    assert mx.slice(x, np.int64(1), np.int32(2), "b").shape == mx.convert_to_shape("b:2;c:4")

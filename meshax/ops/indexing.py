@@ -17,7 +17,7 @@ from meshax.core.shape import Dimension, Shape
 from meshax.layout import ShardingRule, slice_shape
 from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import gradient_dtype
-from meshax.ops._util import also_accepts, dim_of
+from meshax.ops._util import also_accepts, dim_of, whole_number
 
 
 def one_hot(indices: Tensor, output_dim: Dimension, on_value=1.0, off_value=0.0, dtype="float32", name=None) -> Tensor:
@@ -242,6 +242,6 @@ def top_k(x: Tensor, reduced_dim, k_dim, name=None) -> tuple[Tensor, Tensor]:
     The new dim is `k_dim` (a Dimension), in reduced_dim's place; an int k names it
     reduced_dim.name + "_topk"."""
     d = dim_of(x, reduced_dim)
-    k_dim = k_dim if isinstance(k_dim, Dimension) else Dimension(d.name + "_topk", int(k_dim))
+    k_dim = k_dim if isinstance(k_dim, Dimension) else Dimension(d.name + "_topk", whole_number(k_dim, "top_k: k"))
     op = TopKOperation(x, d, k_dim, name)
     return op.outputs[0], op.outputs[1]

@@ -257,7 +257,7 @@ def _whole(t: Tensor, dim_name: str) -> Tensor:
 @also_accepts(dim_name="slice_dim_name")
 def slice(x: Tensor, begin: int, size: int, slice_dim_name: str, name=None) -> Tensor:
     """The `size` entries of dim `slice_dim_name` from `begin` on."""
-    begin, size = int(begin), int(size)
+    begin, size = whole_number(begin, "slice: begin"), whole_number(size, "slice: size")
     op = getattr(x, "operation", None)
     if isinstance(op, ConcatOperation) and op.dim_name == slice_dim_name and begin >= 0 and size > 0:
         # a slice of a concat reads only the pieces it covers, as XLA simplifies it: the others
@@ -344,8 +344,8 @@ def unstack(x: Tensor, dim, name=None) -> list[Tensor]:
 
 def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
     """out[i] = x[i - offset] along dim; wrap=True rolls, wrap=False fills with zeros."""
-    d = dim_of(x, dim)
-    if wrap and int(offset) % d.size == 0:  # (a roll by whole turns is x: XLA moves nothing for it)
+    d, offset = dim_of(x, dim), whole_number(offset, "shift: offset")
+    if wrap and offset % d.size == 0:  # (a roll by whole turns is x: XLA moves nothing for it)
         return x
     return ShiftOperation(x, offset, d, wrap, name).outputs[0]
 
@@ -370,6 +370,7 @@ def left_halo_exchange(x: Tensor, blocks_dim, block_size_dim, halo_size: int, wr
 
 def _halos(x: Tensor, blocks_dim, block_size_dim, halo_size: int, wrap: bool, right: bool) -> Tensor:
     blocks, size = dim_of(x, blocks_dim), dim_of(x, block_size_dim)
+    halo_size = whole_number(halo_size, "halo_size")
     if not 0 <= halo_size <= size.size:
         raise GraphError(f"halo_size {halo_size} must be within 0..{size.size}, the block size ({size})")
     if halo_size == 0:
