@@ -3,6 +3,7 @@
 import itertools
 import re
 
+import numpy as np
 import pytest
 
 import meshax as mx
@@ -277,3 +278,25 @@ def test_too_few_devices_says_how_to_have_enough(monkeypatch, platform, fix):
     monkeypatch.setattr(jax, "devices", lambda: [Device() for _ in range(8)])
     with pytest.raises(mx.ConfigError, match=re.escape(f"needs 16 devices but JAX sees 8 {platform} device(s): {fix}")):
         _ = mx.SimdMeshImpl("all:16", "").devices
+
+
+@pytest.mark.parametrize("impl_cls", IMPLS, ids=IMPL_IDS)
+def test_devices_that_are_no_jax_devices_or_repeat_one_are_refused_when_the_mesh_is_made(impl_cls):
+    """A device given twice, or something that is no JAX device (an int, a name beside devices),
+    is a ConfigError naming it when the mesh is made: they were a ValueError from JAX's pxla
+    ('safe_zip() argument 1 has length 2 but argument 0 has length 1') at the first run, and an
+    AttributeError ('int' object has no attribute 'id') from jax.sharding.Mesh. A NumPy array of
+    devices, as jax.sharding.Mesh takes, is its devices in pnum order."""
+    import jax
+
+    d = jax.devices()
+    with pytest.raises(mx.ConfigError, match=re.escape(f"devices: {d[0]} given more than once")):
+        impl_cls("rows:2", "", devices=[d[0], d[0]])
+    with pytest.raises(mx.ConfigError, match=r"devices: 0 \(int\) is not a JAX device"):
+        impl_cls("rows:2", "", devices=[0, 1])
+    with pytest.raises(mx.ConfigError, match=r"devices: 'cpu:1' \(str\) is not a JAX device"):
+        impl_cls("rows:2", "", devices=[d[0], "cpu:1"])
+    with pytest.raises(mx.ConfigError, match=r"mesh Shape\(\[rows=2\]\) needs 2 devices, but 3 were given"):
+        impl_cls("rows:2", "", devices=d[:3])
+    assert impl_cls("rows:2;cols:2", "", devices=np.array(d[4:8], dtype=object).reshape(2, 2)).devices == d[4:8]
+    assert impl_cls("rows:2", "", devices=["cpu:0", "cpu:0"]).devices == d[:2]  # (TensorFlow names: JAX's first)

@@ -149,6 +149,23 @@ class Runner(Protocol):
         ...
 
 
+def _check_devices(devices: list) -> None:
+    """Refuse, when the mesh is made, devices that JAX would refuse from deep inside at the first
+    program: something that is no JAX device, or one device in two places of the mesh."""
+    for d in devices:
+        if not isinstance(d, jax.Device):
+            raise ConfigError(
+                f"devices: {d!r} ({type(d).__name__}) is not a JAX device: give entries of jax.devices() in pnum "
+                "order (or TensorFlow device names, 'gpu:0', ..., for all of them, which stand for JAX's first devices)"
+            )
+    repeated = sorted({str(d) for d in devices if devices.count(d) > 1})
+    if repeated:
+        raise ConfigError(
+            f"devices: {', '.join(repeated)} given more than once: each place of the mesh needs a device of its own "
+            f"(e.g. jax.devices()[:{len(devices)}])"
+        )
+
+
 class MeshImpl:
     """Base class of `SimdMeshImpl` and `PlacementMeshImpl`."""
 
@@ -186,11 +203,15 @@ class MeshImpl:
         self.weight_rules = None if weight_layout is None else convert_to_weight_rules(weight_layout)
         if self.weight_rules is not None:
             check_mesh_dims(self.weight_rules, self.shape)
+        if isinstance(devices, np.ndarray):  # (a device mesh, as jax.sharding.Mesh takes: its devices in pnum order)
+            devices = devices.ravel()
         self._devices = list(devices) if devices is not None else None
         if self._devices is not None and len(self._devices) != self.size:
-            raise ValueError(f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given")
+            raise ConfigError(f"mesh {self.shape} needs {self.size} devices, but {len(self._devices)} were given")
         if self._devices is not None and all(isinstance(d, str) for d in self._devices):
             self._devices = None  # TensorFlow device names ("gpu:0", as Mesh-TensorFlow takes): JAX's first devices
+        if self._devices is not None:
+            _check_devices(self._devices)
 
     @functools.cached_property
     def program_compiler_options(self) -> dict | None:
