@@ -339,6 +339,10 @@ def test_unknown_compiler_options_are_refused_when_the_backend_is_made():
         build(MlpTask(), "all:8", "", compiler_options={"xla_backend_optimization_level": "high"})
     with pytest.raises(mx.ConfigError, match=r"unhashable type: 'list'.*a bool, int or string"):
         mx.PlacementMeshImpl("all:8", "", compiler_options={"xla_backend_optimization_level": [3]})
+    # (no dict: a TypeError from dict() in the message of the error for it, 'int' object is not iterable)
+    for options in (5, "xla_backend_optimization_level=3", ["xla_backend_optimization_level"]):
+        with pytest.raises(mx.ConfigError, match=r"compiler_options .*: give a dict of XLA's options"):
+            mx.SimdMeshImpl("all:8", "", compiler_options=options)
 
 
 @pytest.mark.parametrize(("vocab", "order"), [(5, 1), (4, 2), (3, 3)])

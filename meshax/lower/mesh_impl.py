@@ -129,6 +129,13 @@ def _checked_compiler_options(options: Mapping[str, object] | None) -> dict | No
     if not options:
         return None
     try:
+        options = dict(options)
+    except (TypeError, ValueError):
+        raise ConfigError(
+            f"compiler_options {options!r} ({type(options).__name__}): give a dict of XLA's options and their "
+            'values, e.g. {"xla_backend_optimization_level": 3}'
+        ) from None
+    try:
         jax.jit(lambda: jnp.zeros(()), compiler_options=dict(options)).trace().lower().compile()
     except (jax.errors.JaxRuntimeError, TypeError, ValueError) as e:
         raise ConfigError(
