@@ -563,6 +563,10 @@ def clip_by_global_norm(grads: Sequence[Tensor | None], max_norm: float | Tensor
     gradients of a `LossScaleOptimizer`'s scaled loss are clipped at max_norm times its scale.
     Where the norm overflows float32 (squares past 3e38: gradients times a scale past 2**64), the
     gradients are NaN, not 0: a `LossScaleOptimizer` skips the step and halves its scale."""
+    if not isinstance(max_norm, Tensor) and not (
+        isinstance(max_norm, numbers.Real) and not isinstance(max_norm, bool) and max_norm > 0
+    ):  # (a negative one turned the gradients around: a step up the loss; nan made them nan)
+        raise ConfigError(f"clip_by_global_norm: max_norm {max_norm!r} must be a number > 0 (or a scalar tensor)")
     norm = global_norm(grads)
     scale = ew.minimum(max_norm / ew.maximum(norm, 1e-12), 1.0)
     scale = ew.where(ew.less(norm, math.inf), scale, math.nan)  # (0 took an empty step, and the scale grew on)

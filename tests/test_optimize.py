@@ -385,3 +385,17 @@ def test_one_optimizer_builds_the_training_steps_of_several_graphs():
     for p in (first, second):
         (counter,) = [v for v in p.lowering.graph.all_variables if v.name == "global_step"]
         assert int(p.lowering.variable_value(counter)) == 1
+
+
+def test_clipping_at_a_norm_that_is_no_number_above_0_is_refused():
+    """clip_by_global_norm at a max_norm <= 0 or NaN is refused: a negative one scaled the
+    gradients by a negative factor, so a step went up the loss, silently; NaN made them NaN."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", [a], initializer=mx.initializers.constant(3.0))
+    (g,) = mx.gradients(mx.reduce_sum(mx.square(w)), [w])
+    for bad in (-1.0, 0, float("nan"), "1"):
+        with pytest.raises(mx.ConfigError, match=r"clip_by_global_norm: max_norm .* must be a number > 0"):
+            mx.optimize.clip_by_global_norm([g], bad)
+    for fine in (np.float32(2.0), 3, float("inf"), mx.constant(mesh, 1.0)):
+        mx.optimize.clip_by_global_norm([g], fine)
