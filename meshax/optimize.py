@@ -138,6 +138,16 @@ def _refuse_scaled(optimizer, grads: Sequence, variables: Sequence) -> None:
         )
 
 
+def _check_grads(optimizer, grads: Sequence) -> None:
+    """Refuse a gradient that is no meshax Tensor (nor None), which failed deep in the update."""
+    for g in grads:
+        if g is not None and not isinstance(g, Tensor):
+            raise GraphError(
+                f"{type(optimizer).__name__}.apply_grads: a gradient is {type(g).__name__} {g!r:.80}, not a meshax "
+                "Tensor: give the gradients mx.gradients(loss, variables) returns (None leaves its variable alone)"
+            )
+
+
 class Optimizer:
     """Base class: keeps a step counter and slot variables next to each parameter."""
 
@@ -184,6 +194,7 @@ class Optimizer:
         """The update ops of one step: each variable's from its gradient (None: left alone), and
         the step counter's. Gradients of a loss-scaled loss are refused (`_refuse_scaled`), but
         those a `LossScaleOptimizer` hands on, unscaled."""
+        _check_grads(self, grads)
         if not _handing_on.get():
             _refuse_scaled(self, grads, variables)
         variables = [_variable_of(v) for v in variables]
@@ -509,6 +520,7 @@ class LossScaleOptimizer(Optimizer):
         optimizer.scale)`, the unscaled gradients clipped at max_norm), not at max_norm."""
         if self.scale is None or self.finite_steps is None:
             raise GraphError("LossScaleOptimizer: take the gradients of scale_loss(loss), then apply them")
+        _check_grads(self, grads)
         given = [(g, v) for g, v in zip(grads, variables) if g is not None]
         unread = [v for (_, v), read in zip(given, self._read_scale([g for g, _ in given])) if not read]
         # gradients of the loss itself, none computed from the scale: unscaled, they would be the

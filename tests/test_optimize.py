@@ -399,3 +399,23 @@ def test_clipping_at_a_norm_that_is_no_number_above_0_is_refused():
             mx.optimize.clip_by_global_norm([g], bad)
     for fine in (np.float32(2.0), 3, float("inf"), mx.constant(mesh, 1.0)):
         mx.optimize.clip_by_global_norm([g], fine)
+
+
+@pytest.mark.parametrize("loss_scaled", [False, True])
+def test_a_gradient_that_is_no_tensor_is_named(loss_scaled):
+    """apply_grads given a number or an array for a gradient says so; it was an AttributeError
+    from inside the update ('float' object has no attribute 'dtype', or 'operation' for a
+    LossScaleOptimizer)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", [a])
+    optimizer = mx.optimize.SgdOptimizer(0.1)
+    if loss_scaled:
+        optimizer = mx.optimize.LossScaleOptimizer(optimizer)
+        optimizer.scale_loss(mx.reduce_sum(w))
+    name = type(optimizer).__name__
+    for bad in (1.0, np.ones(8, np.float32)):
+        with pytest.raises(
+            mx.GraphError, match=rf"{name}.apply_grads: a gradient is (float|ndarray) .*not a meshax Tensor"
+        ):
+            optimizer.apply_grads([bad], [w])
