@@ -4,6 +4,7 @@ There is no NumPy reference, so check: identical values under every layout
 and both implementations, determinism, sane statistics, and independence of
 two random ops in one graph."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -214,3 +215,22 @@ def test_16_bit_uniform_values_stay_below_maxval(dtype):
         u = np.asarray(u, np.float32)
         assert lo <= u.min() and u.max() < hi
         assert np.mean(u) == pytest.approx((lo + hi) / 2, abs=0.01 * (hi - lo))
+
+
+def test_dropout_takes_numpy_bools_and_names_a_bad_is_training_or_rate():
+    """is_training as NumPy's or JAX's bool is that bool (np.True_ was taken for a rate of 1.0,
+    refused as such, and np.False_ for a rate of 0); one that is neither a bool nor a rate, and a
+    keep_prob that disagrees with the rate, are named (a ValueError from float('yes'), and
+    keep_prob=0.9 with rate=0.5 dropped at 0.1, silently)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", SHAPE)
+    assert mx.dropout(x, np.True_, rate=0.5) is not x
+    assert mx.dropout(x, jnp.bool_(True), rate=0.5) is not x
+    assert mx.dropout(x, np.False_, rate=0.5) is x
+    for bad in ("yes", None):
+        with pytest.raises(mx.GraphError, match=rf"dropout: is_training {bad!r} is neither a bool nor a rate"):
+            mx.dropout(x, bad)
+    with pytest.raises(mx.GraphError, match=r"dropout: keep_prob 0.9 and rate 0.5 disagree"):
+        mx.dropout(x, True, keep_prob=0.9, rate=0.5)
+    assert mx.dropout(x, True, keep_prob=0.75, rate=0.25) is not x

@@ -86,9 +86,21 @@ def dropout(x: Tensor, is_training=True, keep_prob=None, rate=0.0, noise_shape=N
     noise_shape (a subset of x's dims) shares one draw across the dims it leaves out."""
     from meshax.ops import elementwise as ew
 
+    if isinstance(is_training, np.bool_) or getattr(is_training, "dtype", None) == np.bool_:
+        is_training = bool(is_training)  # (NumPy's or JAX's bool: not a rate of 1.0)
     if not isinstance(is_training, bool):  # dropout(x, rate): the rate where is_training stands
-        rate, is_training = float(is_training), True
+        try:
+            rate, is_training = float(is_training), True
+        except (TypeError, ValueError):
+            raise GraphError(
+                f"dropout: is_training {is_training!r} is neither a bool nor a rate: give dropout(x, is_training, "
+                "rate=0.1) or dropout(x, 0.1)"
+            ) from None
     if keep_prob is not None:
+        if rate and abs(rate - (1.0 - keep_prob)) > 1e-9:
+            raise GraphError(
+                f"dropout: keep_prob {keep_prob} and rate {rate} disagree (rate is 1 - keep_prob): give one of them"
+            )
         rate = 1.0 - keep_prob
     if not is_training:
         return x
