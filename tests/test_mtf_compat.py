@@ -1199,3 +1199,24 @@ def test_corr_holds_in_float16():
         expected = np.nan_to_num(np.corrcoef(x.T.astype(np.float64)))
     expected[1, 1] = np.nan
     np.testing.assert_allclose(got["float32"], expected, atol=1e-5)
+
+
+def test_a_bad_activation_is_named_before_the_layer_makes_its_variables():
+    """dense's activation is a function, the name of a meshax op (as dense_product takes), or
+    None: 'relu' was a TypeError ('str' object is not callable) after the kernel and bias were
+    made, so the layer, called again fixed, was refused ('a variable named 'd/kernel' already
+    exists'); an unknown name in dense_product was an AttributeError from the ops module."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:4;io:3")
+    hidden = mx.Dimension("hidden", 5)
+    with pytest.raises(mx.GraphError, match=r"activation 'rleu' is no meshax op \(did you mean 'relu'\?\)"):
+        mx.layers.dense(x, hidden, activation="rleu", name="d")
+    with pytest.raises(mx.GraphError, match=r"activation 3 \(int\) is not a function"):
+        mx.layers.dense(x, hidden, activation=3, name="d")
+    with pytest.raises(mx.GraphError, match=r"activation 'nope' is no meshax op"):
+        mx.layers.dense_product(x, "io", hidden, ["gelu", "nope"], name="p")
+    assert not graph.all_variables
+    y = mx.layers.dense(x, hidden, activation="relu", name="d")
+    got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function(y)({"x": -np.ones([4, 3], np.float32)})
+    assert [v.name for v in graph.all_variables] == ["d/kernel", "d/bias"] and got.min() >= 0 and got.max() > 0

@@ -10,7 +10,7 @@ import math
 import jax
 
 from meshax import initializers
-from meshax.core.errors import GraphError
+from meshax.core.errors import GraphError, did_you_mean
 from meshax.core.graph import Tensor, is_floating
 from meshax.core.shape import Dimension, Shape
 from meshax.moe import MoeOutput, moe
@@ -26,6 +26,30 @@ from meshax.ops.variables import get_variable
 
 def _name(x: Tensor, name: str | None, default: str) -> str:
     return name if name is not None else x.graph.unique_name(default)
+
+
+def _activation(activation):
+    """An activation function from a function, the name of a meshax op ("relu", "gelu", ...), or
+    None / "linear" (none), checked before a layer makes its variables: a bad one found after left
+    them in the graph, so that the layer, called again fixed, found its names taken."""
+    from meshax import ops
+
+    if activation is None or activation == "linear":
+        return None
+    if isinstance(activation, str):
+        names = [n for n in ops.__all__ if callable(getattr(ops, n))]
+        if activation not in names:
+            raise GraphError(
+                f"activation {activation!r} is no meshax op{did_you_mean(activation, names)}: give a function "
+                "(e.g. mx.relu), the name of a meshax op ('relu', 'gelu', ...), or None"
+            )
+        return getattr(ops, activation)
+    if not callable(activation):
+        raise GraphError(
+            f"activation {activation!r} ({type(activation).__name__}) is not a function: give one (e.g. mx.relu), "
+            "the name of a meshax op ('relu', 'gelu', ...), or None"
+        )
+    return activation
 
 
 def dense(
@@ -46,12 +70,14 @@ def dense(
     """x contracted with a kernel [expert_dims + reduced_dims + new_dims] (+ bias [expert_dims +
     new_dims]), then activation; Mesh-TensorFlow's arguments.
 
-    reduced_dims defaults to x's last dim; `expert_dims` (dims of x) give each expert its own
-    kernel. Variables are named `<name>/kernel`, `<name>/bias`, kept in `variable_dtype` (or
-    `master_dtype`; default float32) and used in x's dtype. `kernel_weights`: a kernel tensor to
-    use instead of a new variable. `kernel_annotation(kernel) -> kernel` is applied to the kernel
+    `activation`: a function, the name of a meshax op ("relu"), or None. reduced_dims defaults
+    to x's last dim; `expert_dims` (dims of x) give each expert its own kernel. Variables are
+    named `<name>/kernel`, `<name>/bias`, kept in `variable_dtype` (or `master_dtype`; default
+    float32) and used in x's dtype. `kernel_weights`: a kernel tensor to use instead of a new
+    variable. `kernel_annotation(kernel) -> kernel` is applied to the kernel
     before use (an mx.mesh_split, say: the variable, its gradient and its optimizer slots then
     follow it)."""
+    activation = _activation(activation)
     new = as_dims(new_dims)
     experts = [dim_of(x, d) for d in as_dims(expert_dims)]
     reduced = [dim_of(x, d) for d in as_dims(reduced_dims)] if reduced_dims is not None else [x.shape[-1]]

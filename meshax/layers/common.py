@@ -141,16 +141,12 @@ def clip_activation_gradient(x: Tensor, clip_rms_norm=None) -> Tensor:
 def dense_product(x: Tensor, reduced_dims, new_dims, activation_functions=None, name="dense_product", **kwargs):
     """The product of dense layers of x, one per activation function (a function, its name in
     meshax, or "linear"/None): e.g. a gated unit, ["gelu", "linear"]. `kwargs` go to `dense`."""
-    from meshax import ops
-    from meshax.layers import dense
+    from meshax.layers import _activation, dense
 
     activations = activation_functions if isinstance(activation_functions, list) else [activation_functions]
+    activations = [_activation(a) for a in activations]  # (all checked before any layer is made)
     product = None
     for i, activation in enumerate(activations):
-        if activation == "linear":
-            activation = None
-        elif isinstance(activation, str):
-            activation = getattr(ops, activation)
         factor = dense(
             x,
             new_dims,
