@@ -1220,3 +1220,17 @@ def test_a_bad_activation_is_named_before_the_layer_makes_its_variables():
     y = mx.layers.dense(x, hidden, activation="relu", name="d")
     got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")}).function(y)({"x": -np.ones([4, 3], np.float32)})
     assert [v.name for v in graph.all_variables] == ["d/kernel", "d/bias"] and got.min() >= 0 and got.max() > 0
+
+
+def test_compress_mean_by_a_factor_that_does_not_divide_the_dim_is_named():
+    """compress_mean by 0 was a ZeroDivisionError, by 3 of 8 a reshape's error (32 elements to
+    24), naming neither the factor nor the layer."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;c:4")
+    for factor in (0, 3):
+        with pytest.raises(
+            mx.GraphError, match=rf"compress_mean: compression_factor {factor} does not divide Dimension\('b', 8\)"
+        ):
+            mx.layers.compress_mean(x, mx.Dimension("b", 8), factor)
+    assert mx.layers.compress_mean(x, "b", 2).shape == mx.convert_to_shape("b:4;c:4")

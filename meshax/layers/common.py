@@ -10,7 +10,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.ops import elementwise as ew
-from meshax.ops._util import as_dims
+from meshax.ops._util import as_dims, dim_of, whole_number
 from meshax.ops.random import dropout as _dropout
 from meshax.ops.random import random_uniform
 from meshax.ops.reduce import reduce_mean
@@ -111,6 +111,9 @@ def compress_mean(x: Tensor, dim: Dimension, compression_factor: int) -> Tensor:
     replaced by its mean (the dim keeps its name)."""
     from meshax.ops.shape_ops import replace_dimensions
 
+    dim, compression_factor = dim_of(x, dim), whole_number(compression_factor, "compress_mean: compression_factor")
+    if compression_factor < 1 or dim.size % compression_factor:
+        raise GraphError(f"compress_mean: compression_factor {compression_factor} does not divide {dim}")
     factor = Dimension("compression_factor", compression_factor)
     grouped = replace_dimensions(x, dim, [Dimension(dim.name, dim.size // compression_factor), factor])
     return reduce_mean(grouped, reduced_dim=factor)
