@@ -297,6 +297,23 @@ def test_the_program_call_global_runs_is_its_own_global_function():
     np.testing.assert_array_equal(np.asarray(got), a * 2)
 
 
+def test_call_global_takes_feeds_by_name_and_names_a_missing_one():
+    """call_global's feeds are keyed as a host call's are, by placeholder or by its name: a name
+    (or a placeholder left out) was a KeyError naming the tensor, from inside; a misspelt name is
+    named as a host call names it."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;d:6")
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:4", "b:all")}).function(x * 2.0)
+    a = np.arange(48.0, dtype=np.float32).reshape(8, 6)
+    (got,) = fn.call_global({"x": jnp.asarray(a)})
+    np.testing.assert_array_equal(np.asarray(got), a * 2)
+    with pytest.raises(ValueError, match=r"placeholder 'x' Shape\(\[b=8, d=6\]\) is needed but was not fed"):
+        fn.call_global({})
+    with pytest.raises(mx.MeshaxError, match=r"feeds name 'xx', which is no placeholder of the graph"):
+        fn.call_global({"xx": jnp.asarray(a)})
+
+
 def test_call_global_and_a_host_call_share_the_imported_arrays_on_the_devices():
     """The program call_global runs (`global_function`) takes the same inputs as the host's: an
     imported array is put on the devices once for both, where each program put its own copy

@@ -542,33 +542,8 @@ class LoweredFunction:
     ) -> list:
         """The program's arguments: placeholders from `feeds` (host arrays) or `ready` (values
         already in the backend's form), then variables and imported constants."""
-        if feeds is not None and not isinstance(feeds, Mapping):
-            raise TypeError(
-                f"feeds are a dict {{placeholder or its name: array}}, got {type(feeds).__name__}: "
-                f"call it as fn({{{', '.join(f'{t.name!r}: ...' for t in self.placeholders)}}})"
-            )
+        resolved = self._resolved_feeds(feeds)
         self.lowering.initialize(self._variable_ops)
-        by_name = {t.name: t for t in self.placeholders} if feeds else {}
-        resolved: dict[Tensor, object] = {}
-        for key, value in dict(feeds or {}).items():
-            if isinstance(key, str):
-                t = by_name.get(key)
-            elif isinstance(key, Tensor) and getattr(key.operation, "is_placeholder", False):
-                if key.graph is not self.lowering.graph:  # (was ignored: "... is needed but was not fed")
-                    raise MeshaxError(
-                        f"feeds placeholder {key.name!r} of another graph than the one lowered: feed this "
-                        f"graph's placeholder, or its name {key.name!r}"
-                    )
-                t = key if key in by_name.values() else None
-            else:
-                raise ValueError(f"cannot feed {key!r}: only placeholders (or their names) can be fed")
-            if t is not None:  # placeholders this function does not need are ignored
-                resolved[t] = value
-            elif isinstance(key, str) and key not in self._graph_placeholders():
-                raise MeshaxError(
-                    f"feeds name {key!r}, which is no placeholder of the graph{did_you_mean(key, by_name)} "
-                    f"(this function reads {sorted(by_name)})"
-                )
         args: list = []
         for t in self.inputs:
             op = t.operation
@@ -605,6 +580,36 @@ class LoweredFunction:
                     self._constants[t] = impl.put(value, self.lowering._spec(t))
                 args.append(self._constants[t])
         return args + [self.lowering._cast_copy(var, dtype) for var, dtype in self._copy_keys]
+
+    def _resolved_feeds(self, feeds: Mapping | None) -> dict:
+        """`feeds` keyed by this function's placeholders, from placeholders or their names."""
+        if feeds is not None and not isinstance(feeds, Mapping):
+            raise TypeError(
+                f"feeds are a dict {{placeholder or its name: array}}, got {type(feeds).__name__}: "
+                f"call it as fn({{{', '.join(f'{t.name!r}: ...' for t in self.placeholders)}}})"
+            )
+        by_name = {t.name: t for t in self.placeholders} if feeds else {}
+        resolved: dict[Tensor, object] = {}
+        for key, value in dict(feeds or {}).items():
+            if isinstance(key, str):
+                t = by_name.get(key)
+            elif isinstance(key, Tensor) and getattr(key.operation, "is_placeholder", False):
+                if key.graph is not self.lowering.graph:  # (was ignored: "... is needed but was not fed")
+                    raise MeshaxError(
+                        f"feeds placeholder {key.name!r} of another graph than the one lowered: feed this "
+                        f"graph's placeholder, or its name {key.name!r}"
+                    )
+                t = key if key in by_name.values() else None
+            else:
+                raise ValueError(f"cannot feed {key!r}: only placeholders (or their names) can be fed")
+            if t is not None:  # placeholders this function does not need are ignored
+                resolved[t] = value
+            elif isinstance(key, str) and key not in self._graph_placeholders():
+                raise MeshaxError(
+                    f"feeds name {key!r}, which is no placeholder of the graph{did_you_mean(key, by_name)} "
+                    f"(this function reads {sorted(by_name)})"
+                )
+        return resolved
 
     def __call__(self, feeds: Mapping | None = None, seed: int = 0, rows: tuple[int, int] | None = None):
         """Run the program; with `rows` (from `feed_rows`), each fed array holds only those rows."""
@@ -677,8 +682,13 @@ class LoweredFunction:
 
     def _global_arguments(self, feeds: Mapping[Tensor, jax.Array]) -> list:
         ready: dict[Tensor, object] = {}
+        given = self._resolved_feeds(feeds)  # (keyed by placeholders or their names, as fn(feeds) takes them)
         for t, want in self._global_shardings.items():
-            a = feeds[t]
+            if t not in given:  # (was a KeyError: the tensor, from the dict)
+                raise ValueError(
+                    f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}"
+                )
+            a = given[t]
             if (
                 isinstance(a, jax.Array)
                 and a.dtype == t.dtype
