@@ -173,6 +173,30 @@ def test_variable_errors_are_clear():
         _ = w + np.ones(8)
 
 
+def test_a_variable_of_another_graph_is_refused_by_the_lowering():
+    """A Lowering asked for (or given) a variable of another graph refuses it: it was initialized
+    as if it were the lowering's own, from its name (variable_value of the other graph's 'w'
+    returned this graph's initial 'w', and kept it), and set_variable_value stored it unseen.
+    initialize() given a name or a tensor said what it is, not an AttributeError."""
+    graph, mesh, w = one_var()
+    _, _, other = one_var()
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")})
+    for call in (
+        lambda: lo.variable_value(other),
+        lambda: lo.set_variable_value(other, np.ones(other.shape.to_integer_list, np.float32)),
+        lambda: lo.variable_state(other),
+        lambda: lo.initialize([other.operation]),
+    ):
+        with pytest.raises(mx.GraphError, match=r"variable 'w' belongs to another graph than the one lowered"):
+            call()
+    assert list(lo._variables) == []
+    for bad in ("w", w * 2.0):
+        with pytest.raises(TypeError, match="not a variable"):
+            lo.initialize([bad])
+    lo.initialize([w])
+    assert list(lo._variables) == [w.operation]
+
+
 def test_a_single_assign_is_an_update():
     graph, mesh, w = one_var()
     lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")})

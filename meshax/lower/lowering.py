@@ -131,10 +131,12 @@ def _output_slices(ctx: LoweringContext, t: Tensor, layout) -> list:
         return ctx.get(t, layout).slices
 
 
-def _variable(x):
+def _variable(x, lowering: Lowering, what: str):
     op = x.operation if isinstance(x, Tensor) else x
     if not getattr(op, "is_variable", False):
         raise TypeError(f"{x!r} is not a variable (make one with mx.get_variable)")
+    if op.graph is not lowering.graph:  # (was taken: initialized as if it were this graph's, from its name)
+        raise GraphError(f"{what}: variable {op.name!r} belongs to another graph than the one lowered")
     return op
 
 
@@ -216,6 +218,7 @@ class Lowering:
         the devices. Keyed by (seed, variable name), so the values do not depend on the layout."""
         todo = [v for v in (self.graph.all_variables if variables is None else variables) if v not in self._variables]
         if todo:  # (checked first: this runs before every step)
+            todo = [v for v in (_variable(v, self, "lowering.initialize") for v in todo) if v not in self._variables]
             base = jax.random.key(self.seed)
             for v in todo:
                 key = jax.random.fold_in(base, zlib.crc32(v.name.encode()))
@@ -232,7 +235,7 @@ class Lowering:
 
     def variable_value(self, var) -> np.ndarray:
         """The variable's full value, as a NumPy array."""
-        var = _variable(var)
+        var = _variable(var, self, "lowering.variable_value")
         return self.impl.fetch(self._variable_state(var), self._spec(var.outputs[0]))
 
     def set_variable_value(self, var, value) -> None:
@@ -240,7 +243,7 @@ class Lowering:
         (e.g. restored from a checkpoint) is resharded on the devices, never gathered to the host.
         Values the cast to the variable's dtype would change are refused, as a feed's are (70000
         to a float16 variable: inf; 2.5 to an int32 one)."""
-        var = _variable(var)
+        var = _variable(var, self, "lowering.set_variable_value")
         t = var.outputs[0]
         if list(np.shape(value)) != t.shape.to_integer_list:
             raise ValueError(
@@ -283,7 +286,7 @@ class Lowering:
         not divide is replicated (`MeshImpl.global_sharding`). It is the live state,
         not a copy: a step that updates the variable consumes it (donation), so keep a copy
         (`jnp.copy`) or the value (`variable_value`) to hold it across steps."""
-        var = _variable(var)
+        var = _variable(var, self, "lowering.variable_state")
         return self.impl.to_global(self._variable_state(var), self._spec(var.outputs[0]))
 
     # ---- building programs -------------------------------------------------------------------
