@@ -151,6 +151,23 @@ def test_cond_errors_name_the_cause():
         mx.cond(p, lambda h: [], lambda h: [], [x])
 
 
+def test_a_number_where_a_tensor_is_expected_is_named():
+    """A branch (or a loop body) that returns a number, or a scan's init given as one, is named:
+    it was a TypeError ('float' object is not iterable) from inside, and 0.0 'returned no tensors'."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+    s = mx.reduce_sum(x)
+    p = mx.greater(s, 0.0)
+    for value in (1.0, 0.0):
+        with pytest.raises(mx.GraphError, match=rf"the values a branch returns must be meshax Tensors, got {value}$"):
+            mx.cond(p, lambda v=value: v, lambda: s)
+    with pytest.raises(mx.GraphError, match=r"while_loop: the values body_fn returns must be meshax Tensors, got 1.0"):
+        mx.while_loop(lambda a: mx.greater(a, 0.0), lambda a: 1.0, [s])
+    with pytest.raises(mx.GraphError, match=r"scan: init must be meshax Tensors, got 0.0"):
+        mx.scan(lambda c, xs: (c, xs), 0.0, [x], B)
+
+
 @pytest.mark.parametrize("layout", ["", "batch:rows;e:cols", "d:cols"])
 def test_the_layout_search_estimate_counts_every_branch_as_the_trace_does(layout):
     """The search's fast estimate costs each branch's ops once, as the exact trace counts them

@@ -21,7 +21,7 @@ them: XLA inlines such loops and merges the recomputation with the forward trip 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import jax.numpy as jnp
 import numpy as np
@@ -193,7 +193,9 @@ def _add_counters(ctx, recorded, times: int = 1) -> None:
 
 
 def _as_list(xs, what: str, loop: str = "scan") -> list[Tensor]:
-    items = [xs] if isinstance(xs, Tensor) else list(xs or [])
+    if isinstance(xs, Tensor) or not isinstance(xs, Iterable | None):  # (a number is named below, not iterated)
+        xs = [xs]
+    items = [] if xs is None else list(xs)
     for t in items:
         if not isinstance(t, Tensor):
             raise GraphError(f"{loop}: {what} must be meshax Tensors, got {t!r}")
