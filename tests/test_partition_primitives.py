@@ -243,6 +243,27 @@ def test_static_argnums_beyond_the_call_are_named():
         g(jnp.ones(8), 2.0)
 
 
+def test_argnums_from_the_end_count_as_jax_jit_counts_them_and_donations_beyond_the_call_are_named():
+    """static_argnums=-1 is the last parameter, as jax.jit takes it: it was compared with the
+    arguments' positions as it was, matched none, and the argument was traced (a shape from it
+    failed inside the function); a donation beyond the arguments was left out silently, where
+    jax.jit refuses it. A position from the end of a function of *args is refused."""
+
+    def rows(a, n):
+        assert isinstance(n, int), f"n is {type(n).__name__}, not static"
+        return jnp.reshape(a, (n, -1)).sum(axis=1)
+
+    got = mx.partition(rows, MESH, static_argnums=-1)(jnp.ones((8, 4)), 4)
+    np.testing.assert_array_equal(np.asarray(got), np.full(4, 8.0))
+    with pytest.raises(mx.ConfigError, match=r"static_argnums \[-3\] name argument -3, but the function takes 2"):
+        mx.partition(rows, MESH, static_argnums=-3)
+    with pytest.raises(mx.ConfigError, match=r"a position from the end needs a function of a fixed number"):
+        mx.partition(lambda *a: a[0], MESH, static_argnums=-1)
+    g = mx.partition(lambda a: a * 2, MESH, donate_argnums=(3,))
+    with pytest.raises(mx.ConfigError, match=r"donate_argnums \[3\] name argument 3, but the call gives 1"):
+        g(jnp.ones(8))
+
+
 def test_an_argument_that_is_no_array_is_named():
     """Text (or an object) given as an argument that is not static: it said "static arguments
     must be hashable (data type 'abc' not understood)", of an argument neither static nor unhashable."""

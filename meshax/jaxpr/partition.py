@@ -114,16 +114,36 @@ class Partitioned:
         positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         self._params = [p.name for p in params if p.kind in positional]
         self._varargs = next((p.name for p in params if p.kind == inspect.Parameter.VAR_POSITIONAL), None)
+        self.static_argnums = self._from_the_end("static_argnums", self.static_argnums)
+        self.donate_argnums = self._from_the_end("donate_argnums", self.donate_argnums)
         self._programs: dict = {}
         self._last: PartitionedProgram | None = None
 
-    def _split(self, args: tuple, kwargs: dict):
-        beyond = sorted(i for i in self.static_argnums if not -len(args) <= i < len(args))
-        if beyond:
+    def _from_the_end(self, what: str, argnums: set[int]) -> set[int]:
+        """`argnums` with negative positions counted from the end of the function's positional
+        parameters, as jax.jit counts them (they were compared with the arguments' positions as
+        they were, so matched none: static_argnums=-1 traced the last argument)."""
+        if all(i >= 0 for i in argnums):
+            return argnums
+        if self._varargs is not None or not self._params:
             raise ConfigError(
-                f"static_argnums {sorted(self.static_argnums)} name argument {beyond[0]}, but the call gives "
-                f"{len(args)} positional arguments"
+                f"{what} {sorted(argnums)}: a position from the end needs a function of a fixed number of "
+                f"positional parameters; {getattr(self.fn, '__name__', 'this one')} has not: count from 0"
             )
+        n = len(self._params)
+        counted = {i + n if i < 0 else i for i in argnums}
+        if any(i < 0 for i in counted):
+            raise ConfigError(f"{what} {sorted(argnums)} name argument {min(argnums)}, but the function takes {n}")
+        return counted
+
+    def _split(self, args: tuple, kwargs: dict):
+        for what, argnums in (("static_argnums", self.static_argnums), ("donate_argnums", self.donate_argnums)):
+            beyond = sorted(i for i in argnums if not 0 <= i < len(args))
+            if beyond:  # (a donation beyond them was left out silently, where jax.jit refuses it)
+                raise ConfigError(
+                    f"{what} {sorted(argnums)} name argument {beyond[0]}, but the call gives "
+                    f"{len(args)} positional arguments"
+                )
         dynamic = tuple(a for i, a in enumerate(args) if i not in self.static_argnums)
         dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         static = (
