@@ -124,3 +124,19 @@ def test_an_output_dim_of_another_size_or_a_misspelt_name_is_named():
         mx.einsum(x, w, output_shape=[B, mx.Dimension("d", 9)])
     with pytest.raises(mx.GraphError, match=r"appear in no input .*\(did you mean 'd'\?\)"):
         mx.einsum(x, w, output_shape="b:8;dd:8")
+
+
+def test_reduced_dims_no_input_has_or_also_in_the_output_are_named():
+    """reduced_dims naming a dim no input has (a typo), or one at another size, reduced nothing,
+    silently: einsum(x, w, reduced_dims=[hh]) kept h and summed nothing. With output_shape too,
+    reduced_dims were not read at all: a dim in both was kept, silently."""
+    _, mesh = new_mesh()
+    x, w = _ph(mesh, "x", "bh"), _ph(mesh, "w", "hd")
+    with pytest.raises(mx.GraphError, match=r"reduced_dims has Dimension\('hh', 4\), but no input has it"):
+        mx.einsum(x, w, reduced_dims=[mx.Dimension("hh", H.size)])
+    with pytest.raises(mx.GraphError, match=r"Dimension\('h', 3\), but the inputs have Dimension\('h', 4\)"):
+        mx.einsum(x, w, reduced_dims=[mx.Dimension("h", 3)])
+    with pytest.raises(mx.GraphError, match=r"reduced_dims \[Dimension\('h', .*\)\] are in the output_shape .* too"):
+        mx.einsum(x, w, output_shape=[B, H, D], reduced_dims=[H])
+    assert mx.einsum(x, w, output_shape=[B, D], reduced_dims=[H]).shape == mx.Shape([B, D])
+    assert mx.einsum(x, w, reduced_dims=[H]).shape == mx.Shape([B, D])

@@ -177,16 +177,28 @@ def einsum(xs, *more, output_shape=None, reduced_dims=None, name=None, dtype=Non
     for t in xs:
         if not isinstance(t, Tensor):
             raise GraphError(f"einsum inputs must be meshax Tensors, got {t!r}")
+    every = union_shape(*[t.shape for t in xs])
+    if reduced_dims is not None:  # (a dim no input has, or of another size, is a typo: it reduced nothing)
+        reduced = shape_of_names(reduced_dims, xs)
+        for d in reduced:
+            if d not in every:
+                shapes = ", ".join(f"{t.name} {t.shape}" for t in xs)
+                have = next((e for e in every if e.name == d.name), None)
+                close = did_you_mean(d.name, every.dimension_names)
+                which = f"the inputs have {have}" if have else f"no input has it{close}"
+                raise GraphError(f"einsum reduced_dims has {d}, but {which} (inputs: {shapes})")
     if output_shape is not None:
         output_shape = shape_of_names(output_shape, xs)
+        if reduced_dims is not None and any(d in output_shape for d in reduced):
+            kept = [d for d in reduced if d in output_shape]
+            raise GraphError(
+                f"einsum reduced_dims {kept} are in the output_shape {output_shape} too: give one or the other"
+            )
+    elif reduced_dims is not None:
+        output_shape = Shape([d for d in every if d not in reduced])
     else:
-        every = union_shape(*[t.shape for t in xs])
-        if reduced_dims is not None:
-            reduced = {d.name for d in shape_of_names(reduced_dims, xs)}
-            output_shape = Shape([d for d in every if d.name not in reduced])
-        else:
-            counts = {d.name: sum(d in t.shape for t in xs) for d in every}
-            output_shape = Shape([d for d in every if counts[d.name] == 1])
+        counts = {d.name: sum(d in t.shape for t in xs) for d in every}
+        output_shape = Shape([d for d in every if counts[d.name] == 1])
     return EinsumOperation(list(xs), output_shape, name, dtype).outputs[0]
 
 
