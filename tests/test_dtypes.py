@@ -271,6 +271,29 @@ def test_results_follow_jax_promotion_with_weak_scalars():
     assert [str(t.dtype) for t, _ in cases] == [want for _, want in cases]
 
 
+def test_a_python_int_past_the_integer_dtype_it_takes_is_refused_not_wrapped():
+    """A Python int beside an int32 tensor is an int32, as in JAX, which refuses one that does not
+    fit (OverflowError); here it wrapped around silently: i + 2**40 was i + 0, i * 2**31 was
+    i * -2**31. A constant of an integer dtype is refused so too, as NumPy refuses it (2**40 as
+    int32 was 0, -1 as uint8 255)."""
+    _, mesh = new_mesh()
+    i32 = mx.placeholder(mesh, "i", [B], "int32")
+    for make, value in (
+        (lambda: i32 + 2**40, 2**40),
+        (lambda: i32 * 2**31, 2**31),
+        (lambda: mx.maximum(i32, -(2**33)), -(2**33)),
+        (lambda: mx.constant(mesh, 2**40, [B], "int32"), 2**40),
+    ):
+        with pytest.raises(mx.GraphError, match=rf"constant: {value} is outside int32's -2147483648..2147483647"):
+            make()
+    with pytest.raises(mx.GraphError, match=r"constant: -1 is outside uint8's 0..255"):
+        mx.constant(mesh, -1, [B], "uint8")
+    outputs = [i32 + (2**31 - 9), mx.constant(mesh, True, [B], "int32")]
+    got = run(outputs, mx.SimdMeshImpl, feeds={"i": np.arange(8, dtype=np.int32)})
+    np.testing.assert_array_equal(got[0], np.arange(8) + 2**31 - 9)
+    np.testing.assert_array_equal(got[1], np.ones(8))
+
+
 def test_a_gradient_has_its_tensors_dtype_where_an_op_promoted_it():
     """As jax.grad: a bfloat16 tensor's gradient is bfloat16 where an op promoted it beside a
     float32 one (the conversion's transpose casts the float32 gradient back), summed over the dims

@@ -160,6 +160,14 @@ def constant(mesh: Mesh, value, shape=(), dtype="float32", name=None) -> Tensor:
         return import_tensor(mesh, np.asarray(value, dtype=as_dtype(dtype)), shape, name)
     if not (isinstance(value, numbers.Number) or hasattr(value, "dtype")):
         raise GraphError(f"constant: the value must be a number or an array, got {type(value).__name__} {value!r}")
+    want = np.dtype(as_dtype(dtype))
+    if want.kind in "iu" and isinstance(value, numbers.Integral) and not isinstance(value, bool | np.bool_):
+        low, high = np.iinfo(want).min, np.iinfo(want).max
+        if not low <= int(value) <= high:  # (it wrapped around: 2**40 as int32 was 0, -1 as uint8 255)
+            raise GraphError(
+                f"constant: {value} is outside {want}'s {low}..{high}: give a value that fits, or a wider dtype "
+                "(a Python int beside an int32 tensor is an int32)"
+            )
     return ConstantOperation(mesh, value, shape, dtype, name).outputs[0]
 
 
