@@ -375,6 +375,21 @@ def test_a_64_bit_dtype_is_refused_when_built_not_truncated_at_run_time(dtype):
         mx.placeholder(mesh, "y", [B], "nonsense")
 
 
+@pytest.mark.parametrize("dtype", [object, str, "U5", "datetime64[s]", np.void])
+def test_a_dtype_jax_does_not_compute_in_is_refused_when_built(dtype):
+    """An object, text or date dtype (a placeholder's, a variable's, an imported array's) was
+    taken, and failed in JAX on the first run ('Dtype object is not a valid JAX array type')."""
+    _, mesh = new_mesh()
+    with pytest.raises(mx.ConfigError, match=r"is not one JAX computes in .*use a number or bool dtype"):
+        mx.placeholder(mesh, "x", [B], dtype)
+    with pytest.raises(mx.ConfigError, match=r"is not one JAX computes in"):
+        mx.get_variable(mesh, "v", [B], dtype=dtype)
+    with pytest.raises(mx.ConfigError, match=r"dtype object is not one JAX computes in"):
+        mx.import_tensor(mesh, np.array([object()] * 8), [B])
+    for fine in ("bfloat16", "float8_e4m3fn", "int4", bool, "uint8"):
+        assert mx.zeros(mesh, [B], fine).dtype == np.dtype(fine)
+
+
 def test_feeds_are_refused_where_a_name_is_unknown_or_the_cast_would_change_them():
     graph, mesh = new_mesh()
     x = mx.placeholder(mesh, "x", [B])

@@ -49,8 +49,13 @@ def as_dtype(dtype) -> np.dtype:
         raise ConfigError(f"unknown dtype {dtype!r}: use e.g. 'float32', 'bfloat16', 'int32', 'bool'") from None
     import jax
 
+    given = f"{dtype!r} ({out})" if isinstance(dtype, str | type) and str(dtype) != str(out) else str(out)
+    if not (out == np.bool_ or jax.numpy.issubdtype(out, jax.numpy.number)):  # (JAX refused it from inside)
+        raise ConfigError(
+            f"dtype {given} is not one JAX computes in (text, objects, ...): use a number or bool dtype, e.g. "
+            "'float32', 'bfloat16', 'int32', 'bool'"
+        )
     if jax.dtypes.canonicalize_dtype(out) != out:  # (JAX would compute it in 32 bits)
-        given = f"{dtype!r} ({out})" if isinstance(dtype, str | type) and str(dtype) != str(out) else str(out)
         raise ConfigError(
             f"dtype {given} needs JAX's 64-bit mode (jax_enable_x64), which is off: use a 32-bit dtype "
             "('float32', 'int32'; a NumPy array: .astype(np.float32)) or turn 64-bit mode on"
