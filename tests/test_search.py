@@ -1098,3 +1098,21 @@ def test_train_search_checks_the_checkpoints_task_before_searching(tmp_path, cap
     out, err = capsys.readouterr()
     assert "holds a checkpoint of the task mlp, not mnist" in err and "layout search" not in out + err
     assert "measuring" not in err
+
+
+def test_updates_that_are_no_assign_ops_are_named_by_the_search_and_the_trace():
+    """search_layout (and lowering.trace_step) given a tensor among the updates: it was an
+    AttributeError ('Tensor' object has no attribute 'inputs'); now the refusal lowering.function
+    gives."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;io:4")
+    w = mx.get_variable(mesh, "w", "io:4;h:16")
+    loss = mx.reduce_sum(mx.square(mx.einsum([x, w], output_shape="b:8;h:16")))
+    with pytest.raises(TypeError, match=r"updates must be assign operations of this graph .*got Tensor\('reduce_sum'"):
+        mx.search_layout(graph, "rows:2;cols:4", [loss], [loss])
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "")})
+    with pytest.raises(TypeError, match=r"updates take assign operations .*got the tensor reduce_sum"):
+        lowering.trace_step([loss], loss)
+    with pytest.raises(ValueError, match=r"variables \['w'\] are assigned more than once"):
+        lowering.trace_step([loss], [mx.assign(w, w * 2.0), mx.assign(w, w * 3.0)])

@@ -113,6 +113,25 @@ def _tensor_of(lowering: Lowering, t, what: str) -> Tensor:
     return t
 
 
+def _update_list(lowering: Lowering, updates) -> list[Operation]:
+    """A program's updates (an assign op or a sequence of them) as a list of the lowered graph's
+    assign ops, each variable assigned once."""
+    if isinstance(updates, Tensor):
+        raise TypeError(
+            f"updates take assign operations (mx.assign(variable, value)), got the tensor {updates.name}: "
+            "compute it as an output, or assign it to a variable"
+        )
+    updates = [updates] if isinstance(updates, Operation) else list(updates)
+    for u in updates:
+        if not hasattr(u, "variable") or u.graph is not lowering.graph:
+            raise TypeError(f"updates must be assign operations of this graph (mx.assign ...), got {u!r}")
+    targets = [u.variable.name for u in updates]
+    twice = sorted({n for n in targets if targets.count(n) > 1})
+    if twice:
+        raise ValueError(f"variables {twice} are assigned more than once in one function; combine the updates")
+    return updates
+
+
 def _output_list(lowering: Lowering, outputs, what: str) -> list[Tensor]:
     """A program's outputs (a Tensor or a sequence of them) as a list of the lowered graph's tensors."""
     if isinstance(outputs, Tensor):
@@ -376,7 +395,7 @@ class Lowering:
         """(counters, jaxpr) of the program, traced abstractly; the jaxpr's size is the program's."""
         counters = Counters()
         outputs = _output_list(self, outputs, "lowering.trace_program's outputs")
-        _, inputs, _, _, body = self._program(outputs, list(updates), counters)
+        _, inputs, _, _, body = self._program(outputs, _update_list(self, updates), counters)
         jaxpr = self.impl.trace(body, [self._spec(t) for t in inputs])
         return counters, jaxpr
 
@@ -454,19 +473,7 @@ class LoweredFunction:
     ):
         self._single = isinstance(outputs, Tensor)
         outs = _output_list(lowering, outputs, "lowering.function's outputs")
-        if isinstance(updates, Tensor):
-            raise TypeError(
-                f"updates take assign operations (mx.assign(variable, value)), got the tensor {updates.name}: "
-                "compute it as an output, or assign it to a variable"
-            )
-        updates = [updates] if isinstance(updates, Operation) else list(updates)
-        for u in updates:
-            if not hasattr(u, "variable") or u.graph is not lowering.graph:
-                raise TypeError(f"updates must be assign operations of this graph (mx.assign ...), got {u!r}")
-        targets = [u.variable.name for u in updates]
-        twice = sorted({n for n in targets if targets.count(n) > 1})
-        if twice:
-            raise ValueError(f"variables {twice} are assigned more than once in one function; combine the updates")
+        updates = _update_list(lowering, updates)
         self.lowering = lowering
         self.outputs = outs
         self.updates = updates
