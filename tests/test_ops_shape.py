@@ -258,3 +258,17 @@ def test_tensors_of_two_graphs_are_refused_naming_the_graphs():
     other = mx.placeholder(mx.Mesh(graph, "other"), "z", [B])
     with pytest.raises(mx.GraphError, match="is on mesh 'other', not 'main'"):
         mx.placeholder(mx.Mesh(graph, "main"), "w", [B]) + other
+
+
+def test_rename_dimension_takes_dimensions_for_the_names():
+    """rename_dimension(x, Dimension('h', 4), 'q') renamed nothing, silently: the Dimension was
+    found in x's shape, then compared with each dim's name, which no Dimension equals. A new name
+    given as a Dimension of another size is refused (a rename keeps the size)."""
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", [B, H])
+    assert mx.rename_dimension(x, H, "q").shape == mx.Shape([B, mx.Dimension("q", H.size)])
+    assert mx.rename_dimension(x, "h", mx.Dimension("q", H.size)).shape == mx.Shape([B, mx.Dimension("q", H.size)])
+    with pytest.raises(mx.GraphError, match=r"tensor x has Dimension\('h', 4\), not Dimension\('h', 5\)"):
+        mx.rename_dimension(x, mx.Dimension("h", 5), "q")
+    with pytest.raises(mx.GraphError, match=r"rename_dimension: Dimension\('q', 5\) is not the size of"):
+        mx.rename_dimension(x, "h", mx.Dimension("q", 5))

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
-from meshax.core.shape import Shape, anonymous_shape, convert_to_shape
+from meshax.core.shape import Dimension, Shape, anonymous_shape, convert_to_shape
 from meshax.layout import ShardingRule, slice_shape
-from meshax.ops._util import align, also_accepts, as_dims
+from meshax.ops._util import align, also_accepts, as_dims, dim_of
 
 
 def _prefixed(s: Shape) -> list[tuple[int, int]]:
@@ -114,6 +114,15 @@ def reshape(x: Tensor, new_shape, name=None) -> Tensor:
 
 def rename_dimension(x: Tensor, old_name: str, new_name: str, name=None) -> Tensor:
     """x with dim `old_name` called `new_name` (a free relabel; the split follows the dim)."""
+    if isinstance(old_name, Dimension):  # (was in x.shape, but matched no dim's name: nothing renamed)
+        old_name = dim_of(x, old_name).name
+    if isinstance(new_name, Dimension):
+        if old_name in x.shape and new_name.size != x.shape.get_dim_by_name(old_name).size:
+            raise GraphError(
+                f"rename_dimension: {new_name} is not the size of {x.shape.get_dim_by_name(old_name)} "
+                "(a rename keeps the size: to change it, mx.reshape)"
+            )
+        new_name = new_name.name
     if old_name not in x.shape:
         raise GraphError(f"rename_dimension: {x.name} {x.shape} has no dimension {old_name!r}")
     dims = [d._replace(name=new_name) if d.name == old_name else d for d in x.shape]
