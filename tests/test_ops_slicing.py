@@ -421,3 +421,21 @@ def test_a_fraction_for_a_slice_shift_halo_or_top_k_count_is_refused():
         with pytest.raises(mx.GraphError, match=what + r" \(float\) is not a whole number"):
             make()
     assert mx.slice(x, np.int64(1), np.int32(2), "b").shape == mx.convert_to_shape("b:2;c:4")
+
+
+def test_slice_pad_and_concat_take_a_dimension_for_the_dim():
+    """slice and pad given the Dimension rather than its name kept the dim's size in the output's
+    shape (slice(x, 1, 3, Dimension('b', 8)) was [b=8, c=2], holding rows 1..8 and past the end,
+    silently), and concat failed with a KeyError; a slice of a concat, given the Dimension, reads
+    its pieces as given the name."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    b, c = mx.Dimension("b", 8), mx.Dimension("c", 2)
+    x = mx.placeholder(mesh, "x", [b, c])
+    y = mx.concat([x, x * 2.0], b)
+    outs = [mx.slice(x, 1, 3, b), mx.pad(x, [1, 2], b), y, mx.slice(y, 9, 2, mx.Dimension("b", 16))]
+    assert [t.shape.to_integer_list for t in outs] == [[3, 2], [11, 2], [16, 2], [2, 2]]
+    xv = rand([8, 2], seed=3)
+    got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:2", "c:all")}).function(outs)({"x": xv})
+    for g, want in zip(got, [xv[1:4], np.pad(xv, [(1, 2), (0, 0)]), np.concatenate([xv, 2 * xv]), 2 * xv[1:3]]):
+        np.testing.assert_allclose(g, want, rtol=1e-6)

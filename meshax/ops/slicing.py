@@ -46,6 +46,7 @@ class SliceOperation(_OneDimOperation):
     def __init__(self, x: Tensor, begin: int, size: int, dim_name: str, name=None):
         super().__init__([x], name=name or "slice")
         d = dim_of(x, dim_name)
+        dim_name = d.name  # (a Dimension given for it matched no dim's name: the shape kept the dim whole)
         if not (begin >= 0 and size >= 0 and begin + size <= d.size):
             raise GraphError(f"slice [{begin}:{begin + size}] is outside dimension {d} of {x.name}")
         self.begin, self.size, self.dim_name = begin, size, dim_name
@@ -73,6 +74,7 @@ class PadOperation(_OneDimOperation):
     def __init__(self, x: Tensor, paddings, dim_name: str, name=None):
         super().__init__([x], name=name or "pad")
         d = dim_of(x, dim_name)
+        dim_name = d.name
         try:
             before, after = paddings
         except (TypeError, ValueError):
@@ -103,6 +105,8 @@ class PadOperation(_OneDimOperation):
 class ConcatOperation(_OneDimOperation):
     def __init__(self, xs: list[Tensor], dim_name: str, name=None):
         super().__init__(xs, name=name or "concat")
+        if isinstance(dim_name, Dimension):  # (by name: the pieces' sizes differ)
+            dim_name = dim_name.name
         first = xs[0].shape
         for t in xs:
             dim_of(t, dim_name)
@@ -259,7 +263,8 @@ def slice(x: Tensor, begin: int, size: int, slice_dim_name: str, name=None) -> T
     """The `size` entries of dim `slice_dim_name` from `begin` on."""
     begin, size = whole_number(begin, "slice: begin"), whole_number(size, "slice: size")
     op = getattr(x, "operation", None)
-    if isinstance(op, ConcatOperation) and op.dim_name == slice_dim_name and begin >= 0 and size > 0:
+    if isinstance(op, ConcatOperation) and begin >= 0 and size > 0 and op.dim_name == dim_of(x, slice_dim_name).name:
+        slice_dim_name = op.dim_name  # (a Dimension given: its name, for the pieces of other sizes)
         # a slice of a concat reads only the pieces it covers, as XLA simplifies it: the others
         # (a halo it leaves out, say) are then not computed here either, nor their moves counted
         pieces: list[Tensor] = []
