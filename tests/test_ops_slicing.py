@@ -439,3 +439,17 @@ def test_slice_pad_and_concat_take_a_dimension_for_the_dim():
     got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:2", "c:all")}).function(outs)({"x": xv})
     for g, want in zip(got, [xv[1:4], np.pad(xv, [(1, 2), (0, 0)]), np.concatenate([xv, 2 * xv]), 2 * xv[1:3]]):
         np.testing.assert_allclose(g, want, rtol=1e-6)
+
+
+def test_stack_takes_the_new_dimension_itself_and_a_whole_number_axis():
+    """stack's new dim given as a Dimension was a ConfigError about a 'Dimension(Dimension('s',
+    2), 1)'; it is taken where its size is the number of tensors, and named where it is not. An
+    axis of 1.0 was a TypeError from slicing a list."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", "b:8;c:2")
+    assert mx.stack([x, x], mx.Dimension("s", 2)).shape == mx.convert_to_shape("s:2;b:8;c:2")
+    with pytest.raises(mx.GraphError, match=r"stack: the new dim Dimension\('s', 3\) would have 2 entries"):
+        mx.stack([x, x], mx.Dimension("s", 3))
+    with pytest.raises(mx.GraphError, match=r"stack: axis 1.0 \(float\) is not a whole number"):
+        mx.stack([x, x], "s", axis=1.0)

@@ -322,6 +322,11 @@ def stack(xs: list[Tensor], dim_name: str, axis: int = 0, name=None) -> Tensor:
     xs = list(xs)
     if not xs:
         raise GraphError("stack needs at least one tensor")
+    if isinstance(dim_name, Dimension):  # (the new dim itself: its size must be the number of tensors)
+        if dim_name.size != len(xs):
+            raise GraphError(f"stack: the new dim {dim_name} would have {len(xs)} entries, one per tensor")
+        dim_name = dim_name.name
+    axis = whole_number(axis, "stack: axis")
     dims = xs[0].shape.dims
     for t in xs[1:]:
         if set(t.shape.dims) != set(dims):
