@@ -115,6 +115,16 @@ def test_convert_to_shape_strings(spec):
     assert list(s.to_integer_list) == [2, 4, 3]
 
 
+def test_spaces_around_a_colon_join_its_pair_in_shapes_meshes_and_layouts():
+    """'batch : 8' (or 'batch: rows') was split at the spaces into entries 'batch', ':' and '8',
+    refused as a bad entry 'batch'."""
+    assert mx.convert_to_shape("a : 2; bb: 4 c :3") == EXPECTED
+    assert mx.SimdMeshImpl("rows : 2, cols: 4", "").shape == mx.convert_to_shape("rows:2;cols:4")
+    assert mx.convert_to_layout_rules(" batch : rows ; io:cols ") == mx.convert_to_layout_rules("batch:rows;io:cols")
+    with pytest.raises(mx.ConfigError, match=r"bad shape 'a: 2.5': a size is a whole number, not 2.5"):
+        mx.convert_to_shape("a: 2.5")
+
+
 def test_convert_to_shape_other_forms():
     dims = [mx.Dimension("a", 2), mx.Dimension("bb", 4), mx.Dimension("c", 3)]
     assert mx.convert_to_shape(EXPECTED) == EXPECTED

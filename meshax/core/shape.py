@@ -214,11 +214,13 @@ _FORMS = {"shape": "dim_name:size", "mesh": "mesh_dim:devices", "layout": "tenso
 
 def _parse_pairs(text: str, what: str, integer_values: bool, example: str) -> list[tuple]:
     """Parse "k:v;k:v" (any of ; , . or spaces between) into pairs, naming a bad token."""
-    fraction = re.search(r":(\d+\.\d+)", text)
+    # (spaces around a colon join its pair: "batch : rows" was split into the entries 'batch', ':', 'rows')
+    joined = re.sub(r"\s*:\s*", ":", text.strip())
+    fraction = re.search(r":(\d+\.\d+)", joined)
     if integer_values and fraction:
         raise ConfigError(f"bad {what} {text!r}: a size is a whole number, not {fraction.group(1)}")
     pairs = []
-    for token in _SEPARATORS.split(text.strip()):
+    for token in _SEPARATORS.split(joined):
         if not token:
             continue
         parts = token.split(":")
