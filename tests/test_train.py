@@ -360,3 +360,18 @@ def test_the_markov_sources_stationary_distribution_is_the_chains_fixed_point(vo
     np.testing.assert_allclose(step, pi, atol=1e-12)
     assert pi.min() >= 0 and abs(pi.sum() - 1) < 1e-12
     assert 0 < source.entropy_rate < np.log(vocab)
+
+
+def test_train_refuses_settings_that_would_fail_later_or_do_nothing():
+    """Before the first step: checkpoint_every without a checkpoint_dir saved nothing, silently;
+    steps=-1 evaluated at step -1; a text optimizer was an AttributeError ('str' object has no
+    attribute 'scale_loss') and an on_step that is no function a TypeError after the first step."""
+    for kwargs, message in (
+        ({"steps": 2, "checkpoint_every": 1}, r"checkpoint_every=1 without a checkpoint_dir would save nothing"),
+        ({"steps": -1}, r"train: steps=-1 must be a whole number >= 0"),
+        ({"steps": 2.5}, r"train: steps=2.5 must be a whole number >= 0"),
+        ({"steps": 1, "on_step": 3}, r"train: on_step=3 is not a function"),
+        ({"steps": 1, "optimizer": "adam"}, r"optimizer 'adam' is not a meshax optimizer"),
+    ):
+        with pytest.raises(mx.ConfigError, match=message):
+            train(MlpTask(), "all:2", "", **kwargs)

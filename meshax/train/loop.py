@@ -79,6 +79,11 @@ def training_graph(task: Task, optimizer: Optimizer | None = None):
     alone: its metrics (an accuracy's argmax over the logits, say) are the evaluation's. Where
     the model computes in float16, the optimizer scales the loss dynamically (wrapped in a
     `LossScaleOptimizer`, unless it is one)."""
+    if optimizer is not None and not isinstance(optimizer, Optimizer):  # (was an AttributeError: scale_loss)
+        raise ConfigError(
+            f"optimizer {optimizer!r} is not a meshax optimizer: give one, e.g. "
+            "mx.optimize.AdamWeightDecayOptimizer(1e-3), or None for that default"
+        )
     graph = Graph()
     built = task.build(Mesh(graph, "mesh"))
     params = list(graph.trainable_variables)
@@ -176,6 +181,21 @@ def evaluate(task: Task, program: Program) -> dict[str, float]:
     return task.summarize(sums)
 
 
+def _check_settings(steps, eval_every, checkpoint_dir, checkpoint_every, on_step, on_eval) -> None:
+    """train's settings, refused before the first step where they would fail later or do nothing:
+    steps=-1 evaluated at step -1, checkpoint_every without a checkpoint_dir saved nothing."""
+    for name, value in (("steps", steps), ("eval_every", eval_every), ("checkpoint_every", checkpoint_every)):
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+            raise ConfigError(f"train: {name}={value!r} must be a whole number >= 0")
+    if checkpoint_every and not checkpoint_dir:
+        raise ConfigError(
+            f"train: checkpoint_every={checkpoint_every} without a checkpoint_dir would save nothing: give the folder"
+        )
+    for name, fn in (("on_step", on_step), ("on_eval", on_eval)):
+        if fn is not None and not callable(fn):
+            raise ConfigError(f"train: {name}={fn!r} is not a function")
+
+
 def train(
     task: Task,
     mesh_shape: str = "all:1",
@@ -206,6 +226,7 @@ def train(
     from the last step's fetch where it was queued behind it: summed, they are the run's time.
     Where the host, not the devices, sets the pace, a step fetched right before an evaluation, a
     checkpoint or the end shows less than its share (no next step was prepared meanwhile)."""
+    _check_settings(steps, eval_every, checkpoint_dir, checkpoint_every, on_step, on_eval)
     program = program or build(task, mesh_shape, layout, backend, optimizer, seed)
     first = 0
     if resume:
