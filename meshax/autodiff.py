@@ -7,7 +7,7 @@ the einsum over a split `batch` dim in the backward pass, not a special case.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextvars import ContextVar
 from typing import overload
 
@@ -66,7 +66,10 @@ def gradients(ys, xs, grad_ys=None, operations=None):
     or variables (`graph.trainable_variables`: each stands for its value, as Mesh-TensorFlow's
     `v.outputs[0]`); grad_ys: upstream gradients for ys (default: ones, so a scalar loss gives
     its gradient); operations: the forward ops to differentiate through (default: all)."""
-    ys = [ys] if isinstance(ys, Tensor) else list(ys)
+    ys = [ys] if isinstance(ys, Tensor | str) or not isinstance(ys, Iterable) else list(ys)
+    for y in ys:
+        if not isinstance(y, Tensor):
+            raise GraphError(f"gradients: ys are meshax Tensors (the loss), got {type(y).__name__} {y!r:.80}")
     single = isinstance(xs, Tensor | Operation)
     xs = [_as_x(x) for x in ([xs] if single else list(xs))]
     if not ys:
@@ -76,7 +79,17 @@ def gradients(ys, xs, grad_ys=None, operations=None):
     grad_ys = [grad_ys] if isinstance(grad_ys, Tensor) else list(grad_ys)
     if len(grad_ys) != len(ys):
         raise GraphError(f"gradients got {len(ys)} ys but {len(grad_ys)} grad_ys")
+    for y, g in zip(ys, grad_ys):  # (one of another shape was broadcast into the gradients, silently)
+        if g is not None and not (isinstance(g, Tensor) and set(g.shape.dims) == set(y.shape.dims)):
+            got = f"{g.name} {g.shape}" if isinstance(g, Tensor) else f"{type(g).__name__} {g!r:.80}"
+            raise GraphError(f"gradients: the grad_ys of {y.name} {y.shape} must be a Tensor of its shape, got {got}")
     graph = ys[0].graph
+    for t in (*ys, *grad_ys, *xs):  # (an x of another graph was given a None gradient, silently)
+        if t is not None and t.graph is not graph:
+            raise GraphError(
+                f"gradients: {t.name} belongs to another mx.Graph than {ys[0].name}; build the loss and what it is "
+                "differentiated with respect to in one graph"
+            )
     ops = [op for op in (graph.operations if operations is None else operations) if not op.in_loop]
     scales = {graph.loss_scales.get(y) for y in ys}
     token = _SCALE.set(scales.pop() if len(scales) == 1 else None)  # (ys scaled differently: none)

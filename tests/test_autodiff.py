@@ -210,3 +210,27 @@ def test_a_variable_stands_for_its_value_and_anything_else_is_refused():
     assert by_op is not None and by_op.shape == by_value.shape == w.shape
     with pytest.raises(mx.GraphError, match="not a Tensor or a variable"):
         mx.gradients(loss, ["w"])
+
+
+def test_ys_grad_ys_and_xs_that_do_not_fit_are_named():
+    """A variable of another graph among the xs got a None gradient, silently (an optimizer then
+    left it alone), or, alone, 'no gradient flows' (not why); a loss of another graph beside this
+    one's was left out; a grad_ys of another shape than its y was broadcast into the gradients;
+    a y or grad_ys that is no tensor was an AttributeError or TypeError from inside."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    w = mx.get_variable(mesh, "w", "io:4")
+    loss = mx.reduce_sum(w * w)
+    other = mx.Mesh(mx.Graph(), "m")
+    w2 = mx.get_variable(other, "w2", "io:4")
+    for xs in ([w2], [w, w2]):
+        with pytest.raises(mx.GraphError, match=r"gradients: w2 belongs to another mx.Graph than reduce_sum"):
+            mx.gradients(loss, xs)
+    with pytest.raises(mx.GraphError, match=r"gradients: total belongs to another mx.Graph"):
+        mx.gradients([loss, mx.reduce_sum(w2, name="total")], [w])
+    with pytest.raises(mx.GraphError, match=r"the grad_ys of reduce_sum Shape\(\[\]\) must be a Tensor of its shape"):
+        mx.gradients(loss, [w], grad_ys=[mx.ones(mesh, "io:4")])
+    with pytest.raises(mx.GraphError, match=r"must be a Tensor of its shape, got float 2.0"):
+        mx.gradients(loss, [w], grad_ys=[2.0])
+    with pytest.raises(mx.GraphError, match=r"gradients: ys are meshax Tensors \(the loss\), got str 'loss'"):
+        mx.gradients("loss", [w])
