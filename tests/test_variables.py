@@ -216,3 +216,23 @@ def test_an_initializer_that_is_not_one_or_makes_another_shape_is_refused(layout
     lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", layout)})
     with pytest.raises(mx.ConfigError, match=r"variable 'w' .*made an array of shape \(3,\), not \(8,\)"):
         lowering.function(w * 2.0)({})
+
+
+def test_donate_takes_only_the_graphs_placeholders():
+    """lowering.function(donate=...) took anything: a variable the function reads (its buffer
+    then handed to the program to consume, where the backend donates: its value lost after the
+    step), a name, an output, another graph's placeholder (all left out, silently)."""
+    graph, mesh, w = one_var()
+    x = mx.placeholder(mesh, "x", [io])
+    y = mx.reduce_sum(mx.einsum(x, w, output_shape=[hidden]))
+    lo = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")})
+    _, other_mesh, _ = one_var()
+    for bad, hint in (
+        (w, r": a variable's buffer is donated already where the function updates it"),
+        ("x", ""),
+        (y, ""),
+        (mx.placeholder(other_mesh, "x", [io]), ""),
+    ):
+        with pytest.raises(mx.GraphError, match=r"donate takes placeholders of the lowered graph .*got .*" + hint):
+            lo.function(y, donate=[bad])
+    lo.function(y, donate=[x])

@@ -474,6 +474,15 @@ class LoweredFunction:
         self._single = isinstance(outputs, Tensor)
         outs = _output_list(lowering, outputs, "lowering.function's outputs")
         updates = _update_list(lowering, updates)
+        for t in donate:  # (a variable's buffer was handed to the program to consume; anything else left out)
+            placeholder = isinstance(t, Tensor) and getattr(t.operation, "is_placeholder", False)
+            if not (placeholder and t.graph is lowering.graph):
+                variable = isinstance(t, Tensor) and getattr(t.operation, "is_variable", False)
+                raise GraphError(
+                    f"donate takes placeholders of the lowered graph (call_global may consume the arrays fed to "
+                    f"them), got {t!r}"
+                    + (": a variable's buffer is donated already where the function updates it" if variable else "")
+                )
         self.lowering = lowering
         self.outputs = outs
         self.updates = updates
