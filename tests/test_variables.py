@@ -236,3 +236,19 @@ def test_donate_takes_only_the_graphs_placeholders():
         with pytest.raises(mx.GraphError, match=r"donate takes placeholders of the lowered graph .*got .*" + hint):
             lo.function(y, donate=[bad])
     lo.function(y, donate=[x])
+
+
+def test_seeds_that_jax_would_refuse_or_confuse_are_named():
+    """mx.Lowering's seed was handed to JAX as given: 'a' or 1.5 failed inside JAX at the first
+    run, and 2**40 was seed 0 (JAX keeps a seed's low 32 bits). A call's seed: 1.5 was taken as
+    1, -1 and 2**40 an OverflowError from NumPy's uint32."""
+    graph, mesh, w = one_var()
+    y = mx.reduce_sum(w)
+    for seed in ("a", 1.5, 2**40, None):
+        with pytest.raises(mx.ConfigError, match=r"mx.Lowering's seed .* is not a whole number from -2147483648"):
+            mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")}, seed=seed)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")}, seed=-1).function(y)
+    for seed in (1.5, -1, 2**40):
+        with pytest.raises(mx.ConfigError, match=r"the seed of a call .* is not a whole number from 0 to 2\*\*32 - 1"):
+            fn({}, seed=seed)
+    fn({}, seed=np.uint32(2**32 - 1))

@@ -10,6 +10,7 @@ live here, between runs, in the backend's own form (a sharded global jax.Array f
 from __future__ import annotations
 
 import functools
+import numbers
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from meshax.core.errors import GraphError, LayoutWarning, MeshaxError, did_you_mean
+from meshax.core.errors import ConfigError, GraphError, LayoutWarning, MeshaxError, did_you_mean
 from meshax.core.graph import Graph, Mesh, Operation, Tensor, check_mesh
 from meshax.layout.plan import make_plan, weight_shapes
 from meshax.lower.context import LoweringContext, count_reads
@@ -111,6 +112,17 @@ def _tensor_of(lowering: Lowering, t, what: str) -> Tensor:
     if t.graph is not lowering.graph:
         raise GraphError(f"{what}: tensor {t.name} belongs to another graph than the one lowered")
     return t
+
+
+def _checked_seed(seed, what: str, low: int = 0) -> int:
+    """A seed as an int where it is one JAX tells apart from every other: a whole number in
+    low..2**32 - 1 (JAX keeps a seed's low 32 bits: 2**40 is 0)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not low <= seed < 2**32:
+        raise ConfigError(
+            f"{what} {seed!r} is not a whole number from {low} to 2**32 - 1 (a larger one is the same seed as its "
+            "low 32 bits)"
+        )
+    return int(seed)
 
 
 def _update_list(lowering: Lowering, updates) -> list[Operation]:
@@ -222,7 +234,7 @@ class Lowering:
                 )
         _warn_unused_rules(graph, self.impl)
         self.plan = make_plan(graph.operations, self.impl.layout_rules, self.impl.shape, self.impl.weight_rules)
-        self.seed = seed
+        self.seed = _checked_seed(seed, "mx.Lowering's seed", low=-(2**31))  # (was refused by JAX at the first run)
         self._variables: dict[Operation, object] = {}  # variable op -> backend value
         # (variable op, dtype) -> the variable's value cast to dtype, dropped when that changes
         self._copies: dict[tuple[Operation, np.dtype], object] = {}
@@ -638,6 +650,7 @@ class LoweredFunction:
         """Start the program as `__call__` does and return its outputs unfetched, as the
         backend's values (`fetch` them). The SIMD backend returns as soon as the program is
         queued on the devices: the host can prepare the next step while this one runs."""
+        seed = _checked_seed(seed, "the seed of a call")  # (1.5 was 1; -1 an OverflowError from NumPy)
         return self._start(self._arguments(feeds, rows), seed)
 
     def fetch(self, values: list):
@@ -663,7 +676,7 @@ class LoweredFunction:
         logical global jax.Arrays with their layouts' shardings, nothing fetched to the host.
         An output split unevenly comes back replicated along that dim, gathered in the step by
         the program `global_function` (whose counters count it), not by one of its own after."""
-        fn = self.global_function
+        fn, seed = self.global_function, _checked_seed(seed, "the seed of a call")
         results = fn._start(fn._global_arguments(feeds), seed)
         impl = self.lowering.impl
         return [impl.to_padded(r, fn._out_spec(t, i)) for i, (r, t) in enumerate(zip(results, self.outputs))]
