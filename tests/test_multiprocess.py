@@ -393,6 +393,24 @@ def test_feed_rows_and_put_rows_in_one_process(layout):
         lowering.impl.put_rows(xv[2:6], 2, spec)
 
 
+def test_rows_that_are_no_rows_of_the_batch_are_named():
+    """rows past the dim were asked for as the array's shape ('expects shape [100, 8] (rows
+    0..99 of b)' for a dim of 10); rows that are no (lo, hi) pair were an IndexError ('a') or a
+    TypeError from slicing (1.5) from inside."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    x = mx.placeholder(mesh, "x", "b:10;d:8")
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "b:rows")}).function(mx.reduce_sum(x))
+    xv = np.ones((10, 8), np.float32)
+    for rows in ((0, 100), (-1, 9), (6, 4)):
+        with pytest.raises(ValueError, match=r"rows .* are not rows of Dimension\('b', 10\) \(placeholder 'x'\)"):
+            fn({x: xv}, rows=rows)
+    for rows in ("a", (1.5, 3), (0,)):
+        with pytest.raises(ValueError, match=r"rows are \(lo, hi\), whole numbers, as feed_rows\(\) gives them"):
+            fn({x: xv}, rows=rows)
+    assert float(fn({x: xv}, rows=[np.int64(0), 10])) == 80.0
+
+
 def test_task_rows_are_the_batch_rows():
     """Each row of a batch is drawn alone, so the rows one process draws are the batch's."""
     for task in (worker.make_task("lm-2d"), worker.make_task("mnist-2d"), mx_task("seq2seq"), mx_task("unet")):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import operator
 import warnings
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
@@ -588,6 +589,11 @@ class LoweredFunction:
                 value = _fed(t, resolved[t])
                 want = t.shape.to_integer_list
                 if rows is not None and want:
+                    if not 0 <= rows[0] <= rows[1] <= want[0]:  # (was asked for as the array's shape)
+                        raise ValueError(
+                            f"rows {tuple(rows)} are not rows of {t.shape[0]} (placeholder {t.name!r}): feed the "
+                            "rows feed_rows() gives"
+                        )
                     want[0] = rows[1] - rows[0]
                 if list(value.shape) != want:
                     part = f" (rows {rows[0]}..{rows[1] - 1} of {t.shape[0].name})" if rows is not None else ""
@@ -651,6 +657,13 @@ class LoweredFunction:
         backend's values (`fetch` them). The SIMD backend returns as soon as the program is
         queued on the devices: the host can prepare the next step while this one runs."""
         seed = _checked_seed(seed, "the seed of a call")  # (1.5 was 1; -1 an OverflowError from NumPy)
+        if rows is not None:
+            try:
+                rows = tuple(operator.index(r) for r in rows)
+            except TypeError:
+                rows = ()
+            if len(rows) != 2:  # (was an IndexError, or a TypeError from slicing, from inside)
+                raise ValueError("rows are (lo, hi), whole numbers, as feed_rows() gives them")
         return self._start(self._arguments(feeds, rows), seed)
 
     def fetch(self, values: list):
