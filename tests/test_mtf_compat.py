@@ -1234,3 +1234,28 @@ def test_compress_mean_by_a_factor_that_does_not_divide_the_dim_is_named():
         ):
             mx.layers.compress_mean(x, mx.Dimension("b", 8), factor)
     assert mx.layers.compress_mean(x, "b", 2).shape == mx.convert_to_shape("b:4;c:4")
+
+
+def test_a_slicewise_function_whose_slices_do_not_fit_the_output_is_named():
+    """A cwise function that changed a slice's shape made an output of another size, silently
+    (jnp.mean over a split dim: [2, 4] out of an [8, 4] tensor on 2 devices); slicewise's was an
+    error from inside shard_map, a slice of another dtype an 'internal error ... please report
+    it', and a function that is none a TypeError at the first run."""
+
+    def run(make):
+        graph = mx.Graph()
+        mesh = mx.Mesh(graph, "m")
+        x = mx.placeholder(mesh, "x", "b:8;d:4")
+        fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:2", "b:all")}).function(make(x))
+        return fn({"x": np.ones([8, 4], np.float32)})
+
+    for make, message in (
+        (lambda x: mx.cwise(lambda a: a.mean(0, keepdims=True), [x]), r"a slice of shape \[1, 4\] \(float32\)"),
+        (lambda x: mx.slicewise(lambda a: a.sum(0), [x]), r"a slice of shape \[4\] \(float32\), but the output"),
+        (lambda x: mx.slicewise(lambda a: a.astype(jnp.int32), [x]), r"returned a slice of shape \[8, 4\] \(int32\)"),
+    ):
+        with pytest.raises(mx.GraphError, match=message):
+            run(make)
+    with pytest.raises(mx.GraphError, match=r"slicewise needs a function of the slices, got 3"):
+        run(lambda x: mx.cwise(3, [x]))
+    np.testing.assert_array_equal(run(lambda x: mx.slicewise(lambda a: (a * 2,), [x])), np.full([8, 4], 2.0))

@@ -98,9 +98,28 @@ class UserSlicewiseOperation(SlicewiseOperation):
     by the user's `grad_function(op, *grad_ys)`."""
 
     def __init__(self, xs, fn, shape, dtype, rule, grad_function, name):
-        super().__init__(xs, lambda _local, *a: fn(*a), [shape], [dtype], rule=rule, name=name)
+        super().__init__(xs, lambda local, *a: self._checked(fn(*a), local[0]), [shape], [dtype], rule=rule, name=name)
         self.user_fn, self.grad_function = fn, grad_function
         self.differentiable = grad_function != 0 and is_floating(self.outputs[0].dtype)
+
+    def _checked(self, out, local: tuple):
+        """The function's slice, where it is one of the output's slices; a GraphError naming the
+        function otherwise (a slice of another shape was an error from inside shard_map, or, split
+        along the dims the function may keep split, an output of another size, silently; one of
+        another dtype was an 'internal error')."""
+        t = self.outputs[0]
+        if isinstance(out, list | tuple) and len(out) == 1:  # (a one-tuple: the slice in it)
+            out = out[0]
+        shape, dtype = tuple(getattr(out, "shape", ())), getattr(out, "dtype", None)
+        if shape != tuple(local) or dtype != t.dtype:
+            fn = getattr(self.user_fn, "__name__", repr(self.user_fn))
+            raise GraphError(
+                f"{self.name} (created at {self.source}): the function {fn} returned a slice of shape "
+                f"{list(shape)} ({dtype}), but the output {t.shape} {t.dtype} has slices of {list(local)} here: "
+                "give output_shape and output_dtype the function's result has (a slice of them, where it "
+                "keeps dims split)"
+            )
+        return out
 
     def gradient(self, grad_outputs):
         (g,) = grad_outputs
@@ -156,6 +175,8 @@ def slicewise(
     others are gathered first. Its gradient is the function's own, slice by slice (`jax.vjp`);
     `grad_function(op, *grad_ys)` gives one instead (the gradients of `op.inputs`), 0: none."""
     fn = tf_fn
+    if not callable(fn):  # (was a TypeError at the first run)
+        raise GraphError(f"slicewise needs a function of the slices, got {fn!r}")
     xs = [xs] if isinstance(xs, Tensor) else list(xs)
     if not xs or not all(isinstance(x, Tensor) for x in xs):
         raise GraphError(f"slicewise needs a list of meshax Tensors, got {xs!r}")
