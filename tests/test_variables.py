@@ -252,3 +252,15 @@ def test_seeds_that_jax_would_refuse_or_confuse_are_named():
         with pytest.raises(mx.ConfigError, match=r"the seed of a call .* is not a whole number from 0 to 2\*\*32 - 1"):
             fn({}, seed=seed)
     fn({}, seed=np.uint32(2**32 - 1))
+
+
+def test_a_variable_or_placeholder_name_that_is_no_text_is_refused():
+    """get_variable(mesh, '', ...) made a variable named 'variable', and a name of 3 one that no
+    checkpoint could name; placeholder(mesh, '', ...) was said to exist already, and a placeholder
+    named 5 could not be fed by name."""
+    _, mesh, _ = one_var()
+    for bad in ("", 3, None):
+        with pytest.raises(mx.GraphError, match=rf"get_variable: the name must be a non-empty string .*got {bad!r}"):
+            mx.get_variable(mesh, bad, [io])
+        with pytest.raises(mx.GraphError, match=rf"placeholder: the name must be a non-empty string .*got {bad!r}"):
+            mx.placeholder(mesh, bad, [io])

@@ -22,6 +22,8 @@ class PlaceholderOperation(Operation):
     is_placeholder = True
 
     def __init__(self, mesh: Mesh, name: str, shape, dtype="float32"):
+        if not (isinstance(name, str) and name):  # ('' was said to exist already; 5 could not be fed by name)
+            raise GraphError(f"placeholder: the name must be a non-empty string (feeds name it), got {name!r}")
         super().__init__([], mesh=mesh, name=name)
         if self.name != name:
             raise GraphError(f"a placeholder named {name!r} already exists in this graph; names identify feeds")

@@ -157,6 +157,8 @@ def get_variable(
     (`slice_dtype`, if given, must be the same), and read as `activation_dtype` (a cast; its
     gradient is summed in the master dtype). meshax's own order, the initializer fourth
     (`get_variable(mesh, name, shape, init)`), works too."""
+    if not (isinstance(name, str) and name):  # ('' became 'variable'; 3 a variable no checkpoint can name)
+        raise GraphError(f"get_variable: the name must be a non-empty string (checkpoints keep it), got {name!r}")
     if callable(dtype) and not isinstance(dtype, type | np.dtype):  # (mesh, name, shape, initializer)
         dtype, initializer = "float32", dtype
     dtype = master_dtype or dtype
