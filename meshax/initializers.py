@@ -159,6 +159,12 @@ def truncated_normal(stddev=1.0, mean=0.0):
 def uniform(minval=0.0, maxval=1.0):
     """Uniform values in [minval, maxval)."""
     _numbers("uniform", minval=minval, maxval=maxval)
+    if not np.all(np.asarray(minval) < np.asarray(maxval)):  # (every value was minval: uniform(2.0) all 2s)
+        raise ConfigError(
+            f"initializers.uniform: minval {minval!r} must be less than maxval {maxval!r}: the values are in "
+            f"[minval, maxval), minval first (for [0, {minval!r}), as jax.nn.initializers.uniform({minval!r}) "
+            f"gives, write uniform(0, {minval!r}))"
+        )
     return Uniform(minval, maxval)
 
 

@@ -264,3 +264,14 @@ def test_a_variable_or_placeholder_name_that_is_no_text_is_refused():
             mx.get_variable(mesh, bad, [io])
         with pytest.raises(mx.GraphError, match=rf"placeholder: the name must be a non-empty string .*got {bad!r}"):
             mx.placeholder(mesh, bad, [io])
+
+
+def test_a_uniform_initializer_with_no_room_between_its_bounds_is_refused():
+    """uniform(2.0) (jax.nn.initializers.uniform's one argument, the top) is minval 2.0 below
+    maxval 1.0 here: every value was 2.0, silently."""
+    for args in ((2.0,), (1, 1)):
+        with pytest.raises(mx.ConfigError, match=r"initializers.uniform: minval .* must be less than maxval"):
+            mx.initializers.uniform(*args)
+    graph, mesh, w = one_var(mx.initializers.uniform(0, 2.0))
+    value = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")}).variable_value(w)
+    assert value.min() >= 0 and value.max() < 2.0 and value.std() > 0.3
