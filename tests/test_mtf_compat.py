@@ -1259,3 +1259,30 @@ def test_a_slicewise_function_whose_slices_do_not_fit_the_output_is_named():
     with pytest.raises(mx.GraphError, match=r"slicewise needs a function of the slices, got 3"):
         run(lambda x: mx.cwise(3, [x]))
     np.testing.assert_array_equal(run(lambda x: mx.slicewise(lambda a: (a * 2,), [x])), np.full([8, 4], 2.0))
+
+
+def test_laid_out_slices_of_another_shape_or_a_layout_past_the_mesh_are_named():
+    """import_laid_out_tensor took a slice of another shape than its device holds: a smaller one
+    was broadcast into the tensor (one row given for two: the row twice), a larger one cut, both
+    silently; a layout naming a mesh axis the mesh lacks was an IndexError from inside. Slices as
+    the mesh holds them, padded where the split is uneven, or without the padding, are taken."""
+
+    def run(slices, axes, shape):
+        graph = mx.Graph()
+        mesh = mx.Mesh(graph, "m")
+        t = mx.import_laid_out_tensor(mesh, mx.LaidOutTensor(slices, mx.TensorLayout(axes)), shape)
+        return mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:2", "")}).function(t)({})
+
+    row = np.ones((1, 3), np.float32)
+    for slices, message in (
+        ([row, row], r"slice 0 has shape \[1, 3\], but device 0 of the mesh Shape\(\[all=2\]\) holds \[2, 3\]"),
+        ([np.ones((2, 3), np.float32), np.ones((3, 3), np.float32)], r"slice 1 has shape \[3, 3\]"),
+    ):
+        with pytest.raises(mx.GraphError, match=message):
+            run(slices, [(0,), ()], "a:4;b:3")
+    with pytest.raises(mx.GraphError, match=r"names mesh axes \[3\], but the mesh Shape\(\[all=2\]\) has 1"):
+        run([row, row], [(3,), ()], "a:2;b:3")
+    five = np.arange(15, dtype=np.float32).reshape(5, 3)
+    padded = [five[:3], np.concatenate([five[3:], np.zeros((1, 3), np.float32)])]
+    for slices in (padded, [five[:3], five[3:]]):
+        np.testing.assert_array_equal(run(slices, [(0,), ()], "a:5;b:3"), five)

@@ -77,11 +77,25 @@ class ImportLaidOutTensorOperation(ImportTensorOperation):
                 f"import_laid_out_tensor {self.name}: {len(slices)} slices, but the mesh {mesh_shape} has "
                 f"{impl.size} devices: give one slice per device, in the mesh's device order"
             )
+        bad_axes = sorted({a for axes in layout.axes for a in axes if not 0 <= a < mesh_shape.rank})
+        if bad_axes:  # (was an IndexError from inside)
+            raise GraphError(
+                f"import_laid_out_tensor {self.name}: its layout {layout} names mesh axes {bad_axes}, but the mesh "
+                f"{mesh_shape} has {mesh_shape.rank}"
+            )
+        local = slice_shape(shape, layout, mesh_shape)
         full = np.zeros(shape.to_integer_list, slices[0].dtype)
         for pnum, piece in enumerate(slices):
             coords = [int(c) for c in np.unravel_index(pnum, mesh_shape.to_integer_list)]
             begin = slice_begin(shape, layout, mesh_shape, coords)
             sizes = [valid_size(d.size, axes, mesh_shape, coords) for d, axes in zip(shape, layout.axes)]
+            if piece.ndim != len(sizes) or any(not n <= m <= k for n, m, k in zip(sizes, piece.shape, local)):
+                # (a smaller one was broadcast into the tensor, a larger one cut, silently)
+                raise GraphError(
+                    f"import_laid_out_tensor {self.name}: slice {pnum} has shape {list(piece.shape)}, but device "
+                    f"{pnum} of the mesh {mesh_shape} holds {sizes} of {shape} laid out as {layout}"
+                    + (f" (padded to {list(local)})" if list(sizes) != list(local) else "")
+                )
             full[tuple(slice(b, b + n) for b, n in zip(begin, sizes))] = piece[tuple(slice(0, n) for n in sizes)]
         return full
 
