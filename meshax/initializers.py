@@ -27,7 +27,26 @@ class Constant:
     value: float = 0.0
 
     def __call__(self, key, shape, dtype):
+        self.check(shape, dtype)
         return jnp.full(shape, self.value, dtype)
+
+    def check(self, shape, dtype) -> None:
+        """Refuse a value that does not fill a variable of `shape` and `dtype`: an array of another
+        shape (NumPy's error from inside, when the variable was first used), or a whole number
+        past an integer dtype (NumPy's OverflowError for a small variable; wrapped around, 2**40
+        as 0, for a large one)."""
+        dtype = np.dtype(dtype)
+        try:
+            np.broadcast_shapes(np.shape(self.value), tuple(shape))
+        except ValueError:
+            raise ConfigError(
+                f"initializers.constant: a value of shape {list(np.shape(self.value))} does not fill a variable of "
+                f"shape {list(shape)}"
+            ) from None
+        if dtype.kind in "iu" and np.asarray(self.value).dtype.kind in "iu":
+            low, high = np.iinfo(dtype).min, np.iinfo(dtype).max
+            if not (low <= np.min(self.value) and np.max(self.value) <= high):
+                raise ConfigError(f"initializers.constant: {self.value!r:.60} is outside {dtype}'s {low}..{high}")
 
 
 @dataclasses.dataclass(frozen=True)

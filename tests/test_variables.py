@@ -275,3 +275,21 @@ def test_a_uniform_initializer_with_no_room_between_its_bounds_is_refused():
     graph, mesh, w = one_var(mx.initializers.uniform(0, 2.0))
     value = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")}).variable_value(w)
     assert value.min() >= 0 and value.max() < 2.0 and value.std() > 0.3
+
+
+def test_a_constant_initializer_that_does_not_fill_its_variable_is_named():
+    """initializers.constant of an array of another shape was NumPy's 'could not broadcast'
+    from inside, with no variable named; of 2**40 for an int32 variable NumPy's OverflowError (a
+    small variable) or 0, silently (a large one, made by jnp.full)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    a = mx.get_variable(mesh, "a", [io, hidden], initializer=mx.initializers.constant(np.ones(5, np.float32)))
+    b = mx.get_variable(mesh, "b", [io], dtype="int32", initializer=mx.initializers.constant(2**40))
+    big = mx.Dimension("big", 2**21)
+    c = mx.get_variable(mesh, "c", [big], dtype="int32", initializer=mx.initializers.constant(2**40))
+    lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")})
+    with pytest.raises(mx.ConfigError, match=r"variable 'a' .*a value of shape \[5\] does not fill a variable"):
+        lowering.variable_value(a)
+    for v in (b, c):
+        with pytest.raises(mx.ConfigError, match=rf"variable '{v.name}' .*1099511627776 is outside int32's"):
+            lowering.variable_value(v)

@@ -455,6 +455,7 @@ class MeshImpl:
             # and mesh (the same numbers: they do not depend on the layout); a constant (biases, the
             # optimizer's slots) by numpy, compiling nothing
             if isinstance(init, Constant):
+                init.check(shape.to_integer_list, dtype)
                 whole = np.full(shape.to_integer_list, init.value, np.dtype(dtype))
             else:
                 whole = _whole_initializer_program(init, shape, np.dtype(dtype))(key)
