@@ -22,9 +22,21 @@ import numpy as np
 from meshax.core.errors import ConfigError
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class Constant:
     value: float = 0.0
+
+    def _key(self) -> tuple:
+        v = np.asarray(self.value)
+        return (v.shape, v.dtype.str, v.tobytes())
+
+    # (by the value's bytes: an array value made the generated hash fail, 'unhashable type', for a
+    # variable large enough to be made by a compiled program, which is cached by its initializer)
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Constant) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def __call__(self, key, shape, dtype):
         self.check(shape, dtype)

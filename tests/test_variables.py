@@ -293,3 +293,19 @@ def test_a_constant_initializer_that_does_not_fill_its_variable_is_named():
     for v in (b, c):
         with pytest.raises(mx.ConfigError, match=rf"variable '{v.name}' .*1099511627776 is outside int32's"):
             lowering.variable_value(v)
+
+
+def test_a_constant_initializer_of_an_array_makes_a_large_variable():
+    """initializers.constant(array) failed for a variable large enough to be made by a compiled
+    program ('unhashable type: numpy.ndarray': the program is cached by its initializer); a small
+    one was made. Equal constants are one initializer (one program), as before."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    big, row = mx.Dimension("big", 2**11), mx.Dimension("row", 2**10)
+    values = np.arange(row.size, dtype=np.float32)
+    v = mx.get_variable(mesh, "v", [big, row], initializer=mx.initializers.constant(values))
+    got = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "big:all")}).variable_value(v)
+    np.testing.assert_array_equal(got, np.broadcast_to(values, (big.size, row.size)))
+    assert mx.initializers.constant(values) == mx.initializers.constant(values.copy())
+    assert hash(mx.initializers.zeros()) == hash(mx.initializers.constant(0.0))
+    assert mx.initializers.constant(values) != mx.initializers.constant(values + 1)
