@@ -118,7 +118,7 @@ def _tensor_of(lowering: Lowering, t, what: str) -> Tensor:
 def _checked_seed(seed, what: str, low: int = 0) -> int:
     """A seed as an int where it is one JAX tells apart from every other: a whole number in
     low..2**32 - 1 (JAX keeps a seed's low 32 bits: 2**40 is 0)."""
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not low <= seed < 2**32:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not low <= int(seed) < 2**32:
         raise ConfigError(
             f"{what} {seed!r} is not a whole number from {low} to 2**32 - 1 (a larger one is the same seed as its "
             "low 32 bits)"
@@ -126,7 +126,7 @@ def _checked_seed(seed, what: str, low: int = 0) -> int:
     return int(seed)
 
 
-def _update_list(lowering: Lowering, updates) -> list[Operation]:
+def _update_list(lowering: Lowering, updates) -> list[AssignOperation]:
     """A program's updates (an assign op or a sequence of them) as a list of the lowered graph's
     assign ops, each variable assigned once."""
     if isinstance(updates, Tensor):
@@ -659,11 +659,10 @@ class LoweredFunction:
         seed = _checked_seed(seed, "the seed of a call")  # (1.5 was 1; -1 an OverflowError from NumPy)
         if rows is not None:
             try:
-                rows = tuple(operator.index(r) for r in rows)
-            except TypeError:
-                rows = ()
-            if len(rows) != 2:  # (was an IndexError, or a TypeError from slicing, from inside)
-                raise ValueError("rows are (lo, hi), whole numbers, as feed_rows() gives them")
+                lo, hi = (operator.index(r) for r in rows)
+            except (TypeError, ValueError):  # (was an IndexError, or a TypeError from slicing, from inside)
+                raise ValueError("rows are (lo, hi), whole numbers, as feed_rows() gives them") from None
+            rows = (lo, hi)
         return self._start(self._arguments(feeds, rows), seed)
 
     def fetch(self, values: list):
