@@ -395,14 +395,14 @@ def search_layout(
     program computing `outputs` and applying `updates`, within `memory_budget` per device
     (default: the device's memory). `graph` may be a training task (`meshax.train` tasks): its
     loss and `optimizer`'s updates (default Adam's) are the program, and a deep one is costed at
-    small depths and extrapolated, exactly (`program.Extrapolated`). `layout`: rules the user pins (kept in every
-    candidate). `device`: a known device name or a `meshax calibrate` file (default: the CPU's
-    entry, or $MESHAX_DEVICE). Spaces of at most `exact_limit` rule sets are costed exactly;
-    larger ones by the estimate, and the best that fit re-costed exactly: `top` of them (at least
-    5, however few are listed), and on while their estimate is within `rescore_margin` of the best
-    one's (at most twice as many). Spaces of more than `enumerate_limit` rule sets (a U-Net on
-    a 2 x 2 x 2 mesh has 7.5 million: hours to estimate) are searched locally (`_local_search`),
-    which finds a good layout, not always the best.
+    small depths and extrapolated, exactly (`program.Extrapolated`). `layout`: rules the user
+    pins (kept in every candidate). `device`: a known device name or a `meshax calibrate` file
+    (default: the CPU's entry, or $MESHAX_DEVICE). Spaces of at most `exact_limit` rule sets are
+    costed exactly; larger ones by the estimate, and the best that fit re-costed exactly: `top`
+    of them (at least 5, however few are listed), and on while their estimate is within
+    `rescore_margin` of the best one's (at most twice as many). Spaces of more than
+    `enumerate_limit` rule sets (a U-Net on a 2 x 2 x 2 mesh has 7.5 million: hours to estimate)
+    are searched locally (`_local_search`), which finds a good layout, not always the best.
     `baseline`: the user's own layout (rules, or a Candidate from `evaluate`), shown beside.
     `search_weights`: also give the weight-shaped tensors rules of their own (weights, their
     gradients and optimizer state split one way, activations another: GSPMD's 2D sharding,
