@@ -234,3 +234,10 @@ def test_dropout_takes_numpy_bools_and_names_a_bad_is_training_or_rate():
     with pytest.raises(mx.GraphError, match=r"dropout: keep_prob 0.9 and rate 0.5 disagree"):
         mx.dropout(x, True, keep_prob=0.9, rate=0.5)
     assert mx.dropout(x, True, keep_prob=0.75, rate=0.25) is not x
+
+
+def test_random_uniform_refuses_a_minval_not_below_maxval():
+    """random_uniform(minval=2, maxval=1) drew from (1, 2], silently (initializers.uniform refuses it)."""
+    mesh = mx.Mesh(mx.Graph(), "m")
+    with pytest.raises(mx.GraphError, match=r"minval 2 must be less than maxval 1"):
+        mx.random_uniform(mesh, "b:8", minval=2, maxval=1)

@@ -1116,3 +1116,10 @@ def test_updates_that_are_no_assign_ops_are_named_by_the_search_and_the_trace():
         lowering.trace_step([loss], loss)
     with pytest.raises(ValueError, match=r"variables \['w'\] are assigned more than once"):
         lowering.trace_step([loss], [mx.assign(w, w * 2.0), mx.assign(w, w * 3.0)])
+
+
+@pytest.mark.parametrize("top", [0, -1, 2.5, True])
+def test_a_search_listing_no_layouts_is_refused(top):
+    """top=0 listed nothing, and its result had no best (an IndexError)."""
+    with pytest.raises(mx.ConfigError, match=r"give how many layouts to list, 1 or more"):
+        search_layout(MLP, "rows:2;cols:4", top=top)

@@ -70,6 +70,10 @@ class RandomOperation(Operation):
 
 def random_uniform(mesh: Mesh, shape, minval=0.0, maxval=1.0, dtype="float32", seed=None, name=None) -> Tensor:
     """Uniform values in [minval, maxval); the same values whatever the layout (each device draws its own slice)."""
+    if not np.all(np.asarray(minval) < np.asarray(maxval)):  # (drew from (maxval, minval], silently)
+        raise GraphError(
+            f"random_uniform: minval {minval!r} must be less than maxval {maxval!r} (values in [minval, maxval))"
+        )
     return RandomOperation(mesh, shape, "uniform", minval, maxval, dtype, seed, name).outputs[0]
 
 

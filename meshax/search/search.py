@@ -409,6 +409,8 @@ def search_layout(
     ZeRO), for each of the best rule sets (as many) every legal set of weight rules, by the estimate;
     then weight shapes left to the rules (`WeightRules`: "... except [vocab,d_model]") where that
     makes the best ones faster."""
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:  # (0 listed nothing, and had no best)
+        raise ConfigError(f"search_layout(top={top!r}): give how many layouts to list, 1 or more")
     start = time.perf_counter()
     breadth = max(top, 5)  # (how many the search looks at closely: listing fewer changes nothing)
     mesh_shape = convert_to_mesh_shape(mesh_shape)
