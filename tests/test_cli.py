@@ -61,6 +61,9 @@ def test_train_writes_metrics(tmp_path, capsys):
         == 0
     )
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    run = lines.pop(0)  # (what ran, first: the layout `--search` chose, say)
+    assert run["step"] == 0 and run["run"]["mesh"] == "all:8" and run["run"]["layout"] == "batch:all"
+    assert run["run"]["task"] == "mlp" and run["run"]["weight_layout"] is None
     assert [line["step"] for line in lines[:5]] == [1, 2, 3, 4, 5]  # steps completed
     assert "eval" in lines[-1] and lines[-1]["eval"]["loss"] > 0
     assert "eval after step 5" in capsys.readouterr().out
@@ -131,8 +134,8 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys, monkeypatch):
     assert main(["train", "lm", *common, "--steps", "5", "--resume", ckpt, "--metrics", str(tmp_path / "m.jsonl")]) == 0
     out = capsys.readouterr().out
     assert "resuming from step 3" in out
-    steps = [json.loads(line).get("step") for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert steps[:2] == [4, 5]
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records[:3]] == [3, 4, 5] and records[0]["run"]["layout"] == "batch:all"
     # decoding from the checkpoint (the tokens themselves: tests/test_decode.py)
     model = ["--model", "tiny", "--source", "markov", "--length", "16", "--resume", ckpt, "--prompt", "3,5,2"]
     sampled = ["--samples", "2", "--temperature", "0.8"]

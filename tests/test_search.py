@@ -1032,12 +1032,16 @@ def test_plan_search_costs_the_optimizer_flag(capsys):
     assert runs["adam"] != runs["adafactor"] and f"{best.step_s * 1e3:.3f}" in runs["adafactor"]
 
 
-def test_train_search_trains_the_searchs_best(capsys):
-    assert main(["train", "mnist", "--mesh", "rows:2;cols:4", "--search", "--steps", "2", "--no-progress"]) == 0
+def test_train_search_trains_the_searchs_best_and_its_metrics_say_which(capsys, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    argv = ["train", "mnist", "--mesh", "rows:2;cols:4", "--search", "--steps", "2", "--no-progress"]
+    assert main([*argv, "--metrics", str(metrics)]) == 0
     out = capsys.readouterr().out
     best = next(line for line in out.splitlines() if line.startswith("1 ")).split()[1]
     assert out.startswith("layout search: ") and f"mesh 'rows:2;cols:4', layout '{best}'" in out
     assert "eval after step 2" in out
+    run = json.loads(metrics.read_text().splitlines()[0])["run"]  # (the metrics named no layout)
+    assert (run["mesh"], run["layout"]) == ("rows:2;cols:4", str(mx.layout.convert_to_layout_rules(best)))
 
 
 @pytest.mark.parametrize(

@@ -241,23 +241,20 @@ def train(
         metrics_path = tensorboard_dir = None
     writer = MetricsWriter(metrics_path, tensorboard_dir)
     record = writer.record
+    impl = program.lowering.impl
+    settings = {  # (what ran: the metrics' first record of the run, and each checkpoint's)
+        "mesh": str(";".join(f"{d.name}:{d.size}" for d in impl.shape)),
+        "layout": str(impl.layout_rules),
+        "weight_layout": None if impl.weight_rules is None else str(impl.weight_rules),
+        "task": task.name,
+        "data": task.data_settings(),
+    }
+    record({"step": first, "run": settings})
 
     def save(step):
         from meshax.train.checkpoint import save_checkpoint
 
-        impl = program.lowering.impl
-        save_checkpoint(
-            checkpoint_dir,
-            program.lowering,
-            step,
-            {
-                "mesh": str(";".join(f"{d.name}:{d.size}" for d in impl.shape)),
-                "layout": str(impl.layout_rules),
-                "weight_layout": None if impl.weight_rules is None else str(impl.weight_rules),
-                "task": task.name,
-                "data": task.data_settings(),
-            },
-        )
+        save_checkpoint(checkpoint_dir, program.lowering, step, settings)
 
     losses, evals, times = [], [], []
     last_done = [0.0]  # when the last step's loss was fetched

@@ -1,7 +1,10 @@
 """Where training metrics go: JSON lines, TensorBoard event files, and plots of them.
 
 Each record is `{"step": n, "loss": ..., "step_seconds": ..., "tokens_per_second": ...}` for a
-training step, or `{"step": n, "eval": {metric: value}}` for an evaluation.
+training step, `{"step": n, "eval": {metric: value}}` for an evaluation, or, first for each run
+(a resumed one too), `{"step": n, "run": {"mesh": ..., "layout": ..., "weight_layout": ...,
+"task": ..., "data": {...}}}`: what ran from step n on (the layout `meshax train --search` chose,
+say).
 """
 
 from __future__ import annotations
@@ -32,7 +35,10 @@ class MetricsWriter:
         if self.metrics_path:
             with open(self.metrics_path, "a") as log:
                 log.write(json.dumps(entry) + "\n")
-        if self._board is not None:
+        if self._board is not None and "run" in entry:  # (no scalars: the settings, as text)
+            self._board.add_text("run", json.dumps(entry["run"]), entry["step"])
+            self._board.flush()
+        elif self._board is not None:
             step = entry["step"]
             for key, value in entry.items():
                 if key == "eval":
