@@ -1160,7 +1160,7 @@ def _searched(args, task, say: bool = True):
     # Costed once, at small depths where the model is deep: the search's candidates and the
     # layout given beside them (or the task's default, where it fits the mesh), annotations and all
     searched = dataclasses.replace(task, sharding="") if getattr(task, "sharding", "") else task
-    optimizer = _optimizer(args)  # (the search costs its steps, and --measure runs them)
+    optimizer = _optimizer(args)  # (the search costs its steps; the result keeps it, and --measure runs them)
     model = model_of(searched, optimizer=optimizer)
     baseline = None
     if not getattr(args, "no_baseline", False):
@@ -1190,9 +1190,7 @@ def _searched(args, task, say: bool = True):
             k = min(args.measure, len(result.ranked))
             print(f"measuring the {k} best layout{'s' if k > 1 else ''} ...", file=sys.stderr, flush=True)
         annotated = None if searched is task else task  # (what runs the layout given beside: its annotations)
-        result = measure_layouts(
-            result, searched, args.measure, yours=annotated, backend=args.backend, optimizer=optimizer
-        )
+        result = measure_layouts(result, searched, args.measure, yours=annotated, backend=args.backend)
     return result, searched
 
 

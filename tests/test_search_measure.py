@@ -197,3 +197,17 @@ def test_measure_runs_the_optimizer_the_search_costed(monkeypatch):
     result = search_layout(MLP, MESH, top=1, optimizer=sgd)
     measure_layouts(result, MLP, k=1)
     assert used == [sgd] and search_mesh_and_layout(MLP, 8, top=1, optimizer=sgd).optimizer is sgd
+
+
+def test_plan_measures_the_steps_of_the_optimizer_training_runs(monkeypatch):
+    """`plan --search --measure --optimizer adafactor` timed Adam's steps (the search's result keeps its optimizer)."""
+    optimizers, real = [], loop.build
+
+    def build(task, mesh, layout, backend, optimizer=None, **kwargs):
+        optimizers.append(type(optimizer).__name__)
+        return real(task, mesh, layout, backend, optimizer, **kwargs)
+
+    monkeypatch.setattr(loop, "build", build)
+    monkeypatch.setattr(measure, "in_blocks", lambda fns, rounds, block: dict.fromkeys(fns, 1.0))
+    assert main(["plan", "mlp", "--mesh", MESH, "--search", "--measure", "1", "--optimizer", "adafactor"]) == 0
+    assert optimizers == ["AdafactorOptimizer", "AdafactorOptimizer"]  # (the best and yours)
