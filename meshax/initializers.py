@@ -178,13 +178,24 @@ def constant(value):
 def normal(stddev=1.0, mean=0.0):
     """Normal values with `mean` and `stddev`."""
     _numbers("normal", stddev=stddev, mean=mean)
+    _spread("normal", stddev)
     return Normal(stddev, mean)
 
 
 def truncated_normal(stddev=1.0, mean=0.0):
     """Normal values with `mean` and `stddev`, cut at two standard deviations (rescaled to keep `stddev`)."""
     _numbers("truncated_normal", stddev=stddev, mean=mean)
+    _spread("truncated_normal", stddev)
     return Normal(stddev, mean, truncated=True)
+
+
+def _spread(fn: str, stddev) -> None:
+    """A negative `stddev` is refused: it drew with stddev |stddev| without a word (a sign slip, as numpy
+    and torch refuse it); 0 is every value `mean`."""
+    if not np.all(np.asarray(stddev) >= 0):
+        raise ConfigError(
+            f"initializers.{fn}: stddev {stddev!r} is negative: a spread is 0 or more, e.g. {fn}(stddev=0.02)"
+        )
 
 
 def uniform(minval=0.0, maxval=1.0):

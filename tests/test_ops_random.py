@@ -241,3 +241,10 @@ def test_random_uniform_refuses_a_minval_not_below_maxval():
     mesh = mx.Mesh(mx.Graph(), "m")
     with pytest.raises(mx.GraphError, match=r"minval 2 must be less than maxval 1"):
         mx.random_uniform(mesh, "b:8", minval=2, maxval=1)
+
+
+def test_random_normal_refuses_a_negative_stddev():
+    """random_normal(stddev=-1) drew with stddev 1, silently."""
+    mesh = mx.Mesh(mx.Graph(), "m")
+    with pytest.raises(mx.GraphError, match=r"stddev -1 is negative"):
+        mx.random_normal(mesh, "b:8", stddev=-1)

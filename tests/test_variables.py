@@ -277,6 +277,15 @@ def test_a_uniform_initializer_with_no_room_between_its_bounds_is_refused():
     assert value.min() >= 0 and value.max() < 2.0 and value.std() > 0.3
 
 
+def test_a_negative_stddev_is_refused():
+    """normal(-1.0) drew with stddev 1.0 without a word (numpy and torch refuse a negative scale)."""
+    for make in (mx.initializers.normal, mx.initializers.truncated_normal):
+        with pytest.raises(mx.ConfigError, match=r"stddev -1.0 is negative"):
+            make(-1.0)
+    graph, mesh, w = one_var(mx.initializers.normal(0.0, mean=3.0))
+    assert np.all(mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")}).variable_value(w) == 3.0)
+
+
 def test_a_constant_initializer_that_does_not_fill_its_variable_is_named():
     """initializers.constant of an array of another shape was NumPy's 'could not broadcast'
     from inside, with no variable named; of 2**40 for an int32 variable NumPy's OverflowError (a
