@@ -87,7 +87,7 @@ def run(quick: bool) -> list[dict]:
             chosen = search_layout(task, mesh, device=device)
             search_s = time.perf_counter() - t0
             t0 = time.perf_counter()
-            settled = measure_layouts(chosen, task, k=3)
+            settled = measure_layouts(chosen, k=3)
             measure_s = time.perf_counter() - t0
             exact = search_layout(task, mesh, device=device, top=10**6, exact_limit=10**6).ranked
             timed = _timed_layouts(exact, p["timed"])

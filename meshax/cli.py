@@ -1190,7 +1190,7 @@ def _searched(args, task, say: bool = True):
             k = min(args.measure, len(result.ranked))
             print(f"measuring the {k} best layout{'s' if k > 1 else ''} ...", file=sys.stderr, flush=True)
         annotated = None if searched is task else task  # (what runs the layout given beside: its annotations)
-        result = measure_layouts(result, searched, args.measure, yours=annotated, backend=args.backend)
+        result = measure_layouts(result, k=args.measure, yours=annotated, backend=args.backend)
     return result, searched
 
 

@@ -21,7 +21,8 @@ MESH = "rows:2;cols:4"
 
 
 def test_the_best_and_yours_are_run_and_the_best_ranked_by_their_measured_time(monkeypatch):
-    result = search_layout(MLP, MESH, top=4, baseline="batch:rows;hidden:cols")
+    sgd = mx.optimize.SgdOptimizer(0.1)  # (the search's: each layout's step runs it)
+    result = search_layout(MLP, MESH, top=4, baseline="batch:rows;hidden:cols", optimizer=sgd)
     built, losses, real = [], [], loop.build
 
     def build(task, mesh, layout, backend, optimizer, weight_layout=None):
@@ -34,8 +35,7 @@ def test_the_best_and_yours_are_run_and_the_best_ranked_by_their_measured_time(m
 
     monkeypatch.setattr(loop, "build", build)
     monkeypatch.setattr(measure, "in_blocks", in_blocks)
-    sgd = mx.optimize.SgdOptimizer(0.1)  # (the search's: each layout's step runs it)
-    timed = measure_layouts(result, MLP, k=3, yours=MLP, optimizer=sgd)
+    timed = measure_layouts(result, k=3, yours=MLP)  # (the task searched, result.task)
     assert built == [(MLP, MESH, c.layout, c.weight_layout, sgd) for c in [*result.ranked[:3], result.baseline]]
     assert np.isfinite(losses).all() and len(losses) == 4
     assert [c.layout for c in timed.ranked] == [c.layout for c in result.ranked[2::-1] + result.ranked[3:]]
@@ -80,6 +80,18 @@ def test_bad_arguments_say_what_to_give(change, message):
     args = {"task": MLP, "k": 2, **change}
     with pytest.raises(mx.ConfigError, match=message):
         measure_layouts(result, **args)
+
+
+def test_a_task_other_than_the_one_searched_is_refused():
+    """The layouts and their predicted costs are the searched task's: timing another task's steps
+    (another width, say) ranked them by a program that was not costed, without a word."""
+    result = search_layout(MLP, MESH, top=2)
+    with pytest.raises(mx.ConfigError, match=r"the search was of MlpTask\(.*hidden=128.*the task given is MlpTask"):
+        measure_layouts(result, MlpTask(hidden=64), k=1)
+    x = mx.import_tensor(mx.Mesh(mx.Graph(), "m"), np.ones((8, 4), np.float32), "b:8;f:4")
+    graph = search_layout(x.graph, "all:8", outputs=[mx.reduce_sum(x * x)], top=1)
+    with pytest.raises(mx.ConfigError, match="this search was of a graph: search a training task"):
+        measure_layouts(graph)
 
 
 def test_a_mesh_larger_than_the_devices_and_annotations_without_their_task_are_named():

@@ -42,25 +42,24 @@ def in_blocks(fns: dict[K, Callable[[], object]], rounds: int, block: int) -> di
 
 def measure_layouts(
     result: SearchResult,
-    task,
+    task=None,
     k: int = 3,
     *,
     yours=None,
     rounds: int = 3,
     block: int = 3,
     backend: str = "simd",
-    optimizer=None,
 ) -> SearchResult:
     """`result` with its `k` best layouts (and the user's, where it shows one) compiled and timed
-    on this process's devices, each a training step of `task` (the training task searched), run
+    on this process's devices, each a training step of the training task searched (`task`, if given,
+    must be it) running the optimizer the search costed (`result.optimizer`), run
     `block` times in a row after a warm-up step, `rounds` times, the layouts in rotating order.
     The k are ranked by their median step time (`Candidate.measured_s`), ahead of the rest, which
     stay in their predicted order. All k programs hold their weights and optimizer state on the
     devices at once (and one step's gradients and activations at a time), so that much of their
     predicted memory must fit the search's budget; the user's layout is not run where it alone
     is over the budget. A search for an accelerator is not measured on CPUs.
-    `yours`: the task the user's layout runs (its GSPMD annotations, say) where it is not `task`;
-    `optimizer`: the one each step runs (default: the one the search costed, `result.optimizer`)."""
+    `yours`: the task the user's layout runs (its GSPMD annotations, say) where it is not `task`."""
     import jax
 
     from meshax.train.loop import build
@@ -70,12 +69,22 @@ def measure_layouts(
     for name, n in (("rounds", rounds), ("block", block)):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ConfigError(f"measure_layouts({name}={n!r}): give a whole number, 1 or more")
+    if task is None and result.task is None:
+        raise ConfigError(
+            "measure_layouts times training steps, and this search was of a graph: search a training task (a "
+            "meshax.train task), or give it: measure_layouts(result, task)"
+        )
+    task = result.task if task is None else task
     if not hasattr(task, "train_batch"):
         raise ConfigError(
             f"measure_layouts times training steps: give the training task the search was given (a meshax.train "
             f"task), not {type(task).__name__}"
         )
-    optimizer = result.optimizer if optimizer is None else optimizer
+    if result.task is not None and task != result.task:  # (its layouts and costs are another task's)
+        raise ConfigError(
+            f"measure_layouts: the search was of {result.task!r:.200}, and the task given is {task!r:.200}: the "
+            "layouts are ranked for the task searched; leave task out to run it, or search this one"
+        )
     chosen = result.ranked[:k]
     mine = result.baseline
     again = next((i for i, c in enumerate(chosen) if mine is not None and same_layout(c, mine)), None)
@@ -110,7 +119,7 @@ def measure_layouts(
     steps: dict[int, Callable[[], object]] = {}
     for i, c in enumerate(timed):
         runs = yours if c is mine and yours is not None else task
-        program = build(runs, c.mesh, c.layout, backend, optimizer, weight_layout=c.weight_layout)
+        program = build(runs, c.mesh, c.layout, backend, result.optimizer, weight_layout=c.weight_layout)
         rows = program.train_fn.feed_rows()
         feeds = task.train_batch(0, rows)
         steps[i] = functools.partial(_step, program.train_fn, feeds, rows)

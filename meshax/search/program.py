@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from meshax.core.errors import ConfigError
 from meshax.core.graph import Graph, Tensor
@@ -22,6 +23,9 @@ from meshax.lower.lowering import Lowering
 from meshax.search.cost import StepCost, affine, affine_counts, from_counters
 from meshax.search.estimate import Estimator
 from meshax.search.space import Rules, rules_string
+
+if TYPE_CHECKING:
+    from meshax.optimize import Optimizer
 
 PROBE_DEPTH = 1  # the depth a stack is costed at; and at one more, for its slope
 
@@ -139,7 +143,8 @@ class Model:
     base: Step
     terms: list[tuple[float, Step]] = dataclasses.field(default_factory=list)
     depths: dict[str, int] = dataclasses.field(default_factory=dict)
-    optimizer: object = None  # the one a task's steps run (None: Adam's, or a graph's own updates)
+    optimizer: Optimizer | None = None  # the one a task's steps run (None: Adam's, or a graph's own updates)
+    task: object = None  # the training task it is of (None: a graph's)
     _programs: dict[Shape, Program | Extrapolated] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def on(self, mesh_shape: Shape) -> Program | Extrapolated:
@@ -174,13 +179,13 @@ def model_of(graph, outputs: Sequence[Tensor] = (), updates: Sequence = (), opti
         raise TypeError(f"search_layout takes a Graph (with outputs and updates) or a training task, got {task!r}")
     depths = task.depths()
     if not depths or max(depths.values()) <= PROBE_DEPTH + 1:
-        return Model(_build(task, optimizer), optimizer=optimizer)
+        return Model(_build(task, optimizer), optimizer=optimizer, task=task)
     shallow = {k: min(v, PROBE_DEPTH) for k, v in depths.items()}
     terms = []
     for depth in sorted({v for v in depths.values() if v > PROBE_DEPTH}):
         deeper = {k: PROBE_DEPTH + 1 if v == depth else shallow[k] for k, v in depths.items()}
         terms.append((float(depth - PROBE_DEPTH), _build(task.at_depths(deeper), optimizer)))
-    return Model(_build(task.at_depths(shallow), optimizer), terms, depths, optimizer)
+    return Model(_build(task.at_depths(shallow), optimizer), terms, depths, optimizer, task)
 
 
 def _build(task, optimizer=None) -> Step:

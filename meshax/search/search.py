@@ -19,6 +19,7 @@ import itertools
 import re
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from meshax.core.errors import ConfigError, LayoutError
 from meshax.core.graph import Tensor
@@ -35,6 +36,9 @@ from meshax.search.cost import StepCost, predict
 from meshax.search.devices import Device, load_device
 from meshax.search.program import exact_cost, model_of
 from meshax.search.space import Rules, Space, rules_string
+
+if TYPE_CHECKING:
+    from meshax.optimize import Optimizer
 
 
 @dataclasses.dataclass
@@ -127,7 +131,8 @@ class SearchResult:
     meshes: int = 1  # how many meshes were searched (`search_mesh_and_layout`)
     every: bool = True  # whether every legal rule set was costed (else `legal` is a lower bound)
     measured: str = ""  # how the best were run and timed, where they were (`measure_layouts`)
-    optimizer: object = None  # the one the steps costed run (None: Adam's, or a graph's own updates)
+    optimizer: Optimizer | None = None  # the one the steps costed run (None: Adam's, or a graph's own updates)
+    task: object = None  # the training task searched (None: a graph), whose steps `measure_layouts` runs
 
     @property
     def best(self) -> Candidate:
@@ -526,7 +531,17 @@ def search_layout(
     legal = len(rule_sets) if every else enumerate_limit
     seconds = time.perf_counter() - start
     return SearchResult(
-        ranked, baseline, legal, method, seconds, budget, dev, compared, every=every, optimizer=model.optimizer
+        ranked,
+        baseline,
+        legal,
+        method,
+        seconds,
+        budget,
+        dev,
+        compared,
+        every=every,
+        optimizer=model.optimizer,
+        task=model.task,
     )
 
 
@@ -644,6 +659,7 @@ def search_mesh_and_layout(
         len(results),
         every=all(r.every for r in results),
         optimizer=model.optimizer,
+        task=model.task,
     )
 
 
