@@ -23,7 +23,7 @@ import math
 from typing import NamedTuple
 
 from meshax import initializers
-from meshax.core.errors import GraphError
+from meshax.core.errors import GraphError, as_flag
 from meshax.core.graph import Tensor
 from meshax.core.shape import Dimension
 from meshax.ops import elementwise as ew
@@ -130,6 +130,7 @@ def moe(
         if n is not None and (int(n) != n or n < 1):
             default = " (or None: the whole token dim)" if what == "group_size" else ""
             raise GraphError(f"moe: {what}={n!r} is not a whole number of at least 1; give an int{default}")
+    train = as_flag(train, "moe: train", GraphError)
     factor = capacity_factor if capacity_factor is not None else (1.25 if train else 2.0)
     if factor <= 0:
         raise GraphError(f"moe capacity_factor must be > 0, got {factor}")

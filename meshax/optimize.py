@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import ml_dtypes
 
 from meshax.autodiff import gradients
-from meshax.core.errors import ConfigError, GraphError
+from meshax.core.errors import ConfigError, GraphError, as_flag
 from meshax.core.graph import Tensor, is_floating
 from meshax.core.shape import Dimension
 from meshax.ops import elementwise as ew
@@ -260,7 +260,7 @@ class AdamWeightDecayOptimizer(Optimizer):
         self.weight_decay_rate = weight_decay_rate
         self.beta_1, self.beta_2, self.epsilon = _fraction("beta_1", beta_1), _fraction("beta_2", beta_2), epsilon
         self.exclude = tuple(exclude_from_weight_decay or ())
-        self.bias_correction = bias_correction
+        self.bias_correction = as_flag(bias_correction, "AdamWeightDecayOptimizer: bias_correction")
 
     def apply_grad(self, grad, var, lr, step):
         m, v = self._slot(var, "adam_m"), self._slot(var, "adam_v")
@@ -350,8 +350,10 @@ class AdafactorOptimizer(Optimizer):
         self.beta1 = beta1
         self.epsilon1, self.epsilon2 = epsilon1, epsilon2
         self.clipping_threshold = clipping_threshold
-        self.factored = factored
-        self.multiply_by_parameter_scale = multiply_by_parameter_scale
+        self.factored = as_flag(factored, "AdafactorOptimizer: factored")
+        self.multiply_by_parameter_scale = as_flag(
+            multiply_by_parameter_scale, "AdafactorOptimizer: multiply_by_parameter_scale"
+        )
         self.min_dim_size_to_factor = min_dim_size_to_factor
         for name, names in (
             ("stacked_dim_names", stacked_dim_names),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import difflib
 
+import numpy as np
+
 
 class MeshaxError(ValueError):
     """A bad input to meshax: the message says what is wrong, the value given, and how to fix it."""
@@ -34,3 +36,12 @@ def did_you_mean(name: str, choices) -> str:
     """' (did you mean 'x'?)' for the closest of `choices`, or ''."""
     close = difflib.get_close_matches(name, list(choices), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def as_flag(value, what: str, error: type[MeshaxError] = ConfigError) -> bool:
+    """`value` as a bool where an option is on or off: a bool (Python's or NumPy's), or 0 or 1.
+    Anything else is refused, naming `what`: a text like 'no' or 'False' is true to Python, so
+    it turned the option on without a word."""
+    if isinstance(value, bool | np.bool_) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise error(f"{what} is {value!r:.60} ({type(value).__name__}): give True or False")

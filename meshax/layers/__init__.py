@@ -10,7 +10,7 @@ import math
 import jax
 
 from meshax import initializers
-from meshax.core.errors import GraphError, did_you_mean
+from meshax.core.errors import GraphError, as_flag, did_you_mean
 from meshax.core.graph import Tensor, is_floating
 from meshax.core.shape import Dimension, Shape
 from meshax.moe import MoeOutput, moe
@@ -91,7 +91,7 @@ def dense(
         w = kernel_annotation(w)
     out_shape = Shape([d for d in x.shape if d not in reduced] + new)
     y = einsum([x, ew.cast(w, x.dtype)], output_shape=out_shape, name=name)
-    if use_bias:
+    if as_flag(use_bias, "dense: use_bias", GraphError):
         y = y + ew.cast(
             get_variable(x.mesh, f"{name}/bias", Shape(experts + new), dtype, initializer=initializers.zeros()), x.dtype
         )
@@ -222,7 +222,7 @@ def _conv_layer(
         dtype=variable_dtype,
     )
     y = getattr(conv, op_name)(x, ew.cast(kernel, x.dtype), strides, padding, name=name)
-    if use_bias:
+    if as_flag(use_bias, f"{op_name}: use_bias", GraphError):
         y = y + ew.cast(
             get_variable(x.mesh, f"{name}/bias", [output_dim], dtype=variable_dtype, initializer=initializers.zeros()),
             x.dtype,

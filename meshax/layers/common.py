@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from meshax import initializers
-from meshax.core.errors import GraphError
+from meshax.core.errors import GraphError, as_flag
 from meshax.core.graph import Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.ops import elementwise as ew
@@ -57,6 +57,8 @@ def batch_norm(
     from meshax.layers import _name
 
     name = _name(x, name, "batch_norm")
+    is_training = as_flag(is_training, "batch_norm: is_training", GraphError)
+    init_zero = as_flag(init_zero, "batch_norm: init_zero", GraphError)
     normalized = x.shape.dims[dims_idx_start:dims_idx_end]
     kept = Shape([d for d in x.shape if d not in normalized])
     scale = get_variable(

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from meshax import initializers
-from meshax.core.errors import ConfigError
+from meshax.core.errors import ConfigError, as_flag
 from meshax.core.graph import Tensor
 from meshax.core.shape import Dimension
 from meshax.layers import dense, layer_norm
@@ -88,6 +88,8 @@ class TransformerConfig:
     remat: bool = False
 
     def __post_init__(self):
+        for field in ("tie_embeddings", "remat"):  # (frozen: set as the bool it was checked to be)
+            object.__setattr__(self, field, as_flag(getattr(self, field), f"TransformerConfig: {field}"))
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype {self.dtype!r}: use one of {', '.join(map(repr, DTYPES))}")
         if self.attention not in ("einsum", "fused"):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshax.core.errors import GraphError
+from meshax.core.errors import GraphError, as_flag
 from meshax.core.graph import Tensor, is_floating
 from meshax.core.shape import Dimension
 from meshax.layout import ShardingRule
@@ -260,7 +260,7 @@ def fused_attention(
             raise GraphError(f"fused_attention needs meshax Tensors, got {t!r}")
     d = dim_of(q, d_kv)
     h = dim_of(q, heads) if heads is not None else None
-    dims = _Dims(q, k, v, d, h, mask)
+    dims, causal = _Dims(q, k, v, d, h, mask), as_flag(causal, "fused_attention: causal", GraphError)
     if causal and q.shape.get_dim_by_name(dims.length).size != k.shape.get_dim_by_name(dims.memory_length).size:
         raise GraphError(f"fused attention: causal needs as many queries as keys ({dims.length}, {dims.memory_length})")
     scale = 1.0 / math.sqrt(d.size) if scale is None else float(scale)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from meshax.core.errors import GraphError
+from meshax.core.errors import GraphError, as_flag
 from meshax.core.graph import Operation, Tensor, as_dtype
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import ShardingRule, slice_shape
@@ -229,6 +229,7 @@ def gather(weights: Tensor, indices: Tensor, dim, output_shape=None, name=None, 
 
     An index outside [0, dim.size) gives zeros. The lookup of a split table sums each device's
     rows (zeros where it holds none), so a bool table is looked up as int32 and cast back."""
+    batched = as_flag(batched, "gather: batched", GraphError)
     if weights.dtype == np.bool_:
         return ew.cast(gather(ew.cast(weights, "int32"), indices, dim, output_shape, name, batched), bool)
     out = GatherOperation(weights, indices, dim_of(weights, dim), name, batched).outputs[0]

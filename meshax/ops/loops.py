@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from meshax.core.errors import GraphError
+from meshax.core.errors import GraphError, as_flag
 from meshax.core.graph import Graph, Mesh, Operation, Tensor, is_floating
 from meshax.core.shape import Dimension, Shape
 from meshax.layout.rules import TensorLayout, slice_shape
@@ -441,7 +441,7 @@ def scan(
     one of the xs' dims) sets the number of iterations; it is never split. Differentiable:
     the backward loop recomputes each iteration's body. A loop whose trip count the data decide
     is `while_loop` (not differentiable); random ops in the body draw new values at every iteration."""
-    init, xs = _as_list(init, "init"), _as_list(xs, "xs")
+    init, xs, reverse = _as_list(init, "init"), _as_list(xs, "xs"), as_flag(reverse, "scan: reverse", GraphError)
     if not init and not xs:
         raise GraphError("scan needs at least one carry (init) or one scanned tensor (xs)")
     graph = (init or xs)[0].graph
@@ -599,6 +599,7 @@ def while_loop(
     Not differentiable (its trip count is known only when it runs); a loop with a fixed trip
     count is `mx.scan`, which is."""
     init = _as_list(inputs, "inputs", "while_loop")
+    has_accumulators = as_flag(has_accumulators, "while_loop: has_accumulators", GraphError)
     if not init:
         raise GraphError("while_loop needs at least one input (a loop variable)")
     if num_loop_vars is not None and not 0 < num_loop_vars <= len(init):

@@ -12,7 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from meshax.core.errors import GraphError
+from meshax.core.errors import GraphError, as_flag
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape
 from meshax.layout import slice_shape
@@ -354,7 +354,7 @@ def unstack(x: Tensor, dim, name=None) -> list[Tensor]:
 
 def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
     """out[i] = x[i - offset] along dim; wrap=True rolls, wrap=False fills with zeros."""
-    d, offset = dim_of(x, dim), whole_number(offset, "shift: offset")
+    d, offset, wrap = dim_of(x, dim), whole_number(offset, "shift: offset"), as_flag(wrap, "shift: wrap", GraphError)
     if wrap and offset % d.size == 0:  # (a roll by whole turns is x: XLA moves nothing for it)
         return x
     return ShiftOperation(x, offset, d, wrap, name).outputs[0]
@@ -362,7 +362,7 @@ def shift(x: Tensor, offset: int, dim, wrap: bool, name=None) -> Tensor:
 
 def cumsum(x: Tensor, dim, exclusive: bool = False, name=None) -> Tensor:
     """The running sum along `dim` (exclusive: each entry leaves out its own value)."""
-    return CumsumOperation(x, dim_of(x, dim), exclusive, name).outputs[0]
+    return CumsumOperation(x, dim_of(x, dim), as_flag(exclusive, "cumsum: exclusive", GraphError), name).outputs[0]
 
 
 def halo_exchange(x: Tensor, blocks_dim, block_size_dim, halo_size: int, wrap: bool = False) -> Tensor:
@@ -380,7 +380,7 @@ def left_halo_exchange(x: Tensor, blocks_dim, block_size_dim, halo_size: int, wr
 
 def _halos(x: Tensor, blocks_dim, block_size_dim, halo_size: int, wrap: bool, right: bool) -> Tensor:
     blocks, size = dim_of(x, blocks_dim), dim_of(x, block_size_dim)
-    halo_size = whole_number(halo_size, "halo_size")
+    halo_size, wrap = whole_number(halo_size, "halo_size"), as_flag(wrap, "halo_exchange: wrap", GraphError)
     if not 0 <= halo_size <= size.size:
         raise GraphError(f"halo_size {halo_size} must be within 0..{size.size}, the block size ({size})")
     if halo_size == 0:

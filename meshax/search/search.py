@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from meshax.core.errors import ConfigError, LayoutError
+from meshax.core.errors import ConfigError, LayoutError, as_flag
 from meshax.core.graph import Tensor
 from meshax.layout import (
     LayoutRules,
@@ -416,7 +416,7 @@ def search_layout(
     makes the best ones faster."""
     if isinstance(top, bool) or not isinstance(top, int) or top < 1:  # (0 listed nothing, and had no best)
         raise ConfigError(f"search_layout(top={top!r}): give how many layouts to list, 1 or more")
-    start = time.perf_counter()
+    start, search_weights = time.perf_counter(), as_flag(search_weights, "search_layout: search_weights")
     breadth = max(top, 5)  # (how many the search looks at closely: listing fewer changes nothing)
     mesh_shape = convert_to_mesh_shape(mesh_shape)
     model = model_of(graph, outputs, updates, optimizer)

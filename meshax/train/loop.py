@@ -18,7 +18,7 @@ import numpy as np
 
 from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
-from meshax.core.errors import ConfigError
+from meshax.core.errors import ConfigError, as_flag
 from meshax.core.graph import Graph, Mesh
 from meshax.lower.lowering import LoweredFunction, Lowering
 from meshax.optimize import AdamWeightDecayOptimizer, LossScaleOptimizer, Optimizer
@@ -227,6 +227,7 @@ def train(
     Where the host, not the devices, sets the pace, a step fetched right before an evaluation, a
     checkpoint or the end shows less than its share (no next step was prepared meanwhile)."""
     _check_settings(steps, eval_every, checkpoint_dir, checkpoint_every, on_step, on_eval)
+    resume = as_flag(resume, "train: resume")
     program = program or build(task, mesh_shape, layout, backend, optimizer, seed)
     first = 0
     if resume:
