@@ -51,6 +51,19 @@ CASES = {
     "transpose-dbh": (lambda x: mx.transpose(x, [D, B, H]), ["d", "b", "h"], lambda v: v.transpose(2, 0, 1)),
     "transpose-hdb": (lambda x: mx.transpose(x, [H, D, B]), ["h", "d", "b"], lambda v: v.transpose(1, 2, 0)),
     "transpose-identity": (lambda x: mx.transpose(x, [B, H, D]), ["b", "h", "d"], lambda v: v),
+    # (names alone are x's dims: a name list failed, "cannot make a Dimension from 'd'")
+    "transpose-names": (lambda x: mx.transpose(x, ["d", "b", "h"]), ["d", "b", "h"], lambda v: v.transpose(2, 0, 1)),
+    "transpose-names-text": (lambda x: mx.transpose(x, "h;d;b"), ["h", "d", "b"], lambda v: v.transpose(1, 2, 0)),
+    "reshape-names-and-dims": (
+        lambda x: mx.reshape(x, ["b", Dim("hd", 32)]),
+        ["b", "hd"],
+        lambda v: v.reshape(8, 32),
+    ),
+    "broadcast-names-and-dims": (
+        lambda x: mx.broadcast(x, ["b", Dim("k", 2), "h", "d"]),
+        ["b", "k", "h", "d"],
+        lambda v: np.broadcast_to(v[:, None], (8, 2, 4, 8)),
+    ),
 }
 
 
@@ -272,3 +285,9 @@ def test_rename_dimension_takes_dimensions_for_the_names():
         mx.rename_dimension(x, mx.Dimension("h", 5), "q")
     with pytest.raises(mx.GraphError, match=r"rename_dimension: Dimension\('q', 5\) is not the size of"):
         mx.rename_dimension(x, "h", mx.Dimension("q", 5))
+
+
+def test_a_name_without_a_size_that_x_lacks_is_named():
+    x = mx.placeholder(mx.Mesh(mx.Graph(), "m"), "x", [B, H, D])
+    with pytest.raises(mx.GraphError, match=r"no input has a dimension 'q' \(inputs: x Shape\(\[b=8, h=4, d=8\]\)\)"):
+        mx.transpose(x, ["d", "q", "h"])

@@ -19,7 +19,7 @@ from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor
 from meshax.core.shape import Dimension, Shape, anonymous_shape, convert_to_shape
 from meshax.layout import ShardingRule, slice_shape
-from meshax.ops._util import align, also_accepts, as_dims, dim_of
+from meshax.ops._util import align, also_accepts, as_dims, dim_of, shape_of_names
 
 
 def _prefixed(s: Shape) -> list[tuple[int, int]]:
@@ -105,8 +105,9 @@ class ReshapeOperation(Operation):
 
 
 def reshape(x: Tensor, new_shape, name=None) -> Tensor:
-    """x with `new_shape` (same number of elements, row-major order); dims that line up keep their split."""
-    new_shape = convert_to_shape(new_shape)
+    """x with `new_shape` (same number of elements, row-major order); dims that line up keep their split.
+    A name without a size in `new_shape` ("batch", or "batch;hidden") is x's dim of that name."""
+    new_shape = shape_of_names(new_shape, [x])
     if new_shape == x.shape:
         return x
     return ReshapeOperation(x, new_shape, name).outputs[0]
@@ -171,8 +172,8 @@ class TransposeOperation(Operation):
 
 
 def transpose(x: Tensor, new_shape, name=None) -> Tensor:
-    """x with its dims reordered to `new_shape` (the same dims)."""
-    new_shape = convert_to_shape(new_shape)
+    """x with its dims reordered to `new_shape` (the same dims, or their names: "d;b", ["d", "b"])."""
+    new_shape = shape_of_names(new_shape, [x])
     if new_shape == x.shape:
         return x
     return TransposeOperation(x, new_shape, name).outputs[0]
@@ -217,8 +218,9 @@ class BroadcastOperation(Operation):
 
 
 def broadcast(x: Tensor, new_shape, name=None) -> Tensor:
-    """x repeated over the dims of `new_shape` it lacks (it must have no dim `new_shape` lacks)."""
-    new_shape = convert_to_shape(new_shape)
+    """x repeated over the dims of `new_shape` it lacks (it must have no dim `new_shape` lacks);
+    a name without a size in `new_shape` is x's dim of that name."""
+    new_shape = shape_of_names(new_shape, [x])
     if new_shape == x.shape:
         return x
     return BroadcastOperation(x, new_shape, name).outputs[0]
