@@ -281,6 +281,25 @@ def test_call_global_gathers_a_result_split_unevenly_in_the_step_and_counts_it(i
     np.testing.assert_array_equal(fn({x: a})[0], a * 2)
 
 
+def test_call_global_pads_an_input_split_unevenly_without_moving_a_value():
+    """call_global's inputs come replicated along their uneven dims (a jax.Array's shards divide
+    it) and are padded to their split layout by a program of their own, outside the step's
+    counters: it only pads and slices on each device (no collective in its compiled HLO)."""
+    from meshax.core.shape import convert_to_shape
+    from meshax.lower.mesh_impl import _padding_program
+    from meshax.lower.padding import pad
+
+    impl = mx.SimdMeshImpl("rows:2;cols:4", "b:cols;d:rows")
+    shape = convert_to_shape("b:10;d:6;e:3")  # (b, 10 over 4, pads; d, 6 over 2, does not)
+    layout = impl.tensor_layout(shape)
+    a = jax.device_put(np.ones(shape.to_integer_list, np.float32), impl.global_sharding(shape, layout))
+    assert a.sharding.spec[0] is None  # (the uneven dim comes replicated)
+    program = _padding_program(pad, shape, layout, impl.shape, impl.named_sharding(layout))
+    hlo = mx.hlo_collectives(program.lower(a).compile().as_text())
+    assert all(v["count"] == 0 for v in hlo.values()), hlo
+    assert program(a).shape == (12, 6, 3)
+
+
 def test_the_program_call_global_runs_is_its_own_global_function():
     """`global_function`, the program that gathers the padded outputs, already returns them as
     jax.Arrays take them: its own call_global runs it, where it built (and compiled) a third
