@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
+from meshax.core.errors import ConfigError
 from meshax.runtime import ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 PREEMPTED = 128 + signal.SIGTERM  # what `meshax train` exits with after a preemption notice, its checkpoint saved
@@ -152,12 +153,12 @@ def launch(
     """Run `command` as `num_processes` processes of one job; returns 0 if all succeed, else the
     first failure's exit code (128 + the signal for a killed process)."""
     if not command:
-        raise ValueError("meshax launch needs a command after --, e.g. -- meshax train mnist")
+        raise ConfigError("meshax launch needs a command after --, e.g. -- meshax train mnist")
     if num_processes < 1:
-        raise ValueError(f"-n must be at least 1, got {num_processes}")
+        raise ConfigError(f"-n must be at least 1, got {num_processes}")
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     if port is not None and not _free(port):  # (process 0's coordinator would fail to start, not naming it)
-        raise ValueError(
+        raise ConfigError(
             f"--port {port}: something on this machine listens on it already; give another, or leave --port out"
         )
     address = f"localhost:{port or free_port()}"
@@ -176,7 +177,7 @@ def launch(
             )
         except OSError as e:
             _stop(procs, grace)
-            raise ValueError(f"meshax launch: cannot start {command[0]!r}: {e.strerror or e}") from None
+            raise ConfigError(f"meshax launch: cannot start {command[0]!r}: {e.strerror or e}") from None
         procs.append(proc)
         for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
             t = threading.Thread(target=_forward, args=(stream, f"[{i}] ", out, lock, said), daemon=True)

@@ -199,7 +199,7 @@ class Optimizer:
             _refuse_scaled(self, grads, variables)
         variables = [_variable_of(v) for v in variables]
         if len(grads) != len(variables):
-            raise ValueError(f"apply_grads got {len(grads)} gradients for {len(variables)} variables")
+            raise GraphError(f"apply_grads got {len(grads)} gradients for {len(variables)} variables")
         if not variables:
             return []
         counter = self._step(variables[0].mesh)
@@ -568,7 +568,7 @@ def global_norm(grads: Sequence[Tensor | None]) -> Tensor:
         s = reduce_sum(ew.square(ew.widened(g)))
         total = s if total is None else total + s
     if total is None:
-        raise ValueError("global_norm of no gradients")
+        raise GraphError("global_norm of no gradients: give at least one gradient")
     return ew.sqrt(total)
 
 

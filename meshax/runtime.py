@@ -70,7 +70,7 @@ def env_int(name: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"environment variable {name}={text!r} is not a whole number") from None
+        raise ConfigError(f"environment variable {name}={text!r} is not a whole number") from None
 
 
 def distributed_requested(
@@ -102,9 +102,9 @@ def initialize_distributed(
     num_processes = num_processes if num_processes is not None else env_int(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else env_int(ENV_PROCESS_ID)
     if num_processes is not None and num_processes < 1:
-        raise ValueError(f"the number of processes must be at least 1, got {num_processes}")
+        raise ConfigError(f"the number of processes must be at least 1, got {num_processes}")
     if process_id is not None and num_processes is not None and not 0 <= process_id < num_processes:
-        raise ValueError(f"process id {process_id} is not in 0..{num_processes - 1} (ids count from 0)")
+        raise ConfigError(f"process id {process_id} is not in 0..{num_processes - 1} (ids count from 0)")
     _check_coordinator(coordinator, "coordinator")
     if coordinator is None:
         _check_coordinator(os.environ.get(ENV_COORDINATOR) or None, f"environment variable {ENV_COORDINATOR}")
@@ -120,7 +120,7 @@ def initialize_distributed(
             shutdown_timeout_seconds=BARRIER_TIMEOUT,
         )
     except ValueError as e:  # JAX found no job in the environment: say how to give one
-        raise ValueError(
+        raise ConfigError(
             f"no multi-process job to join ({e}): give the coordinator's HOST:PORT, the number of "
             "processes and this process's id (--coordinator, --num-processes, --process-id), start "
             "the processes with meshax launch, or run under a cluster JAX detects (SLURM, Open MPI, "
@@ -153,7 +153,7 @@ def _check_coordinator(address: str | None, what: str) -> None:
         return
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"{what} {address!r} must be HOST:PORT with a port from 1 to 65535, e.g. localhost:12345")
+        raise ConfigError(f"{what} {address!r} must be HOST:PORT with a port from 1 to 65535, e.g. localhost:12345")
 
 
 def exit_at_once(code: int) -> None:

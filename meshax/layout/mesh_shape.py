@@ -37,7 +37,7 @@ def convert_to_mesh_shape(x) -> Shape:
 
 def pnum_to_processor_coordinates(mesh_shape: Shape, pnum: int) -> list[int]:
     if not 0 <= pnum < mesh_shape.size:
-        raise ValueError(f"processor number {pnum} is outside the mesh {mesh_shape} of {mesh_shape.size} devices")
+        raise ConfigError(f"processor number {pnum} is outside the mesh {mesh_shape} of {mesh_shape.size} devices")
     coords = []
     for d in reversed(mesh_shape.dims):
         coords.append(pnum % d.size)
@@ -48,7 +48,7 @@ def pnum_to_processor_coordinates(mesh_shape: Shape, pnum: int) -> list[int]:
 def processor_coordinates_to_pnum(mesh_shape: Shape, coords) -> int:
     coords = list(coords)
     if len(coords) != mesh_shape.rank or any(not 0 <= c < d.size for c, d in zip(coords, mesh_shape)):
-        raise ValueError(f"processor coordinates {coords} do not fit the mesh {mesh_shape}")
+        raise ConfigError(f"processor coordinates {coords} do not fit the mesh {mesh_shape}")
     pnum = 0
     for c, d in zip(coords, mesh_shape):
         pnum = pnum * d.size + c

@@ -141,7 +141,7 @@ def _update_list(lowering: Lowering, updates) -> list[AssignOperation]:
     targets = [u.variable.name for u in updates]
     twice = sorted({n for n in targets if targets.count(n) > 1})
     if twice:
-        raise ValueError(f"variables {twice} are assigned more than once in one function; combine the updates")
+        raise GraphError(f"variables {twice} are assigned more than once in one function; combine the updates")
     return updates
 
 
@@ -212,7 +212,7 @@ class Lowering:
                 "as the second argument: mx.Lowering(graph, {mesh: mx.SimdMeshImpl(...)})"
             )
         if len(mesh_to_impl) != 1:
-            raise ValueError(
+            raise ConfigError(
                 f"Lowering takes exactly one mesh and its implementation, got {len(mesh_to_impl)}; "
                 "meshax lowers one mesh per graph"
             )
@@ -278,7 +278,7 @@ class Lowering:
         var = _variable(var, self, "lowering.set_variable_value")
         t = var.outputs[0]
         if list(np.shape(value)) != t.shape.to_integer_list:
-            raise ValueError(
+            raise GraphError(
                 f"variable {var.name} has shape {t.shape.to_integer_list} ({t.shape}); got {list(np.shape(value))}"
             )
         spec = self._spec(t)
@@ -559,7 +559,7 @@ class LoweredFunction:
         holders = [t for t in self.placeholders if t.shape.rank]
         firsts = {t.shape[0] for t in holders}
         if len(firsts) > 1:
-            raise ValueError(
+            raise GraphError(
                 f"feed_rows: the placeholders' first dims differ ({sorted(str(d) for d in firsts)}); "
                 "rows are defined only when every placeholder starts with the same (batch) dim"
             )
@@ -583,21 +583,21 @@ class LoweredFunction:
                 args.append(ready[t])
             elif getattr(op, "is_placeholder", False):
                 if t not in resolved:
-                    raise ValueError(
+                    raise GraphError(
                         f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}"
                     )
                 value = _fed(t, resolved[t])
                 want = t.shape.to_integer_list
                 if rows is not None and want:
                     if not 0 <= rows[0] <= rows[1] <= want[0]:  # (was asked for as the array's shape)
-                        raise ValueError(
+                        raise GraphError(
                             f"rows {tuple(rows)} are not rows of {t.shape[0]} (placeholder {t.name!r}): feed the "
                             "rows feed_rows() gives"
                         )
                     want[0] = rows[1] - rows[0]
                 if list(value.shape) != want:
                     part = f" (rows {rows[0]}..{rows[1] - 1} of {t.shape[0].name})" if rows is not None else ""
-                    raise ValueError(
+                    raise GraphError(
                         f"placeholder {t.name!r} expects shape {want}{part} ({t.shape}), "
                         f"got an array of shape {list(value.shape)}"
                     )
@@ -638,7 +638,7 @@ class LoweredFunction:
                     )
                 t = key if key in by_name.values() else None
             else:
-                raise ValueError(f"cannot feed {key!r}: only placeholders (or their names) can be fed")
+                raise GraphError(f"cannot feed {key!r}: only placeholders (or their names) can be fed")
             if t is not None:  # placeholders this function does not need are ignored
                 resolved[t] = value
             elif isinstance(key, str) and key not in self._graph_placeholders():
@@ -661,7 +661,7 @@ class LoweredFunction:
             try:
                 lo, hi = (operator.index(r) for r in rows)
             except (TypeError, ValueError):  # (was an IndexError, or a TypeError from slicing, from inside)
-                raise ValueError("rows are (lo, hi), whole numbers, as feed_rows() gives them") from None
+                raise GraphError("rows are (lo, hi), whole numbers, as feed_rows() gives them") from None
             rows = (lo, hi)
         return self._start(self._arguments(feeds, rows), seed)
 
@@ -729,7 +729,7 @@ class LoweredFunction:
         given = self._resolved_feeds(feeds)  # (keyed by placeholders or their names, as fn(feeds) takes them)
         for t, want in self._global_shardings.items():
             if t not in given:  # (was a KeyError: the tensor, from the dict)
-                raise ValueError(
+                raise GraphError(
                     f"placeholder {t.name!r} {t.shape} is needed but was not fed; pass {{{t.name!r}: array}}"
                 )
             a = given[t]
@@ -749,7 +749,7 @@ class LoweredFunction:
         if not isinstance(array, jax.Array):
             return impl.put(np.asarray(array, dtype=t.dtype), spec)
         if list(array.shape) != t.shape.to_integer_list:
-            raise ValueError(f"placeholder {t.name!r} expects shape {t.shape.to_integer_list}, got {list(array.shape)}")
+            raise GraphError(f"placeholder {t.name!r} expects shape {t.shape.to_integer_list}, got {list(array.shape)}")
         want = self._global_shardings[t]
         if not array.sharding.is_equivalent_to(want, array.ndim):
             array = jax.device_put(array, want)

@@ -20,7 +20,7 @@ from jax.sharding import Mesh as JaxMesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshax.core.errors import ConfigError, LayoutError, did_you_mean
+from meshax.core.errors import ConfigError, GraphError, LayoutError, did_you_mean
 from meshax.core.shape import Shape, convert_to_shape
 from meshax.initializers import Constant
 from meshax.layout import (
@@ -361,7 +361,7 @@ class MeshImpl:
             out = np.zeros((len(want), *local.shape[1:]), dtype)
             ok = want >= 0
             if ok.any() and (want[ok].min() < lo or want[ok].max() >= lo + len(part)):
-                raise ValueError(
+                raise GraphError(
                     f"{shape}: this process fed rows {lo}..{lo + len(part) - 1} of dim {shape[0].name}, but its "
                     f"devices hold rows {want[ok].min()}..{want[ok].max()}; feed the rows feed_rows() gives"
                 )

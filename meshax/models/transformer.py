@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 from meshax import initializers
-from meshax.core.errors import ConfigError, as_flag
+from meshax.core.errors import ConfigError, GraphError, as_flag
 from meshax.core.graph import Tensor
 from meshax.core.shape import Dimension
 from meshax.layers import dense, layer_norm
@@ -257,7 +257,7 @@ class Transformer:
         self.dtype = np.dtype(c.dtype)  # (one of DTYPES: NumPy knows "bfloat16" once JAX is imported)
         self._vars: dict[str, Tensor] = {}
         if c.sharding and c.sharding not in GSPMD_SHARDINGS:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown sharding {c.sharding!r}; choose one of {sorted(GSPMD_SHARDINGS)} or '' "
                 "(the layout rules alone)"
             )
@@ -305,7 +305,7 @@ class Transformer:
         """The position encodings [length, d_model]: learned (a table per prefix) or sinusoidal, per the config."""
         if self.config.positions == "learned":
             if length.size > self.config.max_length:
-                raise ValueError(f"sequence length {length.size} exceeds max_length {self.config.max_length}")
+                raise GraphError(f"sequence length {length.size} exceeds max_length {self.config.max_length}")
             table = self._var(
                 f"{prefix}_positions",
                 [Dimension("max_length", self.config.max_length), self.d_model],
@@ -494,7 +494,7 @@ class Transformer:
         The encoder's sequence dim must be named "length" too (its own size); its output becomes
         the decoder's memory over "memory_length"."""
         if not self.config.num_encoder_layers:
-            raise ValueError("encoder_decoder needs num_encoder_layers > 0 in the config")
+            raise ConfigError("encoder_decoder needs num_encoder_layers > 0 in the config")
         enc_len = inputs.shape.get_dim_by_name("length")
         pad = self.padding_bias(inputs, pad_id) if pad_id is not None else None
         x = self.embed(inputs, "input_embedding", enc_len)

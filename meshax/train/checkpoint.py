@@ -60,13 +60,13 @@ def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, k
     written as the sharded jax.Arrays they are, each device writing its own slices.
     """
     if keep < 1:
-        raise ValueError(f"keep must be at least 1, got {keep}")
+        raise ConfigError(f"keep must be at least 1, got {keep}")
     # (a negative step was written to a folder '-1' that latest_step and restore never find; a
     # float was cut to an int, and a string taken for one)
     if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-        raise ValueError(f"step must be an int of at least 0, got {step!r}")
+        raise ConfigError(f"step must be an int of at least 0, got {step!r}")
     if extra and "step" in extra:
-        raise ValueError("extra must not have a 'step' key: restore_checkpoint returns the step under it")
+        raise ConfigError("extra must not have a 'step' key: restore_checkpoint returns the step under it")
     meta = {"step": int(step), "extra": dict(extra or {})}
     try:  # before anything is written: a failed write leaves a folder behind that blocks the step
         json.dumps(meta)
@@ -86,7 +86,7 @@ def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, k
             int(step), args=ocp.args.Composite(state=ocp.args.PyTreeSave(state), meta=ocp.args.JsonSave(meta))
         )
         if not saved:
-            raise ValueError(
+            raise ConfigError(
                 f"checkpoint step {step} not saved: {directory} already has steps "
                 f"{list(manager.all_steps())} (steps must increase)"
             )

@@ -113,7 +113,7 @@ def build(
     tensors by `weight_layout` where given; its programs compiled with XLA's `compiler_options`:
     `MeshImpl`; the training step keeping its weights' `cast_copies`: `Lowering.function`)."""
     if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
+        raise ConfigError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
     graph, built, outputs, updates = training_graph(task, optimizer)
     mesh = graph.operations[0].mesh
     impl = BACKENDS[backend](mesh_shape, layout, weight_layout=weight_layout, compiler_options=compiler_options)
@@ -232,7 +232,7 @@ def train(
     first = 0
     if resume:
         if not checkpoint_dir:
-            raise ValueError("resume needs a checkpoint directory")
+            raise ConfigError("resume needs a checkpoint directory")
         from meshax.train.checkpoint import damaged_steps, latest_step, restore_checkpoint
 
         if latest_step(checkpoint_dir) is not None or damaged_steps(checkpoint_dir):  # (restore names the damage)

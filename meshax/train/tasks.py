@@ -334,7 +334,7 @@ class LmTask(_TransformerTask):
         if self.source == "text":
             self.config = model_config(self.model, num_encoder_layers=0, sharding=self.sharding)
             if self.config.vocab_size < 256:
-                raise ValueError(
+                raise ConfigError(
                     f"byte-level text needs a vocab of at least 256, the model has {self.config.vocab_size}"
                 )
             if self.text_path and not os.path.exists(self.text_path):
@@ -348,7 +348,7 @@ class LmTask(_TransformerTask):
             )
             self.markov = synthetic.MarkovSource(self.markov_vocab, self.markov_order, seed=self.seed)
         else:
-            raise ValueError(f"unknown source {self.source!r}: use 'text' or 'markov'")
+            raise ConfigError(f"unknown source {self.source!r}: use 'text' or 'markov'")
         self._check_microbatches()
         self.tokens_per_batch = self.batch_size * self.length
 
@@ -409,7 +409,9 @@ class Seq2SeqTask(_TransformerTask):
             config, num_encoder_layers=config.num_encoder_layers or self.num_encoder_layers, sharding=self.sharding
         )
         if self.config.vocab_size < self.vocab:
-            raise ValueError(f"the task's {self.vocab} tokens do not fit the model's vocab of {self.config.vocab_size}")
+            raise ConfigError(
+                f"the task's {self.vocab} tokens do not fit the model's vocab of {self.config.vocab_size}"
+            )
         self._check_microbatches()
         self.tokens_per_batch = self.batch_size * self.length
 
