@@ -11,7 +11,7 @@ from meshax.layout import convert_to_mesh_shape
 from meshax.lower.hlo import hlo_collectives
 from meshax.ops.cond import CondOperation
 from meshax.search.program import model_of
-from meshax.search.search import _pairs
+from meshax.search.result import split_pairs
 from tests.conftest import moved
 from tests.test_loops import CASES
 
@@ -175,7 +175,7 @@ def test_the_layout_search_estimate_counts_every_branch_as_the_trace_does(layout
     graph, _, outs = _model()
     program = model_of(graph, outs).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
-    exact = program.exact(tuple(sorted(_pairs(layout))))
+    exact = program.exact(tuple(sorted(split_pairs(layout))))
     assert {k: v for k, v in est.flops.items() if v} == exact.flops
 
     assert moved(est) == moved(exact)

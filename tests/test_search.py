@@ -24,8 +24,9 @@ from meshax.search import Collective, Device, Link, StepCost, load_device, predi
 from meshax.search.cost import ring_factors
 from meshax.search.estimate import Estimator
 from meshax.search.program import Model, _build, exact_cost, model_of
-from meshax.search.search import _exemptions, _pairs
+from meshax.search.result import split_pairs
 from meshax.search.space import Space, rules_string
+from meshax.search.weights import exemptions
 from meshax.train import LmTask, MlpTask, Seq2SeqTask
 from meshax.train.loop import build
 from meshax.train.tasks import CnnTask, UNetTask
@@ -136,7 +137,7 @@ def test_the_estimate_splits_a_renamed_dim_as_propagation_does(layout, memory_re
         layout, task = layout.removesuffix("; moe"), TINY_MOE_LM
     program = costed(task).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
-    exact = program.exact(tuple(sorted(_pairs(layout))))
+    exact = program.exact(tuple(sorted(split_pairs(layout))))
     assert est.flops["Einsum"] == pytest.approx(exact.flops["Einsum"])
     assert sum(est.memory.values()) == pytest.approx(sum(exact.memory.values()), rel=memory_rel)
 
@@ -169,7 +170,7 @@ def test_a_renamed_split_goes_where_data_flows_from_the_rename(layout, weights):
     its FLOPs, activations and allreduces over both mesh dims are the trace's."""
     program = costed(TINY_MOE_LM).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout), convert_to_weight_rules(weights) if weights else None)
-    exact = program.exact(tuple(sorted(_pairs(layout))), weights or None)
+    exact = program.exact(tuple(sorted(split_pairs(layout))), weights or None)
     for family in ("Einsum", "Elementwise", "Reduce", "Unary"):
         assert est.flops[family] == pytest.approx(exact.flops[family], rel=0.01), family
     assert est.memory["activations"] == pytest.approx(exact.memory["activations"], rel=0.01)
@@ -186,7 +187,7 @@ def test_a_split_that_does_not_divide_is_carried_through_a_rename_as_propagation
     are the trace's (they were 2.4 x: the estimate carried only splits that divide)."""
     program = costed(TINY_LM).on(convert_to_mesh_shape(mesh))
     est = program.estimator(mx.convert_to_layout_rules(layout))
-    exact = program.exact(tuple(sorted(_pairs(layout))), None)
+    exact = program.exact(tuple(sorted(split_pairs(layout))), None)
     for family in ("Einsum", "Elementwise", "Reduce"):
         assert est.flops[family] == pytest.approx(exact.flops[family], rel=1e-6), family
     assert est.memory["activations"] == pytest.approx(exact.memory["activations"], rel=1e-6)
@@ -219,7 +220,7 @@ def test_the_estimate_carries_splits_between_weights_and_activations_as_propagat
     plan's, so the search with weight rules ranked layouts by costs they did not have)."""
     program = costed(task).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout), convert_to_weight_rules(weights))
-    exact = program.exact(tuple(sorted(_pairs(layout))), weights)
+    exact = program.exact(tuple(sorted(split_pairs(layout))), weights)
     for part in ("parameters", "gradients", "optimizer_state"):
         assert est.memory[part] == exact.memory[part]
     assert est.memory["activations"] == pytest.approx(exact.memory["activations"], rel=0.01)
@@ -241,7 +242,7 @@ def test_a_renamed_dims_split_goes_before_a_carried_one(task, layout, weights):
     the plan's, past the search's 1.25x check, FLOPs 1.17x in the second)."""
     program = costed(task).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout), convert_to_weight_rules(weights))
-    exact = program.exact(tuple(sorted(_pairs(layout))), weights)
+    exact = program.exact(tuple(sorted(split_pairs(layout))), weights)
     assert est.memory["activations"] == pytest.approx(exact.memory["activations"], rel=0.02)
     assert sum(est.flops.values()) == pytest.approx(sum(exact.flops.values()), rel=1e-3)
 
@@ -265,7 +266,7 @@ def test_the_estimate_counts_the_work_of_recomputed_layers_and_loop_bodies(chang
     task = LmTask(model=dataclasses.replace(PRESETS["tiny"], **changes))
     program = model_of(task).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
-    exact = program.exact(tuple(sorted(_pairs(layout))))
+    exact = program.exact(tuple(sorted(split_pairs(layout))))
     for family in ("Einsum", "Attention", "AttentionGrad", "Elementwise", "Reduce"):
         assert est.flops.get(family) == pytest.approx(exact.flops.get(family)), family
     assert sum(est.memory.values()) == pytest.approx(sum(exact.memory.values()), rel=1e-4)
@@ -297,7 +298,7 @@ def test_the_estimate_counts_halo_exchanges_and_the_filter_gradients_spatial_sum
     counted neither: the U-Net's h:rows;w:cols was estimated at 0.62 of its exact step)."""
     program = model_of(task).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
-    exact = program.exact(tuple(sorted(_pairs(layout))))
+    exact = program.exact(tuple(sorted(split_pairs(layout))))
 
     assert moved(est) == moved(exact) and any(kind == "permute" for kind, _, _ in moved(exact))
 
@@ -313,7 +314,7 @@ def test_the_estimate_counts_the_padded_slices_of_uneven_splits(layout):
     loss = mx.reduce_sum(mx.tanh(mx.einsum(x, w, output_shape=[b, e])))
     program = model_of(graph, [loss, *mx.gradients(loss, [w])]).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
-    exact = program.exact(tuple(sorted(_pairs(layout))))
+    exact = program.exact(tuple(sorted(split_pairs(layout))))
     assert {k: v for k, v in est.flops.items() if v} == pytest.approx(exact.flops)
 
 
@@ -325,7 +326,7 @@ def test_the_estimate_counts_an_embeddings_gradient_on_a_split_table_as_the_trac
     1/8 of the trace's FLOPs."""
     program = costed(TINY_LM).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
-    exact = program.exact(tuple(sorted(_pairs(layout))))
+    exact = program.exact(tuple(sorted(split_pairs(layout))))
     assert exact.flops["GatherGrad"] and est.flops["GatherGrad"] == exact.flops["GatherGrad"]
 
 
@@ -345,7 +346,7 @@ def test_the_estimate_settles_a_sum_of_partial_sums_once(layout):
     loss = mx.reduce_sum(mx.tanh(y))
     program = model_of(graph, [loss]).on(convert_to_mesh_shape("rows:2;cols:4"))
     est = program.estimator(mx.convert_to_layout_rules(layout))
-    exact = program.exact(tuple(sorted(_pairs(layout))))
+    exact = program.exact(tuple(sorted(split_pairs(layout))))
 
     assert moved(est) == moved(exact)
     # one allreduce over d's mesh dims (the loss's own over batch's, where batch is split)
@@ -392,7 +393,7 @@ def test_the_estimate_carries_sums_owed_where_the_lowering_does(case):
 
     for layout in ["d:cols", "batch:rows;d:cols", "", "d:rows;d:cols", "e:cols;d:cols", "e:cols;d:rows", "d:cols"]:
         est = program.estimator(mx.convert_to_layout_rules(layout))
-        assert moved(est) == moved(program.exact(tuple(sorted(_pairs(layout))))), layout
+        assert moved(est) == moved(program.exact(tuple(sorted(split_pairs(layout))))), layout
 
 
 def test_the_search_of_a_rematerialized_model_finds_at_least_the_papers_layout():
@@ -609,7 +610,7 @@ def test_a_pinned_rule_no_legal_layout_allows_is_named(pin, message):
 def test_a_budget_reads_as_the_report_prints_it():
     """GB as the reports print sizes (powers of 1000), GiB in powers of 1024: a budget of 16GB
     was read as 16 GiB and printed back as 17.2GB."""
-    from meshax.search.search import parse_bytes
+    from meshax.search.result import parse_bytes
 
     assert parse_bytes("16GB") == 16 * 10**9 and parse_bytes("1.5 TB") == 1.5e12 and parse_bytes("12 kb") == 12000
     assert parse_bytes("16GiB") == 16 * 2**30 and parse_bytes("512MiB") == 512 * 2**20 and parse_bytes("100") == 100
@@ -780,7 +781,7 @@ def test_the_plan_counts_the_weights_a_weight_layout_gathers_back(dtype):
     model = model_of(task).on(convert_to_mesh_shape("x:2;y:4"))
     for layout, weights in [("batch:x", "d_model:x"), ("batch:x;d_model:y;heads:y;d_ff:y", "d_model:x;heads:y;d_ff:y")]:
         estimate = model.estimator(mx.convert_to_layout_rules(layout), convert_to_weight_rules(weights))
-        assert estimate.memory == model.exact(tuple(sorted(_pairs(layout))), weights).memory
+        assert estimate.memory == model.exact(tuple(sorted(split_pairs(layout))), weights).memory
 
 
 def test_meshax_plan_says_how_much_of_the_activations_are_gathered_weights(capsys):
@@ -825,7 +826,7 @@ def test_leaving_a_weight_shape_to_the_rules_drops_a_rule_that_would_split_it_tw
     a = (("batch", ("x",)), ("d_model", ("y",)), ("vocab", ("y",)))
     w = convert_to_weight_rules("d_model:x")
     shapes = [frozenset({"d_model"}), frozenset({"vocab", "d_model"})]
-    moves = [(rules_string(b), str(x)) for b, x in _exemptions(a, w, shapes)]
+    moves = [(rules_string(b), str(x)) for b, x in exemptions(a, w, shapes)]
     assert moves == [
         ("batch:x;d_model:y;vocab:y", "d_model:x except [d_model]"),
         ("batch:x;vocab:y", "d_model:x except [d_model,vocab]"),  # (d_model's rule dropped)
@@ -835,7 +836,7 @@ def test_leaving_a_weight_shape_to_the_rules_drops_a_rule_that_would_split_it_tw
     # it splits nothing (kept, it listed the same layout twice, with and without it)
     w = convert_to_weight_rules("d_ff:x;vocab:x")
     shapes = [frozenset({"d_model", "d_ff"}), frozenset({"vocab", "d_model"})]
-    assert [str(x) for _, x in _exemptions(a[:1], w, shapes)] == [
+    assert [str(x) for _, x in exemptions(a[:1], w, shapes)] == [
         "vocab:x except [d_ff,d_model]",
         "d_ff:x except [d_model,vocab]",
     ]
@@ -843,7 +844,7 @@ def test_leaving_a_weight_shape_to_the_rules_drops_a_rule_that_would_split_it_tw
 
 def test_a_wide_value_keeps_its_columns_apart():
     """A replicated 64B model's step (456305.675 ms) ran into the next column."""
-    from meshax.search.search import Candidate, SearchResult
+    from meshax.search.result import Candidate, SearchResult
 
     def candidate(ms: float) -> Candidate:
         cost = StepCost({"Einsum": 1.0}, [], {"activations": 10**13})
@@ -903,7 +904,7 @@ def test_the_search_ranks_programs_not_spellings():
     were all one program, each with weight rules that split nothing differently)."""
     result = search_layout(costed(TINY_LM), "rows:2;cols:4", top=10, search_weights=True)
     program = costed(TINY_LM).on(convert_to_mesh_shape("rows:2;cols:4"))
-    layouts = [program.layouts(tuple(sorted(_pairs(c.layout))), c.weight_layout) for c in result.ranked]
+    layouts = [program.layouts(tuple(sorted(split_pairs(c.layout))), c.weight_layout) for c in result.ranked]
     assert len(result.ranked) == 10 and len(set(layouts)) == 10
 
 
@@ -965,7 +966,7 @@ def test_costs_extrapolated_from_two_depths_equal_the_deep_models(task, mesh, la
         full.graph.operations
     )
     for layout, weights in layouts:
-        rules = tuple(_pairs(layout))
+        rules = tuple(split_pairs(layout))
         assert _same(extrapolated.exact(rules, weights), full.exact(rules, weights))
         assert extrapolated.memory(rules, weights) == full.memory(rules, weights)
         weight_rules = None if weights is None else convert_to_weight_rules(weights)

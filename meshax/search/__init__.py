@@ -8,9 +8,8 @@ devices; `cost` predicts time and memory from a plan; `devices` holds the device
 from meshax.search.cost import Collective, Prediction, StepCost, predict
 from meshax.search.devices import KNOWN_DEVICES, Device, Link, calibrate, load_device
 from meshax.search.measure import measure_layouts
+from meshax.search.result import Candidate, SearchResult
 from meshax.search.search import (
-    Candidate,
-    SearchResult,
     evaluate,
     exact_cost,
     mesh_shapes,

@@ -18,7 +18,7 @@ from typing import TypeVar
 from meshax.core.errors import ConfigError
 from meshax.layout import convert_to_mesh_shape
 from meshax.search.devices import KNOWN_DEVICES
-from meshax.search.search import SearchResult, same_layout
+from meshax.search.result import SearchResult, same_layout
 
 K = TypeVar("K")
 

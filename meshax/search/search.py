@@ -13,370 +13,32 @@ Deterministic: candidates come in a fixed order, and ties go to the earlier one.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
-import re
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from meshax.core.errors import ConfigError, LayoutError, as_flag
 from meshax.core.graph import Tensor
-from meshax.layout import (
-    LayoutRules,
-    WeightRules,
-    convert_to_layout_rules,
-    convert_to_mesh_shape,
-    convert_to_weight_rules,
-)
+from meshax.layout import LayoutRules, convert_to_layout_rules, convert_to_mesh_shape, convert_to_weight_rules
 from meshax.lower.lowering import Lowering
 from meshax.lower.report import short_source
 from meshax.search.cost import StepCost, predict
 from meshax.search.devices import Device, load_device
 from meshax.search.program import exact_cost, model_of
+from meshax.search.result import (
+    Candidate,
+    SearchResult,
+    as_rule_set,
+    counted,
+    make_candidate,
+    mesh_text,
+    parse_bytes,
+    rule_count,
+    split_pairs,
+)
 from meshax.search.space import Rules, Space, rules_string
-
-if TYPE_CHECKING:
-    from meshax.optimize import Optimizer
-
-
-@dataclasses.dataclass
-class Candidate:
-    """One layout: its rules (as `--layout` takes them), its StepCost and predicted time."""
-
-    layout: str
-    cost: StepCost
-    step_s: float
-    compute_s: float
-    comm_s: dict[str, float]
-    by_link: dict[tuple[str, tuple[str, ...]], float]  # (kind, mesh dims) -> seconds
-    mesh: str = ""  # the mesh it is for, as --mesh takes it
-    weight_layout: str | None = None  # rules of the weight-shaped tensors, as --weight-layout takes them
-    label: str | None = None  # what the report calls it, where not its rules (annotations, say)
-    measured_s: float | None = None  # its step's median time where run (`measure_layouts`)
-
-    @property
-    def memory_bytes(self) -> int:
-        return self.cost.memory_bytes
-
-    @property
-    def name(self) -> str:
-        """The layout as one line: its label, or its rules and its weight rules where it has its own."""
-        if self.label:
-            return self.label
-        text = self.layout or "(replicated)"
-        return text if self.weight_layout is None else f"{text} | weights {self.weight_layout or '(replicated)'}"
-
-
-def _candidate(layout: str, cost: StepCost, device: Device, mesh_shape, weight_layout=None) -> Candidate:
-    p = predict(cost, device, mesh_shape)
-    return Candidate(layout, cost, p.step_s, p.compute_s, p.comm_s, p.by_link, mesh_text(mesh_shape), weight_layout)
-
-
-def _as_dict(c: Candidate) -> dict:
-    return {
-        "mesh": c.mesh,
-        "layout": c.layout,
-        "weight_layout": c.weight_layout,
-        "label": c.label,
-        "step_ms": c.step_s * 1e3,
-        "measured_ms": None if c.measured_s is None else c.measured_s * 1e3,
-        "compute_ms": c.compute_s * 1e3,
-        "communication_ms": {k: v * 1e3 for k, v in c.comm_s.items()},
-        "memory_bytes": c.memory_bytes,
-        "memory": dict(c.cost.memory),
-    }
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.3f}"
-
-
-def _count(n: int, one: str, many: str = "") -> str:
-    """'1 mesh', '4 meshes': n and the noun in its number."""
-    return f"{n} {one if n == 1 else many or one + 's'}"
-
-
-def mesh_text(mesh_shape) -> str:
-    """A mesh shape as --mesh takes it: "rows:2;cols:4"."""
-    return ";".join(f"{d.name}:{d.size}" for d in mesh_shape)
-
-
-def parse_bytes(text: str | int | float | None) -> int | None:
-    """A memory size: bytes as a number, or "16GB", "1.5 TB" (powers of 1000, as the reports
-    print sizes), "512MiB", "16GiB" (powers of 1024)."""
-    if text is None or isinstance(text, int | float):
-        return None if text is None else int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]?)(i?)(B?)\s*", text, re.IGNORECASE)
-    if not m or (m.group(3) and not m.group(2)):
-        raise ConfigError(f"memory budget {text!r}: give a size like 16GB, 512MiB or a number of bytes")
-    base = 1024 if m.group(3) else 1000
-    return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
-
-
-@dataclasses.dataclass
-class SearchResult:
-    """The best `top` layouts that fit (exactly costed, best first), the user's own layout if
-    given, how many rule sets were legal, how they were costed, and how long it took."""
-
-    ranked: list[Candidate]
-    baseline: Candidate | None
-    legal: int
-    method: str
-    seconds: float
-    memory_budget: int
-    device: Device
-    compared: list[Candidate]  # every candidate costed (estimates where not exact), in order
-    meshes: int = 1  # how many meshes were searched (`search_mesh_and_layout`)
-    every: bool = True  # whether every legal rule set was costed (else `legal` is a lower bound)
-    measured: str = ""  # how the best were run and timed, where they were (`measure_layouts`)
-    optimizer: Optimizer | None = None  # the one the steps costed run (None: Adam's, or a graph's own updates)
-    task: object = None  # the training task searched (None: a graph), whose steps `measure_layouts` runs
-
-    @property
-    def best(self) -> Candidate:
-        return self.ranked[0]
-
-    @property
-    def layout(self) -> str:
-        return self.best.layout
-
-    def format(self) -> str:
-        from meshax.lower.report import _human
-
-        kinds = [
-            k
-            for k in ("allreduce", "allgather", "reduce_scatter", "alltoall", "permute")
-            if any(c.comm_s[k] for c in [*self.ranked, *([self.baseline] if self.baseline else [])])
-        ]
-        rows = [(str(i + 1), c) for i, c in enumerate(self.ranked)]
-        if self.baseline is not None:
-            rows.append(("yours", self.baseline))
-        meshes = self.meshes > 1 or len({c.mesh for _, c in rows}) > 1  # (say which mesh each row is for)
-
-        mesh_width = max(len(str(c.mesh)) for _, c in rows) if meshes else 0
-
-        def name(c: Candidate) -> str:  # (the mesh in a column of its own, the layout after it)
-            return (f"{c.mesh!s:<{mesh_width}}  " if meshes else "") + c.name
-
-        width = max(len(name(c)) for _, c in rows)
-        timed = [("measured ms", 13, [_ms(c.measured_s) for _, c in rows])] if self.measured else []
-        columns = [  # (header, width at least, each row's cell)
-            ("step ms", 10, [f"{c.step_s * 1e3:.3f}" for _, c in rows]),
-            *timed,
-            ("compute", 10, [f"{c.compute_s * 1e3:.3f}" for _, c in rows]),
-            *((k, 15, [f"{c.comm_s[k] * 1e3:.3f}" for _, c in rows]) for k in kinds),
-            ("memory", 10, [_human(c.memory_bytes) + "B" for _, c in rows]),
-        ]
-        widths = [max(least, 2 + max(map(len, cells))) for _, least, cells in columns]
-        title = f"{'mesh':<{mesh_width}}  layout" if meshes else "layout"
-        head = f"{'#':<6}{title:<{width + 2}}" + "".join(f"{h:>{w}}" for (h, _, _), w in zip(columns, widths))
-        lines = [
-            f"layout search: {'' if self.every else 'more than '}{_count(self.legal, 'legal rule set')}, "
-            f"{self.method}, "
-            f"{self.seconds:.1f} s; "
-            f"device {self.device.name}; memory budget {_human(self.memory_budget)}B per device",
-            *([f"{self.measured}; ranked by it"] if self.measured else []),
-            head,
-        ]
-        for i, (tag, c) in enumerate(rows):
-            cells = "".join(f"{cells[i]:>{w}}" for (_, _, cells), w in zip(columns, widths))
-            lines.append(f"{tag:<6}{name(c):<{width + 2}}{cells}")
-        lines.append("")
-        for tag, c in rows[1:]:
-            lines.append(f"{tag}: {self.why(c)}")
-        return "\n".join(lines) + "\n"
-
-    def as_dict(self) -> dict:
-        """The result as JSON data (`meshax plan --search --json`): how the layouts were searched
-        (and measured), and each one listed, best first, and the user's, with its predicted step
-        and its parts in ms, its measured step (None where not run) and its memory per device."""
-        return {
-            "legal": self.legal,
-            "every": self.every,
-            "method": self.method,
-            "seconds": self.seconds,
-            "meshes": self.meshes,
-            "device": self.device.name,
-            "memory_budget_bytes": self.memory_budget,
-            "measured": self.measured or None,
-            "ranked": [_as_dict(c) for c in self.ranked],
-            "baseline": None if self.baseline is None else _as_dict(self.baseline),
-        }
-
-    def why(self, other: Candidate) -> str:
-        """How `other` differs from the best: its rules and the biggest time differences."""
-        mine = dict(_pairs(self.best.layout))
-        theirs = dict(_pairs(other.layout))
-        rule_diff = [
-            f"{d}: {','.join(theirs.get(d, ())) or '-'} -> {','.join(mine.get(d, ())) or '-'}"
-            for d in sorted(set(mine) | set(theirs))
-            if mine.get(d) != theirs.get(d)
-        ]
-        deltas = []
-        if other.compute_s != self.best.compute_s:
-            deltas.append(("compute", other.compute_s - self.best.compute_s))
-        for key in set(other.by_link) | set(self.best.by_link):
-            d = other.by_link.get(key, 0.0) - self.best.by_link.get(key, 0.0)
-            if d:
-                deltas.append((f"{key[0]} over {','.join(key[1])}", d))
-        deltas.sort(key=lambda kv: -abs(kv[1]))
-        said = ", ".join(f"{name} {d * 1e3:+.3f} ms" for name, d in deltas[:3])
-        if other.mesh != self.best.mesh:
-            rule_diff.insert(0, f"mesh {other.mesh} -> {self.best.mesh}")
-        if _weight_rules(other) != _weight_rules(self.best):
-            rule_diff.append(f"weights: {_weights(other)} -> {_weights(self.best)}")
-        if other.label:  # (annotations, or rules beside them: the rules alone are not the layout)
-            rule_diff = [f"{other.label} -> {self.best.name}"]
-        changes = "; ".join(rule_diff) or "nothing"
-        times = f"{other.step_s / self.best.step_s:.2f}x the best's time"
-        if other.measured_s is not None and self.best.measured_s is not None:
-            ratio = other.measured_s / self.best.measured_s
-            times = f"measured {ratio:.2f}x the best's time (predicted {other.step_s / self.best.step_s:.2f}x)"
-        return f"{times}; best changes {changes}; {said or 'same costs'}"
-
-
-class _TooMany(Exception):
-    """A space the weight-rules search would have to estimate in full is larger than the limit."""
-
-
-def _at_most(rule_sets, limit: int, what: str) -> list[Rules]:
-    out = list(itertools.islice(rule_sets, limit + 1))
-    if len(out) > limit:
-        raise _TooMany(what)
-    return out
-
-
-def _with_weight_rules(graph, space: Space, layout: str, time_of, fits_in, compared, rule_sets, top: int, limit: int):
-    """(rules, weight rules) to compare beside the rule sets: bases (rules legal for the activations
-    alone), each with every legal set of weight rules. Which activations' rules are best depends
-    on the weights' (GSPMD's 2D sharding splits the activations on d_model as the weights are;
-    pure data parallelism wins only beside weights split ZeRO's way, so where memory is short),
-    so each is searched given the other. The first bases are the `top` best rule sets and
-    2 x `top` sets of rules for the activations alone: the 10 x `top` best with the weights as
-    propagation lays them out, ranked again each with its best of the weight rules that suit the
-    3 best rule sets. Then, in turn, for the weight rules of the `top` best pairs so far that fit
-    (`fits_in`: by the estimate, within the budget, and within 1.25 x it), the activations' rules
-    that are best with them and fit are bases too, until none is new.
-    `_TooMany` where the weight rules or the activations' rules number more than `limit`."""
-    weight_space = Space(graph, space.mesh_shape, part="weights")
-    weight_sets = {w: WeightRules(space.rules_of(w).pairs) for w in _at_most(weight_space, limit, "weight rules")}
-    activations = Space(graph, space.mesh_shape, convert_to_layout_rules(layout), part="activations")
-    activation_sets = _at_most(activations, limit, "rules for the activations alone")
-    best = sorted(range(len(rule_sets)), key=lambda i: compared[i].step_s)[:top]
-    suiting: list[LayoutRules] = [LayoutRules()]
-    for i in best[:3]:
-        w = min(weight_sets.values(), key=lambda w: time_of(rule_sets[i], w)[0])
-        if w not in suiting:
-            suiting.append(w)
-    ranked = sorted(activation_sets, key=lambda a: time_of(a, LayoutRules())[0])[: 10 * top]
-    ranked.sort(key=lambda a: min(time_of(a, w)[0] for w in suiting))
-    pairs: dict[tuple[Rules, WeightRules], float] = {}
-    bases: list[Rules] = []
-    new = list(dict.fromkeys([*(rule_sets[i] for i in best), *ranked[: 2 * top]]))
-    while new:
-        bases += new
-        for a in new:
-            same = tuple((d, ms) for d, ms in a if d in weight_space.sizes)  # (a's own, already costed)
-            pairs.update(
-                {(a, w): time_of(a, w)[0] for key, w in weight_sets.items() if key != same or a not in rule_sets}
-            )
-        new = []
-        for slack in (1.0, 1.25):
-            leaders = sorted((p for p in pairs if fits_in(*p, slack)), key=pairs.__getitem__)[:top]
-            for w in dict.fromkeys(w for _, w in leaders):
-                fitting = [a for a in activation_sets if fits_in(a, w, slack)]
-                a = min(fitting, key=lambda a: time_of(a, w)[0], default=None)
-                if a is not None and a not in bases and a not in new:
-                    new.append(a)
-    return list(pairs)
-
-
-def _leave_to_rules(starts: list[Candidate], graph, mesh_shape, time_of) -> list[tuple[Rules, WeightRules]]:
-    """From each of `starts` (with weight rules), weight shapes left to the rules one at a time
-    (`WeightRules.exempt`) while the estimate improves; each start's last step. GSPMD annotates
-    the layers' weights and leaves the embedding and the norms' scales to propagation."""
-    shapes = _weight_shape_names(graph, mesh_shape)
-    ends = []
-    for c in starts:
-        a, w = tuple(_pairs(c.layout)), convert_to_weight_rules(c.weight_layout)
-        t, moved = time_of(a, w)[0], False
-        while True:
-            trials = [(time_of(a, x)[0], x) for b, x in _exemptions(a, w, shapes) if b == a]
-            if not trials or min(trials, key=lambda tr: tr[0])[0] >= t:
-                break
-            t, w = min(trials, key=lambda tr: tr[0])
-            moved = True
-        if moved and (a, w) not in ends:
-            ends.append((a, w))
-    return ends
-
-
-def _weight_shape_names(graph, mesh_shape) -> list[frozenset]:
-    return sorted({frozenset(n) for n in Space(graph, mesh_shape, part="weights").shapes if n}, key=sorted)
-
-
-def _exemptions(a: Rules, w: WeightRules, shapes: list[frozenset]):
-    """(rules, weight rules) with one more weight shape left to the rules; where the rules split
-    two of its dims over one mesh dim, with the rule of each of those dims dropped in turn. The
-    weight rules keep only the rules of dims some weight shape they still lay out has (one that
-    splits nothing would list the same layout twice)."""
-    for s in shapes:
-        if s in w.exempt:
-            continue
-        live = {d for shape in shapes if shape != s and shape not in w.exempt for d in shape}
-        exempt = WeightRules([(d, m) for d, m in w.pairs if d in live], w.exempt | {s})
-        by_mesh: dict[str, list[str]] = {}
-        for d, ms in a:
-            for m in ms:
-                if d in s:
-                    by_mesh.setdefault(m, []).append(d)
-        clashing = sorted({d for ds in by_mesh.values() if len(ds) > 1 for d in ds})
-        if not clashing:
-            yield a, exempt
-        for d in clashing:
-            if all(len(ds) < 2 or d in ds for ds in by_mesh.values()):
-                yield tuple((e, ms) for e, ms in a if e != d), exempt
-
-
-def _weights(c: Candidate) -> str:
-    return "as the rules" if c.weight_layout is None else c.weight_layout or "(replicated)"
-
-
-def _weight_rules(c: Candidate):
-    """A candidate's weight rules as what they split (per dim, its mesh dims in order; the exempt
-    shapes), so that the same rules written in another order are the same; None: as the rules."""
-    if c.weight_layout is None:
-        return None
-    rules = convert_to_weight_rules(c.weight_layout)
-    return dict(_by_dim(rules)), rules.exempt
-
-
-def same_layout(a: Candidate, b: Candidate) -> bool:
-    """Whether two candidates are one layout (the same rules and weight rules, in any order, on one mesh)."""
-    if a.label or b.label or a.mesh != b.mesh:
-        return a is b
-    return _rules(a.layout) == _rules(b.layout) and _weight_rules(a) == _weight_rules(b)
-
-
-def _by_dim(rules) -> list[tuple[str, tuple[str, ...]]]:
-    """Each tensor dim the rules split and its mesh dims, in order."""
-    return [(d, tuple(rules.mesh_dims_for(d))) for d in rules.tensor_dim_names]
-
-
-def _length(rules: Rules, weights: str | None) -> int:
-    """How many rules a layout is written with (its rules and its weight rules)."""
-    return len(rules) + (0 if weights is None else len(convert_to_weight_rules(weights).pairs))
-
-
-def _pairs(layout: str) -> list[tuple[str, tuple[str, ...]]]:
-    return _by_dim(convert_to_layout_rules(layout))
-
-
-def _rules(layout: str) -> Rules:
-    """A layout as the search's rule sets are, in dim-name order (so a rule set it traced is found)."""
-    return tuple(sorted(_pairs(layout)))
+from meshax.search.weights import TooMany, exemptions, leave_to_rules, weight_shape_names, with_weight_rules
 
 
 def search_layout(
@@ -435,7 +97,7 @@ def search_layout(
         rule_sets = _local_search(space, program.estimator, dev, mesh_shape, budget)
 
     def exact(rules: Rules, weights: str | None = None) -> Candidate:
-        return _candidate(rules_string(rules), program.exact(rules, weights), dev, mesh_shape, weights)
+        return make_candidate(rules_string(rules), program.exact(rules, weights), dev, mesh_shape, weights)
 
     annotated = any(hasattr(op, "annotation") for op in graph.operations)
     if (len(rule_sets) <= exact_limit or annotated) and not search_weights:
@@ -444,7 +106,7 @@ def search_layout(
         exact_ones: list[Candidate] = compared
     else:
         estimator = program.estimator
-        compared = [_candidate(rules_string(r), estimator(space.rules_of(r)), dev, mesh_shape) for r in rule_sets]
+        compared = [make_candidate(rules_string(r), estimator(space.rules_of(r)), dev, mesh_shape) for r in rule_sets]
         choices: list[tuple[Rules, str | None]] = [(r, None) for r in rule_sets]
 
         @functools.cache
@@ -458,12 +120,12 @@ def search_layout(
         skipped = ""
         if search_weights:
             try:
-                for a, w in _with_weight_rules(
+                for a, w in with_weight_rules(
                     graph, space, layout, time_of, fits_in, compared, rule_sets, breadth, enumerate_limit
                 ):
-                    compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
+                    compared.append(make_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
                     choices.append((a, str(w)))
-            except _TooMany as e:
+            except TooMany as e:
                 skipped = f"; weight rules not searched: more than {enumerate_limit} legal sets of {e} (pin rules)"
         # Re-score in the estimate's order. The estimate lays tensors out by the rules, splits
         # renamed dims as the dims they rename and carries splits between weights and activations;
@@ -484,8 +146,10 @@ def search_layout(
             layouts = program.layouts(rules, weights)
             if layouts in programs:
                 i = programs[layouts]
-                if _length(rules, weights) < _length(_rules(exact_ones[i].layout), exact_ones[i].weight_layout):
-                    exact_ones[i] = _candidate(rules_string(rules), exact_ones[i].cost, dev, mesh_shape, weights)
+                if rule_count(rules, weights) < rule_count(
+                    as_rule_set(exact_ones[i].layout), exact_ones[i].weight_layout
+                ):
+                    exact_ones[i] = make_candidate(rules_string(rules), exact_ones[i].cost, dev, mesh_shape, weights)
                 return False
             programs[layouts] = len(exact_ones)
             exact_ones.append(exact(rules, weights))
@@ -502,8 +166,8 @@ def search_layout(
                 estimated.append(c.step_s)
         if search_weights:  # the best that fit, improved by leaving some weight shapes to the rules
             starts = [c for c in sorted(exact_ones, key=lambda c: c.step_s)[:breadth] if c.weight_layout is not None]
-            for a, w in _leave_to_rules(starts, graph, mesh_shape, time_of):
-                compared.append(_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
+            for a, w in leave_to_rules(starts, graph, mesh_shape, time_of):
+                compared.append(make_candidate(rules_string(a), time_of(a, w)[1], dev, mesh_shape, str(w)))
                 trace(a, str(w))
             # and around the best, the moves that drop a rule too, traced exactly (the estimate
             # is least sure where the activations' rules change)
@@ -513,8 +177,8 @@ def search_layout(
                 default=None,
             )
             if best is not None:
-                a, w = tuple(_pairs(best.layout)), convert_to_weight_rules(best.weight_layout)
-                for b, x in _exemptions(a, w, _weight_shape_names(graph, mesh_shape)):
+                a, w = tuple(split_pairs(best.layout)), convert_to_weight_rules(best.weight_layout)
+                for b, x in exemptions(a, w, weight_shape_names(graph, mesh_shape)):
                     pins_kept = all(dict(b).get(d) == ms for d, ms in space.pinned.items() if ms)
                     if b != a and pins_kept and trace(b, str(x)):
                         compared.append(exact_ones[-1])
@@ -644,7 +308,7 @@ def search_mesh_and_layout(
     elif len({r.method for r in results}) == 1:
         method = f"{len(results)} meshes searched; on each, {first.method}"
     else:  # (say how each was searched: some spaces are searched locally, others in full)
-        method = f"{_count(len(results), 'mesh', 'meshes')} searched: " + "; ".join(
+        method = f"{counted(len(results), 'mesh', 'meshes')} searched: " + "; ".join(
             f"{r.ranked[0].mesh}: {r.method}" for r in results
         )
     return SearchResult(
@@ -686,15 +350,15 @@ def evaluate(
     if isinstance(what, Lowering):
         impl = what.impl
         weights = None if impl.weight_rules is None else str(impl.weight_rules)
-        candidate = _candidate(str(impl.layout_rules), exact_cost(what, outputs, updates), dev, impl.shape, weights)
+        candidate = make_candidate(str(impl.layout_rules), exact_cost(what, outputs, updates), dev, impl.shape, weights)
     else:
         if mesh is None:
             raise ConfigError("evaluate(task, ...) needs the mesh to cost it on: evaluate(task, mesh=..., layout=...)")
         mesh_shape = convert_to_mesh_shape(mesh)
         weights = None if weight_layout is None else str(convert_to_weight_rules(weight_layout))
         program = model_of(what, outputs, updates, optimizer).on(mesh_shape)
-        cost = program.exact(_rules(layout), weights)
-        candidate = _candidate(str(convert_to_layout_rules(layout)), cost, dev, mesh_shape, weights)
+        cost = program.exact(as_rule_set(layout), weights)
+        candidate = make_candidate(str(convert_to_layout_rules(layout)), cost, dev, mesh_shape, weights)
     candidate.label = label
     return candidate
 
@@ -707,7 +371,7 @@ def _no_fit(compared: list[Candidate], budget: int, mesh_shape, program) -> None
         return sum(memory[k] for k in ("parameters", "gradients", "optimizer_state"))
 
     def memory(c: Candidate) -> dict[str, int]:  # (its plan's, by which the search found it does not fit)
-        return c.cost.memory if c.cost.exact else program.memory(tuple(_pairs(c.layout)), c.weight_layout)
+        return c.cost.memory if c.cost.exact else program.memory(tuple(split_pairs(c.layout)), c.weight_layout)
 
     mesh = mesh_text(mesh_shape)
     leanest = min(compared, key=lambda c: state(c.cost.memory))
@@ -729,7 +393,7 @@ def _no_fit(compared: list[Candidate], budget: int, mesh_shape, program) -> None
             f"{_human(total)}B per device ({parts}), {_human(total - budget)}B over "
             "the budget; its activations do not fit: use a smaller batch or sequence, more devices, or a larger budget"
         )
-    lowering = program.lowering(tuple(_pairs(least.layout)), least.weight_layout)
+    lowering = program.lowering(tuple(split_pairs(least.layout)), least.weight_layout)
     tensors = [t for op in lowering.graph.operations for t in op.outputs]
     sizes = sorted((-lowering.slice_bytes(t), i) for i, t in enumerate(tensors))[:3]  # (ties: the first made)
     largest = ", ".join(f"{_described(tensors[i])} {_human(-n)}B" for n, i in sizes)
