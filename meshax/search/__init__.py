@@ -1,8 +1,9 @@
 """Layout search: a cost model of a step's time and memory, and the search over layout rules.
 
 `search_layout` chooses layout rules, and `measure_layouts` times the best of them on the
-devices; `cost` predicts time and memory from a plan; `devices` holds the device table and
-`calibrate`; `draw` draws layouts and the search's comparison.
+devices; `result` is what a search returns (`SearchResult`, each layout a `Candidate`);
+`weights` searches weight rules beside the rules; `cost` predicts time and memory from a plan;
+`devices` holds the device table and `calibrate`; `draw` draws layouts and the search's comparison.
 """
 
 from meshax.search.cost import Collective, Prediction, StepCost, predict
