@@ -278,14 +278,16 @@ def _add_search_flags(s, search_help: str):
         "--memory-budget",
         default=None,
         metavar="SIZE",
-        help="per device, e.g. 16GB (powers of 1000) or 16GiB (default: the device's)",
+        help="per device, e.g. 16GB (powers of 1000) or 16GiB (default: the device's); without --search, plan says "
+        "whether its layout fits it",
     )
     g.add_argument("--top", type=_COUNT, default=5, metavar="K", help="how many layouts to list (default 5)")
     g.add_argument(
         "--device",
         default=None,
         help="the device to predict for: a known name (h100, a100, tpu-v3, tpu-v4, tpu-v5e, cpu) or a file "
-        "`meshax calibrate` wrote (default: $MESHAX_DEVICE, else cpu)",
+        "`meshax calibrate` wrote (default: $MESHAX_DEVICE, else cpu); without --search, plan predicts its "
+        "layout's step on it",
     )
     g.add_argument(
         "--search-mesh",
@@ -370,11 +372,12 @@ def _check(args) -> None:
     if args.data and not os.path.isdir(args.data):
         raise ConfigError(f"--data {args.data!r} is not a folder: give the folder with the four MNIST IDX files")
     if args.command in ("plan", "train") and not args.search:
+        predicted = args.command == "plan"  # (a plan predicts its step on --device, against --memory-budget)
         given = [
             flag
             for flag, value in (
-                ("--memory-budget", args.memory_budget),
-                ("--device", args.device),
+                ("--memory-budget", args.memory_budget and not predicted),
+                ("--device", args.device and not predicted),
                 ("--search-mesh", args.search_mesh),
                 ("--search-weights", args.search_weights),
                 ("--pin", args.pin),
@@ -1232,19 +1235,63 @@ def _plan(args, task, console) -> int:
     )
     counters = lowering.trace_step(outputs, updates)
     summary = summarize(lowering, counters, outputs)
+    prediction = _prediction(args, lowering, outputs, updates) if args.device or args.memory_budget else None
     if args.picture:
         os.makedirs(args.picture, exist_ok=True)
         _draw_parameters(lowering, args.picture, sys.stderr if args.json else None)  # (stdout: the JSON's alone)
     if args.json:
         explained = {"explain": lowering.explain()} if args.explain else {}
-        print(json.dumps({**summary.as_dict(), **explained}, indent=1))
+        predicted = {"prediction": prediction} if prediction else {}
+        print(json.dumps({**summary.as_dict(), **predicted, **explained}, indent=1))
         return 0
     console.print(_layout_table(lowering))
     print(lowering.report(counters, width=console.width), end="")
     print(format_summary(summary), end="", flush=True)
+    if prediction:
+        print("\n" + _format_prediction(prediction, args), end="", flush=True)
     if args.explain:
         print("\n" + lowering.explain(), end="", flush=True)
     return 0
+
+
+def _prediction(args, lowering, outputs, updates) -> dict:
+    """The plan's step as the layout search costs it (`search.evaluate`): its predicted time on
+    --device, in ms by part, and its memory per device against --memory-budget (default: the
+    device's memory)."""
+    from meshax.search import evaluate, load_device
+    from meshax.search.result import parse_bytes
+
+    device = load_device(args.device)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else device.memory_bytes
+    if budget is None or budget <= 0:
+        from meshax.core.errors import ConfigError
+
+        raise ConfigError(f"--memory-budget {args.memory_budget!r}: give a positive size, like 16GB")
+    c = evaluate(lowering, outputs, updates, device=device)
+    return {
+        "device": device.name,
+        "step_ms": c.step_s * 1e3,
+        "compute_ms": c.compute_s * 1e3,
+        "communication_ms": {k: v * 1e3 for k, v in c.comm_s.items() if v},
+        "memory_bytes": c.memory_bytes,
+        "memory_budget_bytes": budget,
+        "fits": c.memory_bytes <= budget,
+    }
+
+
+def _format_prediction(p: dict, args) -> str:
+    from meshax.lower.report import _human
+
+    parts = ", ".join([f"compute {p['compute_ms']:.3f}", *(f"{k} {v:.3f}" for k, v in p["communication_ms"].items())])
+    memory = f"memory / device {_human(p['memory_bytes'])}B of {_human(p['memory_budget_bytes'])}B"
+    if p["fits"]:
+        verdict = "fits"
+    else:
+        over = _human(p["memory_bytes"] - p["memory_budget_bytes"])
+        remat = " --remat (each layer recomputed in the backward pass)," if args.task in ("lm", "seq2seq") else ""
+        remat = "" if getattr(args, "remat", False) else remat
+        verdict = f"does not fit, {over}B over: try{remat} a layout that splits more, or --search"
+    return f"predicted on {p['device']}: step {p['step_ms']:.3f} ms ({parts} ms)\n{memory}: {verdict}\n"
 
 
 def _train(args, task, program, console, resumed: str | None = None) -> int:

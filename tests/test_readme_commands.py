@@ -38,7 +38,7 @@ def block_commands(code: str) -> list[str]:
     comments dropped)."""
     commands = []
     for line in code.replace("\\\n", " ").splitlines():
-        line = line.split("  #")[0].strip()
+        line = "" if line.lstrip().startswith("#") else line.split("  #")[0].strip()
         commands += [part.strip() for part in line.split("&&") if part.strip()]
     return commands
 

@@ -16,11 +16,11 @@ import pytest
 
 import meshax as mx
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
-from meshax.cli import main
+from meshax.cli import DEFAULT_LAYOUTS, main
 from meshax.layout import convert_to_mesh_shape, convert_to_weight_rules
 from meshax.lower.draw import blocks, draw_layout
 from meshax.models.transformer import PRESETS
-from meshax.search import Collective, Device, Link, StepCost, load_device, predict, search_layout
+from meshax.search import Collective, Device, Link, StepCost, evaluate, load_device, predict, search_layout
 from meshax.search.cost import ring_factors
 from meshax.search.estimate import Estimator
 from meshax.search.program import Model, _build, exact_cost, model_of
@@ -996,8 +996,37 @@ def test_a_task_is_evaluated_as_the_search_costs_it_and_as_its_full_lowering_cos
 
 
 def test_search_flags_without_search_are_refused(capsys):
-    assert main(["plan", "mlp", "--mesh", "rows:2;cols:4", "--memory-budget", "1GB", "--top", "3"]) == 2
-    assert "--memory-budget, --top applies to a layout search: add --search" in capsys.readouterr().err
+    assert main(["plan", "mlp", "--mesh", "rows:2;cols:4", "--pin", "batch:rows", "--top", "3"]) == 2
+    assert "--pin, --top applies to a layout search: add --search" in capsys.readouterr().err
+    assert main(["train", "mlp", "--mesh", "rows:2;cols:4", "--device", "h100", "--memory-budget", "1GB"]) == 2
+    assert "--memory-budget, --device applies to a layout search: add --search" in capsys.readouterr().err
+
+
+def test_a_plan_predicts_its_step_on_a_device_and_says_whether_it_fits(capsys):
+    """`meshax plan --device D` (and `--memory-budget`) without --search: the layout's step as the
+    search costs it (`evaluate`), its memory against the budget, and what to try where it does
+    not fit (both flags were refused without --search)."""
+    argv = ["plan", "lm", "--mesh", "rows:2;cols:4", "--device", "h100"]
+    mine = evaluate(LmTask(), mesh="rows:2;cols:4", layout=DEFAULT_LAYOUTS["lm"], device="h100")
+    assert main([*argv, "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)["prediction"]
+    assert p["step_ms"] == pytest.approx(mine.step_s * 1e3) and p["memory_bytes"] == mine.memory_bytes
+    assert p["fits"] is True and p["memory_budget_bytes"] == load_device("h100").memory_bytes
+    assert set(p["communication_ms"]) == {"allreduce"}
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"predicted on {load_device('h100').name}: step {p['step_ms']:.3f} ms (compute" in out
+    assert "of 85.9GB: fits" in out  # (80 GiB)
+    assert main([*argv, "--memory-budget", "1MB"]) == 0
+    out = capsys.readouterr().out
+    assert "of 1MB: does not fit" in out and "try --remat (each layer recomputed" in out
+    assert main([*argv, "--memory-budget", "1MB", "--remat", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["prediction"]["fits"] is False
+    assert main([*argv, "--memory-budget", "1MB", "--remat"]) == 0
+    out = capsys.readouterr().out
+    assert "does not fit" in out and "try a layout that splits more" in out
+    assert main([*argv, "--memory-budget", "0"]) == 2
+    assert "--memory-budget '0': give a positive size" in capsys.readouterr().err
 
 
 def test_a_search_of_one_mesh_and_one_rule_set_reads_as_english(capsys):
