@@ -123,6 +123,27 @@ def test_mnist_errors_name_the_problem(tmp_path):
             load_mnist(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    "name,data,said",
+    [
+        # a header cut short (its dims' sizes missing): struct.error, a traceback from the command
+        ("train-images-idx3-ubyte", b"\x00\x00\x08\x03garbage", r"train-images-idx3-ubyte: its header .* 3 dims"),
+        # not gzip, or gzip cut short: 'Not a gzipped file (b'no')', naming no file; EOFError, a traceback
+        ("train-images-idx3-ubyte.gz", b"not gzip at all", r"train-images-idx3-ubyte.gz is no gzip file"),
+        (
+            "train-images-idx3-ubyte.gz",
+            gzip.compress(b"\x00\x00\x08\x01\x00\x00\x10\x00" + np.random.default_rng(0).bytes(4096))[:2000],
+            r"idx3-ubyte.gz is no gzip file .*ended",
+        ),
+    ],
+    ids=["header cut short", "not gzip", "gzip cut short"],
+)
+def test_an_idx_file_that_cannot_be_read_is_named(tmp_path, name, data, said):
+    (tmp_path / name).write_bytes(data)
+    with pytest.raises(DataError, match=said):
+        load_mnist(str(tmp_path))
+
+
 def test_a_diverging_run_stops_with_the_step_and_what_to_change(tmp_path):
     metrics = tmp_path / "m.jsonl"
     with pytest.raises(

@@ -6,6 +6,7 @@ import gzip
 import importlib.util
 import os
 import struct
+import zlib
 
 import numpy as np
 
@@ -58,14 +59,27 @@ _MNIST_FILES = {
 
 
 def _read_idx(path: str) -> np.ndarray:
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    if path.endswith(".gz"):
+        try:
+            with gzip.open(path, "rb") as f:
+                data = f.read()
+        except (gzip.BadGzipFile, EOFError, zlib.error) as err:  # (not gzip, cut short, corrupt)
+            raise DataError(
+                f"{path} is no gzip file that can be read ({err}): download it again, or unpack it"
+            ) from None
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
     if len(data) < 4 or data[0] != 0 or data[1] != 0:
         raise DataError(f"{path} is not an IDX file (bad magic number)")
     dtype_code, ndim = data[2], data[3]
     if dtype_code != 0x08:
         raise DataError(f"{path}: expected unsigned bytes (type 0x08), found type {dtype_code:#x}")
+    if len(data) < 4 + 4 * ndim:
+        raise DataError(
+            f"{path}: its header names {ndim} dims but holds {len(data) - 4} bytes of their sizes, not "
+            f"{4 * ndim}; the file is truncated"
+        )
     dims = struct.unpack(f">{ndim}I", data[4 : 4 + 4 * ndim])
     body = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if body.size != int(np.prod(dims)):
