@@ -1083,6 +1083,17 @@ def _calibrate(args) -> int:
     from meshax.search import calibrate
 
     _check_file_to_write("--out", args.out, "a file to write the device's JSON to")
+    if os.path.isfile(args.out) and os.path.getsize(args.out):  # (replaced: only a device file of its own)
+        from meshax.core.errors import ConfigError
+        from meshax.search import load_device
+
+        try:
+            load_device(args.out)
+        except ConfigError:
+            raise ConfigError(
+                f"--out {args.out!r} is a file that is no device file `meshax calibrate` wrote, and calibrate "
+                "would write over it: give a new path (or move the file away)"
+            ) from None
     use_cpu_devices(convert_to_mesh_shape(args.mesh).size)
     device = calibrate(args.mesh)
     with open(args.out, "w") as f:

@@ -136,6 +136,8 @@ WITH_PATHS = [
     (["calibrate", "--mesh", "all:1", "--out", "adir/d.json"], "mesh 'all:1' has one device, and calibrate measures"),
     (["plot", "adir"], "'adir' is a folder: give the JSON-lines file"),
     (["plot", "afile", "--out", "adir"], "--out 'adir': give a .png file"),
+    # a file of the user's, not a device file: calibrate wrote its JSON over it
+    (["calibrate", "--mesh", "all:2", "--out", "afile"], "--out 'afile' is a file that is no device file"),
 ]
 
 
@@ -173,6 +175,7 @@ def test_bad_paths_are_one_line_on_stderr(argv, expected, tmp_path, monkeypatch,
     assert len(err.strip().splitlines()) == 1 and expected in err, err
     assert out == ""  # (found before the run: no layout table or cost report first)
     assert sorted(os.listdir(tmp_path)) == ["adir", "afile"] and os.listdir(tmp_path / "adir") == []
+    assert (tmp_path / "afile").read_text() == "[1, 2]\n"  # (as it was)
 
 
 def test_a_text_folder_whose_files_all_fall_in_one_split_is_refused_before_the_run(tmp_path, monkeypatch, capsys):

@@ -702,6 +702,8 @@ def test_calibrate_writes_a_device_the_search_reads(capsys, tmp_path):
     assert all(x.bandwidth > 0 and x.latency_s >= 0 for _, x in dev.links)
     assert json.loads(out.read_text())["name"] == dev.name
     assert search_layout(MLP, "rows:2;cols:2", device=str(out), top=1).device == dev
+    assert main(["calibrate", "--mesh", "all:2", "--out", str(out)]) == 0  # (its own file: measured again)
+    assert load_device(str(out)).name == "cpu (calibrated on all:2)"
 
 
 def test_searching_the_mesh_too_takes_the_best_of_every_factorisation():
