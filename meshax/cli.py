@@ -578,6 +578,11 @@ def _check_paths(args) -> None:
     if args.tensorboard:
         _check_installed("tensorboardX", "--tensorboard needs tensorboardX: pip install 'meshax[tensorboard]'")
     if args.metrics:
+        for flag, folder in (("--checkpoint-dir", args.checkpoint_dir), ("--tensorboard", args.tensorboard)):
+            if folder and os.path.abspath(folder) == os.path.abspath(args.metrics):  # (neither made yet)
+                raise ConfigError(
+                    f"--metrics {args.metrics!r} is the folder {flag} names: give the metrics file a path of its own"
+                )
         _check_outside_step_folders("--metrics", args.metrics)
         _check_file_to_write("--metrics", args.metrics, "a file to append JSON lines to")
 

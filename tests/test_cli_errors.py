@@ -115,6 +115,13 @@ CASES = [  # (argv, a piece of the message)
     # a file there too: calibrate measured first and then failed with '[Errno 2] No such file or directory'
     (["calibrate", "--mesh", "all:2", "--out", "/proc/device.json"], "--out '/proc/device.json' cannot be created"),
     (["train", "mlp", *MLP, "--metrics", "/proc/m.jsonl"], "--metrics '/proc/m.jsonl' cannot be created"),
+    # one path for a folder and the metrics file: it trained, then failed at the save ("'ck' is a
+    # file"), or at the metrics' first line ("[Errno 21] Is a directory"), leaving the file or folder
+    (
+        ["train", "mlp", *MLP, "--steps", "2", "--checkpoint-dir", "ck", "--metrics", "ck"],
+        "--metrics 'ck' is the folder --checkpoint-dir names: give the metrics file a path of its own",
+    ),
+    (["train", "mlp", *MLP, "--steps", "2", "--tensorboard", "./tb", "--metrics", "tb"], "the folder --tensorboard"),
 ]
 
 # Cases that need a file and a folder to exist first ("afile", "adir"): nothing else may appear.
