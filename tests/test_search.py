@@ -692,6 +692,20 @@ def test_plan_search_without_a_fitting_layout_is_one_line(capsys):
     assert err.count("\n") == 1
 
 
+def test_searching_the_mesh_of_one_device_or_with_a_pin_no_mesh_has_says_what_is_wrong():
+    """One device has no mesh dims of size > 1 (mesh_shapes(1) is empty): the search said "no mesh
+    of 1 devices () has a layout that fits"; now it searches all:1. A pin over a mesh dim that no
+    searched mesh has said the same of every mesh ("... has a layout that fits"); now it names the pin."""
+    from meshax.search import search_mesh_and_layout
+
+    result = search_mesh_and_layout(MLP, 1, top=1)
+    assert result.best.mesh == "all:1" and result.best.layout == search_layout(MLP, "all:1", top=1).best.layout == ""
+    with pytest.raises(mx.LayoutError, match=r"pinned rule batch:x names mesh dim 'x', which no mesh of 8 devices "):
+        search_mesh_and_layout(MLP, 8, layout="batch:x")
+    with pytest.raises(mx.LayoutError, match=r"the pinned rules name mesh dims all, planes, which no one mesh"):
+        search_mesh_and_layout(MLP, 8, layout="batch:planes;hidden:all")
+
+
 def test_calibrate_writes_a_device_the_search_reads(capsys, tmp_path):
     out = tmp_path / "dev.json"
     assert main(["calibrate", "--mesh", "rows:2;cols:2", "--out", str(out)]) == 0

@@ -289,15 +289,29 @@ def search_mesh_and_layout(
     start = time.perf_counter()
     model = model_of(graph, outputs, updates, kw.pop("optimizer", None))  # (built once, for every mesh)
     pinned = convert_to_layout_rules(kw.get("layout", ""))
+    meshes = mesh_shapes(devices) or [f"all:{devices}"]  # (one device: no dims of size > 1, one mesh)
+    names_of = {mesh: convert_to_mesh_shape(mesh).dimension_names for mesh in meshes}
+    for d in pinned.tensor_dim_names:
+        for m in pinned.mesh_dims_for(d):
+            if not any(m in names for names in names_of.values()):
+                raise LayoutError(
+                    f"pinned rule {d}:{m} names mesh dim {m!r}, which no mesh of {devices} devices searched has "
+                    f"({', '.join(meshes)}): pin over one of their dims"
+                )
+    named = {m for d in pinned.tensor_dim_names for m in pinned.mesh_dims_for(d)}
+    eligible = [mesh for mesh in meshes if named <= set(names_of[mesh])]
+    if not eligible:
+        raise LayoutError(
+            f"the pinned rules name mesh dims {', '.join(sorted(named))}, which no one mesh of {devices} devices "
+            f"searched has together ({', '.join(meshes)}): pin over the dims of one of them"
+        )
     results = []
-    for mesh in mesh_shapes(devices):
-        names = convert_to_mesh_shape(mesh).dimension_names
-        if all(m in names for d in pinned.tensor_dim_names for m in pinned.mesh_dims_for(d)):
-            with contextlib.suppress(LayoutError):  # (no layout fits this mesh; another may)
-                results.append(search_layout(model, mesh, **kw))
+    for mesh in eligible:
+        with contextlib.suppress(LayoutError):  # (no layout fits this mesh; another may)
+            results.append(search_layout(model, mesh, **kw))
     if not results:
         raise LayoutError(
-            f"no mesh of {devices} devices ({', '.join(mesh_shapes(devices))}) has a layout that fits "
+            f"no mesh of {devices} devices ({', '.join(meshes)}) has a layout that fits "
             f"(each searched alone says why: mx.search_layout(..., mesh))"
         )
     top = kw.get("top", 5)
