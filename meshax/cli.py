@@ -361,6 +361,10 @@ def _check(args) -> None:
     """Flags that contradict each other or point at nothing: a ConfigError naming them."""
     from meshax.core.errors import ConfigError
 
+    if args.model == "":  # (`--model "$MODEL"` with MODEL unset: it trained the default preset, tiny)
+        from meshax.models.transformer import PRESETS
+
+        raise ConfigError(f"--model '' is empty (an unset shell variable?): give a preset ({', '.join(PRESETS)})")
     for flag, tasks in _ONLY_FOR.items():
         if getattr(args, flag) not in (None, "") and args.task not in tasks:
             raise ConfigError(f"--{flag.replace('_', '-')} applies to {' and '.join(tasks)}, not to {args.task}")

@@ -109,6 +109,12 @@ CASES = [  # (argv, a piece of the message)
         "--metrics '' is empty (an unset shell variable?): give the file to append JSON lines to",
     ),
     (["plan", "mnist", *MLP, "--data", ""], "--data '' is empty"),
+    # (it was the default preset, tiny, for lm and seq2seq, and passed for the other tasks)
+    (
+        ["train", "lm", "--model", "", "--steps", "2"],
+        "--model '' is empty (an unset shell variable?): give a preset (tiny",
+    ),
+    (["plan", "mlp", *MLP, "--model", ""], "--model '' is empty"),
     (["calibrate", "--mesh", "all:2", "--out", ""], "give the file to write"),
     # a folder its permissions would allow, which the system refuses: found before the run, not at its save
     (["train", "mlp", *MLP, "--checkpoint-dir", "/proc/meshax/ck"], "--checkpoint-dir '/proc/meshax/ck'"),
