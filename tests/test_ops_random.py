@@ -248,3 +248,22 @@ def test_random_normal_refuses_a_negative_stddev():
     mesh = mx.Mesh(mx.Graph(), "m")
     with pytest.raises(mx.GraphError, match=r"stddev -1 is negative"):
         mx.random_normal(mesh, "b:8", stddev=-1)
+
+
+def test_dropout_of_16_bit_values_keeps_what_float32_dropout_keeps():
+    """The mask is drawn in float32 whatever x's dtype: drawn in bfloat16, the draws just below
+    the rate rounded up to it and were kept (rate 0.5: those in [0.5 - 2**-10, 0.5)), so a
+    bfloat16 dropout kept 0.5 + 2**-10 of its values, not 0.5, and other values than the same
+    float32 dropout (the fuzzer's seed 7018 found one). Now the masks are equal."""
+    kept = {}
+    for dtype in ("float32", "bfloat16", "float16"):
+        graph, mesh = new_mesh()
+        n = mx.Dimension("n", 1_000_000)
+        for rate in (0.5, 0.1):
+            y = mx.dropout(mx.ones(mesh, [n], dtype=dtype), rate, seed=4)
+            lowering = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:1", "")})
+            kept[dtype, rate] = np.asarray(lowering.function([y])({}, seed=0)[0], np.float32) != 0
+    for rate in (0.5, 0.1):
+        np.testing.assert_array_equal(kept["bfloat16", rate], kept["float32", rate])
+        np.testing.assert_array_equal(kept["float16", rate], kept["float32", rate])
+        assert np.mean(kept["float32", rate]) == pytest.approx(1 - rate, abs=2e-3)

@@ -89,7 +89,8 @@ def dropout(x: Tensor, is_training=True, keep_prob=None, rate=0.0, noise_shape=N
     1 / (1 - rate); x itself when `is_training` is False. Mesh-TensorFlow's arguments; meshax's
     own `dropout(x, 0.1)` (the rate second) works too.
 
-    noise_shape (a subset of x's dims) shares one draw across the dims it leaves out."""
+    noise_shape (a subset of x's dims) shares one draw across the dims it leaves out. The draws
+    are float32 whatever x's dtype: a 16-bit x keeps what a float32 x keeps."""
     from meshax.ops import elementwise as ew
 
     if isinstance(is_training, np.bool_) or getattr(is_training, "dtype", None) == np.bool_:
@@ -125,7 +126,9 @@ def dropout(x: Tensor, is_training=True, keep_prob=None, rate=0.0, noise_shape=N
     extra = [d for d in noise_shape if d not in x.shape]
     if extra:
         raise GraphError(f"dropout noise_shape has dims {extra} that {x.name} {x.shape} lacks")
-    keep = ew.greater_equal(random_uniform(x.mesh, noise_shape, dtype=x.dtype, seed=seed), rate)
+    # (the draws are float32 whatever x's dtype: in 16 bits those just below the rate round up to it
+    # and are kept, 0.5 + 2**-10 of bfloat16 values at rate 0.5, and other ones than float32's)
+    keep = ew.greater_equal(random_uniform(x.mesh, noise_shape, dtype="float32", seed=seed), rate)
     return x * ew.cast(keep, x.dtype) * (1.0 / (1.0 - rate))
 
 
