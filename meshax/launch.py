@@ -181,7 +181,14 @@ def launch(
         procs.append(proc)
         for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
             t = threading.Thread(target=_forward, args=(stream, f"[{i}] ", out, lock, said), daemon=True)
-            t.start()
+            try:
+                t.start()
+            except RuntimeError as e:  # (the system's limit of threads: -n 99999; those started wait for the rest)
+                _stop(procs, grace)
+                raise ValueError(
+                    f"meshax launch: {len(procs)} of {num_processes} processes started, then: {e}; they are "
+                    "stopped: give a smaller -n"
+                ) from None
             threads.append(t)
     with lock:
         stderr.write(

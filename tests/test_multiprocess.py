@@ -313,6 +313,35 @@ def test_launch_bad_input_is_one_clear_line():
     assert result.returncode == 2 and f"--port {port}: something on this machine listens on it already" in result.stderr
 
 
+def test_launch_that_cannot_start_a_thread_stops_the_processes_it_started(monkeypatch):
+    """A thread to forward a process's output that cannot start (`-n 99999`: the system's thread
+    limit) ended launch with 'can't start new thread', leaving the processes started so far
+    running (a job's processes wait for the rest for good); now they are stopped, and the error
+    says how many started and what to change."""
+    import threading
+
+    import meshax.launch
+
+    procs, threads = [], []
+    popen, start = subprocess.Popen, threading.Thread.start
+
+    def recorded(*args, **kwargs):
+        procs.append(popen(*args, **kwargs))
+        return procs[-1]
+
+    def start_or_fail(self):
+        if len(threads) == 3:  # (process 1's stderr)
+            raise RuntimeError("can't start new thread")
+        threads.append(self)
+        start(self)
+
+    monkeypatch.setattr(meshax.launch.subprocess, "Popen", recorded)
+    monkeypatch.setattr(threading.Thread, "start", start_or_fail)
+    with pytest.raises(ValueError, match=r"meshax launch: 2 of 3 processes started, then: can't start new thread"):
+        launch(_python("import time; time.sleep(60)"), 3, stderr=io.StringIO(), grace=1.0)
+    assert len(procs) == 2 and all(p.poll() is not None for p in procs)  # (stopped, not left running)
+
+
 def test_train_refuses_processes_that_cannot_share_the_mesh(capsys):
     from meshax.cli import main
 
