@@ -1,6 +1,7 @@
 """Checkpoints: resuming is exact, restores re-lay variables out for a new mesh, retention, errors."""
 
 import os
+import re
 from typing import NamedTuple
 
 import jax
@@ -196,6 +197,43 @@ def test_a_run_resumed_where_the_only_step_was_cut_short_is_refused_before_it_tr
     os.makedirs(tmp_path / "2" / "state")
     with pytest.raises(FileNotFoundError, match=r"is not whole: .*2 \(no meta/\); there is no older whole one"):
         train(MlpTask(), MESH_SHAPE, LAYOUT, steps=4, checkpoint_dir=str(tmp_path), resume=True)
+
+
+@pytest.mark.parametrize(
+    "damage,said",
+    [
+        # (a bare 'Expecting value: line 1 column 1 (char 0)' from the JSON reader, naming nothing)
+        (lambda step: (step / "meta" / "metadata").write_text("garbage"), r"its meta/ is not JSON: Expecting value"),
+        (lambda step: (step / "meta" / "metadata").write_text("[1, 2]"), "its meta/ is no step and extra metadata"),
+        # (a TypeError: "argument of type 'NoneType' is not iterable", Orbax's metadata of an empty state/)
+        (lambda step: [_remove(f) for f in (step / "state").iterdir()], "its state/ is holding no variables"),
+    ],
+    ids=["meta not JSON", "meta not an object", "state emptied"],
+)
+def test_a_damaged_checkpoint_is_named(saved_at_3, tmp_path, damage, said):
+    import shutil
+
+    from meshax.train.checkpoint import checkpoint_info
+
+    directory = tmp_path / "ck"
+    shutil.copytree(saved_at_3[0], directory)
+    damage(directory / "3")
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
+    before = values(lowering)
+    message = rf"the checkpoint of step 3 in .*ck is damaged: {said}.*; move .*ck/3 away"
+    first = checkpoint_info if "meta" in said else lambda d: check_restorable(d, lowering)  # (reads the item)
+    for read in (first, lambda d: restore_checkpoint(d, lowering)):
+        with pytest.raises(mx.ConfigError) as e:
+            read(directory)
+        assert re.search(message, str(e.value)), e.value
+    for name, value in values(lowering).items():
+        np.testing.assert_array_equal(value, before[name])  # (nothing restored from it)
+
+
+def _remove(path):
+    import shutil
+
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
 def test_no_checkpoint(tmp_path):

@@ -219,8 +219,36 @@ def checkpoint_info(directory, step: int | None = None) -> dict:
     no variable."""
     step = _whole_step(directory, step)
     with _manager(directory) as manager:
-        meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        try:
+            meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except json.JSONDecodeError as e:
+            raise _damaged(directory, step, "meta", f"not JSON: {e}") from None
+    return _step_and_extra(directory, step, meta)
+
+
+def _damaged(directory, step: int, item: str, why: str) -> ConfigError:
+    """The error of a step folder whose `item` (state, meta) cannot be read."""
+    folder = os.path.join(directory, str(step))
+    return ConfigError(
+        f"the checkpoint of step {step} in {directory} is damaged: its {item}/ is {why}; move {folder} away "
+        "(a run resumes from the newest whole step)"
+    )
+
+
+def _step_and_extra(directory, step: int, meta) -> dict:
+    """`{"step": step, **extra}` of a checkpoint's meta item (a ConfigError if it is not one save_checkpoint wrote)."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("extra"), dict) or "step" not in meta:
+        raise _damaged(directory, step, "meta", "no step and extra metadata")
     return {"step": meta["step"], **meta["extra"]}
+
+
+def _saved_variables(manager, directory, step: int):
+    """The metadata of the variables in the checkpoint of `step` (a ConfigError if it has none:
+    its state/ emptied, which Orbax reads as None)."""
+    saved = manager.item_metadata(step)["state"]
+    if not saved:
+        raise _damaged(directory, step, "state", "holding no variables")
+    return saved
 
 
 def check_restorable(directory, lowering, step: int | None = None) -> None:
@@ -228,7 +256,7 @@ def check_restorable(directory, lowering, step: int | None = None) -> None:
     `lowering`'s graph is in the checkpoint with its shape (else a ConfigError naming them)."""
     step = _whole_step(directory, step)
     with _manager(directory) as manager:
-        saved = manager.item_metadata(step)["state"]
+        saved = _saved_variables(manager, directory, step)
     _check_same_model(directory, step, {var.name: var for var in lowering.graph.all_variables}, saved)
 
 
@@ -244,7 +272,7 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
     step = _whole_step(directory, step)
     variables = {var.name: var for var in lowering.graph.all_variables}
     with _manager(directory) as manager:
-        saved = manager.item_metadata(step)["state"]
+        saved = _saved_variables(manager, directory, step)
         _check_same_model(directory, step, variables, saved)  # (as check_restorable, on what is read here)
         variables = {name: var for name, var in variables.items() if name in saved}  # (else `_optional`)
         unused = sorted(set(saved) - set(variables))
@@ -262,18 +290,21 @@ def restore_checkpoint(directory, lowering, step: int | None = None) -> dict:
             )
             for name, var in variables.items()
         }
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(
-                    target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+        try:
+            restored = manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.PyTreeRestore(
+                        target, restore_args=ocp.checkpoint_utils.construct_restore_args(target), partial_restore=True
+                    ),
+                    meta=ocp.args.JsonRestore(),
                 ),
-                meta=ocp.args.JsonRestore(),
-            ),
-        )
+            )
+        except json.JSONDecodeError as e:
+            raise _damaged(directory, step, "meta", f"not JSON: {e}") from None
+    info = _step_and_extra(directory, step, restored["meta"])  # (before any variable is set)
     for name in old_counter:
         restored["state"][name] = restored["state"][name].astype(np.int32)
     for name, var in variables.items():
         lowering.set_variable_value(var, restored["state"][name])  # already laid out as the plan says
-    meta = restored["meta"]
-    return {"step": meta["step"], **meta["extra"]}
+    return info
