@@ -813,6 +813,11 @@ def main(argv=None) -> int:
             raise
         print(f"meshax: interrupted{_kept(args)}", file=sys.stderr)
         return _exit_code_of_a_job(130)
+    except MemoryError as e:  # this machine's memory, not the devices' (a host array of the sizes given)
+        if args.debug:
+            raise
+        print(f"meshax: error: {_HOST_OUT_OF_MEMORY} ({e}) (--debug shows where)", file=sys.stderr)
+        return _exit_code_of_a_job(2)
     except (ValueError, RuntimeError, OSError, LayoutWarning) as e:  # MeshaxError is a ValueError
         if args.debug:
             raise
@@ -847,6 +852,10 @@ def _kept(args) -> str:
     return f"; the latest checkpoint in {folder!r} is of step {last}: continue with --resume {folder}"
 
 
+_HOST_OUT_OF_MEMORY = (
+    "this machine's memory cannot hold what the sizes given ask for: give smaller ones (--batch-size, --length, "
+    "--hidden, --image-size, --channels)"
+)
 _OUT_OF_MEMORY = (
     ": the step does not fit in the devices' memory. `meshax plan` with the same flags shows its memory "
     "per device; lower --batch-size or --length, split more of the model over the mesh (--layout), or "

@@ -434,6 +434,25 @@ def test_a_step_too_big_for_memory_says_what_to_change(capsys):
     assert "RESOURCE_EXHAUSTED" in line and "does not fit in the devices' memory. `meshax plan` with the same" in line
 
 
+def test_a_size_too_big_for_this_machines_memory_is_one_line(monkeypatch, capsys):
+    """A host array of the sizes given that does not fit (plan lm --length 2147483647: the
+    sinusoid table, 512 GiB) ended in a traceback of NumPy's MemoryError; now one line naming
+    the flags to lower. (Raised here without allocating it.)"""
+    import meshax.models.transformer as transformer
+
+    def too_big(length, d_model):
+        raise MemoryError(f"Unable to allocate 512. GiB for an array with shape ({length}, {d_model // 2})")
+
+    monkeypatch.setattr(transformer, "_sinusoids", too_big)
+    assert _exit_code(["plan", "lm", "--mesh", "all:8", "--layout", "batch:all", "--length", "2147483647"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("meshax: error: this machine's memory cannot hold what the sizes given ask for: give")
+    assert "(Unable to allocate 512. GiB for an array with shape (2147483647, 32))" in err
+    with pytest.raises(MemoryError):
+        main(["plan", "lm", "--mesh", "all:8", "--layout", "batch:all", "--length", "2147483647", "--debug"])
+
+
 def test_jax_platforms_naming_no_platform_of_this_machine_is_one_line():
     """JAX_PLATFORMS=cuda without a GPU: JAX's backend setup fails on a bare AssertionError (a
     traceback with no message); the command says what to change."""
