@@ -416,8 +416,12 @@ def _check(args) -> None:
             f"--resume {args.resume!r} and --checkpoint-dir {args.checkpoint_dir!r} differ: a resumed run "
             "keeps saving where it resumed from; give one of them"
         )
-    from meshax.train.checkpoint import checkpoint_info, latest_step
+    from meshax.train.checkpoint import checkpoint_info, foreign_message, foreign_step_folders, latest_step
 
+    for flag, folder in (("--resume", args.resume), ("--checkpoint-dir", args.checkpoint_dir)):
+        foreign = foreign_step_folders(folder) if folder else []
+        if foreign:
+            raise ConfigError(f"{flag} {folder!r}: {foreign_message(foreign)}")
     if args.resume:
         last = latest_step(args.resume)
         _check_whole_steps("--resume", args.resume, last)

@@ -259,6 +259,17 @@ def test_saving_into_a_file_is_refused_before_orbax_writes(tmp_path, caplog):
     assert os.listdir(tmp_path) == ["afile"] and caplog.records == []
 
 
+def test_saving_beside_a_folder_named_as_a_step_that_holds_something_else_is_refused(tmp_path):
+    """Orbax counts a folder "1" as step 1 and deletes it, with what it holds, once `keep` newer
+    checkpoints are saved."""
+    lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "photo.txt").write_text("precious")
+    with pytest.raises(mx.ConfigError, match=r"save_checkpoint: .*/1 is named as a checkpoint's step but holds"):
+        save_checkpoint(tmp_path, lowering, 5, keep=1)
+    assert sorted(os.listdir(tmp_path)) == ["1"] and (tmp_path / "1" / "photo.txt").read_text() == "precious"
+
+
 def test_missing_step_and_repeated_save(saved_at_3):
     directory, _ = saved_at_3
     lowering, _ = build(mx.SimdMeshImpl(MESH_SHAPE, LAYOUT))

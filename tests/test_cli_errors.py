@@ -335,6 +335,27 @@ def test_a_step_folder_cut_short_is_named_before_training(tmp_path, monkeypatch,
     assert sorted(os.walk(".")) == before
 
 
+def test_a_folder_of_the_users_named_as_a_step_is_not_deleted_with_old_checkpoints(tmp_path, monkeypatch, capsys):
+    """A folder "1" of the user's in --checkpoint-dir (a year, a numbered run) is a step to Orbax:
+    training with checkpoints there deleted it, with what it held, as newer checkpoints replaced
+    the old. Refused before training, for --resume too; an empty one (nothing to lose) is not."""
+    monkeypatch.chdir(tmp_path)
+    os.makedirs("ck/1")
+    (tmp_path / "ck" / "1" / "photo.txt").write_text("precious")
+    run = ["train", "mlp", *MLP, "--steps", "8", "--checkpoint-every", "2", "--eval-every", "0", "--no-progress"]
+    for flag in ("--checkpoint-dir", "--resume"):
+        assert _exit_code([*run, flag, "ck"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1
+        assert (
+            f"meshax: error: {flag} 'ck': ck/1 is named as a checkpoint's step but holds something else, which " in err
+        )
+        assert "move it away, or save checkpoints in a folder of their own" in err
+    assert sorted(os.walk(".")) == [(".", ["ck"], []), ("./ck", ["1"], []), ("./ck/1", [], ["photo.txt"])]
+    os.makedirs("ck2/1")
+    assert _exit_code([*run, "--checkpoint-dir", "ck2"]) == 0
+
+
 def test_a_closed_pipe_ends_the_command_quietly():
     """`meshax plan lm | head -1`: the reader goes away; no error is printed."""
     import subprocess

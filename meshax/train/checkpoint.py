@@ -80,6 +80,9 @@ def save_checkpoint(directory, lowering, step: int, extra: dict | None = None, k
     if not os.path.isdir(above):
         what = "is a file" if above == os.path.abspath(directory) else f"is under the file {above!r}"
         raise ConfigError(f"save_checkpoint: {os.fspath(directory)!r} {what}: give a folder to save checkpoints in")
+    foreign = foreign_step_folders(directory)
+    if foreign:  # (Orbax takes it for an old step and deletes it with the checkpoints past `keep`)
+        raise ConfigError(f"save_checkpoint: {foreign_message(foreign)}")
     state = {var.name: lowering.variable_state(var) for var in lowering.graph.all_variables}
     with _manager(directory, keep) as manager:
         saved = manager.save(
@@ -114,6 +117,30 @@ def damaged_steps(directory, after: int | None = None) -> list[str]:
         if (after is None or step > after) and begun and len(items) < 2:
             out.append(f"{folder} (no {' or '.join(f'{i}/' for i in ('state', 'meta') if i not in items)})")
     return out
+
+
+def foreign_step_folders(directory) -> list[str]:
+    """The folders in `directory` named as a step's ("1", "2019") that hold something and never
+    began as checkpoints (neither an item nor Orbax's metadata file in them): Orbax counts them as
+    steps, and deletes them with the old checkpoints once newer ones replace them."""
+    if not os.path.isdir(directory):
+        return []
+    out = []
+    for step in sorted(ocp.step.checkpoint_steps(directory)):
+        folder = os.path.join(directory, str(step))
+        begun = any(os.path.exists(os.path.join(folder, n)) for n in ("state", "meta", "_CHECKPOINT_METADATA"))
+        if os.path.isdir(folder) and not begun and os.listdir(folder):
+            out.append(folder)
+    return out
+
+
+def foreign_message(folders: list[str]) -> str:
+    """What to say of `foreign_step_folders`."""
+    more = f" (and {len(folders) - 1} more)" if len(folders) > 1 else ""
+    return (
+        f"{folders[0]}{more} is named as a checkpoint's step but holds something else, which would be deleted "
+        "with the old checkpoints as new ones are saved: move it away, or save checkpoints in a folder of their own"
+    )
 
 
 def step_folder_around(path) -> tuple[str, int] | None:
