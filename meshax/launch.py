@@ -185,7 +185,7 @@ def launch(
                 t.start()
             except RuntimeError as e:  # (the system's limit of threads: -n 99999; those started wait for the rest)
                 _stop(procs, grace)
-                raise ValueError(
+                raise ConfigError(
                     f"meshax launch: {len(procs)} of {num_processes} processes started, then: {e}; they are "
                     "stopped: give a smaller -n"
                 ) from None
