@@ -293,6 +293,17 @@ def test_donated_arguments_are_consumed_and_others_kept():
     np.testing.assert_allclose(np.asarray(new_w), np.full(8, 0.6), rtol=1e-6)
 
 
+def test_an_array_donated_and_passed_again_is_refused_not_run():
+    """A donated array also passed as another argument had its buffer given up while read: on a
+    mesh of several devices XLA crashed the process (a segmentation fault; jax.jit of 0.10 too)."""
+    f = mx.partition(lambda a, b: (a + b, a * b), MESH, donate_argnums=0)
+    (a, _), _ = f.place(jnp.ones((8, 4)), jnp.ones((8, 4)))
+    with pytest.raises(mx.ConfigError, match=r"argument 'a' is donated .* same array is passed as 'b'.*jnp.copy"):
+        f(a, a)
+    assert not a.is_deleted()
+    np.testing.assert_allclose(np.asarray(f(a, jnp.copy(a))[0]), np.full((8, 4), 2.0))
+
+
 def test_with_sharding_constraint_and_mesh_split_priorities_are_annotations():
     """Both become mx.mesh_split annotations at the user's line; mx.mesh_split's priority and
     OPEN entries are kept, and its gradient carries the same annotation (GSPMD section 3.4)."""

@@ -287,6 +287,7 @@ class PartitionedProgram:
         if self._gather_padded_results(impl):
             self.lowering = Lowering(self.graph, {mesh: impl})
         donated = {i for i, (p, _) in enumerate(path_leaves) if self._argnum(p) in owner.donate_argnums}
+        self._donated = sorted(donated)
         self._function = self.lowering.function(self.outputs, donate=[self.placeholders[i] for i in sorted(donated)])
         self.counters = self._function.counters
 
@@ -416,6 +417,7 @@ class PartitionedProgram:
 
     def run_leaves(self, leaves: list):
         """Run on the dynamic arguments' leaves, in the order the program was traced with."""
+        self._check_donations(leaves)
         feeds = {
             t: jax.random.key_data(leaf) if key is not None else leaf
             for t, key, leaf in zip(self.placeholders, self._keys, leaves)
@@ -426,6 +428,21 @@ class PartitionedProgram:
             for o, v in zip(outs, self._outvars)
         ]
         return jax.tree_util.tree_unflatten(self._out_tree, outs)
+
+    def _check_donations(self, leaves: list) -> None:
+        """A ConfigError where a donated array is also passed as another argument leaf: its buffer
+        would be given up while read, and XLA on a mesh of several devices crashed the process
+        (a segmentation fault, under jax.jit too) where one device refuses it."""
+        for i in self._donated:
+            if not isinstance(leaves[i], jax.Array):
+                continue
+            j = next((j for j, leaf in enumerate(leaves) if j != i and leaf is leaves[i]), None)
+            if j is not None:
+                raise ConfigError(
+                    f"mx.partition: argument {self.paths[i]!r} is donated (donate_argnums) and the same array is "
+                    f"passed as {self.paths[j]!r}: a buffer can be given up only where nothing else reads it; "
+                    "pass a copy (jnp.copy(x)) for one of them, or do not donate it"
+                )
 
     def place(self, *args, **kwargs):
         """The arguments laid out on the devices as the program takes them (each leaf with its
