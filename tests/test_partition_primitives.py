@@ -277,6 +277,17 @@ def test_an_argument_that_is_no_array_is_named():
     assert float(mx.partition(lambda a, b: a * 2, MESH, static_argnums=(1,))(jnp.ones(8), "abc")[0]) == 2.0
 
 
+def test_a_call_under_a_jax_transformation_is_refused_with_the_way_around():
+    """A partitioned function called inside jax.jit, jax.grad or jax.vmap was traced on the
+    tracers and failed running with an AttributeError ('sharding' attribute is not available on
+    traced array)."""
+    g = mx.partition(lambda a: jnp.sin(a) * 2, MESH, in_shardings=P("x"))
+    for transform in (jax.jit, jax.grad, jax.vmap):
+        with pytest.raises(mx.ConfigError, match=r"called with a traced value .* mx.partition\(jax.grad\(fn\)"):
+            transform(lambda a: g(a).sum())(jnp.ones((8, 4)))
+    np.testing.assert_allclose(np.asarray(mx.partition(jax.grad(lambda a: g.fn(a).sum()), MESH)(jnp.zeros(8))), 2.0)
+
+
 def test_one_computation_written_twice_and_laid_out_two_ways_stays_two():
     """Two equal computations in a checkpoint (where repeats are merged), each under its own
     annotation, are not merged (merged, they were one tensor with two conflicting annotations: a

@@ -58,7 +58,14 @@ def _aval_key(x) -> tuple:
 
 def _argument_key(x) -> tuple:
     """`_aval_key` of an argument leaf; a ConfigError where it is no array (text, an object):
-    it said "static arguments must be hashable", of a value that was neither static nor unhashable."""
+    it said "static arguments must be hashable", of a value that was neither static nor unhashable;
+    or where it is a tracer (the function called under a JAX transformation)."""
+    if isinstance(x, jax.core.Tracer):  # (an AttributeError on its .sharding when the program ran)
+        raise ConfigError(
+            "mx.partition: the partitioned function was called with a traced value (inside jax.jit, jax.grad, "
+            "jax.vmap or another transformation): it runs its own compiled program on arrays; apply the "
+            "transformation inside instead, e.g. mx.partition(jax.grad(fn), ...)"
+        )
     try:
         if isinstance(x, str | bytes):
             raise TypeError
