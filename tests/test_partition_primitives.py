@@ -264,6 +264,22 @@ def test_argnums_from_the_end_count_as_jax_jit_counts_them_and_donations_beyond_
         g(jnp.ones(8))
 
 
+def test_static_argnames_the_function_does_not_take_are_named():
+    """A misspelt static_argnames was accepted silently (jax.jit refuses it), its argument traced,
+    and the shape made from it failed inside the user's function."""
+
+    def f(a, n=2, *, mode="sum"):
+        return a.reshape(n, -1).sum(0) if mode == "sum" else a
+
+    with pytest.raises(
+        mx.ConfigError, match=r"static_argnames \['m'\] name no parameter of f; its parameters are: a, n, mode"
+    ):
+        mx.partition(f, MESH, static_argnames=("n", "m"))
+    g = mx.partition(f, MESH, static_argnames=("n", "mode"))
+    np.testing.assert_allclose(np.asarray(g(jnp.ones(8), n=4, mode="sum")), np.full(2, 4.0))
+    assert mx.partition(lambda **kw: kw["a"] * 2, MESH, static_argnames="b")(a=jnp.ones(2), b=1).shape == (2,)
+
+
 def test_an_argument_that_is_no_array_is_named():
     """Text (or an object) given as an argument that is not static: it said "static arguments
     must be hashable (data type 'abc' not understood)", of an argument neither static nor unhashable."""

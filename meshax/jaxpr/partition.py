@@ -123,8 +123,23 @@ class Partitioned:
         self._varargs = next((p.name for p in params if p.kind == inspect.Parameter.VAR_POSITIONAL), None)
         self.static_argnums = self._from_the_end("static_argnums", self.static_argnums)
         self.donate_argnums = self._from_the_end("donate_argnums", self.donate_argnums)
+        self._check_argnames(params)
         self._programs: dict = {}
         self._last: PartitionedProgram | None = None
+
+    def _check_argnames(self, params: list[inspect.Parameter]) -> None:
+        """A ConfigError for static_argnames the function has no parameter of, as jax.jit
+        refuses them: a misspelt name was accepted silently and its argument traced (a shape
+        made from it failed inside the user's function)."""
+        if not params or any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params):
+            return
+        named = {p.name for p in params if p.kind != inspect.Parameter.VAR_POSITIONAL}
+        unknown = sorted(self.static_argnames - named)
+        if unknown:
+            raise ConfigError(
+                f"static_argnames {unknown} name no parameter of {getattr(self.fn, '__name__', 'the function')}; "
+                f"its parameters are: {', '.join(p.name for p in params)}"
+            )
 
     def _from_the_end(self, what: str, argnums: set[int]) -> set[int]:
         """`argnums` with negative positions counted from the end of the function's positional
