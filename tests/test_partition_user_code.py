@@ -366,3 +366,15 @@ def test_argmax_over_a_split_axis_is_two_allreduces():
 
     g = check(pick, (x,), (P("x", "y"),))
     assert g.lower(x).counters["allgather"].count == 0
+
+
+def test_max_and_min_over_no_values_are_their_identity():
+    """reduce_max / reduce_min over a zero-size axis give -inf / +inf in the jaxpr (what
+    `jnp.max(x, initial=...)` of an empty array starts from): each device's local max was
+    jnp.max, which raised "zero-size array to reduction operation max which has no identity"."""
+
+    def f(z):
+        return z.max(axis=0, initial=-1.0), z.min(axis=0, initial=2.0), jnp.max(z, axis=0, initial=3)
+
+    for spec in (None, P(None, "y")):
+        check(f, (jnp.zeros((0, 12)),), (spec,))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from meshax.core.errors import GraphError
 from meshax.core.graph import Operation, Tensor, is_floating
@@ -19,7 +20,9 @@ from meshax.ops import elementwise as ew
 from meshax.ops._dtypes import inexact, sum_dtype
 from meshax.ops._util import also_accepts, dim_of, shape_of_names
 
-_LOCAL = {"sum": jnp.sum, "max": jnp.max, "min": jnp.min}
+# lax's max and min: of no values they give their identity (-inf, +inf), as the jaxpr's reduce_max
+# does; jnp.max raised "zero-size array to reduction operation max which has no identity"
+_LOCAL = {"sum": jnp.sum, "max": lax.reduce_max, "min": lax.reduce_min}
 
 
 def identity(kind: str, dtype):
@@ -61,7 +64,7 @@ class ReduceOperation(Operation):
         v = ctx.masked(v, x.shape, self.reduced, identity(self.kind, x.dtype))  # (uneven splits' padding)
         axes = [i for i, d in enumerate(x.shape) if d in self.reduced]
         # cast before the local sum, so that the partial sums (and their allreduce) are counts
-        local = ctx.slicewise(lambda a: _LOCAL[self.kind](a.astype(out.dtype), axis=tuple(axes)), v)
+        local = ctx.slicewise(lambda a: _LOCAL[self.kind](a.astype(out.dtype), tuple(axes)), v)
         ctx.add_flops(ctx.local_size(x, in_layout))
         if self.kind == "sum":
             ctx.set_output(out, local, out_layout, pending | v.pending)
