@@ -378,3 +378,16 @@ def test_max_and_min_over_no_values_are_their_identity():
 
     for spec in (None, P(None, "y")):
         check(f, (jnp.zeros((0, 12)),), (spec,))
+
+
+def test_an_empty_axis_split_over_a_mesh_dim_is_gathered_as_nothing():
+    """A zero-size axis split over a mesh dim and needed whole (a concatenation, a cumulative
+    sum, a sort along it) failed to compile: XLA's verifier refuses an all-gather along an axis
+    of no values ('dimension size of operand at all_gather_dim cannot be zero')."""
+    z, x = jnp.zeros((0, 12)), jnp.ones((8, 12))
+
+    def f(z, x):
+        return jnp.concatenate([z, x]), jnp.cumsum(z, axis=0), jnp.sort(z, axis=0), jnp.pad(z, ((1, 1), (0, 0)))
+
+    for spec in (P("x", "y"), P("y")):
+        check(f, (z, x), (spec, spec))

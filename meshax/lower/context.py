@@ -281,8 +281,9 @@ class LoweringContext:
         """The slices along mesh `axis` concatenated along `dim`; the first `keep` values of it
         kept (the coarser block, where the split padded the dim). Once per program for the very
         same slices, as XLA merges two such gathers (two reshards of one tensor to different
-        layouts may start alike)."""
-        if not self._live([axis]):
+        layouts may start alike). Slices of no values along `dim` are the gathered (empty) dim
+        itself: nothing to move (and XLA's verifier refuses an all-gather of them)."""
+        if not self._live([axis]) or xs[0].shape[dim] == 0:
             return xs
         out = self._once(
             "allgather",
