@@ -7,11 +7,12 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import meshax as mx
-from tests.test_partition import MESH, assert_counters_equal_hlo, assert_trees_close
+from tests.test_partition import MESH, assert_counters_equal_hlo, assert_trees_close, one_device
 
 X = jax.random.normal(jax.random.key(0), (16, 32))
 W = jax.random.normal(jax.random.key(1), (32, 32)) * 0.2
@@ -391,3 +392,20 @@ def test_an_empty_axis_split_over_a_mesh_dim_is_gathered_as_nothing():
 
     for spec in (P("x", "y"), P("y")):
         check(f, (z, x), (spec, spec))
+
+
+def test_an_annotation_of_prng_keys_lays_them_out():
+    """`with_sharding_constraint` (or `mx.mesh_split`) of a key array ran whole on each device as
+    every op on keys does: the constraint was bound inside the SPMD program, and JAX refused it
+    ('pspec P('y',) contains a manual axes')."""
+
+    def f(key, x):
+        keys = jax.lax.with_sharding_constraint(jax.random.split(key, 16), P("y"))
+        keys = mx.mesh_split(keys, ["x"])
+        return x + jax.vmap(lambda k: jax.random.normal(k, (32,)))(keys), keys
+
+    g = mx.partition(f, MESH, in_shardings=(None, P("x", "y")))
+    got, want = g(jax.random.key(7), X), one_device(f, jax.random.key(7), X)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=2e-5, atol=2e-6)
+    np.testing.assert_array_equal(jax.random.key_data(got[1]), jax.random.key_data(want[1]))
+    assert_counters_equal_hlo(g.lower(jax.random.key(7), X))

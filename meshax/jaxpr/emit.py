@@ -83,7 +83,7 @@ class Emitter:
         try:
             ins = self.operands(e, in_roles, out_roles, outs)
             handler = None if e.replicated else _HANDLERS.get(e.name)
-            if any(is_key(a.aval) for a in (*e.ins, *e.outs)):
+            if any(is_key(a.aval) for a in (*e.ins, *e.outs)) and handler is not _annotation:
                 handler = _random  # any op on key arrays (split, slice, squeeze ...): run whole
             results = (handler or _bind)(self, e, ins, outs, in_roles, out_roles)
         except (GraphError, LayoutError) as err:
