@@ -409,3 +409,18 @@ def test_an_annotation_of_prng_keys_lays_them_out():
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=2e-5, atol=2e-6)
     np.testing.assert_array_equal(jax.random.key_data(got[1]), jax.random.key_data(want[1]))
     assert_counters_equal_hlo(g.lower(jax.random.key(7), X))
+
+
+def test_an_annotation_of_prng_keys_has_an_entry_per_key_axis_at_most():
+    """A key array is carried as its key data, with axes of its own: in_shardings / out_shardings
+    of more entries than the keys' rank were accepted silently (P("x") of one key split its key
+    data), where jax.jit refuses them."""
+    one, eight = jax.random.key(0), jax.random.split(jax.random.key(0), 8)
+    with pytest.raises(mx.LayoutError, match=r"has 1 entries for an array of rank 0 \(shape \[\]\)"):
+        mx.partition(lambda k: jax.random.normal(k, (4,)), MESH, in_shardings=P("x"))(one)
+    with pytest.raises(
+        mx.LayoutError, match=r"out_shardings\[0\] .* has 2 entries for an array of rank 1 \(shape \[8\]\)"
+    ):
+        mx.partition(lambda k: jax.random.split(k, 8), MESH, out_shardings=P("x", "y"))(one)
+    keys = mx.partition(lambda k: jax.random.split(k[0], 8), MESH, in_shardings=P("x"), out_shardings=P("x"))(eight)
+    np.testing.assert_array_equal(jax.random.key_data(keys), jax.random.key_data(jax.random.split(eight[0], 8)))

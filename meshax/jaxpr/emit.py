@@ -605,15 +605,19 @@ def _annotation(em, e, ins, outs, in_roles, out_roles):
     return [annotate(x, spec, unconstrained, priority, em.mesh_dims, e.source)]
 
 
-def annotate(x: Tensor, spec, unconstrained, priority: int, mesh_dims: list[str], where: str) -> Tensor:
+def annotate(
+    x: Tensor, spec, unconstrained, priority: int, mesh_dims: list[str], where: str, rank: int | None = None
+) -> Tensor:
     """x annotated with a PartitionSpec-like `spec` (None: replicated, a name or tuple of names:
     split, `PartitionSpec.UNCONSTRAINED` or an unconstrained dim: open; missing trailing entries
-    replicated, as JAX reads a spec)."""
+    replicated, as JAX reads a spec). `rank`: the array's, where x has more axes (a PRNG key
+    array's, carried as its key data: the key data's own axes take no entry)."""
     entries = list(spec)
-    if len(entries) > x.shape.rank:
+    rank = x.shape.rank if rank is None else rank
+    if len(entries) > rank:
         raise LayoutError(
             f"sharding annotation {spec} at {where} has {len(entries)} entries for an array of rank "
-            f"{x.shape.rank} (shape {x.shape.to_integer_list}); give at most one entry per axis"
+            f"{rank} (shape {x.shape.to_integer_list[:rank]}); give at most one entry per axis"
         )
     mapping: list = []
     for i in range(x.shape.rank):

@@ -284,7 +284,13 @@ class PartitionedProgram:
                 t
                 if spec is None
                 else annotate(
-                    t, spec, (), 0, list(impl.axis_names), f"in_shardings[{path!r}] (mx.partition at {owner._where})"
+                    t,
+                    spec,
+                    (),
+                    0,
+                    list(impl.axis_names),
+                    f"in_shardings[{path!r}] (mx.partition at {owner._where})",
+                    rank=v.aval.ndim,
                 )
             )
         self.graph.source = None
@@ -302,6 +308,7 @@ class PartitionedProgram:
                     0,
                     list(impl.axis_names),
                     f"out_shardings[{i}] (mx.partition at {owner._where})",
+                    rank=atom.aval.ndim,
                 )
             self.outputs.append(t)
         self.graph.source = None
