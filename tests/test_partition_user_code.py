@@ -424,3 +424,17 @@ def test_an_annotation_of_prng_keys_has_an_entry_per_key_axis_at_most():
         mx.partition(lambda k: jax.random.split(k, 8), MESH, out_shardings=P("x", "y"))(one)
     keys = mx.partition(lambda k: jax.random.split(k[0], 8), MESH, in_shardings=P("x"), out_shardings=P("x"))(eight)
     np.testing.assert_array_equal(jax.random.key_data(keys), jax.random.key_data(jax.random.split(eight[0], 8)))
+
+
+def test_mesh_split_under_vmap_splits_the_per_example_axes():
+    """`mx.mesh_split` inside `jax.vmap` (per-example code) failed with an AttributeError: its
+    batching rule asked for `jax.interpreters.batching.not_mapped`, which jax 0.10 no longer has.
+    The mapped axis is left to propagation, the others split as annotated."""
+
+    def f(x, w):
+        return jax.vmap(lambda r: jnp.tanh(mx.mesh_split(r @ w, ["y"])) @ mx.mesh_split(w, [None, "y"]).T)(x)
+
+    assert check(f, (X, W), (None, None)).layout_of("w") == "w[1]:y"
+    check(jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1)), (X, W), (P("x"), None))
+    g = check(lambda x: jax.vmap(mx.mesh_split, in_axes=(1, None), out_axes=1)(x, ["x"]), (X,), (None,))
+    assert g.layout_of(0) == "x[0]:x"

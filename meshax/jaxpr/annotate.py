@@ -35,7 +35,7 @@ ad.deflinear2(mesh_split_p, _transpose)
 
 def _batch(args, dims, *, spec, priority):
     (x,), (d,) = args, dims
-    if d is batching.not_mapped:
+    if d is None:  # (not mapped: JAX's batching.not_mapped, None, which jax 0.10 no longer names)
         return mesh_split_p.bind(x, spec=spec, priority=priority), d
     spec = (*spec[:d], None, *spec[d:])  # the mapped axis is not split
     return mesh_split_p.bind(x, spec=spec, priority=priority), d
