@@ -281,6 +281,8 @@ def test_pytrees_static_arguments_and_out_shardings():
     assert_trees_close(out, want)
     assert out["y"].sharding.spec == P(None, "y")
     assert g.layout_of(0) == "" and "y" in g.lower(tree, 2.0, power=3).layout_of(1)
+    with pytest.raises(mx.ConfigError, match=r"no output 2: the function returns 2 arrays"):
+        g.layout_of(2)  # (was an IndexError)
     g(tree, 2.0, power=2)
     assert len(g._programs) == 2  # one per static value
 

@@ -517,6 +517,8 @@ class PartitionedProgram:
         if isinstance(what, Tensor):
             return self.lowering.layout_of(what)
         if isinstance(what, int):
+            if not -len(self.outputs) <= what < len(self.outputs):  # (an IndexError from the list)
+                raise ConfigError(f"no output {what}: the function returns {len(self.outputs)} arrays (leaves)")
             return self.lowering.layout_of(self.outputs[what])
         if what in self.paths:
             return self.lowering.layout_of(self.placeholders[self.paths.index(what)])
