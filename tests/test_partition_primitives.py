@@ -280,6 +280,21 @@ def test_static_argnames_the_function_does_not_take_are_named():
     assert mx.partition(lambda **kw: kw["a"] * 2, MESH, static_argnames="b")(a=jnp.ones(2), b=1).shape == (2,)
 
 
+def test_a_lowered_program_called_on_arguments_of_other_shapes_says_so():
+    """`g.lower(x)` is the program for x's shapes: called on others it failed in JAX's executable
+    (a TypeError, 'Argument types differ from the types for which this computation was
+    compiled', of a NumPy array) or in meshax's feeding (a ValueError)."""
+    program = mx.partition(lambda a, b: a @ b, MESH, in_shardings=(P("x"), None)).lower(
+        jnp.ones((8, 4)), jnp.ones((4, 2))
+    )
+    for a in (jnp.ones((16, 4)), np.ones((16, 4), np.float32)):
+        with pytest.raises(
+            mx.ConfigError, match=r"argument 'a' has shape \[16, 4\], but this program was traced for \[8, 4\]"
+        ):
+            program(a, jnp.ones((4, 2)))
+    np.testing.assert_allclose(np.asarray(program(np.ones((8, 4)), jnp.ones((4, 2)))), np.full((8, 2), 4.0))
+
+
 def test_an_argument_that_is_no_array_is_named():
     """Text (or an object) given as an argument that is not static: it said "static arguments
     must be hashable (data type 'abc' not understood)", of an argument neither static nor unhashable."""

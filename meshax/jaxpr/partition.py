@@ -263,6 +263,7 @@ class PartitionedProgram:
         self._out_tree = jax.tree_util.tree_structure(out_shape)
         self._n_out = len(closed.jaxpr.outvars)
         self._outvars = list(closed.jaxpr.outvars)
+        self._invars = list(closed.jaxpr.invars)
         flat = Flat(closed, platform=impl.platform)
         arg_paths = {v: p for v, p in zip(closed.jaxpr.invars, self.paths)}
         self.names = Names(flat, arg_paths)
@@ -442,6 +443,12 @@ class PartitionedProgram:
             raise ConfigError(
                 f"arguments of another structure than the program was traced for: {tree} vs {self._in_tree}"
             )
+        for path, leaf, v in zip(self.paths, leaves, self._invars):
+            if np.shape(leaf) != v.aval.shape:  # (a TypeError from JAX's executable, or a ValueError)
+                raise ConfigError(
+                    f"argument {path!r} has shape {list(np.shape(leaf))}, but this program was traced for "
+                    f"{list(v.aval.shape)}: call the partitioned function itself, which traces one per shape"
+                )
         return self.run_leaves(leaves)
 
     def run_leaves(self, leaves: list):
