@@ -438,3 +438,17 @@ def test_mesh_split_under_vmap_splits_the_per_example_axes():
     check(jax.grad(lambda x, w: f(x, w).sum(), argnums=(0, 1)), (X, W), (P("x"), None))
     g = check(lambda x: jax.vmap(mx.mesh_split, in_axes=(1, None), out_axes=1)(x, ["x"]), (X,), (None,))
     assert g.layout_of(0) == "x[0]:x"
+
+
+def test_a_custom_vmap_function_runs_its_function():
+    """A `jax.custom_batching.custom_vmap` function called unmapped (the `custom_vmap_call`
+    primitive) was 'not supported'; it is a call of its function, as it runs under jax.jit, and
+    is inlined (mapped, JAX has already applied its rule)."""
+
+    @jax.custom_batching.custom_vmap
+    def f(x):
+        return jnp.sin(x) * 2
+
+    f.def_vmap(lambda axis_size, in_batched, x: (jnp.sin(x) * 2, in_batched[0]))
+    check(lambda x, w: f(x @ w), (X, W), (P("x", "y"), None))
+    check(lambda x: jax.vmap(f)(x), (X,), (P("x", "y"),))

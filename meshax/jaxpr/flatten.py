@@ -35,6 +35,7 @@ _CALLS = {
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
     "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "custom_vmap_call": "call",  # (jax.custom_batching.custom_vmap, not mapped: its function, as it runs)
     "checkpoint": "jaxpr",
     "remat": "jaxpr",
     "remat2": "jaxpr",
