@@ -452,3 +452,18 @@ def test_a_custom_vmap_function_runs_its_function():
     f.def_vmap(lambda axis_size, in_batched, x: (jnp.sin(x) * 2, in_batched[0]))
     check(lambda x, w: f(x @ w), (X, W), (P("x", "y"), None))
     check(lambda x: jax.vmap(f)(x), (X,), (P("x", "y"),))
+
+
+def test_gamma_draws_and_the_distributions_built_on_them():
+    """`jax.random.gamma` (the `random_gamma` primitive, under beta, dirichlet, t, ball) was 'not
+    supported'; it draws each value from the key split by the value's position, so it runs whole
+    on each device as every op on keys does, and draws what jax.jit draws."""
+
+    def draws(a, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        alpha = jnp.abs(a) + 0.5
+        return jax.random.gamma(k1, alpha), jax.random.beta(k2, alpha, 2.0), jax.random.dirichlet(k3, alpha)
+
+    check(draws, (X, jax.random.key(1)), (P("x", "y"), None), rtol=1e-5, atol=1e-6)
+    grad = jax.grad(lambda a, k: jax.random.gamma(k, jnp.abs(a) + 0.5).sum())
+    check(grad, (X, jax.random.key(1)), (P("x", "y"), None))

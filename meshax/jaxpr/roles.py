@@ -47,7 +47,10 @@ _MATRIX_OPS = {
     "cholesky", "qr", "geqrf", "householder_product", "eigh", "eig", "svd", "lu", "triangular_solve", "schur",
     "hessenberg",
 }  # fmt: skip
-RANDOM = {"random_bits", "random_split", "random_fold_in", "random_seed", "random_wrap", "random_unwrap"}
+# (random_gamma draws each value from the key split by its position: run whole, as the key ops)
+RANDOM = {
+    "random_bits", "random_split", "random_fold_in", "random_seed", "random_wrap", "random_unwrap", "random_gamma",
+}  # fmt: skip
 
 
 def rank(atom) -> int:
