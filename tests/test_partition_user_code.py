@@ -467,3 +467,19 @@ def test_gamma_draws_and_the_distributions_built_on_them():
     check(draws, (X, jax.random.key(1)), (P("x", "y"), None), rtol=1e-5, atol=1e-6)
     grad = jax.grad(lambda a, k: jax.random.gamma(k, jnp.abs(a) + 0.5).sum())
     check(grad, (X, jax.random.key(1)), (P("x", "y"), None))
+
+
+def test_an_annotation_inside_a_replicated_region_is_read_through():
+    """`with_sharding_constraint` in `mx.replicated_region` (a library function that annotates its
+    values, run whole) was bound on each device's slices and failed inside JAX with
+    AttributeError: 'NoneType' object has no attribute '_device_assignment'. The region's values
+    are whole on each device: an annotation there is the identity, as `mx.mesh_split` was."""
+
+    def f(x, w):
+        return mx.replicated_region(lambda a: jnp.tanh(jax.lax.with_sharding_constraint(a @ w, P("x", "y"))))(x)
+
+    step = jax.value_and_grad(lambda x, w: f(x, w).sum(), argnums=(0, 1))
+    for fn, specs in ((f, (P("x", "y"), None)), (step, (P("x", "y"), P(None, "y")))):
+        g = mx.partition(fn, MESH, in_shardings=specs)
+        assert_trees_close(g(X, W), one_device(fn, X, W))
+        assert_counters_equal_hlo(g.lower(X, W))

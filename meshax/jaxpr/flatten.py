@@ -138,7 +138,10 @@ class Flat:
                     stacklevel=2,
                 )
                 continue
-            if e.primitive.name in _IDENTITIES or _moves_between_memories(e):
+            # (an annotation in a replicated region, whose values are whole on each device: the
+            # identity; bound on each device's slices, with_sharding_constraint failed inside JAX)
+            annotation_in_region = (replicated or scope) and e.primitive.name in _ANNOTATIONS
+            if e.primitive.name in _IDENTITIES or _moves_between_memories(e) or annotation_in_region:
                 for v, a in zip(e.outvars, e.invars):
                     if is_var(v):
                         env[v] = _read(env, a)
