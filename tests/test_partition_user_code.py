@@ -483,3 +483,16 @@ def test_an_annotation_inside_a_replicated_region_is_read_through():
         g = mx.partition(fn, MESH, in_shardings=specs)
         assert_trees_close(g(X, W), one_device(fn, X, W))
         assert_counters_equal_hlo(g.lower(X, W))
+
+
+def test_a_shard_map_inside_is_refused_with_the_way_around():
+    """jax.shard_map inside the function was 'not supported' with the hint to wrap it in
+    mx.replicated_region, where it failed with a KeyError ('subfuns') binding it on slices."""
+    mesh = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+    def mapped(x):
+        return jax.shard_map(lambda a: jax.lax.psum(a, "y"), mesh=mesh, in_specs=P("x", "y"), out_specs=P("x"))(x)
+
+    for fn in (mapped, mx.replicated_region(mapped)):
+        with pytest.raises(mx.GraphError, match=r"does not support jax.shard_map .* lay it out with jax.lax.with_sh"):
+            mx.partition(fn, MESH)(X)

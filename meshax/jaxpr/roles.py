@@ -460,6 +460,13 @@ RULES: dict[str, Callable] = {
 def roles(e) -> Roles:
     """The roles of an equation's axes (see the module); in a replicated region, none are tied.
     A primitive with no rule outside a replicated region is a GraphError saying what to do."""
+    if e.name in ("shard_map", "xla_pmap"):  # (in a replicated region: a KeyError binding it on slices)
+        raise GraphError(
+            f"mx.partition does not support jax.shard_map (or jax.pmap) inside the function (at {e.source}): "
+            "mx.partition partitions the whole function itself; write the mapped code for the whole arrays "
+            "and lay it out with jax.lax.with_sharding_constraint or mx.mesh_split, or call the mapped "
+            "function outside the partitioned one"
+        )
     if e.replicated:
         return _nothing(e)
     if e.name == "device_put":
