@@ -253,6 +253,11 @@ def test_call_global_takes_and_returns_global_arrays(impl_cls):
     assert isinstance(got_y, jax.Array) and got_x.shape == (8, 6)
     assert_close(got_y, (a * 2.0).sum(0))
     assert_close(fn.call_global({x: got_x})[0], (a * 2.0).sum(0))
+    # a host array of another shape: it failed inside JAX (a TypeError naming the padded shape
+    # [8, 8]) or NumPy (an AxisError, of a scalar)
+    for wrong, shape in ((np.ones((4, 6), np.float32), r"\[4, 6\]"), (3.0, r"\[\]")):
+        with pytest.raises(ValueError, match=r"placeholder 'x' expects shape \[8, 6\], got " + shape):
+            fn.call_global({x: wrong})
 
 
 def test_a_constant_that_is_not_a_number_is_refused_when_built():

@@ -746,10 +746,12 @@ class LoweredFunction:
 
     def _laid_out(self, t: Tensor, array) -> object:
         impl, spec = self.lowering.impl, self.lowering._spec(t)
+        if list(np.shape(array)) != t.shape.to_integer_list:  # (a host array too: it failed in JAX or NumPy)
+            raise GraphError(
+                f"placeholder {t.name!r} expects shape {t.shape.to_integer_list}, got {list(np.shape(array))}"
+            )
         if not isinstance(array, jax.Array):
             return impl.put(np.asarray(array, dtype=t.dtype), spec)
-        if list(array.shape) != t.shape.to_integer_list:
-            raise GraphError(f"placeholder {t.name!r} expects shape {t.shape.to_integer_list}, got {list(array.shape)}")
         want = self._global_shardings[t]
         if not array.sharding.is_equivalent_to(want, array.ndim):
             array = jax.device_put(array, want)
