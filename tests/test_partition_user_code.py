@@ -129,6 +129,10 @@ def test_explicit_sharding_annotations_are_refused_with_the_way_around():
     auto = jax.make_mesh((2, 4), ("x", "y"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
     fn = lambda x: jax.lax.with_sharding_constraint(x * 2, jax.sharding.NamedSharding(auto, P("y")))  # noqa: E731
     check(fn, (X,), (P("x"),))
+    # a sharding with no mesh to read names from: a StopIteration from deep inside the import
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    with pytest.raises(mx.LayoutError, match=r"sharding_constraint at .* gives SingleDeviceSharding\(.*PartitionSpec"):
+        mx.partition(lambda x: jax.lax.with_sharding_constraint(x * 2, one), MESH)(X)
 
 
 def test_a_checkpoint_policy_that_offloads_to_the_host():

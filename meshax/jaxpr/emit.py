@@ -588,7 +588,14 @@ def _scatter(em, e, ins, outs, in_roles, out_roles):
 def _annotation(em, e, ins, outs, in_roles, out_roles):
     x = ins[0]
     if e.name in ("sharding_constraint", "reshard"):
-        sharding = next(v for v in e.params.values() if hasattr(v, "spec") and hasattr(v, "mesh"))
+        sharding = next((v for v in e.params.values() if hasattr(v, "spec") and hasattr(v, "mesh")), None)
+        if sharding is None:  # (a StopIteration from next())
+            given = e.params.get("sharding")
+            raise LayoutError(
+                f"{e.name} at {e.source} gives {given}: mx.partition reads a PartitionSpec "
+                "or a NamedSharding (its mesh dims by name); write jax.lax.with_sharding_constraint(x, "
+                "PartitionSpec(...)) or mx.mesh_split"
+            )
         if not sharding.mesh.axis_names:  # a reshard on no mesh: an identity
             return [x]
         if e.name == "reshard" and getattr(sharding.mesh, "are_all_axes_auto", False):
