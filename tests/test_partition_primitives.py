@@ -295,6 +295,14 @@ def test_a_lowered_program_called_on_arguments_of_other_shapes_says_so():
     np.testing.assert_allclose(np.asarray(program(np.ones((8, 4)), jnp.ones((4, 2)))), np.full((8, 2), 4.0))
 
 
+def test_a_sharding_written_as_text_is_refused():
+    """A mesh dim name given where a PartitionSpec goes was read letter by letter: "yx" split the
+    argument over y and x, silently, and "rows" had 4 entries for an array of rank 2."""
+    for kwargs in ({"in_shardings": ("yx",)}, {"in_shardings": {"a": "yx"}}, {"out_shardings": "yx"}):
+        with pytest.raises(mx.LayoutError, match=r"sharding annotation 'yx' at .* is text: give a PartitionSpec"):
+            mx.partition(lambda a: a * 2, MESH, **kwargs)(jnp.ones((8, 4)))
+
+
 def test_an_argument_that_is_no_array_is_named():
     """Text (or an object) given as an argument that is not static: it said "static arguments
     must be hashable (data type 'abc' not understood)", of an argument neither static nor unhashable."""

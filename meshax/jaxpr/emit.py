@@ -619,6 +619,11 @@ def annotate(
     split, `PartitionSpec.UNCONSTRAINED` or an unconstrained dim: open; missing trailing entries
     replicated, as JAX reads a spec). `rank`: the array's, where x has more axes (a PRNG key
     array's, carried as its key data: the key data's own axes take no entry)."""
+    if isinstance(spec, str):  # (read letter by letter: "yx" split over y and x, "rows" had 4 entries)
+        raise LayoutError(
+            f"sharding annotation {spec!r} at {where} is text: give a PartitionSpec (PartitionSpec({spec!r}) "
+            f"splits the first axis over mesh dim {spec!r}), a NamedSharding, or None"
+        )
     entries = list(spec)
     rank = x.shape.rank if rank is None else rank
     if len(entries) > rank:
