@@ -72,7 +72,7 @@ def on_config(config, **kwargs):
 
 
 def _help(argv: list[str]) -> str:
-    from meshax.cli import _parser
+    from meshax.cli.parser import build_parser
 
     out = io.StringIO()
     width, os.environ["COLUMNS"] = (
@@ -81,7 +81,7 @@ def _help(argv: list[str]) -> str:
     )  # argparse wraps to the terminal
     try:
         with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):
-            _parser().parse_args([*argv, "--help"])
+            build_parser().parse_args([*argv, "--help"])
     finally:
         if width is None:
             del os.environ["COLUMNS"]

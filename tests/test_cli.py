@@ -366,9 +366,9 @@ def test_generated_text_shows_control_bytes_as_escapes():
     """A text model's bytes are printed as text, but a control byte (an escape sequence, a NUL)
     is shown as `\\x..`, so it cannot drive the terminal or a log; newlines, tabs and other
     characters stay as they are."""
-    from meshax.cli import _printable
+    from meshax.cli.generate import printable
 
-    assert _printable("a\x1b[31mb\x00c\td\ne\x7ff\u00e9\x85") == "a\\x1b[31mb\\x00c\td\ne\\x7ff\u00e9\\x85"
+    assert printable("a\x1b[31mb\x00c\td\ne\x7ff\u00e9\x85") == "a\\x1b[31mb\\x00c\td\ne\\x7ff\u00e9\\x85"
 
 
 def test_generate_continues_a_prompt_of_bytes_that_are_not_utf8(tmp_path, capsys):

@@ -436,14 +436,14 @@ def test_bad_values_in_the_library_are_meshax_errors(build, expected):
 def test_a_dash_value_is_joined_only_to_meshaxs_own_options():
     """`--memory-budget -5GB` reaches meshax's check (the catalogue's row); a flag's following
     argument, and anything in `launch` (another command's arguments), are left alone."""
-    from meshax.cli import _join_dash_values, _parser
+    from meshax.cli.parser import build_parser, join_dash_values
 
-    p = _parser()
-    assert _join_dash_values(p, ["plan", "lm", "--memory-budget", "-5GB", "--seed", "-1", "--debug", "-1"]) == [
+    p = build_parser()
+    assert join_dash_values(p, ["plan", "lm", "--memory-budget", "-5GB", "--seed", "-1", "--debug", "-1"]) == [
         *["plan", "lm", "--memory-budget=-5GB", "--seed=-1", "--debug", "-1"]
     ]
     launch = ["launch", "-n", "2", "python", "w.py", "--offset", "-3"]
-    assert _join_dash_values(p, launch) == launch
+    assert join_dash_values(p, launch) == launch
 
 
 def test_a_step_too_big_for_memory_says_what_to_change(capsys):
@@ -584,10 +584,10 @@ def test_a_lowering_given_what_is_no_tensor_of_its_graph_says_so(call, error, ex
 
 def test_a_prompt_with_an_empty_entry_is_refused():
     """`--prompt 1,,2` (it was read as 1,2: the empty entry dropped)."""
-    from meshax.cli import _token_ids
+    from meshax.cli.generate import token_ids
     from meshax.core.errors import ConfigError
 
-    assert _token_ids(" 1, 2,3", 16) == [1, 2, 3]
+    assert token_ids(" 1, 2,3", 16) == [1, 2, 3]
     for text in ("1,,2", "1,2,", ","):
         with pytest.raises(ConfigError, match="give token ids separated by commas, like 5,3,9,2"):
-            _token_ids(text, 16)
+            token_ids(text, 16)

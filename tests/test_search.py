@@ -16,7 +16,8 @@ import pytest
 
 import meshax as mx
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
-from meshax.cli import DEFAULT_LAYOUTS, main
+from meshax.cli import main
+from meshax.cli.parser import DEFAULT_LAYOUTS
 from meshax.layout import convert_to_mesh_shape, convert_to_weight_rules
 from meshax.lower.draw import blocks, draw_layout
 from meshax.models.transformer import PRESETS
