@@ -20,7 +20,8 @@ from meshax.autodiff import gradients
 from meshax.backends import PlacementMeshImpl, SimdMeshImpl
 from meshax.core.errors import ConfigError, as_flag
 from meshax.core.graph import Graph, Mesh
-from meshax.lower.lowering import LoweredFunction, Lowering
+from meshax.lower.function import LoweredFunction
+from meshax.lower.lowering import Lowering
 from meshax.optimize import AdamWeightDecayOptimizer, LossScaleOptimizer, Optimizer
 from meshax.runtime import is_main_process, processes_on_this_host
 from meshax.train.metrics import MetricsWriter
