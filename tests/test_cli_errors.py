@@ -43,6 +43,8 @@ CASES = [  # (argv, a piece of the message)
     (["plan", "mlp", *MLP, "--seed", "-1"], "--seed"),
     (["train", "mlp", *MLP, "--lr", "-0.1"], "--lr"),
     (["plan", "lm", "--search", "--memory-budget", "-5GB"], "memory budget '-5GB': give a size like 16GB"),
+    # (the table was printed, and no explanation: --explain was passed over)
+    (["plan", "mlp", *MLP, "--search", "--explain"], "--explain explains the tensors of one layout, and --search"),
     (["train", "mlp", *MLP, "--lr", "nan"], "'nan'"),
     (["train", "mlp", *MLP, "--lr", "fast"], "'fast'"),
     # (inf in the float32 step: NumPy's overflow warning, then a nan loss at step 2)

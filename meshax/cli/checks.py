@@ -88,6 +88,11 @@ def check_flags(args) -> None:
         ]
         if given:
             raise ConfigError(f"{', '.join(given)} applies to a layout search: add --search")
+    if args.command == "plan" and args.search and args.explain:  # (it printed the table alone)
+        raise ConfigError(
+            "--explain explains the tensors of one layout, and --search lists many: give one of them (--explain "
+            "with --layout set to the layout the search chose explains that one)"
+        )
     if args.command == "generate":
         check_generate(args)
     if args.command != "train":
