@@ -707,6 +707,23 @@ def test_searching_the_mesh_of_one_device_or_with_a_pin_no_mesh_has_says_what_is
         search_mesh_and_layout(MLP, 8, layout="batch:planes;hidden:all")
 
 
+def test_a_candidate_without_weight_rules_is_not_called_replicated():
+    """Weight rules of none ('') leave the weights to propagation, which splits them where the
+    activations' rules reach them (hidden:cols splits w): the table called them "weights
+    (replicated)", and --weight-layout "" trained them split."""
+    from meshax.search.search import _weights
+    from meshax.train import MlpTask
+    from meshax.train.loop import build
+
+    lowering = build(
+        MlpTask(), "rows:2;cols:4", "batch:rows;hidden:cols", "simd", None, compile=False, weight_layout=""
+    )[0]
+    assert {v.name: lowering.layout_of(v.value) for v in lowering.graph.trainable_variables}["w"] == "hidden:cols"
+    best = search_layout(MLP, "rows:2;cols:4", top=1).best
+    none = dataclasses.replace(best, weight_layout="")
+    assert none.name == f"{best.layout or '(replicated)'} | weights (propagated)" and _weights(none) == "(propagated)"
+
+
 def test_calibrate_writes_a_device_the_search_reads(capsys, tmp_path):
     out = tmp_path / "dev.json"
     assert main(["calibrate", "--mesh", "rows:2;cols:2", "--out", str(out)]) == 0

@@ -42,7 +42,8 @@ class Candidate:
         if self.label:
             return self.label
         text = self.layout or "(replicated)"
-        return text if self.weight_layout is None else f"{text} | weights {self.weight_layout or '(replicated)'}"
+        # (weight rules of none leave the weights to propagation, which splits them where the rules reach them)
+        return text if self.weight_layout is None else f"{text} | weights {self.weight_layout or '(propagated)'}"
 
 
 def make_candidate(layout: str, cost: StepCost, device: Device, mesh_shape, weight_layout=None) -> Candidate:
@@ -214,7 +215,7 @@ class SearchResult:
 
 
 def _weights(c: Candidate) -> str:
-    return "as the rules" if c.weight_layout is None else c.weight_layout or "(replicated)"
+    return "as the rules" if c.weight_layout is None else c.weight_layout or "(propagated)"
 
 
 def _weight_rules(c: Candidate):
