@@ -137,6 +137,8 @@ WITH_PATHS = [
     (["train", "mlp", *MLP, "--checkpoint-dir", "afile"], "is a file"),
     (["train", "mlp", *MLP, "--tensorboard", "afile"], "is a file"),
     (["train", "mlp", *MLP, "--metrics", "adir"], "is a folder"),
+    # (a file of the user's, not metrics: the run appended its JSON lines to it)
+    (["train", "mlp", *MLP, "--steps", "2", "--metrics", "afile"], "--metrics 'afile' holds something other than"),
     (["plot", "afile"], "not a line of meshax metrics"),
     (["plan", "lm", "--text", "afile"], "text file 'afile' has 7 bytes; sequences of 64 need at least 1320"),
     (["train", "lm", "--text", "afile", "--length", "8"], "sequences of 8 need at least 200"),

@@ -4,6 +4,7 @@ task, or name paths that cannot be read or written. Each names what is wrong and
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 
@@ -208,6 +209,28 @@ def check_paths(args) -> None:
                 )
         check_outside_step_folders("--metrics", args.metrics)
         check_file_to_write("--metrics", args.metrics, "a file to append JSON lines to")
+        check_metrics_file(args.metrics)
+
+
+def check_metrics_file(path: str) -> None:
+    """A --metrics file that exists is one of meshax's (its first line a record with a step), or
+    empty: lines are appended to it, and another file (notes, a source file) would take them in."""
+    from meshax.core.errors import ConfigError
+
+    if not os.path.isfile(path) or not os.path.getsize(path):
+        return
+    record = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")  # (blank lines are passed over, as plot does)
+        record = json.loads(first) if first.strip() else {"step": 0}  # (blank lines alone: nothing to mix with)
+    except (UnicodeDecodeError, ValueError):
+        pass
+    if not isinstance(record, dict) or type(record.get("step")) is not int:
+        raise ConfigError(
+            f"--metrics {path!r} holds something other than meshax metrics (its first line is no JSON record with "
+            "a step), and the run would append its lines to it: give a new file, or one meshax train wrote"
+        )
 
 
 def check_installed(module: str, message: str) -> None:
