@@ -123,6 +123,23 @@ def test_mnist_errors_name_the_problem(tmp_path):
             load_mnist(str(tmp_path))
 
 
+def test_mnist_files_of_no_images_are_refused(tmp_path):
+    """A test set of no images: training ran and its evaluation said 'loss 0.0000 accuracy 0.0000'
+    (of nothing); no train images ended at the first batch. Both are named when read."""
+    rng = np.random.default_rng(0)
+    imgs, labels = rng.integers(0, 256, (20, 28, 28)), rng.integers(0, 10, 20)
+    for part, (train_n, test_n) in (("test", (20, 0)), ("train", (0, 5))):
+        for stem, arr in [
+            ("train-images-idx3-ubyte", imgs[:train_n]),
+            ("train-labels-idx1-ubyte", labels[:train_n]),
+            ("t10k-images-idx3-ubyte", imgs[:test_n]),
+            ("t10k-labels-idx1-ubyte", labels[:test_n]),
+        ]:
+            _write_idx(tmp_path / stem, arr, False)
+        with pytest.raises(DataError, match=f"MNIST in .*: the {part} files hold no images: give at least one"):
+            load_mnist(str(tmp_path))
+
+
 @pytest.mark.parametrize(
     "name,data,said",
     [

@@ -109,6 +109,8 @@ def load_mnist(folder: str):
                 f"MNIST in {folder!r}: the {part} images (shape {list(images.shape)}) and labels (shape "
                 f"{list(labels.shape)}) do not pair up: give [n, rows, cols] images and n labels"
             )
+        if not len(images):  # (an evaluation of none said loss 0.0000, accuracy 0.0000)
+            raise DataError(f"MNIST in {folder!r}: the {part} files hold no images: give at least one")
         if labels.size and labels.max() > 9:
             raise DataError(f"MNIST in {folder!r}: a {part} label is {int(labels.max())}; the classes are 0 to 9")
     return (
