@@ -307,6 +307,23 @@ def test_a_checkpoint_step_folder_is_no_place_to_resume_from_or_write_to(tmp_pat
     assert sorted(os.walk("ck")) == before and sorted(os.listdir()) == ["ck"]
 
 
+def test_a_checkpoint_folder_that_cannot_be_written_is_refused_before_resuming(tmp_path, monkeypatch, capsys):
+    """A resumed run saves where it resumed from: a folder it cannot write to (a read-only mount,
+    another user's) was not checked, as --checkpoint-dir's is, and showed only at the first save,
+    after training. (Not writable is told here by os.access, as the check reads it.)"""
+    monkeypatch.chdir(tmp_path)
+    run = ["train", "mlp", *MLP, "--eval-every", "0", "--no-progress"]
+    assert main([*run, "--steps", "2", "--checkpoint-dir", "ck"]) == 0
+    capsys.readouterr()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and not (p == "ck" and mode & os.W_OK))
+    assert _exit_code([*run, "--steps", "4", "--resume", "ck"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "--resume 'ck' is not writable, and a resumed run saves its checkpoints there: copy it" in err
+    assert sorted(os.listdir("ck")) == ["2"]
+
+
 def test_a_folder_of_digits_is_no_checkpoint_to_resume(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     os.makedirs("ck/3")

@@ -199,6 +199,11 @@ def check_paths(args) -> None:
         if path and flag != "--resume":
             check_can_create(flag, path)
             check_can_make_folder(flag, path)
+        elif path and os.path.isdir(path) and not os.access(path, os.W_OK):  # (found at the first save, the steps lost)
+            raise ConfigError(
+                f"--resume {path!r} is not writable, and a resumed run saves its checkpoints there: copy it to a "
+                "folder you can write to, and resume from the copy"
+            )
     if args.tensorboard:
         check_installed("tensorboardX", "--tensorboard needs tensorboardX: pip install 'meshax[tensorboard]'")
     if args.metrics:
