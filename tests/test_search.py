@@ -711,7 +711,7 @@ def test_a_candidate_without_weight_rules_is_not_called_replicated():
     """Weight rules of none ('') leave the weights to propagation, which splits them where the
     activations' rules reach them (hidden:cols splits w): the table called them "weights
     (replicated)", and --weight-layout "" trained them split."""
-    from meshax.search.search import _weights
+    from meshax.search.result import _weights
     from meshax.train import MlpTask
     from meshax.train.loop import build
 
