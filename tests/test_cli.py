@@ -169,7 +169,7 @@ def test_train_lm_with_checkpoints_and_resume(tmp_path, capsys, monkeypatch):
         (["--beam-size", "2", "--top-k", "3"], "takes no --top-k"),
         (["--beam-size", "2", "--samples", "2"], "--samples 2 would repeat it: drop --samples"),
         (["--alpha", "0.8"], "--alpha is beam search's length penalty: give --beam-size too"),
-        (["--new", "15"], "--new 15 after a prompt of 3 tokens passes --length 16: give --new 14 or less"),
+        (["--new", "15"], "--new 15 after a prompt of 3 tokens passes --length 16: give --new 14 or less, or a "),
         (["--batch-size", "4"], "--batch-size 4 is training's; generate decodes --samples"),  # (it was ignored)
     ]:
         capsys.readouterr()

@@ -34,10 +34,12 @@ def run_generate(args, task, console) -> int:
         if len(ids) >= task.length:
             raise ConfigError(f"--prompt has {len(ids)} tokens; leave room within --length {task.length}")
         room = task.length - len(ids) + 1  # (the last new token needs no place in the caches)
-        if args.new is not None and args.new > room:
+        if args.new is not None and args.new > room:  # (a longer --length decodes: "train with one" misled)
+            learned = task.config.positions == "learned"
+            longest = f" (at most the model's max_length {task.config.max_length}: its positions are learned)" * learned
             raise ConfigError(
                 f"--new {args.new} after a prompt of {len(ids)} tokens passes --length {task.length}: "
-                f"give --new {room} or less (or train with a longer --length)"
+                f"give --new {room} or less, or a longer --length{longest}"
             )
         inputs, prompt = None, np.tile(np.asarray(ids, np.int32), (args.samples, 1))
     decoder = Decoder(
