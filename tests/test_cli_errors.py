@@ -34,6 +34,12 @@ CASES = [  # (argv, a piece of the message)
         "weight layout rule batch:cols splits nothing: no weight has a dim 'batch' (the weights' dims: hidden, io)",
     ),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch=all"], "e.g. 'batch:rows;hidden:cols'"),
+    # (the flag named: the four rule texts' messages were the same, quoting the text alone)
+    (["plan", "mlp", "--mesh", "all:8", "--layout", "batch=all"], "--layout: bad layout entry 'batch=all'"),
+    (["plan", "mlp", *MLP, "--weight-layout", "hidden=all"], "--weight-layout: bad layout entry 'hidden=all'"),
+    (["plan", "mlp", *MLP, "--search", "--pin", "batch=all"], "--pin: bad layout entry 'batch=all'"),
+    (["plan", "mlp", "--mesh", "all=8", "--layout", ""], "--mesh: bad mesh entry 'all=8'"),
+    (["calibrate", "--mesh", "all=8", "--out", "d.json"], "--mesh: bad mesh entry 'all=8'"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:nowhere"], "'nowhere'"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;hidden:all"], "both split over mesh dim 'all'"),
     (["plan", "mlp", "--mesh", "all:8", "--layout", "batch:all;batch:all"], "twice"),

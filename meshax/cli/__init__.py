@@ -14,7 +14,7 @@ import gc
 import os
 import sys
 
-from meshax.cli.checks import check_flags, check_no_empty_paths
+from meshax.cli.checks import check_flags, check_no_empty_paths, check_rule_texts
 from meshax.cli.common import layout_table, make_console, optimizer_of, task_of
 from meshax.cli.generate import run_generate
 from meshax.cli.parser import DEFAULT_LAYOUTS, build_parser, join_dash_values
@@ -94,6 +94,7 @@ def _run(args) -> int:
     import warnings
 
     check_no_empty_paths(args)
+    check_rule_texts(args)
     if args.command not in ("train", "launch") and another_launched_process():
         return 0  # one process of `meshax launch` does the one-process commands; the rest exit
     if args.command == "plot":

@@ -54,6 +54,26 @@ def check_no_empty_paths(args) -> None:
             raise ConfigError(f"--{flag.replace('_', '-')} '' is empty (an unset shell variable?): give {what}")
 
 
+def check_rule_texts(args) -> None:
+    """--mesh, --layout, --weight-layout and --pin parsed first, so that a bad entry's error names
+    the flag (the parsers' own message quotes the text alone, the same for all four)."""
+    from meshax.core.errors import ConfigError
+    from meshax.layout import convert_to_layout_rules, convert_to_mesh_shape, convert_to_weight_rules
+
+    for flag, parse in (
+        ("mesh", convert_to_mesh_shape),
+        ("layout", convert_to_layout_rules),
+        ("weight_layout", convert_to_weight_rules),
+        ("pin", convert_to_layout_rules),
+    ):
+        text = getattr(args, flag, None)
+        if text:
+            try:
+                parse(text)
+            except ConfigError as e:
+                raise ConfigError(f"--{flag.replace('_', '-')}: {e}") from None
+
+
 def check_flags(args) -> None:
     """Flags that contradict each other or point at nothing: a ConfigError naming them."""
     from meshax.core.errors import ConfigError
