@@ -303,6 +303,20 @@ def test_a_sharding_written_as_text_is_refused():
             mx.partition(lambda a: a * 2, MESH, **kwargs)(jnp.ones((8, 4)))
 
 
+def test_a_result_that_is_no_array_is_named():
+    """A function returning text (or an object) failed in JAX's tracing with a TypeError naming
+    meshax's own wrapper ('function pure at meshax/jaxpr/partition.py:216 traced for jit returned
+    a value of type str')."""
+
+    def f(a):
+        return {"y": a * 2, "note": "doubled"}
+
+    with pytest.raises(mx.ConfigError, match=r"f returns 'doubled' \(str\) at \['note'\]: a partitioned function ret"):
+        mx.partition(f, MESH)(jnp.ones(8))
+    out = mx.partition(lambda a: (a, 2, None, np.float32(1)), MESH)(jnp.ones(8))
+    assert out[1] == 2 and out[2] is None
+
+
 def test_an_argument_that_is_no_array_is_named():
     """Text (or an object) given as an argument that is not static: it said "static arguments
     must be hashable (data type 'abc' not understood)", of an argument neither static nor unhashable."""

@@ -238,7 +238,15 @@ class PartitionedProgram:
         def pure(dyn_args, dyn_kw):
             it = iter(dyn_args)
             full = [static_args[i] if i in static_args else next(it) for i in range(len(args))]
-            return owner.fn(*full, **dyn_kw, **static_kwargs)
+            out = owner.fn(*full, **dyn_kw, **static_kwargs)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(out)[0]:  # (JAX named `pure`, this function)
+                if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex):
+                    where = jax.tree_util.keystr(path) or "its result"
+                    raise ConfigError(
+                        f"mx.partition: {getattr(owner.fn, '__name__', 'the function')} returns {leaf!r} "
+                        f"({type(leaf).__name__}) at {where}: a partitioned function returns arrays (a pytree of them)"
+                    )
+            return out
 
         path_leaves, self._in_tree = jax.tree_util.tree_flatten_with_path((dynamic, dyn_kwargs))
         self.paths = [self._path(p) for p, _ in path_leaves]
