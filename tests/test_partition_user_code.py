@@ -500,3 +500,18 @@ def test_a_shard_map_inside_is_refused_with_the_way_around():
     for fn in (mapped, mx.replicated_region(mapped)):
         with pytest.raises(mx.GraphError, match=r"does not support jax.shard_map .* lay it out with jax.lax.with_sh"):
             mx.partition(fn, MESH)(X)
+
+
+def test_a_max_over_a_split_axis_keeps_a_nan():
+    """XLA's all-reduce max and min drop NaNs, so jnp.max over a split axis holding a NaN gave the
+    largest number (jnp.max(x, 0) with x's rows split over x: 1.62 where jax.jit gives nan). The
+    max and min allreduces now run over the floats' order as integers, a NaN the extreme: the same
+    collective, values and bytes (counters equal the HLO)."""
+    x = X.at[1, 3].set(jnp.nan).at[2].set(-jnp.inf).at[5, 7].set(jnp.inf).at[3].set(-0.0)
+
+    def f(a):
+        return a.max(0), a.min(0), a.max(1), jnp.max(a), jax.nn.logsumexp(a[::2], 0)
+
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for spec in (P("x", "y"), P(("x", "y"))):
+            check(f, (x.astype(dtype),), (spec,))

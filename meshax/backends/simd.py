@@ -40,7 +40,10 @@ class SimdMeshImpl(MeshImpl):
         return [jax.lax.axis_index(self.axis_names[axis])]
 
     def allreduce(self, xs, axes, op):
-        return [_REDUCERS[op](xs[0], tuple(self.axis_names[m] for m in axes))]
+        names = tuple(self.axis_names[m] for m in axes)
+        if op in ("max", "min") and jnp.issubdtype(xs[0].dtype, jnp.floating):
+            return [_ordered_extreme(xs[0], names, op)]
+        return [_REDUCERS[op](xs[0], names)]
 
     def allgather(self, xs, axis, dim):
         return [jax.lax.all_gather(xs[0], self.axis_names[axis], axis=dim, tiled=True)]
@@ -166,6 +169,21 @@ class SimdMeshImpl(MeshImpl):
     def _global_arrays(self, args: list, in_specs: list) -> list:
         """Whole host arrays (every process passes the same) as global jax.Arrays."""
         return [self.put(a, spec) if isinstance(a, np.ndarray) else a for a, spec in zip(args, in_specs)]
+
+
+def _ordered_extreme(x, names: tuple, op: str):
+    """The max (min) of floats across mesh dims with a NaN winning, as a max of one device's
+    values does: XLA's all-reduce max and min drop NaNs (jnp.max of a split axis holding a NaN
+    gave the largest number). Taken over integers in the floats' order (a float's bits, the
+    negative ones' magnitude bits flipped), a NaN the largest (smallest) of them: the same
+    collective, values and bytes."""
+    bits = x.dtype.itemsize * 8
+    ints, top = jnp.dtype(f"int{bits}"), (1 << (bits - 1)) - 1
+    key = jax.lax.bitcast_convert_type(x, ints)
+    key = jnp.where(key < 0, key ^ top, key)
+    key = jnp.where(jnp.isnan(x), jnp.iinfo(ints).max if op == "max" else jnp.iinfo(ints).min, key)
+    key = _REDUCERS[op](key, names)
+    return jax.lax.bitcast_convert_type(jnp.where(key < 0, key ^ top, key), x.dtype)  # (the extremes: NaN bits)
 
 
 class _SimdRunner:
