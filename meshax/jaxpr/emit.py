@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
@@ -399,7 +400,7 @@ def _argminmax(em, e, ins, outs, in_roles, out_roles):
     best = (mops.reduce_max if e.name == "argmax" else mops.reduce_min)(x, output_shape=outs[0], name=e.name)
     at, n = mops.range(em.mesh, d, dtype), mops.constant(em.mesh, d.size, [], dtype)
     pos = mops.where(mops.equal(x, best), at, n, output_shape=x.shape)
-    if not np.issubdtype(x.dtype, np.inexact):
+    if not jnp.issubdtype(x.dtype, jnp.inexact):  # (jnp: bfloat16 is inexact, not to NumPy)
         return [mops.reduce_min(pos, output_shape=outs[0], name=e.name)]
     pos = mops.where(mops.not_equal(x, x), at - n, pos, output_shape=x.shape)
     first = mops.reduce_min(pos, output_shape=outs[0], name=e.name)
