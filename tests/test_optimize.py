@@ -419,3 +419,27 @@ def test_a_gradient_that_is_no_tensor_is_named(loss_scaled):
             mx.GraphError, match=rf"{name}.apply_grads: a gradient is (float|ndarray) .*not a meshax Tensor"
         ):
             optimizer.apply_grads([bad], [w])
+
+
+@pytest.mark.parametrize(
+    "optimizer",
+    [
+        mx.optimize.AdamWeightDecayOptimizer(0.1),
+        mx.optimize.AdafactorOptimizer(),
+        mx.optimize.LossScaleOptimizer(mx.optimize.SgdOptimizer(0.1)),
+    ],
+    ids=["adam", "adafactor", "loss scale"],
+)
+def test_an_optimizers_ops_are_blamed_on_the_line_that_applied_it(optimizer):
+    """The ops an optimizer builds (its slots' updates, the counters' collectives) point at the
+    user's line, not at meshax/optimize/: the package's modules are meshax's machinery, as
+    optimize.py was before it was split."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "mesh")
+    w = mx.get_variable(mesh, "w", [a, b])
+    loss = mx.reduce_sum(mx.square(w))
+    (g,) = mx.gradients(optimizer.scale_loss(loss) if hasattr(optimizer, "scale_loss") else loss, [w])
+    built = len(graph.operations)
+    optimizer.apply_grads([g], [w])
+    sources = {op.source.rsplit(":", 1)[0] for op in graph.operations[built:]}
+    assert sources == {__file__}, sources

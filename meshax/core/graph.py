@@ -35,7 +35,7 @@ _INTERNAL = tuple(
         "layers",  # (a package: __init__.py, attention.py, common.py)
         "moe.py",
         "pipeline.py",
-        "optimize.py",
+        "optimize",  # (a package: base.py, adafactor.py, loss_scale.py, ...)
         "initializers.py",
     )
 )
