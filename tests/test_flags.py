@@ -74,3 +74,21 @@ def test_bools_of_numpy_and_0_or_1_are_taken():
     assert np.array_equal(got[0], got[1]) and got[0][0].sum() == 0 and np.array_equal(got[2], np.roll(rows, 1, 0))
     config = TransformerConfig(remat=np.True_)
     assert config.remat is True
+
+
+def test_numpy_and_jax_scalars_of_0_or_1_are_taken_as_python_ones_are():
+    """A flag held as a NumPy integer (np.int64(1), read from an array) or a 0-d array
+    (np.array(True), jnp.asarray(True): dropout's is_training takes JAX's bool) is what Python's
+    1 or True is; it was refused though `if flag:` took it before as_flag."""
+    import jax.numpy as jnp
+
+    from meshax.core.errors import as_flag
+
+    for flag in (np.int64(1), np.uint8(1), np.array(True), np.array(1), jnp.asarray(True), jnp.int32(1)):
+        assert as_flag(flag, "f") is True, flag
+    for flag in (np.int64(0), np.array(False), jnp.asarray(False)):
+        assert as_flag(flag, "f") is False, flag
+    for flag in (np.int64(2), np.array([True]), np.float32(1.0), jnp.asarray([1])):
+        with pytest.raises(mx.ConfigError, match=r"f is .*: give True or False"):
+            as_flag(flag, "f")
+    assert mx.layers.batch_norm(_x(), is_training=jnp.asarray(False), momentum=0.9)[1] == []

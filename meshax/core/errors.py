@@ -39,9 +39,16 @@ def did_you_mean(name: str, choices) -> str:
 
 
 def as_flag(value, what: str, error: type[MeshaxError] = ConfigError) -> bool:
-    """`value` as a bool where an option is on or off: a bool (Python's or NumPy's), or 0 or 1.
-    Anything else is refused, naming `what`: a text like 'no' or 'False' is true to Python, so
-    it turned the option on without a word."""
+    """`value` as a bool where an option is on or off: a bool, or 0 or 1 (Python's, or a NumPy or
+    JAX scalar or 0-d array of them). Anything else is refused, naming `what`: a text like 'no'
+    or 'False' is true to Python, so it turned the option on without a word."""
     if isinstance(value, bool | np.bool_) or (isinstance(value, int) and value in (0, 1)):
         return bool(value)
+    if isinstance(value, np.ndarray | np.generic) or type(value).__module__.startswith(("jax", "jaxlib")):
+        try:
+            a = np.asarray(value)  # (a JAX tracer cannot be read: refused below, as bool() of it failed)
+        except Exception:
+            a = None
+        if a is not None and a.ndim == 0 and a.dtype.kind in "biu" and a.item() in (0, 1):
+            return bool(a)
     raise error(f"{what} is {value!r:.60} ({type(value).__name__}): give True or False")
