@@ -193,8 +193,9 @@ def _spread(fn: str, stddev) -> None:
     """A negative `stddev` is refused: it drew with stddev |stddev| without a word (a sign slip, as numpy
     and torch refuse it); 0 is every value `mean`."""
     if not np.all(np.asarray(stddev) >= 0):
+        what = "NaN" if np.any(np.isnan(stddev)) else "negative"  # (NaN drew NaNs)
         raise ConfigError(
-            f"initializers.{fn}: stddev {stddev!r} is negative: a spread is 0 or more, e.g. {fn}(stddev=0.02)"
+            f"initializers.{fn}: stddev {stddev!r} is {what}: a spread is 0 or more, e.g. {fn}(stddev=0.02)"
         )
 
 

@@ -248,6 +248,8 @@ def test_random_normal_refuses_a_negative_stddev():
     mesh = mx.Mesh(mx.Graph(), "m")
     with pytest.raises(mx.GraphError, match=r"stddev -1 is negative"):
         mx.random_normal(mesh, "b:8", stddev=-1)
+    with pytest.raises(mx.GraphError, match=r"stddev nan is NaN: a spread is 0 or more"):  # (not 'negative')
+        mx.random_normal(mesh, "b:8", stddev=float("nan"))
 
 
 def test_dropout_of_16_bit_values_keeps_what_float32_dropout_keeps():

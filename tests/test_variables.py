@@ -282,6 +282,8 @@ def test_a_negative_stddev_is_refused():
     for make in (mx.initializers.normal, mx.initializers.truncated_normal):
         with pytest.raises(mx.ConfigError, match=r"stddev -1.0 is negative"):
             make(-1.0)
+        with pytest.raises(mx.ConfigError, match=r"stddev nan is NaN: a spread"):  # (it said 'negative')
+            make(float("nan"))
     graph, mesh, w = one_var(mx.initializers.normal(0.0, mean=3.0))
     assert np.all(mx.Lowering(graph, {mesh: mx.SimdMeshImpl("all:8", "")}).variable_value(w) == 3.0)
 

@@ -79,8 +79,9 @@ def random_uniform(mesh: Mesh, shape, minval=0.0, maxval=1.0, dtype="float32", s
 
 def random_normal(mesh: Mesh, shape, mean=0.0, stddev=1.0, dtype="float32", seed=None, name=None) -> Tensor:
     """Normal values (mean, stddev); the same values whatever the layout (each device draws its own slice)."""
-    if not np.all(np.asarray(stddev) >= 0):  # (drew with stddev |stddev|, silently)
-        raise GraphError(f"random_normal: stddev {stddev!r} is negative: a spread is 0 or more")
+    if not np.all(np.asarray(stddev) >= 0):  # (drew with stddev |stddev|, silently; NaN drew NaNs)
+        what = "NaN" if np.any(np.isnan(stddev)) else "negative"
+        raise GraphError(f"random_normal: stddev {stddev!r} is {what}: a spread is 0 or more")
     return RandomOperation(mesh, shape, "normal", mean, stddev, dtype, seed, name).outputs[0]
 
 
