@@ -9,7 +9,7 @@ The plain-JAX twin is the same mathematics in jnp on a pytree of parameters, sta
 meshax's initial values (`variable_value`), with the same Adam slots and float global step,
 jitted with the `NamedSharding`s meshax's plan gives every variable and placeholder, the state
 donated, and the loss fetched to the host. What meshax computes
-(meshax/models/transformer.py, meshax/train/tasks.py, meshax/layers.py, meshax/optimize.py):
+(meshax/models/transformer.py, meshax/train/tasks.py, meshax/layers/, meshax/optimize/):
 
   x = table[ids] * sqrt(d_model) + sinusoid            (tied embedding, sin | cos positions)
   per layer:  x += attention(layer_norm(x))            (q scaled at init, causal bias -1e9)
