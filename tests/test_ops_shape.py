@@ -260,6 +260,18 @@ def test_call_global_takes_and_returns_global_arrays(impl_cls):
             fn.call_global({x: wrong})
 
 
+def test_call_global_checks_the_shape_of_a_jax_array_already_laid_out_as_planned(impl_cls):
+    """A jax.Array of another shape whose sharding is the plan's (replicated, say, which any
+    shape has) was taken as laid out and failed inside JAX's executable ('Argument types differ
+    from the types for which this computation was compiled'); a host array was named."""
+    _, mesh = new_mesh()
+    x = mx.placeholder(mesh, "x", "b:8;d:4")
+    fn = mx.Lowering(mesh.graph, {mesh: impl_cls("rows:2;cols:4", "")}).function([mx.reduce_sum(x * 2.0, "d")])
+    wrong = jax.device_put(jax.numpy.ones((4, 4)), fn.global_function._global_shardings[x])
+    with pytest.raises(mx.GraphError, match=r"placeholder 'x' expects shape \[8, 4\], got \[4, 4\]"):
+        fn.call_global({x: wrong})
+
+
 def test_a_constant_that_is_not_a_number_is_refused_when_built():
     _, mesh = new_mesh()
     for bad in (None, "one"):

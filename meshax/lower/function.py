@@ -288,6 +288,7 @@ class LoweredFunction:
             if (
                 isinstance(a, jax.Array)
                 and a.dtype == t.dtype
+                and list(a.shape) == t.shape.to_integer_list  # (else `_laid_out` names it: any shape is replicated)
                 and t not in self._padded
                 and (a.sharding == want or a.sharding.is_equivalent_to(want, a.ndim))  # (P("y") is P("y", None))
             ):
