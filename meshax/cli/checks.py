@@ -109,6 +109,11 @@ def check_flags(args) -> None:
         ]
         if given:
             raise ConfigError(f"{', '.join(given)} applies to a layout search: add --search")
+    if args.command in ("plan", "train") and (args.device or args.memory_budget is not None):
+        from meshax.search import load_device
+        from meshax.search.result import budget_bytes
+
+        budget_bytes(args.memory_budget, load_device(args.device))  # (now, not after the model is traced)
     if args.command == "plan" and args.search and args.explain:  # (it printed the table alone)
         raise ConfigError(
             "--explain explains the tensors of one layout, and --search lists many: give one of them (--explain "

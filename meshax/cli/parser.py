@@ -271,15 +271,15 @@ def add_search_flags(s, search_help: str):
         "--memory-budget",
         default=None,
         metavar="SIZE",
-        help="per device, e.g. 16GB (powers of 1000) or 16GiB (default: the device's); without --search, plan says "
-        "whether its layout fits it",
+        help="per device, e.g. 16GB (powers of 1000) or 16GiB (default: the device's); plan without --search "
+        "says whether its layout fits it",
     )
     g.add_argument("--top", type=COUNT, default=5, metavar="K", help="how many layouts to list (default 5)")
     g.add_argument(
         "--device",
         default=None,
         help="the device to predict for: a known name (h100, a100, tpu-v3, tpu-v4, tpu-v5e, cpu) or a file "
-        "`meshax calibrate` wrote (default: $MESHAX_DEVICE, else cpu); without --search, plan predicts its "
+        "`meshax calibrate` wrote (default: $MESHAX_DEVICE, else cpu); plan without --search predicts its "
         "layout's step on it",
     )
     g.add_argument(

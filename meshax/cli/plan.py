@@ -222,14 +222,10 @@ def plan_prediction(args, lowering, outputs, updates) -> dict:
     --device, in ms by part, and its memory per device against --memory-budget (default: the
     device's memory)."""
     from meshax.search import evaluate, load_device
-    from meshax.search.result import parse_bytes
+    from meshax.search.result import budget_bytes
 
     device = load_device(args.device)
-    budget = parse_bytes(args.memory_budget) if args.memory_budget is not None else device.memory_bytes
-    if budget is None or budget <= 0:
-        from meshax.core.errors import ConfigError
-
-        raise ConfigError(f"--memory-budget {args.memory_budget!r}: give a positive size, like 16GB")
+    budget = budget_bytes(args.memory_budget, device)
     c = evaluate(lowering, outputs, updates, device=device)
     return {
         "device": device.name,
@@ -242,10 +238,20 @@ def plan_prediction(args, lowering, outputs, updates) -> dict:
     }
 
 
+def _time(ms: float) -> str:
+    """A duration in the unit that reads best: '9.83 s', '1.425 ms', '7.74 us'."""
+    for unit, scale in (("s", 1e3), ("ms", 1.0), ("us", 1e-3)):
+        if ms >= scale:
+            return f"{ms / scale:.4g} {unit}"
+    return f"{ms * 1e6:.4g} ns"
+
+
 def format_prediction(p: dict, args) -> str:
     from meshax.lower.report import _human
 
-    parts = ", ".join([f"compute {p['compute_ms']:.3f}", *(f"{k} {v:.3f}" for k, v in p["communication_ms"].items())])
+    parts = ", ".join(
+        [f"compute {_time(p['compute_ms'])}", *(f"{k} {_time(v)}" for k, v in p["communication_ms"].items())]
+    )
     memory = f"memory / device {_human(p['memory_bytes'])}B of {_human(p['memory_budget_bytes'])}B"
     if p["fits"]:
         verdict = "fits"
@@ -254,4 +260,4 @@ def format_prediction(p: dict, args) -> str:
         remat = " --remat (each layer recomputed in the backward pass)," if args.task in ("lm", "seq2seq") else ""
         remat = "" if getattr(args, "remat", False) else remat
         verdict = f"does not fit, {over}B over: try{remat} a layout that splits more, or --search"
-    return f"predicted on {p['device']}: step {p['step_ms']:.3f} ms ({parts} ms)\n{memory}: {verdict}\n"
+    return f"predicted on {p['device']}: step {_time(p['step_ms'])} ({parts})\n{memory}: {verdict}\n"

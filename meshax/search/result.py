@@ -92,6 +92,15 @@ def parse_bytes(text: str | int | float | None) -> int | None:
     return int(float(m.group(1)) * base ** " KMGT".index(m.group(2).upper() or " "))
 
 
+def budget_bytes(text: str | int | float | None, device: Device) -> int:
+    """The bytes per device a layout may need: `text` (`parse_bytes`), or the device's memory
+    where it is None; a ConfigError for a size that is not positive."""
+    budget = parse_bytes(text) if text is not None else device.memory_bytes
+    if budget is None or budget <= 0:
+        raise ConfigError(f"memory budget {text!r}: give a positive size, like 16GB")
+    return budget
+
+
 @dataclasses.dataclass
 class SearchResult:
     """The best `top` layouts that fit (exactly costed, best first), the user's own layout if

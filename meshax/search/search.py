@@ -30,10 +30,10 @@ from meshax.search.result import (
     Candidate,
     SearchResult,
     as_rule_set,
+    budget_bytes,
     counted,
     make_candidate,
     mesh_text,
-    parse_bytes,
     rule_count,
     split_pairs,
 )
@@ -85,9 +85,7 @@ def search_layout(
     if not model.base.outputs and not model.base.updates:
         raise ConfigError("search_layout needs the program to cost: give its outputs (the loss) and updates")
     dev = load_device(device)
-    budget = parse_bytes(memory_budget) if memory_budget is not None else dev.memory_bytes
-    if budget is None or budget <= 0:
-        raise ConfigError(f"memory budget {memory_budget!r}: give a positive size, like 16GB")
+    budget = budget_bytes(memory_budget, dev)
     program = model.on(mesh_shape)
     graph = program.graph
     space = Space(graph, mesh_shape, convert_to_layout_rules(layout))
