@@ -54,6 +54,7 @@ CASES = {
     # (names alone are x's dims: a name list failed, "cannot make a Dimension from 'd'")
     "transpose-names": (lambda x: mx.transpose(x, ["d", "b", "h"]), ["d", "b", "h"], lambda v: v.transpose(2, 0, 1)),
     "transpose-names-text": (lambda x: mx.transpose(x, "h;d;b"), ["h", "d", "b"], lambda v: v.transpose(1, 2, 0)),
+    "reshape-names-and-sizes-text": (lambda x: mx.reshape(x, "b;hd : 32"), ["b", "hd"], lambda v: v.reshape(8, 32)),
     "reshape-names-and-dims": (
         lambda x: mx.reshape(x, ["b", Dim("hd", 32)]),
         ["b", "hd"],
@@ -308,3 +309,7 @@ def test_a_name_without_a_size_that_x_lacks_is_named():
     x = mx.placeholder(mx.Mesh(mx.Graph(), "m"), "x", [B, H, D])
     with pytest.raises(mx.GraphError, match=r"no input has a dimension 'q' \(inputs: x Shape\(\[b=8, h=4, d=8\]\)\)"):
         mx.transpose(x, ["d", "q", "h"])
+    with pytest.raises(
+        mx.GraphError, match=r"no input has a dimension 'k' .*a dim of its own needs its size, e.g. 'k:4'"
+    ):
+        mx.broadcast(x, ["b", "k", "h", "d"])

@@ -11,7 +11,7 @@ import numpy as np
 
 from meshax.core.errors import GraphError, did_you_mean
 from meshax.core.graph import Mesh, Tensor
-from meshax.core.shape import Dimension, Shape, convert_to_shape
+from meshax.core.shape import Dimension, Shape, convert_to_dimension, convert_to_shape
 from meshax.ops._dtypes import scalar_dtype
 
 
@@ -59,11 +59,13 @@ def as_dims(x) -> list[Dimension]:
 
 def shape_of_names(spec, inputs: Sequence[Tensor]) -> Shape:
     """A Shape as `convert_to_shape` takes it, where a name without a size ("hidden", or
-    "batch;hidden") is the inputs' dim of that name: `output_shape=["batch", "hidden"]`."""
+    "batch;hidden", or beside sizes: "batch;k:4") is the inputs' dim of that name:
+    `output_shape=["batch", "hidden"]`."""
     if isinstance(spec, Dimension):
         spec = [spec]
-    if isinstance(spec, str) and ":" not in spec:
-        spec = [n for n in re.split(r"[;,.\s]+", spec) if n]
+    if isinstance(spec, str):  # (spaces around a colon join its pair, as convert_to_shape reads them)
+        tokens = [n for n in re.split(r"[;,.\s]+", re.sub(r"\s*:\s*", ":", spec.strip())) if n]
+        spec = spec if all(":" in n for n in tokens) else tokens
     if not (isinstance(spec, list | tuple) and any(isinstance(e, str) and ":" not in e for e in spec)):
         return convert_to_shape(spec)
     dims = {d.name: d for t in inputs for d in t.shape}
@@ -71,10 +73,15 @@ def shape_of_names(spec, inputs: Sequence[Tensor]) -> Shape:
     def lookup(name: str) -> Dimension:
         if name not in dims:
             shapes = ", ".join(f"{t.name} {t.shape}" for t in inputs)
-            raise GraphError(f"no input has a dimension {name!r}{did_you_mean(name, dims)} (inputs: {shapes})")
+            raise GraphError(
+                f"no input has a dimension {name!r}{did_you_mean(name, dims)} (inputs: {shapes}); a dim of its own "
+                f"needs its size, e.g. '{name}:4'"
+            )
         return dims[name]
 
-    return convert_to_shape([lookup(e) if isinstance(e, str) and ":" not in e else e for e in spec])
+    return convert_to_shape(
+        [(lookup(e) if ":" not in e else convert_to_dimension(e)) if isinstance(e, str) else e for e in spec]
+    )
 
 
 def dim_of(x: Tensor, dim) -> Dimension:
