@@ -264,6 +264,13 @@ def test_argnums_from_the_end_count_as_jax_jit_counts_them_and_donations_beyond_
         g(jnp.ones(8))
 
 
+def test_an_argument_both_static_and_donated_is_refused():
+    """static_argnums overlapping donate_argnums was accepted, the donation passed over silently
+    (jax.jit refuses it): a static argument is no array on the devices."""
+    with pytest.raises(mx.ConfigError, match=r"argument 1 is in static_argnums and in donate_argnums"):
+        mx.partition(lambda a, n: a * n, MESH, static_argnums=1, donate_argnums=(0, -1))
+
+
 def test_static_argnames_the_function_does_not_take_are_named():
     """A misspelt static_argnames was accepted silently (jax.jit refuses it), its argument traced,
     and the shape made from it failed inside the user's function."""

@@ -424,7 +424,7 @@ def test_an_annotation_of_prng_keys_has_an_entry_per_key_axis_at_most():
     of more entries than the keys' rank were accepted silently (P("x") of one key split its key
     data), where jax.jit refuses them."""
     one, eight = jax.random.key(0), jax.random.split(jax.random.key(0), 8)
-    with pytest.raises(mx.LayoutError, match=r"has 1 entries for an array of rank 0 \(shape \[\]\)"):
+    with pytest.raises(mx.LayoutError, match=r"has 1 entry for an array of rank 0 \(shape \[\]\)"):
         mx.partition(lambda k: jax.random.normal(k, (4,)), MESH, in_shardings=P("x"))(one)
     with pytest.raises(
         mx.LayoutError, match=r"out_shardings\[0\] .* has 2 entries for an array of rank 1 \(shape \[8\]\)"

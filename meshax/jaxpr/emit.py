@@ -629,8 +629,8 @@ def annotate(
     rank = x.shape.rank if rank is None else rank
     if len(entries) > rank:
         raise LayoutError(
-            f"sharding annotation {spec} at {where} has {len(entries)} entries for an array of rank "
-            f"{rank} (shape {x.shape.to_integer_list[:rank]}); give at most one entry per axis"
+            f"sharding annotation {spec} at {where} has {len(entries)} entr{'y' if len(entries) == 1 else 'ies'} for "
+            f"an array of rank {rank} (shape {x.shape.to_integer_list[:rank]}); give at most one entry per axis"
         )
     mapping: list = []
     for i in range(x.shape.rank):

@@ -123,6 +123,12 @@ class Partitioned:
         self._varargs = next((p.name for p in params if p.kind == inspect.Parameter.VAR_POSITIONAL), None)
         self.static_argnums = self._from_the_end("static_argnums", self.static_argnums)
         self.donate_argnums = self._from_the_end("donate_argnums", self.donate_argnums)
+        both = sorted(self.static_argnums & self.donate_argnums)
+        if both:  # (the donation was passed over silently; jax.jit refuses it)
+            raise ConfigError(
+                f"argument {both[0]} is in static_argnums and in donate_argnums: a static argument is no array on "
+                "the devices, so there is nothing to donate; give it in one of them"
+            )
         self._check_argnames(params)
         self._programs: dict = {}
         self._last: PartitionedProgram | None = None
