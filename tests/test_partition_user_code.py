@@ -402,6 +402,21 @@ def test_an_empty_axis_split_over_a_mesh_dim_is_gathered_as_nothing():
         check(f, (z, x), (spec, spec))
 
 
+def test_a_collective_of_no_values_is_not_counted():
+    """A sum over a split axis of an array with no values is an all-reduce of nothing: XLA drops
+    it from the program, and the counters had it (one all-reduce of 0 values)."""
+
+    def f(x):
+        return x.sum(0), x.T @ x
+
+    g = mx.partition(f, MESH, in_shardings=(P("x", None),))
+    x = jnp.ones((8, 0))
+    got = g(x)
+    assert got[0].shape == (0,) and got[1].shape == (0, 0)
+    assert all(c.count == 0 for c in g.lower(x).counters.values())
+    assert_counters_equal_hlo(g.lower(x))
+
+
 def test_an_annotation_of_prng_keys_lays_them_out():
     """`with_sharding_constraint` (or `mx.mesh_split`) of a key array ran whole on each device as
     every op on keys does: the constraint was bound inside the SPMD program, and JAX refused it

@@ -266,9 +266,12 @@ class LoweringContext:
         return [m for m in axes if self.mesh_shape[m].size > 1]
 
     def _run(self, kind: str, xs: list, axes: Sequence[int], run: Callable[[], list]) -> list:
-        """Record one collective over `axes` (what each device puts in: its slice), then run it."""
+        """Record one collective over `axes` (what each device puts in: its slice), then run it.
+        One of no values is not recorded: XLA drops it from the program."""
         x = xs[0]
-        self._record(kind, axes, int(np.prod(x.shape, dtype=np.int64)), x.dtype)
+        values = int(np.prod(x.shape, dtype=np.int64))
+        if values:
+            self._record(kind, axes, values, x.dtype)
         return run()
 
     def allreduce(self, xs: list, axes: Sequence[int], op: str = "sum") -> list:
