@@ -280,6 +280,27 @@ def test_plot_draws_a_resumed_runs_repeated_steps_once(tmp_path, monkeypatch):
     assert list(figs[0].axes[1].lines[0].get_xdata()) == list(range(1, 21))
 
 
+def test_plot_draws_the_last_run_of_a_file(tmp_path, monkeypatch):
+    """A fresh run appended to a file an earlier, longer run wrote (steps 1-20) replaces it: the
+    curve mixed the new run's steps 1-5 with the old run's 6-20. A run resumed at step 3 keeps
+    what came before its checkpoint. Each run's first record says where it starts."""
+    import matplotlib.pyplot as plt
+
+    from meshax.train import metrics as metrics_module
+
+    def run(first, last, loss):
+        return [{"step": first, "run": {"mesh": "all:8"}}] + [{"step": s, "loss": loss} for s in range(first + 1, last)]
+
+    path = tmp_path / "m.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*run(0, 21, 1.0), *run(0, 6, 2.0), *run(3, 9, 3.0)]))
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)
+    metrics_module.plot_metrics([str(path)], str(tmp_path / "out.png"))
+    (line,) = figs[0].axes[0].lines
+    assert list(line.get_xdata()) == list(range(1, 9))
+    assert list(line.get_ydata()) == [2.0, 2.0, 2.0, 3.0, 3.0, 3.0, 3.0, 3.0]
+
+
 def test_plot_draws_the_loss_scale_of_a_float16_run(tmp_path, monkeypatch):
     """A run that logs a loss scale (float16) gets a third panel with it, on a log scale; a run
     without one keeps its two panels."""

@@ -105,6 +105,19 @@ def _not_a_number(record: dict) -> str:
     return ""
 
 
+def _latest_run(records: list[dict]) -> list[dict]:
+    """The records the file's last run stands on: each run first writes `{"step": n, "run": ...}`
+    (n steps done: 0 for a fresh run, the checkpoint's step for a resumed one), and replaces the
+    records past step n that an earlier run in the file wrote. A fresh run appended to a file
+    drew its curve mixed with the earlier run's, where the earlier run went on further."""
+    out: list[dict] = []
+    for r in records:
+        if "run" in r:
+            out = [q for q in out if q["step"] <= r["step"]]
+        out.append(r)
+    return out
+
+
 def _last_per_step(records: list[dict]) -> list[dict]:
     """The last record of each step, by step: a run resumed from a checkpoint appends again the
     steps after it that the interrupted run had written, and its records are the ones that count."""
@@ -121,7 +134,7 @@ def plot_metrics(paths: list[str], out: str, width: float = 12.0, height: float 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = {label: read_metrics(p) for label, p in zip(_labels(paths), paths)}
+    runs = {label: _latest_run(read_metrics(p)) for label, p in zip(_labels(paths), paths)}
     scaled = any("loss_scale" in r for records in runs.values() for r in records)
     fig, axes = plt.subplots(1, 3 if scaled else 2, figsize=(width, height), dpi=dpi)
     loss_ax, speed_ax = axes[:2]
