@@ -147,3 +147,21 @@ def test_plan_gives_table_4s_parameter_memory_per_device(stages, x, y):
     # outside the pipeline: the tied embedding (vocab over Y) and the final norm
     assert s.parameter_bytes_per_device == 4 * (stage_values + 32000 * M // y + 2 * M)
     assert pipe["bubble_fraction"] == pytest.approx((stages - 1) / (16 + stages - 1))
+
+
+@pytest.mark.parametrize(
+    "fields,says",
+    [
+        (dict(pipeline_stages=2, circular_repeats=0), "circular_repeats=0 must be a whole number of at least 1"),
+        (dict(pipeline_stages=-2), "pipeline_stages=-2"),
+        (dict(pipeline_stages="2"), "pipeline_stages='2'"),
+        (dict(pipeline_stages=True), "pipeline_stages=True"),
+        (dict(moe_experts=-2), "moe_experts=-2"),
+        (dict(microbatches=4), "microbatches needs pipeline_stages > 1"),
+    ],
+)
+def test_config_refuses_bad_pipeline_and_expert_counts(fields, says):
+    """Before: circular_repeats=0 divided by zero, a text count compared with an int
+    (TypeError), and a negative stage count or microbatches without stages ran unpipelined."""
+    with pytest.raises(mx.ConfigError, match=re.escape(says)):
+        dataclasses.replace(TINY, **fields)

@@ -99,6 +99,13 @@ class TransformerConfig:
                 "fused attention has no dropout on the attention weights: use attention='einsum' "
                 "with dropout, or dropout=0"
             )
+        for field, least in (("pipeline_stages", 0), ("microbatches", 1), ("circular_repeats", 1), ("moe_experts", 0)):
+            # (a negative count turned the pipeline off without a word; 0 repeats divided by zero)
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
+                raise ConfigError(f"TransformerConfig: {field}={value!r} must be a whole number of at least {least}")
+        if self.microbatches > 1 and self.pipeline_stages <= 1:  # (as circular_repeats: it was ignored)
+            raise ConfigError("microbatches needs pipeline_stages > 1 (without a pipeline the batch is not cut)")
         stacks = [("num_layers", self.num_layers)]
         if self.num_encoder_layers:
             stacks.append(("num_encoder_layers", self.num_encoder_layers))
