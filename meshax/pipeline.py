@@ -111,6 +111,8 @@ def pipeline(
             f"pipeline: stage_dim must be a Dimension (its name and the number of stages, e.g. "
             f"mx.Dimension('stage', 4)), got {type(stage_dim).__name__} {stage_dim!r}"
         )
+    if stage_dim.size < 1:  # (was a pad's error: "pad amounts must be >= 0, got [0, -1]")
+        raise GraphError(f"pipeline: the stage dim {stage_dim} has no stages; give it a size of at least 1")
     x, sides = xs[0], xs[1:]
     if not is_floating(x.dtype):
         raise GraphError(

@@ -193,6 +193,8 @@ def test_pipeline_errors():
         mx.pipeline(lambda h: h, x, stage, 2, "1f1b")
     with pytest.raises(mx.GraphError, match="must return a tensor of its input's shape"):
         mx.pipeline(lambda h: mx.reduce_sum(h), x, stage, 2)
+    with pytest.raises(mx.GraphError, match="has no stages; give it a size of at least 1"):
+        mx.pipeline(lambda h: h, x, mx.Dimension("stage", 0), 2)  # (a pad's "pad amounts must be >= 0")
 
 
 def test_pipeline_refuses_bad_inputs_by_name():
