@@ -123,6 +123,8 @@ def pipeline(
         if int(n) != n:
             raise GraphError(f"pipeline: {what}={n!r} is not a whole number; give an int")
     S, M, R = stage_dim.size, int(num_microbatches), int(repeats)
+    if not batch_dim and not x.shape.dims:  # (x.shape[0] was an IndexError)
+        raise GraphError(f"pipeline: the activation {x.name} is a scalar; it needs a batch dim to cut in microbatches")
     batch = batch_dim or x.shape[0].name
     if schedule not in SCHEDULES:
         raise GraphError(f"pipeline schedule {schedule!r}: choose one of {SCHEDULES}")

@@ -195,6 +195,8 @@ def test_pipeline_errors():
         mx.pipeline(lambda h: mx.reduce_sum(h), x, stage, 2)
     with pytest.raises(mx.GraphError, match="has no stages; give it a size of at least 1"):
         mx.pipeline(lambda h: h, x, mx.Dimension("stage", 0), 2)  # (a pad's "pad amounts must be >= 0")
+    with pytest.raises(mx.GraphError, match="is a scalar; it needs a batch dim"):
+        mx.pipeline(lambda h: h, mx.reduce_sum(x), stage, 2)  # (an IndexError)
 
 
 def test_pipeline_refuses_bad_inputs_by_name():
