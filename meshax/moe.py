@@ -20,6 +20,7 @@ leave experts replicated over an outer batch.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import NamedTuple
 
 from meshax import initializers
@@ -132,8 +133,9 @@ def moe(
             raise GraphError(f"moe: {what}={n!r} is not a whole number of at least 1; give an int{default}")
     train = as_flag(train, "moe: train", GraphError)
     factor = capacity_factor if capacity_factor is not None else (1.25 if train else 2.0)
-    if factor <= 0:
-        raise GraphError(f"moe capacity_factor must be > 0, got {factor}")
+    # (a text was a TypeError from the comparison; nan and inf failed in int() of the capacity)
+    if not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor <= 0:
+        raise GraphError(f"moe capacity_factor must be a finite number > 0, got {factor!r}")
     if num_experts < (2 if gating == "top_2" else 1):
         least = 2 if gating == "top_2" else 1
         raise GraphError(

@@ -113,8 +113,9 @@ def test_all_to_all_values_equal_the_formula_and_the_hlo():
 
 
 def test_moe_errors():
-    with pytest.raises(mx.GraphError, match="capacity_factor must be > 0"):
-        _layer(capacity_factor=0.0)
+    for bad in (0.0, "2", float("nan"), float("inf")):  # ('2' a TypeError, nan a ValueError, inf an OverflowError)
+        with pytest.raises(mx.GraphError, match="capacity_factor must be a finite number > 0"):
+            _layer(capacity_factor=bad)
     with pytest.raises(mx.GraphError, match="more than a group of 4 tokens can fill"):
         _layer(experts=8, capacity_factor=0.25)
     with pytest.raises(mx.GraphError, match="group_size 3 does not divide"):
