@@ -142,6 +142,8 @@ def moe(
             f"moe with {gating} gating needs at least {least} experts, got {num_experts}: give {least} or more"
             + (" (or gating='top_1')" if gating == "top_2" else "")
         )
+    if model_dim and model_dim not in x.shape:  # (a KeyError)
+        raise GraphError(f"moe: model_dim {model_dim!r} is not a dim of {x.name} {x.shape}; give one of its dims")
     model = x.shape.get_dim_by_name(model_dim) if model_dim else x.shape[-1]
     tokens = [d for d in x.shape if d != model]
     if not tokens:

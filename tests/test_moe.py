@@ -124,6 +124,10 @@ def test_moe_errors():
         _layer(gating="top_3")
     with pytest.raises(mx.GraphError, match="at least 2 experts"):
         _layer(experts=1)
+    graph = mx.Graph()
+    x = mx.placeholder(mx.Mesh(graph, "m"), "x", [B, L, M])
+    with pytest.raises(mx.GraphError, match="model_dim 'd' is not a dim of x"):
+        mx.layers.moe(x, 5, num_experts=4, model_dim="d")  # (a KeyError)
 
 
 def test_moe_refuses_bad_sizes_and_dim_names_by_name():
