@@ -159,6 +159,12 @@ def test_decoder_refuses_what_it_cannot_decode():
         decoder.sample(np.ones((2, 1), np.int32), temperature=1.0, top_k=300)
     with pytest.raises(mx.ConfigError, match="give a temperature > 0"):
         decoder.sample(np.ones((2, 1), np.int32), temperature=0.0, top_k=3)
+    # (the backend was a KeyError; length 0 decoded to max_length, batch 0 built a step of no rows)
+    with pytest.raises(mx.ConfigError, match=r"unknown backend 'gpu'; choose one of"):
+        Decoder(PRESETS["tiny"], backend="gpu")
+    for field, bad in (("length", 0), ("batch", 0), ("length", 4.0), ("batch", True)):
+        with pytest.raises(mx.ConfigError, match=rf"Decoder: {field}={bad!r} must be a whole number of at least 1"):
+            Decoder(PRESETS["tiny"], **{field: bad})
 
 
 def test_decoding_past_max_length_equals_the_forward_pass():

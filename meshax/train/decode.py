@@ -63,11 +63,17 @@ class Decoder:
     ):
         from meshax.train.loop import BACKENDS
 
+        if backend not in BACKENDS:  # (a KeyError)
+            raise ConfigError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)}")
+        for what, n in (("batch", batch), ("length", length), ("input_length", input_length)):
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int | np.integer) or n < 1):
+                # (length 0 decoded to the model's max_length; batch 0 built a step of no rows)
+                raise ConfigError(f"Decoder: {what}={n!r} must be a whole number of at least 1")
         self.config = dataclasses.replace(config, dropout=0.0)
         self.encoder_decoder = config.num_encoder_layers > 0
         if self.encoder_decoder and not input_length:
             raise ConfigError("an encoder-decoder decodes from inputs: give input_length")
-        self.batch_size, self.length = batch, length or config.max_length
+        self.batch_size, self.length = batch, config.max_length if length is None else length
         if config.positions == "learned" and self.length > config.max_length:
             raise ConfigError(
                 f"length {self.length} passes the model's max_length {config.max_length}: its learned "
