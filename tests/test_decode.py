@@ -210,7 +210,17 @@ def test_prompts_of_other_rows_and_steps_past_the_length_are_refused():
         decoder.beam_search(prompt=_ids(2, 2), beam_size=2, steps=6)
     with pytest.raises(mx.ConfigError, match="beam_size 0"):
         decoder.beam_search(prompt=_ids(2, 2), beam_size=0)
-    assert decoder.greedy(_ids(4, 2), steps=5).shape == (4, 5)
+    # (each was a TypeError from a comparison, a range, a slice or a power)
+    for call, says in (
+        (lambda: decoder.greedy(_ids(4, 2), steps=2.5), r"steps 2\.5 \(float\) must be a whole number"),
+        (lambda: decoder.sample(_ids(4, 2), top_k=2.5), r"top_k 2\.5 \(float\) must be a whole number"),
+        (lambda: decoder.sample(_ids(4, 2), temperature="0.8"), r"temperature '0\.8' \(str\) must be a number"),
+        (lambda: decoder.beam_search(prompt=_ids(2, 2), beam_size=2.0), r"beam_size 2\.0 \(float\) must be a whole"),
+        (lambda: decoder.beam_search(prompt=_ids(2, 2), beam_size=2, alpha="0.6"), r"alpha '0\.6' \(str\) must be"),
+    ):
+        with pytest.raises(mx.ConfigError, match=says):
+            call()
+    assert decoder.greedy(_ids(4, 2), steps=np.int64(5)).shape == (4, 5)
     assert decoder.beam_search(prompt=_ids(2, 2), beam_size=2, steps=5)[0].shape == (2, 5)
 
 

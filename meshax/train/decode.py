@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 from collections.abc import Iterator
 
 import numpy as np
@@ -304,11 +305,27 @@ class Decoder:
             raise ConfigError(f"the {what} must be token ids [{rows}, n], a row per {per}; got shape {ids.shape}")
         return ids
 
+    @staticmethod
+    def _count(what: str, n) -> int:
+        """`n` as an int where an argument counts (steps, top_k, beam_size): a float or a text was
+        a TypeError from deep inside (a range, a slice, a comparison)."""
+        if isinstance(n, bool) or not isinstance(n, int | np.integer):
+            raise ConfigError(f"{what} {n!r} ({type(n).__name__}) must be a whole number: give an int")
+        return int(n)
+
+    @staticmethod
+    def _number(what: str, x) -> float:
+        """`x` as a float where an argument is a real number (temperature, alpha)."""
+        if isinstance(x, bool) or not isinstance(x, numbers.Real):
+            raise ConfigError(f"{what} {x!r} ({type(x).__name__}) must be a number")
+        return float(x)
+
     def _steps(self, steps: int | None, first: int) -> int:
         """The tokens to decode after `first` (the default: up to the decoder's length)."""
         room = self.length - first + 1  # (the last new token needs no place in the caches)
         if steps is None:
             return room
+        steps = self._count("steps", steps)
         if not 1 <= steps <= room:
             raise ConfigError(
                 f"steps {steps}: after {first} tokens the decoder's length {self.length} leaves room for 1 to {room}"
@@ -328,6 +345,7 @@ class Decoder:
         """Tokens [batch, steps] after the prompt (LM: [batch, n] ids; encoder-decoder: BOS by
         default, `inputs` [batch, input_length]): each drawn from softmax(logits / temperature),
         among the `top_k` most likely (0: all); temperature 0: the most likely (greedy)."""
+        temperature, top_k = self._number("temperature", temperature), self._count("top_k", top_k)
         if not (temperature >= 0 and math.isfinite(temperature)):
             raise ConfigError(f"temperature {temperature} must be a finite number >= 0 (0: greedy)")
         if not 0 <= top_k <= self.vocab_size:
@@ -359,6 +377,7 @@ class Decoder:
         length) / 6) ** alpha (Mesh-TensorFlow's length penalty). The decoder's batch holds
         sequences x beams (batch = sequences * beam_size). Returns (tokens [sequences, steps],
         their scores)."""
+        beam_size, alpha = self._count("beam_size", beam_size), self._number("alpha", alpha)
         if beam_size < 1 or self.batch_size % beam_size:
             raise ConfigError(f"the decoder's batch {self.batch_size} must be sequences x beam_size {beam_size}")
         n = self.batch_size // beam_size
