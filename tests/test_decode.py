@@ -220,6 +220,8 @@ def test_prompts_of_other_rows_and_steps_past_the_length_are_refused():
     ):
         with pytest.raises(mx.ConfigError, match=says):
             call()
+    with pytest.raises(mx.ConfigError, match="all rows of one length"):
+        decoder.greedy([[1, 2], [3], [4, 5], [6, 7]])  # (NumPy's ValueError "inhomogeneous shape")
     assert decoder.greedy(_ids(4, 2), steps=np.int64(5)).shape == (4, 5)
     assert decoder.beam_search(prompt=_ids(2, 2), beam_size=2, steps=5)[0].shape == (2, 5)
 

@@ -289,7 +289,10 @@ class Decoder:
         embedding row: the model would see zeros)."""
         if ids is None:
             raise ConfigError(f"decoding needs the {what} (token ids)")
-        ids = np.asarray(ids)
+        try:
+            ids = np.asarray(ids)
+        except ValueError:  # (NumPy's "inhomogeneous shape")
+            raise ConfigError(f"the {what} must be token ids, a row per sequence, all rows of one length") from None
         if not np.issubdtype(ids.dtype, np.integer):
             raise ConfigError(f"the {what} must be integer token ids, got an array of {ids.dtype}")
         outside = ids[(ids < 0) | (ids >= self.vocab_size)]
