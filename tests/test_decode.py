@@ -220,6 +220,13 @@ def test_prompts_of_other_rows_and_steps_past_the_length_are_refused():
     ):
         with pytest.raises(mx.ConfigError, match=says):
             call()
+    # (a decoder-only model ignored them: the prompt alone decoded)
+    with pytest.raises(mx.ConfigError, match="inputs are for an encoder-decoder"):
+        decoder.greedy(_ids(4, 2), inputs=_ids(4, 2))
+    with pytest.raises(mx.ConfigError, match="inputs are for an encoder-decoder"):
+        decoder.beam_search(inputs=_ids(2, 2), prompt=_ids(2, 2), beam_size=2)
+    with pytest.raises(mx.ConfigError, match="input_length is for an encoder-decoder"):
+        Decoder(PRESETS["tiny"], batch=4, length=6, input_length=6)
     with pytest.raises(mx.ConfigError, match="all rows of one length"):
         decoder.greedy([[1, 2], [3], [4, 5], [6, 7]])  # (NumPy's ValueError "inhomogeneous shape")
     assert decoder.greedy(_ids(4, 2), steps=np.int64(5)).shape == (4, 5)

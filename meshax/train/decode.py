@@ -74,6 +74,8 @@ class Decoder:
         self.encoder_decoder = config.num_encoder_layers > 0
         if self.encoder_decoder and not input_length:
             raise ConfigError("an encoder-decoder decodes from inputs: give input_length")
+        if input_length is not None and not self.encoder_decoder:  # (it was ignored)
+            raise ConfigError("input_length is for an encoder-decoder; this model has no encoder (give None)")
         self.batch_size, self.length = batch, config.max_length if length is None else length
         if config.positions == "learned" and self.length > config.max_length:
             raise ConfigError(
@@ -272,6 +274,8 @@ class Decoder:
         """(the tokens so far [batch, n], caches after them, the encoder's keys and values, the
         last logits): the prompt run through the decoder (an encoder-decoder starts from BOS)."""
         encoded = None
+        if inputs is not None and not self.encoder_decoder:  # (they were ignored: the prompt alone decoded)
+            raise ConfigError("inputs are for an encoder-decoder; a decoder-only model continues the prompt alone")
         if self.encoder_decoder:
             inputs = self._rows("inputs", self._token_ids("inputs", inputs), self.batch_size)
             encoded = [np.asarray(t) for t in self.encode_fn({"inputs": inputs})]
