@@ -83,6 +83,17 @@ def _split_batch(t: Tensor, batch: str, micro: Dimension) -> Tensor:
     return reshape(t, Shape([*t.shape.dims[:i], rows, micro, *t.shape.dims[i + 1 :]]))
 
 
+def _pick(side: Tensor, where: Tensor, shape: list[Dimension]) -> Tensor:
+    """Each stage's microbatch of a side input (`where`: the float32 one-hot [stage, microbatch]),
+    in the side input's own dtype: an integer one stays integer, exactly (selected by a float32
+    table it reached the stages as float32, ids past 2**24 rounded), and a bool one bool."""
+    if is_floating(side.dtype):
+        return einsum(side, cast(where, side.dtype), output_shape=shape)
+    whole = side.dtype if side.dtype != np.bool_ else np.dtype(np.int32)  # (an einsum takes no bools)
+    picked = einsum(cast(side, whole), cast(where, whole), output_shape=shape)
+    return picked if picked.dtype == side.dtype else cast(picked, side.dtype)
+
+
 def pipeline(
     stage_fn: Callable[..., Tensor],
     inputs: Tensor | Sequence[Tensor],
@@ -206,7 +217,7 @@ def pipeline(
         side_now = []
         if where is not None:  # (the microbatches' table, where there are side inputs)
             kept = [[d for d in s.shape if d != micro] for s in side_m]
-            side_now = [einsum(s, like(where, s.dtype), output_shape=[stage_dim, *k]) for s, k in zip(side_m, kept)]
+            side_now = [_pick(s, where, [stage_dim, *k]) for s, k in zip(side_m, kept)]
         if R > 1:
             lead, select = [repeat, stage_dim], lambda v: einsum(v, which, output_shape=[stage_dim, *v.shape[2:]])
         else:

@@ -223,3 +223,26 @@ def test_pipeline_refuses_bad_inputs_by_name():
             mx.pipeline(lambda h: h, x, mx.Dimension(taken, 2), 2)
     with pytest.raises(mx.GraphError, match=r"stage dim .*'repeat'.* has a name the pipeline gives"):
         mx.pipeline(lambda h: h, x, mx.Dimension("repeat", 2), 2, "circular", repeats=2)
+
+
+@pytest.mark.parametrize("repeats", [1, 2])
+def test_integer_and_bool_side_inputs_reach_the_stages_in_their_dtype(repeats):
+    """Each stage's microbatch of a side input was selected by a float32 one-hot table, so int32
+    ids reached stage_fn as float32 (2**24 + 1 rounded to 2**24)."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+    ids = mx.placeholder(mesh, "ids", [B], "int32")
+    keep = mx.placeholder(mesh, "keep", [B], "bool")
+    seen = []
+
+    def stage_fn(h, s, k):
+        seen.append((s.dtype, k.dtype))
+        return h + mx.cast(s - 2**24, "float32") * mx.cast(k, "float32")
+
+    schedule = "circular" if repeats > 1 else "gpipe"
+    out = mx.pipeline(stage_fn, [x, ids, keep], mx.Dimension("stage", 2), 2, schedule, repeats)
+    assert set(seen) == {(np.dtype("int32"), np.dtype("bool"))}
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "stage:rows;batch:cols")}).function(out)
+    feeds = {"x": np.zeros((8, 6), np.float32), "ids": np.full(8, 2**24 + 1, np.int32), "keep": np.arange(8) % 2 == 0}
+    np.testing.assert_array_equal(np.asarray(fn(feeds))[:, 0], 2 * repeats * (np.arange(8) % 2 == 0))
