@@ -254,3 +254,23 @@ def test_the_placement_backend_and_weight_rules_decode_the_same_tokens():
     assert type(other.lowering.impl).__name__ == "PlacementMeshImpl" and other.lowering.impl.weight_rules is not None
     other.load(decoder.lowering)
     np.testing.assert_array_equal(other.greedy(_ids(4, 2)), decoder.greedy(_ids(4, 2)))
+
+
+def test_sequence_log_probability_refuses_tokens_it_cannot_score():
+    """Tokens past the decoder's length were scored from steps whose keys and values had no
+    place in the caches (7 tokens on a decoder of length 6 scored -25.72, where a longer decoder
+    scores them -25.92); tokens outside the vocabulary, of a float dtype or 1-D were IndexErrors."""
+    config = dataclasses.replace(PRESETS["tiny"], vocab_size=16, num_encoder_layers=1)
+    short = Decoder(config, batch=2, length=6, input_length=4)
+    inputs, tokens = np.arange(8).reshape(2, 4), _ids(2, 6) % 16
+    long = Decoder(config, batch=2, length=12, input_length=4)
+    long.load(short.lowering)
+    assert_close(sequence_log_probability(short, inputs, tokens), sequence_log_probability(long, inputs, tokens))
+    for bad, says in (
+        (_ids(2, 7) % 16, "tokens: 1 to the decoder's length 6 are scored, got 7"),
+        (np.full((2, 3), 99), "tokens token 99 is not in the vocabulary"),
+        (np.ones((2, 3)), "integer token ids"),
+        (np.ones(3, np.int32), r"token ids \[2, n\]"),
+    ):
+        with pytest.raises(mx.ConfigError, match=says):
+            sequence_log_probability(short, inputs, bad)

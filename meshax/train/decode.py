@@ -443,6 +443,9 @@ def _choose(logits: np.ndarray, temperature: float, top_k: int, rng) -> np.ndarr
 def sequence_log_probability(decoder: Decoder, inputs, tokens) -> np.ndarray:
     """The log-probability of `tokens` [batch, n] under the model (teacher forcing from BOS, an
     encoder-decoder's): the score beam search maximizes, before its length penalty."""
+    tokens = decoder._rows("tokens", decoder._token_ids("tokens", tokens), decoder.batch_size)
+    if not 1 <= tokens.shape[1] <= decoder.length:  # (past the length, the steps wrote no cache: wrong, silently)
+        raise ConfigError(f"tokens: 1 to the decoder's length {decoder.length} are scored, got {tokens.shape[1]}")
     bos = np.ones((decoder.batch_size, 1), np.int32)
     _, caches, encoded, logits = decoder._start(bos, inputs)
     total = np.zeros(decoder.batch_size)
