@@ -274,3 +274,15 @@ def test_sequence_log_probability_refuses_tokens_it_cannot_score():
     ):
         with pytest.raises(mx.ConfigError, match=says):
             sequence_log_probability(short, inputs, bad)
+
+
+def test_load_refuses_a_trained_model_of_other_layers():
+    """A trained model of 2 layers loaded into a decoder of 1 decoded with its first layer alone,
+    without a word; a source that is neither a folder nor a Lowering was an AttributeError."""
+    config = dataclasses.replace(PRESETS["tiny"], vocab_size=16, num_layers=2)
+    trained = Decoder(config, batch=2, length=4)
+    fewer = Decoder(dataclasses.replace(config, num_layers=1), batch=2, length=4)
+    with pytest.raises(mx.ConfigError, match=r"has no variable 'transformer/decoder/1/.*same model"):
+        fewer.load(trained.lowering)
+    with pytest.raises(mx.ConfigError, match="load takes a checkpoint directory or a trained Lowering, got int"):
+        fewer.load(42)

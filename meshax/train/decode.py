@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import math
 import numbers
+import os
 from collections.abc import Iterator
 
 import numpy as np
@@ -242,16 +243,26 @@ class Decoder:
     # ---- running ---------------------------------------------------------------------------------
     def load(self, source, step: int | None = None) -> None:
         """The weights from a checkpoint directory, or from a trained `Lowering` (by variable name)."""
-        if isinstance(source, str):
+        if isinstance(source, str | os.PathLike):  # (a pathlib.Path was an AttributeError)
             import warnings
 
             from meshax.train.checkpoint import restore_checkpoint
 
             with warnings.catch_warnings():  # (the optimizer's slots, which decoding does not need)
                 warnings.filterwarnings("ignore", message=".*the graph lacks")
-                restore_checkpoint(source, self.lowering, step)
+                restore_checkpoint(os.fspath(source), self.lowering, step)
             return
+        if not hasattr(source, "graph") or not hasattr(source, "variable_value"):  # (an AttributeError)
+            raise ConfigError(f"load takes a checkpoint directory or a trained Lowering, got {type(source).__name__}")
         trained = {v.name: v for v in source.graph.all_variables}
+        # (a trained model of more layers loaded into one of fewer: its first layers decoded, without a word)
+        ours = {v.name for v in self.lowering.graph.all_variables}
+        extra = sorted(v.name for v in source.graph.trainable_variables if v.name not in ours)
+        if extra:
+            raise ConfigError(
+                f"the decoder's model has no variable {extra[0]!r} of the trained model ({len(extra)} such): "
+                "is it the same model config?"
+            )
         for v in self.lowering.graph.all_variables:
             if v.name not in trained:
                 raise ConfigError(f"the trained model has no variable {v.name!r}: is it the same model config?")
