@@ -555,3 +555,43 @@ def test_the_plans_activation_memory_counts_one_iteration_of_a_loop_body():
     assert activations > inside > 4 * b.size * h.size  # (one iteration's internals: several [b, h])
     temp = fn._run.compiled().memory_analysis().temp_size_in_bytes
     assert temp / 2 < activations < 2 * temp
+
+
+def test_constants_and_placeholders_made_in_a_body_are_the_programs_inputs():
+    """An import_tensor or placeholder made inside a scan's body (mx.pipeline's own tables, when a
+    stage runs a pipeline of its own) was lowered as part of the body, where inputs have no
+    lowering: NotImplementedError 'ImportTensorOperation has no lowering'."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    b, d, steps = mx.Dimension("batch", 8), mx.Dimension("d", 4), mx.Dimension("steps", 3)
+    x = mx.placeholder(mesh, "x", [b, d])
+    xs = mx.placeholder(mesh, "xs", [steps, d])
+
+    def body(carry, per_step):
+        (h,), (row,) = carry, per_step
+        scale = mx.import_tensor(mesh, np.arange(1.0, 5.0, dtype=np.float32), [d])
+        shift = mx.placeholder(mesh, "shift", [d])
+        return [h * scale + row + shift], []
+
+    (out,), _ = mx.scan(body, [x], [xs], dim="steps")
+    (grad,) = mx.gradients(mx.reduce_sum(out), [x])
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "batch:rows;d:cols")}).function([out, grad])
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.normal(size=(8, 4)), "xs": rng.normal(size=(3, 4)), "shift": rng.normal(size=4)}
+    want, scale = feeds["x"], np.arange(1.0, 5.0)
+    for row in feeds["xs"]:
+        want = want * scale + row + feeds["shift"]
+    got, g = fn({k: v.astype(np.float32) for k, v in feeds.items()})
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(g, np.broadcast_to(scale**3, (8, 4)), rtol=1e-6)
+
+    graph = mx.Graph()  # a pipeline whose stage runs a pipeline of its own: 2 x 2 doublings
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [b, d])
+
+    def stage(h):
+        return mx.pipeline(lambda g: g * 2.0, h, mx.Dimension("inner", 2), 2, name="inner", batch_dim="batch")
+
+    out = mx.pipeline(stage, x, mx.Dimension("stage", 2), 2)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "stage:rows")}).function(out)
+    np.testing.assert_array_equal(fn({"x": np.ones((8, 4), np.float32)}), np.full((8, 4), 16.0))

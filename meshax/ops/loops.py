@@ -51,9 +51,9 @@ class LoopVariableOperation(Operation):
 
 @contextlib.contextmanager
 def _recording(graph: Graph) -> Iterator[list[Operation]]:
-    """Collects the ops built inside (variables aside: they stay the program's inputs) and
-    marks them `in_loop`. Memoized computations built inside are forgotten after, so that no op
-    outside the loop reuses a tensor of its body."""
+    """Collects the ops built inside (variables, constants and placeholders aside: they stay the
+    program's inputs) and marks them `in_loop`. Memoized computations built inside are forgotten
+    after, so that no op outside the loop reuses a tensor of its body."""
     first, memo = len(graph.operations), dict(graph.memo)
     ops: list[Operation] = []
     try:
@@ -61,7 +61,9 @@ def _recording(graph: Graph) -> Iterator[list[Operation]]:
     finally:
         graph.memo = memo
         for op in graph.operations[first:]:
-            if not getattr(op, "is_variable", False) and not isinstance(op, LoopVariableOperation):
+            if not (getattr(op, "is_variable", False) or getattr(op, "is_input", False)) and not isinstance(
+                op, LoopVariableOperation
+            ):
                 op.in_loop = True
                 ops.append(op)
 
