@@ -246,3 +246,45 @@ def test_integer_and_bool_side_inputs_reach_the_stages_in_their_dtype(repeats):
     fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "stage:rows;batch:cols")}).function(out)
     feeds = {"x": np.zeros((8, 6), np.float32), "ids": np.full(8, 2**24 + 1, np.int32), "keep": np.arange(8) % 2 == 0}
     np.testing.assert_array_equal(np.asarray(fn(feeds))[:, 0], 2 * repeats * (np.arange(8) % 2 == 0))
+
+
+def test_a_pipeline_in_a_stage_refuses_variables_the_outer_stages_would_share():
+    """A variable made in an inner pipeline's stage got the inner stage dim alone: every outer
+    stage shared it, without a word. Made in the outer stage_fn, each outer stage has its own."""
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+
+    def inner_stage(h):
+        return _layer(h, mx.get_variable(mesh, "w", [D, E], initializer=mx.initializers.normal(0.5)), 0.0, None)
+
+    def stage(h):
+        return mx.pipeline(inner_stage, h, mx.Dimension("inner", 2), 2, name="inner", batch_dim="batch")
+
+    with pytest.raises(mx.GraphError, match="made inside two stacked_variables at once"):
+        mx.pipeline(stage, x, mx.Dimension("stage", 2), 2)
+
+    graph = mx.Graph()
+    mesh = mx.Mesh(graph, "m")
+    x = mx.placeholder(mesh, "x", [B, D])
+
+    def outer_stage(h):
+        w = mx.get_variable(mesh, "w", [D, E], initializer=mx.initializers.normal(0.5))
+        return mx.pipeline(
+            lambda g: _layer(g, w, 0.0, None), h, mx.Dimension("inner", 2), 2, name="inner", batch_dim="batch"
+        )
+
+    out = mx.pipeline(outer_stage, x, mx.Dimension("stage", 2), 2)
+    (w,) = (v.value for v in graph.trainable_variables)
+    assert w.shape.dimension_names == ["stage", "d", "e"]
+    h = x
+    for s in range(2):
+        for _ in range(2):
+            h = _layer(h, mx.reshape(mx.slice(w, s, 1, "stage"), [D, E]), 0.0, None)
+    got, want = mx.reduce_sum(out * out), mx.reduce_sum(h * h)
+    fn = mx.Lowering(graph, {mesh: mx.SimdMeshImpl("rows:2;cols:4", "stage:rows;batch:cols")}).function(
+        [got, want, *mx.gradients(got, [w, x]), *mx.gradients(want, [w, x])]
+    )
+    values = fn({"x": _feeds()["x"]})
+    for a, b in zip(values[:1] + values[2:4], values[1:2] + values[4:]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -196,6 +196,12 @@ def get_variable(
 
 
 def _new_variable(mesh: Mesh, name: str, shape, initializer, dtype, trainable) -> Tensor:
+    if len(_STACKING) > 1:  # (it took the inner dims alone: the outer stages shared it, without a word)
+        raise GraphError(
+            f"get_variable {name!r}: made inside two stacked_variables at once (a pipeline's stage inside "
+            "another's), it would get the inner stage dims alone and every outer stage would share it; make it "
+            "in the outer stage_fn, before the inner pipeline (each outer stage its own, read whole by the inner)"
+        )
     if _STACKING:
         from meshax import initializers
 
