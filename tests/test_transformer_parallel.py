@@ -158,10 +158,14 @@ def test_plan_gives_table_4s_parameter_memory_per_device(stages, x, y):
         (dict(pipeline_stages=True), "pipeline_stages=True"),
         (dict(moe_experts=-2), "moe_experts=-2"),
         (dict(microbatches=4), "microbatches needs pipeline_stages > 1"),
+        (dict(moe_experts=2, moe_loss_coef=float("nan")), "moe_loss_coef=nan must be a finite number >= 0"),
+        (dict(moe_experts=2, moe_loss_coef="0.01"), "moe_loss_coef='0.01'"),
+        (dict(layer_norm_epsilon=-1.0), "layer_norm_epsilon=-1.0 must be a finite number >= 0"),
     ],
 )
 def test_config_refuses_bad_pipeline_and_expert_counts(fields, says):
     """Before: circular_repeats=0 divided by zero, a text count compared with an int
-    (TypeError), and a negative stage count or microbatches without stages ran unpipelined."""
+    (TypeError), and a negative stage count or microbatches without stages ran unpipelined; a
+    nan moe_loss_coef or a negative layer_norm_epsilon trained on nan losses."""
     with pytest.raises(mx.ConfigError, match=re.escape(says)):
         dataclasses.replace(TINY, **fields)

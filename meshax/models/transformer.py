@@ -104,6 +104,14 @@ class TransformerConfig:
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < least:
                 raise ConfigError(f"TransformerConfig: {field}={value!r} must be a whole number of at least {least}")
+        for field in ("moe_loss_coef", "layer_norm_epsilon"):  # (nan, or a negative epsilon, made every loss nan)
+            value = getattr(self, field)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float | np.floating | np.integer)
+                or not (math.isfinite(value) and value >= 0)
+            ):
+                raise ConfigError(f"TransformerConfig: {field}={value!r} must be a finite number >= 0")
         if self.microbatches > 1 and self.pipeline_stages <= 1:  # (as circular_repeats: it was ignored)
             raise ConfigError("microbatches needs pipeline_stages > 1 (without a pipeline the batch is not cut)")
         stacks = [("num_layers", self.num_layers)]
