@@ -5,6 +5,7 @@ at temperature 0 (or top-1) is greedy."""
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -230,6 +231,8 @@ def test_prompts_of_other_rows_and_steps_past_the_length_are_refused():
     with pytest.raises(mx.ConfigError, match="all rows of one length"):
         decoder.greedy([[1, 2], [3], [4, 5], [6, 7]])  # (NumPy's ValueError "inhomogeneous shape")
     assert decoder.greedy(_ids(4, 2), steps=np.int64(5)).shape == (4, 5)
+    sampled = decoder.sample(_ids(4, 2), steps=jnp.int32(2), temperature=jnp.float32(0.5), top_k=np.int64(3))
+    assert sampled.shape == (4, 2)  # (NumPy's and JAX's numbers are numbers)
     assert decoder.beam_search(prompt=_ids(2, 2), beam_size=2, steps=5)[0].shape == (2, 5)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import numbers
+import operator
 import os
 from collections.abc import Iterator
 
@@ -327,16 +327,24 @@ class Decoder:
     def _count(what: str, n) -> int:
         """`n` as an int where an argument counts (steps, top_k, beam_size): a float or a text was
         a TypeError from deep inside (a range, a slice, a comparison)."""
-        if isinstance(n, bool) or not isinstance(n, int | np.integer):
+        try:
+            whole = operator.index(n)  # (an int, NumPy's or JAX's; not a float, which would be cut)
+        except TypeError:
+            whole = None
+        if isinstance(n, bool) or whole is None:
             raise ConfigError(f"{what} {n!r} ({type(n).__name__}) must be a whole number: give an int")
-        return int(n)
+        return whole
 
     @staticmethod
     def _number(what: str, x) -> float:
         """`x` as a float where an argument is a real number (temperature, alpha)."""
-        if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        value = None
+        if not isinstance(x, str | bytes | bool) and x is not None:  # (float('0.8') would take a text)
+            with contextlib.suppress(TypeError, ValueError):
+                value = float(x)  # (a Python, NumPy or JAX real number)
+        if value is None:
             raise ConfigError(f"{what} {x!r} ({type(x).__name__}) must be a number")
-        return float(x)
+        return value
 
     def _steps(self, steps: int | None, first: int) -> int:
         """The tokens to decode after `first` (the default: up to the decoder's length)."""
