@@ -19,8 +19,8 @@ leave experts replicated over an outer batch.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import numbers
 from typing import NamedTuple
 
 from meshax import initializers
@@ -134,8 +134,13 @@ def moe(
     train = as_flag(train, "moe: train", GraphError)
     factor = capacity_factor if capacity_factor is not None else (1.25 if train else 2.0)
     # (a text was a TypeError from the comparison; nan and inf failed in int() of the capacity)
-    if not isinstance(factor, numbers.Real) or not math.isfinite(factor) or factor <= 0:
+    value = None
+    if not isinstance(factor, str | bytes | bool):
+        with contextlib.suppress(TypeError, ValueError):
+            value = float(factor)  # (a Python, NumPy or JAX real number)
+    if value is None or not math.isfinite(value) or value <= 0:
         raise GraphError(f"moe capacity_factor must be a finite number > 0, got {factor!r}")
+    factor = value
     if num_experts < (2 if gating == "top_2" else 1):
         least = 2 if gating == "top_2" else 1
         raise GraphError(

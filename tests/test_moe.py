@@ -1,6 +1,7 @@
 """mx.layers.moe: routing equal to a direct NumPy computation (dropped tokens included), the
 balancing loss, and the all-to-all that splitting experts and batch over one mesh dim costs."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -116,6 +117,7 @@ def test_moe_errors():
     for bad in (0.0, "2", float("nan"), float("inf")):  # ('2' a TypeError, nan a ValueError, inf an OverflowError)
         with pytest.raises(mx.GraphError, match="capacity_factor must be a finite number > 0"):
             _layer(capacity_factor=bad)
+    _layer(capacity_factor=jnp.float32(1.25))  # (JAX's numbers are numbers)
     with pytest.raises(mx.GraphError, match="more than a group of 4 tokens can fill"):
         _layer(experts=8, capacity_factor=0.25)
     with pytest.raises(mx.GraphError, match="group_size 3 does not divide"):
