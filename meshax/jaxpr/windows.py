@@ -38,15 +38,8 @@ import meshax.ops as mops
 from meshax.core.graph import Tensor
 from meshax.core.shape import Shape
 from meshax.layout import ShardingRule
-from meshax.ops.conv import (
-    ConvFilterGradOperation,
-    ConvInputGradOperation,
-    ConvOperation,
-    PoolGradOperation,
-    PoolOperation,
-    PoolTransposeOperation,
-    Window,
-)
+from meshax.ops.conv import ConvFilterGradOperation, ConvInputGradOperation, ConvOperation, Window
+from meshax.ops.pool import PoolGradOperation, PoolOperation, PoolTransposeOperation
 from meshax.ops.slicewise import SlicewiseOperation
 
 

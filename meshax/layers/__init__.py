@@ -419,7 +419,7 @@ from meshax.layers.common import (  # noqa: E402
     us_einsum,
     weights_nonzero,
 )
-from meshax.ops.conv import avg_pool2d, avg_pool3d, max_pool2d, max_pool3d  # noqa: E402 (also mtf.layers')
+from meshax.ops.pool import avg_pool2d, avg_pool3d, max_pool2d, max_pool3d  # noqa: E402 (also mtf.layers')
 
 __all__ = [
     "MoeOutput",

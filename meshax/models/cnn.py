@@ -11,7 +11,7 @@ from meshax.core.graph import Tensor
 from meshax.core.shape import Dimension
 from meshax.layers import conv2d, conv2d_transpose, conv3d, conv3d_transpose, dense
 from meshax.ops import elementwise as ew
-from meshax.ops.conv import max_pool2d, max_pool3d
+from meshax.ops.pool import max_pool2d, max_pool3d
 from meshax.ops.slicing import concat
 
 

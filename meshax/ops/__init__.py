@@ -2,19 +2,7 @@
 
 from meshax.ops.attention import fused_attention
 from meshax.ops.cond import cond, switch
-from meshax.ops.conv import (
-    avg_pool1d,
-    avg_pool2d,
-    avg_pool3d,
-    conv1d,
-    conv2d,
-    conv2d_transpose,
-    conv3d,
-    conv3d_transpose,
-    max_pool1d,
-    max_pool2d,
-    max_pool3d,
-)
+from meshax.ops.conv import conv1d, conv2d, conv2d_transpose, conv3d, conv3d_transpose
 from meshax.ops.debug import Print, depend, log_scalar
 from meshax.ops.einsum import einsum, matmul
 from meshax.ops.elementwise import (
@@ -83,6 +71,7 @@ from meshax.ops.inputs import (
 )
 from meshax.ops.layout_ops import mesh_split, shard
 from meshax.ops.loops import scan, while_loop
+from meshax.ops.pool import avg_pool1d, avg_pool2d, avg_pool3d, max_pool1d, max_pool2d, max_pool3d
 from meshax.ops.random import dropout, random_normal, random_uniform, sample_with_temperature
 from meshax.ops.recompute import custom_gradient, recompute_grad
 from meshax.ops.reduce import (

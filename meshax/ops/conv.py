@@ -14,7 +14,7 @@ input's padding is zeroed first, so it reads as the convolution's own zero paddi
 and filter gradients are two ops of their own, lowered the same way: the input gradient
 sends each halo back to its owner and adds it (`ctx.halo_transpose`), the filter gradient owes
 a sum over the mesh dims that split batch and spatial dims. `conv2d_transpose` is the input
-gradient of a strided convolution. Pooling (max, average) uses the same windows.
+gradient of a strided convolution. Pooling (`meshax.ops.pool`) uses the same windows.
 """
 
 from __future__ import annotations
@@ -34,9 +34,8 @@ from meshax.core.shape import Dimension, Shape
 from meshax.layout import ShardingRule, slice_shape
 from meshax.layout.sharding_rule import Run
 from meshax.lower.halo import halo_sends
-from meshax.ops._dtypes import inexact, result_type
+from meshax.ops._dtypes import result_type
 from meshax.ops.elementwise import cast
-from meshax.ops.reduce import identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +110,7 @@ def make_window(op: str, spatial: Sequence[Dimension], size, strides, dilations,
 
 # ---- the windowed lowering, shared by every op here ----------------------------------------
 @dataclasses.dataclass
-class _Halo:
+class Halo:
     """One split spatial dim: its position in the input, mesh axis, halo widths, each device's
     window start in the extended slice, and the window's length."""
 
@@ -142,11 +141,11 @@ def _widths(w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout, mesh_
         lefts = [c * bi - (c * bo * s - lo) for c in range(parts)]
         left = max(0, *lefts)
         right = max(0, *[length - lc - bi for lc in lefts])
-        out.append((_Halo(dx, m, left, right, [], length), (bi, bo, s, lo)))
+        out.append((Halo(dx, m, left, right, [], length), (bi, bo, s, lo)))
     return out
 
 
-def _halos(ctx, w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout) -> list[_Halo]:
+def _halos(ctx, w: Window, x_shape: Shape, x_layout, y_shape: Shape, y_layout) -> list[Halo]:
     """`_widths`, with each device's window start in its extended slice (traced)."""
     out = []
     for h, (bi, bo, s, lo) in _widths(w, x_shape, x_layout, y_shape, y_layout, ctx.mesh_shape):
@@ -164,26 +163,26 @@ def _operand(ctx, t: Tensor, layout, out: Shape, window: Window):
     return ctx.masked(ctx.get(t, layout), t.shape, [*window.names, *summed], 0)
 
 
-def _extend(ctx, slices: list, halos: list[_Halo]) -> list:
+def extend(ctx, slices: list, halos: list[Halo]) -> list:
     for h in halos:
         slices = ctx.halo(slices, h.axis, h.dim, h.left, h.right)
     return slices
 
 
-def _unextend(ctx, slices: list, halos: list[_Halo]) -> list:
+def unextend(ctx, slices: list, halos: list[Halo]) -> list:
     for h in reversed(halos):
         slices = ctx.halo_transpose(slices, h.axis, h.dim, h.left, h.right)
     return slices
 
 
-def _window_of(ext, starts, halos: list[_Halo]):
+def window_of(ext, starts, halos: list[Halo]):
     """The part of the extended slice the device's outputs read (traced starts)."""
     for h, start in zip(halos, starts):
         ext = jax.lax.dynamic_slice_in_dim(ext, start, h.length, axis=h.dim)
     return ext
 
 
-def _local_padding(w: Window, halos: list[_Halo], x_shape: Shape) -> list[tuple[int, int]]:
+def _local_padding(w: Window, halos: list[Halo], x_shape: Shape) -> list[tuple[int, int]]:
     """Per spatial dim, the zero padding the local op adds: none where a halo brought it."""
     split = {h.dim for h in halos}
     return [
@@ -191,7 +190,7 @@ def _local_padding(w: Window, halos: list[_Halo], x_shape: Shape) -> list[tuple[
     ]
 
 
-def _out_shape(x: Tensor, w: Window, channel: Dimension | None) -> Shape:
+def out_shape(x: Tensor, w: Window, channel: Dimension | None) -> Shape:
     sizes = dict(zip(w.names, w.outputs))
     dims = [Dimension(d.name, sizes[d.name]) if d.name in sizes else d for d in x.shape]
     if channel is not None:
@@ -222,7 +221,7 @@ def _conv(x, f, w: Window, pads, k: int):
     return y.reshape(lead + y.shape[1:])
 
 
-class _Windowed(Operation):
+class Windowed(Operation):
     """Base of the ops here: by-name rules whose spatial dims are windowed and whose filter's
     window dims (the first k of the filter, or of the filter gradient) are whole."""
 
@@ -275,17 +274,17 @@ class _Prepared(NamedTuple):
     run: Run
     layouts: list  # of the operands, then the results
     values: list  # the operands' LaidOutTensors
-    halos: list[_Halo]
+    halos: list[Halo]
     pads: list[tuple[int, int]]  # the local op's zero padding per spatial dim
 
 
-class ConvOperation(_Windowed):
+class ConvOperation(Windowed):
     exchanges = ((0, 2, 1),)  # (x extended)
 
     def __init__(self, x: Tensor, kernel: Tensor, window: Window, name=None):
         super().__init__([x, kernel], name=name or "conv")
         self.window = window
-        self._add_output(_out_shape(x, window, kernel.shape[-1]), x.dtype)
+        self._add_output(out_shape(x, window, kernel.shape[-1]), x.dtype)
 
     def sharding_rule(self) -> ShardingRule:
         """By name; spatial dims windowed, the filter's window dims whole, `in` reduced."""
@@ -295,9 +294,9 @@ class ConvOperation(_Windowed):
         (_, f), (y,) = self.inputs, self.outputs
         run, (_, fl, yl), (xv, fv), halos, pads = self._prepare(ctx, data=0, windowed=2)
         k = len(self.window.names)
-        ext = _extend(ctx, xv.slices, halos)
+        ext = extend(ctx, xv.slices, halos)
         result = ctx.slicewise(
-            lambda e, fk, *starts: _conv(_window_of(e, starts, halos), fk, self.window, pads, k),
+            lambda e, fk, *starts: _conv(window_of(e, starts, halos), fk, self.window, pads, k),
             ext,
             fv,
             *[h.start for h in halos],
@@ -317,7 +316,7 @@ class ConvOperation(_Windowed):
         ]
 
 
-class ConvInputGradOperation(_Windowed):
+class ConvInputGradOperation(Windowed):
     """The gradient of a convolution with respect to its input x (also conv_transpose)."""
 
     exchanges = ((2, 1, 1),)  # (the gradient over the extended x, summed back)
@@ -341,14 +340,14 @@ class ConvInputGradOperation(_Windowed):
 
         def transpose(fk, gk, *starts):
             ext = jax.ShapeDtypeStruct(tuple(local), gk.dtype)
-            conv = jax.linear_transpose(lambda e: _conv(_window_of(e, starts, halos), fk, self.window, pads, k), ext)
+            conv = jax.linear_transpose(lambda e: _conv(window_of(e, starts, halos), fk, self.window, pads, k), ext)
             return conv(gk)[0]
 
         ext = ctx.slicewise(transpose, fv, gv, *[h.start for h in halos])
         ctx.add_flops(
             2 * ctx.local_size(g, gl) * math.prod(self.window.size) * slice_shape(f.shape, fl, ctx.mesh_shape)[-2]
         )
-        ctx.set_output(dx, _unextend(ctx, ext, halos), dxl, run.pending)
+        ctx.set_output(dx, unextend(ctx, ext, halos), dxl, run.pending)
 
     def gradient(self, grad_outputs):
         (c,), (f, g) = grad_outputs, self.inputs
@@ -360,7 +359,7 @@ class ConvInputGradOperation(_Windowed):
         ]
 
 
-class ConvFilterGradOperation(_Windowed):
+class ConvFilterGradOperation(Windowed):
     """The gradient of a convolution with respect to its filter: a sum over batch and space."""
 
     exchanges = ()  # (x's halo is its convolution's: the lowering extends the same slices once)
@@ -379,10 +378,10 @@ class ConvFilterGradOperation(_Windowed):
         run, (_, gl, dfl), (xv, gv), halos, pads = self._prepare(ctx, data=0, windowed=1)
         k = len(self.window.names)
         local = tuple(slice_shape(df.shape, dfl, ctx.mesh_shape))
-        ext = _extend(ctx, xv.slices, halos)
+        ext = extend(ctx, xv.slices, halos)
 
         def transpose(e, gk, *starts):
-            win = _window_of(e, starts, halos)
+            win = window_of(e, starts, halos)
             conv = jax.linear_transpose(
                 lambda fk: _conv(win, fk, self.window, pads, k), jax.ShapeDtypeStruct(local, gk.dtype)
             )
@@ -407,145 +406,8 @@ class ConvFilterGradOperation(_Windowed):
         ]
 
 
-class PoolOperation(_Windowed):
-    exchanges = ((0, 1, 1),)
-
-    def __init__(self, x: Tensor, window: Window, kind: str, name=None):
-        super().__init__([x], name=name or f"{kind}_pool")
-        self.window, self.kind = window, kind
-        self._add_output(_out_shape(x, window, None), x.dtype)
-
-    def sharding_rule(self) -> ShardingRule:
-        """By name; spatial dims windowed."""
-        return self._windowed_rule(None)
-
-    def lower(self, ctx):
-        (x,), (y,) = self.inputs, self.outputs
-        _, (xl, yl), (xv,), halos, pads = self._prepare(ctx, data=0, windowed=1)
-        ext = _pool_input(ctx, self.kind, x.shape, xl, xv.slices, halos)
-        result = ctx.slicewise(
-            lambda e, *starts: _pool(_window_of(e, starts, halos), self.window, pads, self.kind, x.shape.rank),
-            ext,
-            *[h.start for h in halos],
-        )
-        ctx.add_flops(ctx.local_size(y, yl) * math.prod(self.window.size))
-        ctx.set_output(y, result, yl)
-
-    def gradient(self, grad_outputs):
-        (g,), (x,) = grad_outputs, self.inputs
-        if g is None:
-            return [None]
-        if self.kind in ("sum", "avg"):  # linear: the transpose of a sum pooling, which reads no x
-            scale = 1 if self.kind == "sum" else math.prod(self.window.size)
-            return [PoolTransposeOperation(g if scale == 1 else g / scale, x.shape, self.window).outputs[0]]
-        return [PoolGradOperation(x, g, self.window, self.kind).outputs[0]]
-
-
-class PoolGradOperation(_Windowed):
-    """The gradient of a pooling op with respect to its input."""
-
-    exchanges = ((0, 1, 1),)  # (the gradient summed back; x's halo is its pooling's, extended once)
-
-    def __init__(self, x: Tensor, g: Tensor, window: Window, kind: str, name=None):
-        super().__init__([x, g], name=name or f"{kind}_pool_grad")
-        self.window, self.kind = window, kind
-        self._add_output(x.shape, g.dtype)
-
-    def sharding_rule(self) -> ShardingRule:
-        """By name; spatial dims windowed."""
-        return self._windowed_rule(None)
-
-    def lower(self, ctx):
-        (x, g), (dx,) = self.inputs, self.outputs
-        _, (xl, gl, dxl), (xv, gv), halos, pads = self._prepare(ctx, data=0, windowed=1)
-
-        def vjp(e, gk, *starts):
-            pool = lambda a: _pool(_window_of(a, starts, halos), self.window, pads, self.kind, x.shape.rank)  # noqa: E731
-            return jax.vjp(pool, e)[1](gk)[0]
-
-        ext = ctx.slicewise(
-            vjp, _pool_input(ctx, self.kind, x.shape, xl, xv.slices, halos), gv, *[h.start for h in halos]
-        )
-        ctx.add_flops(ctx.local_size(g, gl) * math.prod(self.window.size))
-        ctx.set_output(dx, _unextend(ctx, ext, halos), dxl)
-
-
-class PoolTransposeOperation(_Windowed):
-    """The transpose of a sum pooling (its input gradient; average pooling's, before the
-    division): each device's cotangent block spread over its extended input window, the halos
-    sent back to their owners and added there. It reads no input values, so moves none."""
-
-    exchanges = ((1, 0, 1),)  # (the result extended, summed back)
-
-    def __init__(self, g: Tensor, x_shape: Shape, window: Window, name=None):
-        super().__init__([g], name=name or "sum_pool_transpose")
-        self.window = window
-        self._add_output(x_shape, g.dtype)
-
-    def sharding_rule(self) -> ShardingRule:
-        """By name; spatial dims windowed."""
-        return self._windowed_rule(None)
-
-    def lower(self, ctx):
-        (g,), (dx,) = self.inputs, self.outputs
-        run, (gl, dxl), (gv,), halos, pads = self._prepare(ctx, data=1, windowed=0)
-        local = slice_shape(dx.shape, dxl, ctx.mesh_shape)
-        for h in halos:
-            local[h.dim] += h.left + h.right
-
-        def transpose(gk, *starts):
-            ext = jax.ShapeDtypeStruct(tuple(local), gk.dtype)
-            pool = lambda e: _pool(_window_of(e, starts, halos), self.window, pads, "sum", dx.shape.rank)  # noqa: E731
-            return jax.linear_transpose(pool, ext)(gk)[0]
-
-        ext = ctx.slicewise(transpose, gv, *[h.start for h in halos])
-        ctx.add_flops(ctx.local_size(g, gl) * math.prod(self.window.size))
-        ctx.set_output(dx, _unextend(ctx, ext, halos), dxl, run.pending)
-
-    def gradient(self, grad_outputs):
-        (c,) = grad_outputs
-        return [None if c is None else PoolOperation(c, self.window, "sum").outputs[0]]
-
-
-def _pool_input(ctx, kind: str, x_shape: Shape, x_layout, slices: list, halos: list[_Halo]) -> list:
-    """x's slices extended by their halos; for a max or min, the values beyond the ends of a
-    split dim (the zeros a halo brings from no neighbour, an uneven split's padding) set to
-    the identity, as the op's own padding reads."""
-    ext = _extend(ctx, slices, halos)
-    if kind not in ("max", "min"):
-        return ext
-    begins = ctx.slice_begins(x_shape, x_layout)
-    fill = np.array(identity(kind, ext[0].dtype), ext[0].dtype)
-    for h in halos:
-
-        def mask(e, begin, h=h, n=x_shape[h.dim].size):
-            index = begin - h.left + jnp.arange(e.shape[h.dim])
-            inside = ((index >= 0) & (index < n)).reshape([-1 if i == h.dim else 1 for i in range(e.ndim)])
-            return jnp.where(inside, e, fill)
-
-        ext = ctx.slicewise(mask, ext, begins[h.dim])
-    return ext
-
-
-def _pool(x, w: Window, pads, kind: str, rank: int):
-    """The local pooling of x [..., spatial..., channel] (`kind`: max, min, avg or sum) over
-    windows of w, with `pads` padding per spatial dim (read as the kind's identity)."""
-    k = len(w.names)
-    dims = (1,) * (rank - k - 1) + w.size + (1,)
-    strides = (1,) * (rank - k - 1) + w.strides + (1,)
-    dil = (1,) * (rank - k - 1) + w.dilations + (1,)
-    padding = [(0, 0)] * (rank - k - 1) + list(pads) + [(0, 0)]
-    if kind in ("max", "min"):
-        # (a concrete init value, so that JAX knows the monoid and can differentiate it)
-        fn = jax.lax.max if kind == "max" else jax.lax.min
-        init = np.array(identity(kind, x.dtype), x.dtype)
-        return jax.lax.reduce_window(x, init, fn, dims, strides, padding, None, dil)
-    total = jax.lax.reduce_window(x, np.zeros((), x.dtype), jax.lax.add, dims, strides, padding, None, dil)
-    return total if kind == "sum" else total / math.prod(w.size)
-
-
 # ---- the public functions: Mesh-TensorFlow's names and argument order ------------------------
-def _spatial(op: str, x: Tensor, k: int) -> list[Dimension]:
+def spatial_dims(op: str, x: Tensor, k: int) -> list[Dimension]:
     """The k dims before x's last (channel) dim."""
     if x.shape.rank < k + 1:
         raise GraphError(f"{op}: {x.name} {x.shape} needs at least {k + 1} dims: [..., {k} spatial dims, channels]")
@@ -578,7 +440,7 @@ def _check_filter(op: str, x: Tensor, f: Tensor, k: int, form: str, channels_at:
 
 
 def _conv_nd(op: str, k: int, x: Tensor, conv_filter: Tensor, strides, padding, dilations, name) -> Tensor:
-    spatial = _spatial(op, x, k)
+    spatial = spatial_dims(op, x, k)
     _check_filter(op, x, conv_filter, k, f"{k} window dims, in, out", -2)
     x, f = _same_dtype(op, x, conv_filter)
     window = make_window(op, spatial, [d.size for d in f.shape.dims[:k]], strides, dilations, padding)
@@ -603,7 +465,7 @@ def conv3d(x: Tensor, conv_filter: Tensor, strides=(1, 1, 1), padding="SAME", na
 
 
 def _conv_transpose_nd(op: str, k: int, x: Tensor, conv_filter: Tensor, strides, padding, name) -> Tensor:
-    spatial = _spatial(op, x, k)
+    spatial = spatial_dims(op, x, k)
     _check_filter(op, x, conv_filter, k, f"{k} window dims, out, in", -1)
     x, f = _same_dtype(op, x, conv_filter)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
@@ -628,42 +490,3 @@ def conv2d_transpose(x: Tensor, conv_filter: Tensor, strides=(1, 1), padding="SA
 def conv3d_transpose(x: Tensor, conv_filter: Tensor, strides=(1, 1, 1), padding="SAME", name=None) -> Tensor:
     """The transpose of conv3d: x [..., d, h, w, in], filter [fd, fh, fw, out, in]."""
     return _conv_transpose_nd("conv3d_transpose", 3, x, conv_filter, strides, padding, name)
-
-
-def _pool_nd(op: str, kind: str, k: int, x: Tensor, ksize, name) -> Tensor:
-    window = make_window(op, _spatial(op, x, k), ksize, ksize, 1, "VALID")
-    if x.dtype == np.bool_:
-        raise GraphError(f"{op} of bool tensor {x.name}: cast it to int32 or a float first")
-    if kind == "avg":  # a mean: a float for integer inputs, as jnp.mean
-        x = cast(x, inexact(x.dtype))
-    return PoolOperation(x, window, kind, name or op).outputs[0]
-
-
-def max_pool1d(x: Tensor, ksize=2, name=None) -> Tensor:
-    """Max over windows of `ksize` along the dim before the last, stride ksize (VALID)."""
-    return _pool_nd("max_pool1d", "max", 1, x, ksize, name)
-
-
-def max_pool2d(x: Tensor, ksize=(2, 2), name=None) -> Tensor:
-    """Mesh-TensorFlow's max_pool2d: x [..., h, w, channels], windows ksize, stride ksize."""
-    return _pool_nd("max_pool2d", "max", 2, x, ksize, name)
-
-
-def max_pool3d(x: Tensor, ksize=(2, 2, 2), name=None) -> Tensor:
-    """Max over [..., d, h, w, channels] windows of ksize, stride ksize."""
-    return _pool_nd("max_pool3d", "max", 3, x, ksize, name)
-
-
-def avg_pool1d(x: Tensor, ksize=2, name=None) -> Tensor:
-    """Mean over windows of `ksize` along the dim before the last, stride ksize (VALID)."""
-    return _pool_nd("avg_pool1d", "avg", 1, x, ksize, name)
-
-
-def avg_pool2d(x: Tensor, ksize=(2, 2), name=None) -> Tensor:
-    """Mesh-TensorFlow's avg_pool2d: x [..., h, w, channels], windows ksize, stride ksize."""
-    return _pool_nd("avg_pool2d", "avg", 2, x, ksize, name)
-
-
-def avg_pool3d(x: Tensor, ksize=(2, 2, 2), name=None) -> Tensor:
-    """Mean over [..., d, h, w, channels] windows of ksize, stride ksize."""
-    return _pool_nd("avg_pool3d", "avg", 3, x, ksize, name)
