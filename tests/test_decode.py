@@ -289,3 +289,19 @@ def test_load_refuses_a_trained_model_of_other_layers():
         fewer.load(trained.lowering)
     with pytest.raises(mx.ConfigError, match="load takes a checkpoint directory or a trained Lowering, got int"):
         fewer.load(42)
+
+
+def test_load_refuses_a_checkpoint_of_more_layers(tmp_path):
+    """A checkpoint of a 2-layer model loaded into a decoder of 1 decoded with its first layer
+    alone, without a word (the warning of variables the graph lacks was silenced, for the
+    optimizer's slots); the model of the checkpoint's config loads, its slots and step passed over."""
+    from meshax.train import LmTask
+
+    config = dataclasses.replace(PRESETS["tiny"], num_layers=2)
+    train(LmTask(model=config, batch_size=2, length=8), "all:1", "", steps=1, checkpoint_dir=str(tmp_path))
+    fewer = Decoder(dataclasses.replace(config, num_layers=1), batch=1, length=8)
+    with pytest.raises(mx.ConfigError, match=r"no variable 'transformer/decoder/1/.* of the checkpoint's model"):
+        fewer.load(tmp_path)
+    same = Decoder(config, batch=1, length=8)
+    same.load(tmp_path)
+    assert same.greedy(prompt=np.ones((1, 2), np.int32), steps=3).shape == (1, 3)

@@ -278,6 +278,14 @@ def _saved_variables(manager, directory, step: int):
     return saved
 
 
+def saved_variable_names(directory, step: int | None = None) -> list[str]:
+    """The names of the variables in the checkpoint of `step` (default: the latest), reading
+    only its metadata."""
+    step = _whole_step(directory, step)
+    with _manager(directory) as manager:
+        return sorted(_saved_variables(manager, directory, step))
+
+
 def check_restorable(directory, lowering, step: int | None = None) -> None:
     """The check `restore_checkpoint` makes first, restoring nothing: every variable of
     `lowering`'s graph is in the checkpoint with its shape (else a ConfigError naming them)."""

@@ -246,8 +246,24 @@ class Decoder:
         if isinstance(source, str | os.PathLike):  # (a pathlib.Path was an AttributeError)
             import warnings
 
-            from meshax.train.checkpoint import restore_checkpoint
+            from meshax.optimize import LOSS_SCALE_SCOPE
+            from meshax.train.checkpoint import restore_checkpoint, saved_variable_names
 
+            ours = {v.name for v in self.lowering.graph.all_variables}
+            # (a checkpoint of more layers: its first layers decoded, without a word, as from a Lowering)
+            extra = [
+                n
+                for n in saved_variable_names(os.fspath(source), step)
+                if n not in ours
+                and n.rsplit("/", 1)[0] not in ours  # (an optimizer's slot of a variable: `name/adam_m`)
+                and n != "global_step"
+                and not n.startswith(LOSS_SCALE_SCOPE + "/")
+            ]
+            if extra:
+                raise ConfigError(
+                    f"the decoder's model has no variable {extra[0]!r} of the checkpoint's model ({len(extra)} such): "
+                    "is it the same model config?"
+                )
             with warnings.catch_warnings():  # (the optimizer's slots, which decoding does not need)
                 warnings.filterwarnings("ignore", message=".*the graph lacks")
                 restore_checkpoint(os.fspath(source), self.lowering, step)
