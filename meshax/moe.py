@@ -128,7 +128,7 @@ def moe(
     for what, n in (("hidden_dim", hidden_dim), ("num_experts", num_experts), ("group_size", group_size)):
         if isinstance(n, Dimension):
             what, n = f"hidden_dim {n}'s size", n.size
-        if n is not None and (int(n) != n or n < 1):
+        if n is not None and (isinstance(n, bool) or int(n) != n or n < 1):  # (True was taken for 1)
             default = " (or None: the whole token dim)" if what == "group_size" else ""
             raise GraphError(f"moe: {what}={n!r} is not a whole number of at least 1; give an int{default}")
     train = as_flag(train, "moe: train", GraphError)

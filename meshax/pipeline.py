@@ -131,7 +131,7 @@ def pipeline(
             "cast it to a float dtype (integer data can come in as a side input)"
         )
     for what, n in (("num_microbatches", num_microbatches), ("repeats", repeats)):
-        if int(n) != n:
+        if isinstance(n, bool) or int(n) != n:  # (True was taken for 1)
             raise GraphError(f"pipeline: {what}={n!r} is not a whole number; give an int")
     S, M, R = stage_dim.size, int(num_microbatches), int(repeats)
     if not batch_dim and not x.shape.dims:  # (x.shape[0] was an IndexError)

@@ -92,3 +92,14 @@ def test_numpy_and_jax_scalars_of_0_or_1_are_taken_as_python_ones_are():
         with pytest.raises(mx.ConfigError, match=r"f is .*: give True or False"):
             as_flag(flag, "f")
     assert mx.layers.batch_norm(_x(), is_training=jnp.asarray(False), momentum=0.9)[1] == []
+
+
+def test_a_bool_where_a_count_is_taken_is_refused():
+    """True was taken for 1 microbatch, 1 token per MoE group, an offset of 1: a bool is no count."""
+    x = _x("b:8;d:4")
+    with pytest.raises(mx.GraphError, match=r"shift: offset True \(bool\) is not a whole number"):
+        mx.shift(x, True, "b", wrap=False)
+    with pytest.raises(mx.GraphError, match=r"num_microbatches=True is not a whole number"):
+        mx.pipeline(lambda h: h, x, mx.Dimension("stage", 2), True)
+    with pytest.raises(mx.GraphError, match=r"moe: group_size=True is not a whole number"):
+        mx.moe.moe(x, 8, 2, group_size=True)

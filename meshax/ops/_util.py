@@ -105,6 +105,8 @@ def whole_number(value, what: str) -> int:
     """`value` as an int where an op takes a count, an offset or a size (an int, NumPy's or a
     0-d integer array), refusing a fraction, which int() would drop silently."""
     try:
+        if isinstance(value, bool | np.bool_):  # (True was taken for 1)
+            raise TypeError
         return operator.index(value)
     except TypeError:
         raise GraphError(
