@@ -100,11 +100,20 @@ _LOST_JAX = (
 )
 
 
-def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock, said: set[str] | None = None) -> None:
+def _forward(
+    stream,
+    prefix: str,
+    out: TextIO,
+    lock: threading.Lock,
+    said: set[str] | None = None,
+    lost_by: set[int] | None = None,
+    index: int = 0,
+) -> None:
     """Write each line of `stream` to `out` after `prefix`, but gloo's connection notes, a copy of
     an error line another process wrote (`said`: the error lines written so far, shared by all
     streams), and JAX's lines on losing its distributed service (`_JAX_LOG`; after its fatal one,
-    the rest of the stream: a stack trace), written as the one line `_LOST_JAX`."""
+    the rest of the stream: a stack trace), written as the one line `_LOST_JAX`; process `index`
+    is then put in `lost_by` (its end is another's consequence: `_cause`)."""
     owed = 0  # newlines still to come of gloo messages whose heads shared a line
     said = set() if said is None else said
     lost = ended = False  # (JAX's service lost: said; the rest of this stream is JAX's fatal teardown)
@@ -115,6 +124,8 @@ def _forward(stream, prefix: str, out: TextIO, lock: threading.Lock, said: set[s
             ended = _FATAL in line
             if not lost:
                 lost = True
+                if lost_by is not None:
+                    lost_by.add(index)
                 with lock:
                     out.write(prefix + _LOST_JAX)
                     out.flush()
@@ -164,6 +175,7 @@ def launch(
     address = f"localhost:{port or free_port()}"
     lock = threading.Lock()
     said: set[str] = set()  # (the error lines written: `_forward`)
+    lost_by: set[int] = set()  # (the processes that lost JAX's distributed service: `_forward`)
     procs: list[subprocess.Popen] = []
     threads: list[threading.Thread] = []
     for i in range(num_processes):
@@ -180,7 +192,7 @@ def launch(
             raise ConfigError(f"meshax launch: cannot start {command[0]!r}: {e.strerror or e}") from None
         procs.append(proc)
         for stream, out in ((proc.stdout, stdout), (proc.stderr, stderr)):
-            t = threading.Thread(target=_forward, args=(stream, f"[{i}] ", out, lock, said), daemon=True)
+            t = threading.Thread(target=_forward, args=(stream, f"[{i}] ", out, lock, said, lost_by, i), daemon=True)
             try:
                 t.start()
             except RuntimeError as e:  # (the system's limit of threads: -n 99999; those started wait for the rest)
@@ -211,7 +223,7 @@ def launch(
     _watch_exits(procs, exits)
     previous = {s: signal.signal(s, forward_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        code = _wait(procs, exits, grace, stderr, lock, interrupted)
+        code = _wait(procs, exits, grace, stderr, lock, interrupted, lost_by)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -272,6 +284,7 @@ def _wait(
     stderr: TextIO,
     lock: threading.Lock,
     interrupted: threading.Event,
+    lost_by: set[int] | None = None,
 ) -> int:
     """0 once every process has exited with 0; else, at the first that fails (the first to end: the
     others' collectives may fail right after it, once it is gone), name it and stop the rest. A
@@ -290,7 +303,7 @@ def _wait(
         done += 1
         preempted = preempted or c == PREEMPTED
         if c not in (0, PREEMPTED):
-            i, c = _cause(exits, i, c)
+            i, c = _cause(exits, i, c, lost_by or set())
             if interrupted.is_set():  # (the SIGINT came while this exit was waited for, or just after)
                 return _wind_down(procs, grace, stderr, lock)
             with lock:
@@ -331,16 +344,19 @@ def _wind_down(procs: list[subprocess.Popen], grace: float, stderr: TextIO, lock
     return 128 + signal.SIGINT
 
 
-def _cause(exits: queue.Queue, i: int, c: int) -> tuple[int, int]:
+def _cause(exits: queue.Queue, i: int, c: int, lost_by: set[int]) -> tuple[int, int]:
     """The failure to name, given the first seen (process i, code c): the others' collectives fail
     within milliseconds once a peer is gone, and which exit is seen first is up to the threads'
     scheduling; so of the exits seen within 50 ms, a process killed by a signal (a crash, kill -9)
-    is named before one that exited with an error, and otherwise the first seen."""
+    is named before one that exited with an error, and otherwise the first seen. A process that
+    lost JAX's distributed service (`lost_by`) aborts (SIGABRT) because another one ended: its
+    end is named only where no other process's was seen (a bad flag's exit 2 was named SIGABRT)."""
     time.sleep(0.05)
     seen = [(i, c)]
     while not exits.empty():
         seen.append(exits.get())
-    return next(((j, k) for j, k in seen if k < 0), (i, c))
+    causes = [(j, k) for j, k in seen if j not in lost_by] or seen
+    return next(((j, k) for j, k in causes if k < 0), causes[0])
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:

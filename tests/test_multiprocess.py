@@ -155,8 +155,32 @@ def test_of_failures_seen_at_once_a_process_killed_by_a_signal_is_named():
 
     exits: queue.Queue = queue.Queue()
     exits.put((1, -9))
-    assert _cause(exits, 0, 2) == (1, -9)
-    assert _cause(exits, 1, 3) == (1, 3)  # (none killed: the first seen)
+    assert _cause(exits, 0, 2, set()) == (1, -9)
+    assert _cause(exits, 1, 3, set()) == (1, 3)  # (none killed: the first seen)
+
+
+def test_a_process_that_lost_jaxs_service_is_not_named_the_cause():
+    """Process 0 exits 2 on a bad flag; process 1, which then lost JAX's distributed service,
+    aborts (SIGABRT) within the same 50 ms: the launcher named the abort and exited 134 (a CI run
+    of test_a_bad_flag_in_a_job_is_one_error failed so). The process that ended first is the cause."""
+    import io
+    import queue
+    import threading
+
+    from meshax.launch import _LOST_JAX, _cause, _forward
+
+    lost_by: set[int] = set()
+    log = io.StringIO("E0101 00:00:00.000000   12 coordination_service_agent.cc:1] Failed to ...\n")
+    out = io.StringIO()
+    _forward(log, "[1] ", out, threading.Lock(), lost_by=lost_by, index=1)
+    assert out.getvalue() == "[1] " + _LOST_JAX and lost_by == {1}
+    exits: queue.Queue = queue.Queue()
+    exits.put((1, -6))
+    assert _cause(exits, 0, 2, lost_by) == (0, 2)
+    exits.put((0, 2))
+    assert _cause(exits, 1, -6, lost_by) == (0, 2)
+    exits.put((1, -6))
+    assert _cause(exits, 1, -6, lost_by) == (1, -6)  # (nothing else seen: named as it is)
 
 
 def test_a_process_stopped_by_a_preemption_notice_has_not_failed(tmp_path):
