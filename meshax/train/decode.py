@@ -242,15 +242,24 @@ class Decoder:
 
     # ---- running ---------------------------------------------------------------------------------
     def load(self, source, step: int | None = None) -> None:
-        """The weights from a checkpoint directory, or from a trained `Lowering` (by variable name)."""
+        """The weights from a checkpoint directory, or from a trained `Lowering` (by variable name).
+        A model of variables the decoder's lacks (more layers: its first ones decoded, without a
+        word) is refused."""
+        ours = {v.name for v in self.lowering.graph.all_variables}
+
+        def refuse(extra: list[str], of: str) -> None:
+            if extra:
+                raise ConfigError(
+                    f"the decoder's model has no variable {extra[0]!r} of the {of} ({len(extra)} such): "
+                    "is it the same model config?"
+                )
+
         if isinstance(source, str | os.PathLike):  # (a pathlib.Path was an AttributeError)
             import warnings
 
             from meshax.optimize import LOSS_SCALE_SCOPE
             from meshax.train.checkpoint import restore_checkpoint, saved_variable_names
 
-            ours = {v.name for v in self.lowering.graph.all_variables}
-            # (a checkpoint of more layers: its first layers decoded, without a word, as from a Lowering)
             extra = [
                 n
                 for n in saved_variable_names(os.fspath(source), step)
@@ -259,11 +268,7 @@ class Decoder:
                 and n != "global_step"
                 and not n.startswith(LOSS_SCALE_SCOPE + "/")
             ]
-            if extra:
-                raise ConfigError(
-                    f"the decoder's model has no variable {extra[0]!r} of the checkpoint's model ({len(extra)} such): "
-                    "is it the same model config?"
-                )
+            refuse(extra, "checkpoint's model")
             with warnings.catch_warnings():  # (the optimizer's slots, which decoding does not need)
                 warnings.filterwarnings("ignore", message=".*the graph lacks")
                 restore_checkpoint(os.fspath(source), self.lowering, step)
@@ -271,14 +276,7 @@ class Decoder:
         if not hasattr(source, "graph") or not hasattr(source, "variable_value"):  # (an AttributeError)
             raise ConfigError(f"load takes a checkpoint directory or a trained Lowering, got {type(source).__name__}")
         trained = {v.name: v for v in source.graph.all_variables}
-        # (a trained model of more layers loaded into one of fewer: its first layers decoded, without a word)
-        ours = {v.name for v in self.lowering.graph.all_variables}
-        extra = sorted(v.name for v in source.graph.trainable_variables if v.name not in ours)
-        if extra:
-            raise ConfigError(
-                f"the decoder's model has no variable {extra[0]!r} of the trained model ({len(extra)} such): "
-                "is it the same model config?"
-            )
+        refuse(sorted(v.name for v in source.graph.trainable_variables if v.name not in ours), "trained model")
         for v in self.lowering.graph.all_variables:
             if v.name not in trained:
                 raise ConfigError(f"the trained model has no variable {v.name!r}: is it the same model config?")
